@@ -1,0 +1,119 @@
+//! The CLI clients: `airlock tools`, `airlock call`.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{Context, bail};
+use serde_json::{Value, json};
+
+use crate::Connection;
+use crate::config::Loaded;
+
+/// Where to send requests and with which token.
+struct Target {
+    url: String,
+    token: String,
+}
+
+impl Target {
+    /// `--url`/`--token` (or `AIRLOCK_URL`/`AIRLOCK_TOKEN`), else `<data_dir>/endpoints.json`.
+    fn resolve(connection: &Connection) -> anyhow::Result<Self> {
+        let from_dir = || -> anyhow::Result<(String, Option<PathBuf>)> {
+            let loaded = Loaded::load(connection.location.config.as_deref(), connection.location.data_dir.as_deref())?;
+            let path = loaded.data_dir.join("endpoints.json");
+            let text = std::fs::read_to_string(&path).with_context(|| {
+                format!("cannot read {}; is `airlock up` running? Otherwise set AIRLOCK_URL and AIRLOCK_TOKEN", path.display())
+            })?;
+            let endpoints: Value = serde_json::from_str(&text).with_context(|| format!("{} is not valid JSON", path.display()))?;
+            let url = endpoints["http"].as_str().context("endpoints.json has no \"http\"")?.to_owned();
+            Ok((url, endpoints["token_file"].as_str().map(PathBuf::from)))
+        };
+        let (url, token_file) = match &connection.url {
+            Some(url) => (url.clone(), None),
+            None => from_dir()?,
+        };
+        let token = match (&connection.token, token_file) {
+            (Some(token), _) => token.clone(),
+            (None, Some(file)) => std::fs::read_to_string(&file)
+                .with_context(|| format!("cannot read token file {}", file.display()))?
+                .trim()
+                .to_owned(),
+            (None, None) => bail!("no token: pass --token or set AIRLOCK_TOKEN"),
+        };
+        Ok(Self { url: url.trim_end_matches('/').to_owned(), token })
+    }
+
+    fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+        tokio::runtime::Builder::new_current_thread().enable_all().build().context("cannot start the async runtime")
+    }
+
+    async fn send(&self, request: reqwest::RequestBuilder) -> anyhow::Result<Value> {
+        let response = request.bearer_auth(&self.token).send().await.with_context(|| format!("cannot reach {}", self.url))?;
+        let status = response.status();
+        let body: Value = response.json().await.context("the response is not JSON")?;
+        if !status.is_success() {
+            let message = body["error"]["message"].as_str().unwrap_or("no message");
+            bail!("{status}: {message}");
+        }
+        Ok(body)
+    }
+}
+
+pub fn tools(connection: &Connection, raw: bool, format: &str) -> anyhow::Result<ExitCode> {
+    let target = Target::resolve(connection)?;
+    let body = Target::runtime()?.block_on(async {
+        let client = reqwest::Client::new();
+        target.send(client.get(format!("{}/v1/tools?format={format}", target.url))).await
+    })?;
+    if raw {
+        println!("{}", serde_json::to_string_pretty(&body)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    for tool in body["tools"].as_array().into_iter().flatten() {
+        let name = tool["name"].as_str().or_else(|| tool["function"]["name"].as_str()).unwrap_or("?");
+        let description = tool["description"]
+            .as_str()
+            .or_else(|| tool["function"]["description"].as_str())
+            .unwrap_or_default();
+        let first_line = description.lines().next().unwrap_or_default();
+        println!("{name:<18} {first_line}");
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub fn call(
+    connection: &Connection,
+    tool: &str,
+    input: &str,
+    session: Option<&str>,
+    raw: bool,
+) -> anyhow::Result<ExitCode> {
+    let input: Value = serde_json::from_str(input).context("the arguments are not valid JSON")?;
+    if !input.is_object() {
+        bail!("the arguments must be a JSON object, e.g. '{{\"path\": \"notes.txt\"}}'");
+    }
+    let target = Target::resolve(connection)?;
+    let mut request = json!({"tool_uses": [{"type": "tool_use", "id": "cli", "name": tool, "input": input}]});
+    if let Some(session) = session {
+        request["session_id"] = json!(session);
+    }
+    let body = Target::runtime()?.block_on(async {
+        let client = reqwest::Client::new();
+        target.send(client.post(format!("{}/v1/tool_calls", target.url)).json(&request)).await
+    })?;
+    if raw {
+        println!("{}", serde_json::to_string_pretty(&body)?);
+    }
+    let Some(result) = body["tool_results"].get(0) else {
+        let status = body["calls"][0]["status"].as_str().unwrap_or("unknown");
+        let call_id = body["calls"][0]["call_id"].as_str().unwrap_or("?");
+        eprintln!("call {call_id} is {status}; fetch it later with GET /v1/calls/{call_id}");
+        return Ok(ExitCode::from(2));
+    };
+    if !raw {
+        for block in result["content"].as_array().into_iter().flatten() {
+            println!("{}", block["text"].as_str().unwrap_or_default());
+        }
+    }
+    Ok(if result["is_error"].as_bool().unwrap_or(false) { ExitCode::FAILURE } else { ExitCode::SUCCESS })
+}

@@ -1,0 +1,170 @@
+//! `airlock.toml`: one file for every component; each reads its own sections.
+//!
+//! Every key has a working default, so `airlock up` runs with no file at all. Unknown
+//! keys are errors: a misspelt security setting must not be silently ignored.
+
+use std::path::{Path, PathBuf};
+
+use airlock_orchestrator::{OrchestratorConfig, PrincipalConfig, WorkerGroupConfig};
+use airlock_policy::Limits;
+use airlock_worker_fs::FsConfig;
+use anyhow::Context;
+use serde::Deserialize;
+
+/// The tool groups `airlock up` starts, in start order.
+pub const LOCAL_GROUPS: &[&str] = &["fs"];
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AirlockConfig {
+    pub orchestrator: OrchestratorSection,
+    pub workers: Vec<WorkerGroupConfig>,
+    pub principals: Vec<PrincipalConfig>,
+    pub limits: Limits,
+    pub fs: FsConfig,
+    /// Root of the per-principal, per-session workspaces; `<data_dir>/workspaces` by
+    /// default. In Kubernetes, a volume the shell and fs workers both mount.
+    pub workspaces_root: Option<PathBuf>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct OrchestratorSection {
+    pub http_listen: String,
+    pub grpc_listen: String,
+    pub data_dir: Option<PathBuf>,
+}
+
+impl Default for OrchestratorSection {
+    fn default() -> Self {
+        Self {
+            http_listen: "127.0.0.1:7070".to_owned(),
+            grpc_listen: "127.0.0.1:7071".to_owned(),
+            data_dir: None,
+        }
+    }
+}
+
+/// The configuration a command runs with: the file (if any) and the data dir.
+#[derive(Debug)]
+pub struct Loaded {
+    pub file: Option<PathBuf>,
+    pub config: AirlockConfig,
+    pub data_dir: PathBuf,
+}
+
+impl Loaded {
+    /// Reads `--config` (or `AIRLOCK_CONFIG`) and settles the data dir: `--data-dir`, then
+    /// `AIRLOCK_DATA_DIR`, then `[orchestrator] data_dir`, then `~/.airlock`.
+    pub fn load(config: Option<&Path>, data_dir: Option<&Path>) -> anyhow::Result<Self> {
+        let file = config.map(Path::to_path_buf);
+        let parsed = match &file {
+            Some(path) => {
+                let text = std::fs::read_to_string(path)
+                    .with_context(|| format!("cannot read config file {}", path.display()))?;
+                toml::from_str::<AirlockConfig>(&text)
+                    .with_context(|| format!("invalid config file {}", path.display()))?
+            }
+            None => AirlockConfig::default(),
+        };
+        let data_dir = match data_dir {
+            Some(d) => d.to_path_buf(),
+            None => match &parsed.orchestrator.data_dir {
+                Some(d) => d.clone(),
+                None => default_data_dir()?,
+            },
+        };
+        let data_dir = absolute(&data_dir)?;
+        Ok(Self { file, config: parsed, data_dir })
+    }
+
+    pub fn workspaces_root(&self) -> PathBuf {
+        self.config.workspaces_root.clone().unwrap_or_else(|| self.data_dir.join("workspaces"))
+    }
+
+    pub fn socket_path(&self, group: &str) -> PathBuf {
+        self.data_dir.join("sockets").join(format!("{group}.sock"))
+    }
+
+    /// The orchestrator's view; with no `[[workers]]`, the local Unix sockets of
+    /// `airlock up`.
+    pub fn orchestrator(&self) -> OrchestratorConfig {
+        let workers = if self.config.workers.is_empty() {
+            LOCAL_GROUPS
+                .iter()
+                .map(|g| WorkerGroupConfig {
+                    group: (*g).to_owned(),
+                    endpoints: vec![format!("unix:{}", self.socket_path(g).display())],
+                })
+                .collect()
+        } else {
+            self.config.workers.clone()
+        };
+        OrchestratorConfig {
+            http_listen: self.config.orchestrator.http_listen.clone(),
+            grpc_listen: self.config.orchestrator.grpc_listen.clone(),
+            data_dir: self.data_dir.clone(),
+            workers,
+            principals: self.config.principals.clone(),
+            limits: self.config.limits.clone(),
+        }
+    }
+
+    pub fn fs(&self) -> FsConfig {
+        let mut fs = self.config.fs.clone();
+        fs.workspaces_root = self.workspaces_root();
+        fs
+    }
+}
+
+fn default_data_dir() -> anyhow::Result<PathBuf> {
+    if let Some(dir) = std::env::var_os("AIRLOCK_DATA_DIR").filter(|d| !d.is_empty()) {
+        return Ok(PathBuf::from(dir));
+    }
+    let home = std::env::var_os("HOME")
+        .filter(|h| !h.is_empty())
+        .context("neither --data-dir, AIRLOCK_DATA_DIR nor HOME is set; pass --data-dir")?;
+    Ok(PathBuf::from(home).join(".airlock"))
+}
+
+fn absolute(path: &Path) -> anyhow::Result<PathBuf> {
+    if path.is_absolute() {
+        return Ok(path.to_path_buf());
+    }
+    Ok(std::env::current_dir().context("cannot read the current directory")?.join(path))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn empty_file_gives_working_defaults() {
+        let config: AirlockConfig = toml::from_str("").unwrap();
+        assert_eq!(config.orchestrator.http_listen, "127.0.0.1:7070");
+        assert_eq!(config.limits.max_request_bytes, 10 * 1024 * 1024);
+        assert_eq!(config.fs.max_read_bytes, 262_144);
+    }
+
+    #[test]
+    fn unknown_keys_are_refused() {
+        let err = toml::from_str::<AirlockConfig>("[orchestrator]\nhttp_lisen = \"x\"\n").unwrap_err();
+        assert!(err.to_string().contains("http_lisen"), "{err}");
+    }
+
+    #[test]
+    fn principals_and_workers_parse() {
+        let text = r#"
+            [[workers]]
+            group = "fs"
+            endpoints = ["dns:///fs.airlock.svc:50051"]
+            [[principals]]
+            name = "ci"
+            token_env = "CI_TOKEN"
+            roles = ["agent"]
+        "#;
+        let config: AirlockConfig = toml::from_str(text).unwrap();
+        assert_eq!(config.workers[0].group, "fs");
+        assert_eq!(config.principals[0].token_env.as_deref(), Some("CI_TOKEN"));
+    }
+}

@@ -1,0 +1,272 @@
+//! `airlock up`: starts the orchestrator and every worker as child processes, supervises
+//! them, and stops them all on Ctrl-C.
+//!
+//! The launcher parses no model input and holds no tool power: it only starts, restarts
+//! and stops its children. Children get SIGTERM from the kernel if the launcher dies.
+
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::process::{ExitCode, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use serde_json::json;
+use tokio::process::{Child, Command};
+
+use crate::Location;
+use crate::config::{LOCAL_GROUPS, Loaded};
+use crate::signals;
+
+/// How long the orchestrator may take to come up.
+const START_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long children get to drain after SIGTERM before SIGKILL.
+const STOP_GRACE: Duration = Duration::from_secs(10);
+/// A child that ran this long before crashing restarts without delay.
+const HEALTHY_RUN: Duration = Duration::from_secs(30);
+const MAX_BACKOFF: Duration = Duration::from_secs(5);
+
+/// Variables a worker may inherit; everything else (API keys, tokens) stays out.
+const WORKER_ENV_ALLOWLIST: &[&str] =
+    &["PATH", "RUST_LOG", "RUST_BACKTRACE", "AIRLOCK_LOG_FORMAT", "TZ", "LANG"];
+
+/// One supervised component.
+struct Component {
+    name: String,
+    args: Vec<String>,
+    /// Whether it may see the launcher's whole environment (the orchestrator reads
+    /// `token_env` variables); workers get an allowlist.
+    full_env: bool,
+    child: Option<Child>,
+    started: Instant,
+    restarts: u32,
+}
+
+pub fn up(location: &Location) -> anyhow::Result<ExitCode> {
+    let loaded = Loaded::load(location.config.as_deref(), location.data_dir.as_deref())?;
+    prepare_data_dir(&loaded)?;
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?
+        .block_on(supervise(loaded))
+}
+
+fn prepare_data_dir(loaded: &Loaded) -> anyhow::Result<()> {
+    let dir = &loaded.data_dir;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .with_context(|| format!("cannot create data dir {}", dir.display()))?;
+    for sub in ["sockets", "run"] {
+        std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir.join(sub))?;
+    }
+    std::fs::DirBuilder::new().recursive(true).mode(0o700).create(loaded.workspaces_root())?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))?;
+    if loaded.config.principals.is_empty() {
+        airlock_orchestrator::auth::ensure_token_file(&airlock_orchestrator::auth::token_file_path(dir))?;
+    }
+    for stale in [dir.join("run/orchestrator.json"), dir.join("endpoints.json")] {
+        match std::fs::remove_file(&stale) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(e).with_context(|| format!("cannot remove {}", stale.display()));
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+fn component_args(loaded: &Loaded, serve_args: &[&str]) -> Vec<String> {
+    let mut args: Vec<String> = vec!["serve".into()];
+    args.extend(serve_args.iter().map(|s| (*s).to_owned()));
+    args.push("--data-dir".into());
+    args.push(loaded.data_dir.display().to_string());
+    if let Some(file) = &loaded.file {
+        args.push("--config".into());
+        args.push(file.display().to_string());
+    }
+    args
+}
+
+async fn supervise(loaded: Loaded) -> anyhow::Result<ExitCode> {
+    let exe = std::env::current_exe().context("cannot find the airlock executable")?;
+    let mut components: Vec<Component> = LOCAL_GROUPS
+        .iter()
+        .map(|group| Component {
+            name: format!("{group} worker"),
+            args: component_args(&loaded, &["worker", group]),
+            full_env: false,
+            child: None,
+            started: Instant::now(),
+            restarts: 0,
+        })
+        .collect();
+    components.push(Component {
+        name: "orchestrator".into(),
+        args: component_args(&loaded, &["orchestrator"]),
+        full_env: true,
+        child: None,
+        started: Instant::now(),
+        restarts: 0,
+    });
+    for component in &mut components {
+        spawn(&exe, component)?;
+    }
+
+    let shutdown = signals::shutdown();
+    tokio::pin!(shutdown);
+    let endpoints = tokio::select! {
+        e = wait_for_orchestrator(&loaded.data_dir, &mut components) => e,
+        _ = &mut shutdown => {
+            stop_all(&mut components).await;
+            return Ok(ExitCode::SUCCESS);
+        }
+    };
+    let endpoints = match endpoints {
+        Ok(e) => e,
+        Err(e) => {
+            stop_all(&mut components).await;
+            return Err(e);
+        }
+    };
+    announce(&loaded, &endpoints)?;
+
+    loop {
+        let exited = tokio::select! {
+            _ = &mut shutdown => break,
+            index = any_exit(&mut components) => index,
+        };
+        let component = &mut components[exited];
+        let ran = component.started.elapsed();
+        if ran >= HEALTHY_RUN {
+            component.restarts = 0;
+        }
+        let backoff = Duration::from_millis(100u64 << component.restarts.min(6)).min(MAX_BACKOFF);
+        component.restarts += 1;
+        tracing::warn!(component = %component.name, ran_ms = ran.as_millis() as u64, backoff_ms = backoff.as_millis() as u64, "component exited; restarting");
+        tokio::select! {
+            _ = &mut shutdown => break,
+            _ = tokio::time::sleep(backoff) => {}
+        }
+        spawn(&exe, component)?;
+    }
+    stop_all(&mut components).await;
+    let _ = std::fs::remove_file(loaded.data_dir.join("endpoints.json"));
+    Ok(ExitCode::SUCCESS)
+}
+
+fn spawn(exe: &Path, component: &mut Component) -> anyhow::Result<()> {
+    let mut command = Command::new(exe);
+    command.args(&component.args).stdin(Stdio::null()).kill_on_drop(true);
+    if !component.full_env {
+        command.env_clear();
+        for key in WORKER_ENV_ALLOWLIST {
+            if let Some(value) = std::env::var_os(key) {
+                command.env(key, value);
+            }
+        }
+    }
+    command.env(signals::LAUNCHER_PID_ENV, std::process::id().to_string());
+    let child = command.spawn().with_context(|| format!("cannot start the {}", component.name))?;
+    tracing::info!(component = %component.name, pid = child.id().unwrap_or(0), "started");
+    component.child = Some(child);
+    component.started = Instant::now();
+    Ok(())
+}
+
+/// Resolves with the index of the first component whose process exits.
+async fn any_exit(components: &mut [Component]) -> usize {
+    let waits = components.iter_mut().enumerate().map(|(index, c)| {
+        Box::pin(async move {
+            match c.child.as_mut() {
+                Some(child) => {
+                    let status = child.wait().await;
+                    tracing::warn!(component = %c.name, ?status, "exited");
+                    c.child = None;
+                }
+                None => std::future::pending::<()>().await,
+            }
+            index
+        })
+    });
+    futures::future::select_all(waits).await.0
+}
+
+async fn wait_for_orchestrator(
+    data_dir: &Path,
+    components: &mut [Component],
+) -> anyhow::Result<serde_json::Value> {
+    let run_file = data_dir.join("run/orchestrator.json");
+    let deadline = Instant::now() + START_TIMEOUT;
+    loop {
+        if let Ok(text) = std::fs::read_to_string(&run_file) {
+            if let Ok(endpoints) = serde_json::from_str::<serde_json::Value>(&text) {
+                return Ok(endpoints);
+            }
+        }
+        for component in components.iter_mut() {
+            if let Some(child) = component.child.as_mut() {
+                if let Ok(Some(status)) = child.try_wait() {
+                    bail!("the {} exited during start-up ({status}); see its log above", component.name);
+                }
+            }
+        }
+        if Instant::now() > deadline {
+            bail!("the orchestrator did not start within {} s", START_TIMEOUT.as_secs());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn announce(loaded: &Loaded, endpoints: &serde_json::Value) -> anyhow::Result<()> {
+    let token_file: Option<PathBuf> = loaded
+        .config
+        .principals
+        .is_empty()
+        .then(|| airlock_orchestrator::auth::token_file_path(&loaded.data_dir));
+    let document = json!({
+        "http": endpoints["http"],
+        "grpc": endpoints["grpc"],
+        "token_file": token_file.as_ref().map(|p| p.display().to_string()),
+    });
+    let path = loaded.data_dir.join("endpoints.json");
+    let tmp = loaded.data_dir.join(".endpoints.json.tmp");
+    std::fs::write(&tmp, serde_json::to_vec_pretty(&document)?)?;
+    std::fs::rename(&tmp, &path)?;
+    let http = endpoints["http"].as_str().unwrap_or_default();
+    println!("Airlock is up.");
+    println!("  HTTP:  {http}   (OpenAPI: {http}/openapi.json)");
+    println!("  gRPC:  {}", endpoints["grpc"].as_str().unwrap_or_default());
+    if let Some(token_file) = &token_file {
+        println!("  Token: {}", token_file.display());
+        println!();
+        println!("  export AIRLOCK_URL={http} AIRLOCK_TOKEN=$(cat {})", token_file.display());
+    }
+    println!("  airlock tools --data-dir {}", loaded.data_dir.display());
+    println!("Press Ctrl-C to stop.");
+    Ok(())
+}
+
+/// SIGTERM to every child, SIGKILL to those still running after the grace period.
+async fn stop_all(components: &mut [Component]) {
+    for component in components.iter() {
+        if let Some(pid) = component.child.as_ref().and_then(Child::id) {
+            if let Some(pid) = rustix::process::Pid::from_raw(pid as i32) {
+                let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
+            }
+        }
+    }
+    for component in components.iter_mut() {
+        if let Some(mut child) = component.child.take() {
+            match tokio::time::timeout(STOP_GRACE, child.wait()).await {
+                Ok(_) => {}
+                Err(_) => {
+                    tracing::warn!(component = %component.name, "did not stop in time; killing");
+                    let _ = child.kill().await;
+                }
+            }
+        }
+    }
+    tracing::info!("all components stopped");
+}

@@ -1,0 +1,107 @@
+//! `airlock`: the launcher (`up`), the component servers (`serve …`) and the CLI clients.
+#![forbid(unsafe_code)]
+
+mod client;
+mod config;
+mod launcher;
+mod logging;
+mod serve;
+mod signals;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(name = "airlock", version, about = "Runs the tool calls of LLM agents, sandboxed and audited")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+/// Where a command finds its configuration and state.
+#[derive(Debug, clap::Args, Clone)]
+struct Location {
+    /// Configuration file (airlock.toml); every key has a default.
+    #[arg(long, env = "AIRLOCK_CONFIG", global = true)]
+    config: Option<PathBuf>,
+    /// State directory: sockets, token, workspaces, store. Default ~/.airlock.
+    #[arg(long, env = "AIRLOCK_DATA_DIR", global = true)]
+    data_dir: Option<PathBuf>,
+}
+
+/// How a client reaches a running Airlock.
+#[derive(Debug, clap::Args, Clone)]
+struct Connection {
+    #[command(flatten)]
+    location: Location,
+    /// Base URL of the orchestrator's HTTP API (default: from <data_dir>/endpoints.json).
+    #[arg(long, env = "AIRLOCK_URL")]
+    url: Option<String>,
+    /// Bearer token (default: the token file named in <data_dir>/endpoints.json).
+    #[arg(long, env = "AIRLOCK_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Start the orchestrator and every worker locally, with embedded defaults.
+    Up {
+        #[command(flatten)]
+        location: Location,
+    },
+    /// Run one component (for Kubernetes and other supervisors).
+    Serve {
+        #[command(subcommand)]
+        component: serve::Component,
+        #[command(flatten)]
+        location: Location,
+    },
+    /// List the tools you may call.
+    Tools {
+        #[command(flatten)]
+        connection: Connection,
+        /// Print the raw JSON catalog.
+        #[arg(long)]
+        json: bool,
+        /// Catalog shape with --json: anthropic, openai or mcp.
+        #[arg(long, default_value = "anthropic")]
+        format: String,
+    },
+    /// Call one tool: airlock call read_file '{"path": "notes.txt"}'
+    Call {
+        tool: String,
+        /// Arguments as a JSON object.
+        #[arg(default_value = "{}")]
+        input: String,
+        #[command(flatten)]
+        connection: Connection,
+        /// Session whose workspace the call uses.
+        #[arg(long)]
+        session: Option<String>,
+        /// Print the whole JSON response instead of the result text.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    logging::init();
+    let result = match cli.command {
+        Command::Up { location } => launcher::up(&location),
+        Command::Serve { component, location } => serve::run(component, &location),
+        Command::Tools { connection, json, format } => client::tools(&connection, json, &format),
+        Command::Call { tool, input, connection, session, json } => {
+            client::call(&connection, &tool, &input, session.as_deref(), json)
+        }
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("airlock: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

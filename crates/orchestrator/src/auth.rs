@@ -1,0 +1,251 @@
+//! Bearer tokens to principals.
+//!
+//! Tokens are compared by their SHA-256 digest, so the configuration only ever holds
+//! digests or names of environment variables, and a token never appears in a log.
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use airlock_policy::validate_segment;
+use sha2::{Digest, Sha256};
+
+use crate::config::PrincipalConfig;
+
+/// Name of the principal `airlock up` creates when none is configured.
+pub const LOCAL_PRINCIPAL: &str = "local";
+
+#[derive(Debug, thiserror::Error)]
+pub enum AuthError {
+    #[error("principal {name:?}: {reason}")]
+    BadPrincipal { name: String, reason: String },
+    #[error("principal {name:?}: environment variable {var} is not set or empty; export it or use token_sha256")]
+    MissingTokenEnv { name: String, var: String },
+    #[error("principal {name:?}: token_sha256 must be 64 hex characters")]
+    BadDigest { name: String },
+    #[error("principals {first:?} and {second:?} have the same token")]
+    DuplicateToken { first: String, second: String },
+    #[error("cannot read or create the token file {path}: {source}")]
+    TokenFile { path: PathBuf, source: std::io::Error },
+    #[error("token file {path} is empty; delete it to have a new token generated")]
+    EmptyTokenFile { path: PathBuf },
+    #[error("cannot gather randomness for a token: {0}")]
+    Random(String),
+}
+
+/// What a principal may do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Role {
+    /// Calls tools.
+    Agent,
+    /// Decides pending approvals.
+    Approver,
+    /// Reads the audit log and everything else.
+    Admin,
+}
+
+impl Role {
+    fn parse(value: &str) -> Option<Self> {
+        match value {
+            "agent" => Some(Role::Agent),
+            "approver" => Some(Role::Approver),
+            "admin" => Some(Role::Admin),
+            _ => None,
+        }
+    }
+}
+
+/// An authenticated caller.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Principal {
+    pub name: String,
+    pub roles: Vec<Role>,
+}
+
+impl Principal {
+    pub fn has(&self, role: Role) -> bool {
+        self.roles.contains(&role) || self.roles.contains(&Role::Admin)
+    }
+}
+
+/// The table of known tokens, by digest.
+#[derive(Debug, Clone, Default)]
+pub struct Principals {
+    by_digest: HashMap<[u8; 32], Principal>,
+}
+
+impl Principals {
+    /// Builds the table from `[[principals]]`; with none configured, the data dir's token
+    /// file (created on first start, owner-only) names one principal with every role.
+    pub fn load(configs: &[PrincipalConfig], data_dir: &Path) -> Result<Self, AuthError> {
+        let mut table = Principals::default();
+        if configs.is_empty() {
+            let token = ensure_token_file(&token_file_path(data_dir))?;
+            table.by_digest.insert(
+                digest(&token),
+                Principal {
+                    name: LOCAL_PRINCIPAL.to_owned(),
+                    roles: vec![Role::Agent, Role::Approver, Role::Admin],
+                },
+            );
+            return Ok(table);
+        }
+        for config in configs {
+            let principal = principal_from_config(config)?;
+            let token_digest = config_digest(config)?;
+            if let Some(existing) = table.by_digest.insert(token_digest, principal) {
+                return Err(AuthError::DuplicateToken {
+                    first: existing.name,
+                    second: config.name.clone(),
+                });
+            }
+        }
+        Ok(table)
+    }
+
+    /// The principal a bearer token belongs to.
+    pub fn authenticate(&self, token: &str) -> Option<&Principal> {
+        if token.is_empty() {
+            return None;
+        }
+        self.by_digest.get(&digest(token))
+    }
+}
+
+/// `<data_dir>/token`: the generated local token.
+pub fn token_file_path(data_dir: &Path) -> PathBuf {
+    data_dir.join("token")
+}
+
+/// Reads the token file, creating it with a fresh random token (mode 0600) when absent.
+pub fn ensure_token_file(path: &Path) -> Result<String, AuthError> {
+    let file_err = |source| AuthError::TokenFile { path: path.to_owned(), source };
+    match std::fs::read_to_string(path) {
+        Ok(text) => {
+            let token = text.trim().to_owned();
+            if token.is_empty() {
+                return Err(AuthError::EmptyTokenFile { path: path.to_owned() });
+            }
+            // Tighten a token file someone loosened; the token is a credential.
+            std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+                .map_err(file_err)?;
+            Ok(token)
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let mut bytes = [0u8; 32];
+            getrandom::fill(&mut bytes).map_err(|e| AuthError::Random(e.to_string()))?;
+            let token = format!("alk_{}", hex::encode(bytes));
+            let mut file = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(path)
+                .map_err(file_err)?;
+            file.write_all(format!("{token}\n").as_bytes()).map_err(file_err)?;
+            file.sync_all().map_err(file_err)?;
+            Ok(token)
+        }
+        Err(e) => Err(file_err(e)),
+    }
+}
+
+fn principal_from_config(config: &PrincipalConfig) -> Result<Principal, AuthError> {
+    let bad = |reason: String| AuthError::BadPrincipal { name: config.name.clone(), reason };
+    validate_segment("principal name", &config.name).map_err(|e| bad(e.to_string()))?;
+    let mut roles = Vec::new();
+    for role in &config.roles {
+        let parsed = Role::parse(role).ok_or_else(|| {
+            bad(format!("unknown role {role:?}; use \"agent\", \"approver\" or \"admin\""))
+        })?;
+        roles.push(parsed);
+    }
+    if roles.is_empty() {
+        return Err(bad("has no roles; give it at least one of agent, approver, admin".into()));
+    }
+    Ok(Principal { name: config.name.clone(), roles })
+}
+
+fn config_digest(config: &PrincipalConfig) -> Result<[u8; 32], AuthError> {
+    match (&config.token_env, &config.token_sha256) {
+        (Some(var), None) => match std::env::var(var) {
+            Ok(token) if !token.trim().is_empty() => Ok(digest(token.trim())),
+            _ => Err(AuthError::MissingTokenEnv { name: config.name.clone(), var: var.clone() }),
+        },
+        (None, Some(hex_digest)) => {
+            let bytes = hex::decode(hex_digest.trim())
+                .map_err(|_| AuthError::BadDigest { name: config.name.clone() })?;
+            bytes.try_into().map_err(|_| AuthError::BadDigest { name: config.name.clone() })
+        }
+        _ => Err(AuthError::BadPrincipal {
+            name: config.name.clone(),
+            reason: "set exactly one of token_env or token_sha256".to_owned(),
+        }),
+    }
+}
+
+fn digest(token: &str) -> [u8; 32] {
+    Sha256::digest(token.as_bytes()).into()
+}
+
+/// Extracts the token of an `Authorization: Bearer <token>` header value.
+pub fn bearer_token(header: &str) -> Option<&str> {
+    let (scheme, token) = header.split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn generated_token_file_is_private_and_stable() {
+        let dir = tempfile::tempdir().unwrap();
+        let table = Principals::load(&[], dir.path()).unwrap();
+        let path = token_file_path(dir.path());
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        let token = std::fs::read_to_string(&path).unwrap();
+        let principal = table.authenticate(token.trim()).unwrap();
+        assert!(principal.has(Role::Approver));
+        assert!(table.authenticate("wrong").is_none());
+        let again = Principals::load(&[], dir.path()).unwrap();
+        assert!(again.authenticate(token.trim()).is_some());
+    }
+
+    #[test]
+    fn configured_digests_and_env_tokens() {
+        let dir = tempfile::tempdir().unwrap();
+        let hex_digest = hex::encode(digest("s3cret"));
+        let configs = vec![PrincipalConfig {
+            name: "ci".into(),
+            token_env: None,
+            token_sha256: Some(hex_digest),
+            roles: vec!["agent".into()],
+        }];
+        let table = Principals::load(&configs, dir.path()).unwrap();
+        let p = table.authenticate("s3cret").unwrap();
+        assert_eq!(p.name, "ci");
+        assert!(!p.has(Role::Approver));
+        let bad_role = vec![PrincipalConfig { roles: vec!["root".into()], ..configs[0].clone() }];
+        assert!(Principals::load(&bad_role, dir.path()).is_err());
+        let missing_env = vec![PrincipalConfig {
+            name: "x".into(),
+            token_env: Some("AIRLOCK_TEST_UNSET_VARIABLE".into()),
+            token_sha256: None,
+            roles: vec!["agent".into()],
+        }];
+        assert!(matches!(
+            Principals::load(&missing_env, dir.path()),
+            Err(AuthError::MissingTokenEnv { .. })
+        ));
+    }
+
+    #[test]
+    fn bearer_parsing() {
+        assert_eq!(bearer_token("Bearer abc"), Some("abc"));
+        assert_eq!(bearer_token("bearer  abc "), Some("abc"));
+        assert_eq!(bearer_token("Basic abc"), None);
+        assert_eq!(bearer_token("Bearer"), None);
+    }
+}

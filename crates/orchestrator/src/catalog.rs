@@ -1,0 +1,257 @@
+//! The tool catalog, gathered from the workers' `ListTools` and kept fresh.
+//!
+//! Each tool group (`fs`, `shell`, ...) has one or more replicas. A background task asks
+//! every group for its tools: often while a group is down, so a worker that comes back
+//! is picked up within a second, and now and then while it is up, so a redeployed
+//! worker's new tools appear. The last known catalog stays listed while a group is down;
+//! calls to its tools then fail with a clear "unavailable" result.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use airlock_policy::ToolDefinition;
+use airlock_proto::v1 as pb;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::WorkerGroupConfig;
+use crate::dispatch::{EndpointSpec, Replica};
+
+/// How often a group that is down is asked again.
+const DOWN_PROBE_INTERVAL: Duration = Duration::from_millis(500);
+/// How often a live group is asked again.
+const LIVE_PROBE_INTERVAL: Duration = Duration::from_secs(5);
+/// Longest a `ListTools` probe may take.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(3);
+
+#[derive(Debug, thiserror::Error)]
+pub enum CatalogError {
+    #[error("worker group {group:?}: {reason}")]
+    BadGroup { group: String, reason: String },
+}
+
+/// One tool as the gate uses it: its definition, its group and its compiled schema.
+pub struct CatalogTool {
+    pub definition: ToolDefinition,
+    pub group: String,
+    pub validator: jsonschema::Validator,
+}
+
+/// The replicas of one tool group and whether any of them answered lately.
+pub struct WorkerGroup {
+    pub name: String,
+    specs: Vec<EndpointSpec>,
+    replicas: RwLock<Vec<Arc<Replica>>>,
+    next: AtomicUsize,
+    live: AtomicBool,
+}
+
+impl WorkerGroup {
+    fn new(config: &WorkerGroupConfig) -> Result<Self, CatalogError> {
+        let bad = |reason: String| CatalogError::BadGroup { group: config.group.clone(), reason };
+        if config.endpoints.is_empty() {
+            return Err(bad("has no endpoints".to_owned()));
+        }
+        let specs = config
+            .endpoints
+            .iter()
+            .map(|e| EndpointSpec::parse(e).map_err(|e| bad(e.to_string())))
+            .collect::<Result<Vec<_>, _>>()?;
+        let replicas = specs
+            .iter()
+            .filter_map(|spec| spec.static_replica())
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| bad(e.to_string()))?;
+        Ok(Self {
+            name: config.group.clone(),
+            specs,
+            replicas: RwLock::new(replicas.into_iter().map(Arc::new).collect()),
+            next: AtomicUsize::new(0),
+            live: AtomicBool::new(false),
+        })
+    }
+
+    pub fn is_live(&self) -> bool {
+        self.live.load(Ordering::Relaxed)
+    }
+
+    pub fn mark_down(&self) {
+        self.live.store(false, Ordering::Relaxed);
+    }
+
+    /// Replicas in the order a call should try them (round robin).
+    pub fn replicas_in_turn(&self) -> Vec<Arc<Replica>> {
+        let replicas = match self.replicas.read() {
+            Ok(r) => r.clone(),
+            Err(poisoned) => poisoned.into_inner().clone(),
+        };
+        if replicas.is_empty() {
+            return replicas;
+        }
+        let start = self.next.fetch_add(1, Ordering::Relaxed) % replicas.len();
+        replicas.iter().cycle().skip(start).take(replicas.len()).cloned().collect()
+    }
+
+    /// Re-resolves `dns:///` endpoints so every current replica behind a headless
+    /// service is used; static endpoints keep their channel.
+    async fn resolve_replicas(&self) {
+        if !self.specs.iter().any(EndpointSpec::is_dns) {
+            return;
+        }
+        let mut fresh = Vec::new();
+        let current = self.replicas_in_turn();
+        for spec in &self.specs {
+            for replica in spec.resolve(&current).await {
+                fresh.push(replica);
+            }
+        }
+        if let Ok(mut replicas) = self.replicas.write() {
+            *replicas = fresh;
+        }
+    }
+}
+
+/// The catalog: every group and the tools they serve.
+pub struct Catalog {
+    groups: Vec<Arc<WorkerGroup>>,
+    tools: RwLock<BTreeMap<String, Arc<CatalogTool>>>,
+}
+
+impl Catalog {
+    pub fn new(configs: &[WorkerGroupConfig]) -> Result<Self, CatalogError> {
+        let groups = configs.iter().map(WorkerGroup::new).collect::<Result<Vec<_>, _>>()?;
+        Ok(Self { groups: groups.into_iter().map(Arc::new).collect(), tools: RwLock::default() })
+    }
+
+    /// Checks the configuration without connecting (no async runtime needed).
+    pub fn check(configs: &[WorkerGroupConfig]) -> Result<(), CatalogError> {
+        for config in configs {
+            let bad = |reason: String| CatalogError::BadGroup { group: config.group.clone(), reason };
+            if config.endpoints.is_empty() {
+                return Err(bad("has no endpoints".to_owned()));
+            }
+            for endpoint in &config.endpoints {
+                EndpointSpec::parse(endpoint).map_err(|e| bad(e.to_string()))?;
+            }
+        }
+        Ok(())
+    }
+
+    pub fn groups(&self) -> &[Arc<WorkerGroup>] {
+        &self.groups
+    }
+
+    pub fn group(&self, name: &str) -> Option<Arc<WorkerGroup>> {
+        self.groups.iter().find(|g| g.name == name).cloned()
+    }
+
+    pub fn get(&self, tool: &str) -> Option<Arc<CatalogTool>> {
+        self.read_tools().get(tool).cloned()
+    }
+
+    /// Every tool, sorted by name.
+    pub fn tools(&self) -> Vec<Arc<CatalogTool>> {
+        self.read_tools().values().cloned().collect()
+    }
+
+    fn read_tools(&self) -> std::sync::RwLockReadGuard<'_, BTreeMap<String, Arc<CatalogTool>>> {
+        match self.tools.read() {
+            Ok(guard) => guard,
+            Err(poisoned) => poisoned.into_inner(),
+        }
+    }
+
+    /// Asks every group for its tools until `stop` is cancelled.
+    pub async fn refresh_forever(self: Arc<Self>, stop: CancellationToken) {
+        let mut tasks = Vec::new();
+        for group in self.groups.clone() {
+            let catalog = self.clone();
+            let stop = stop.clone();
+            tasks.push(tokio::spawn(async move {
+                loop {
+                    catalog.refresh_group(&group).await;
+                    let pause =
+                        if group.is_live() { LIVE_PROBE_INTERVAL } else { DOWN_PROBE_INTERVAL };
+                    tokio::select! {
+                        _ = stop.cancelled() => return,
+                        _ = tokio::time::sleep(pause) => {}
+                    }
+                }
+            }));
+        }
+        futures::future::join_all(tasks).await;
+    }
+
+    /// One probe of one group: the first replica that answers `ListTools` defines the
+    /// group's tools.
+    pub async fn refresh_group(&self, group: &WorkerGroup) {
+        group.resolve_replicas().await;
+        for replica in group.replicas_in_turn() {
+            let mut client = replica.client();
+            let request = tonic::Request::new(pb::ListToolsRequest {});
+            match tokio::time::timeout(PROBE_TIMEOUT, client.list_tools(request)).await {
+                Ok(Ok(response)) => {
+                    let was_live = group.live.swap(true, Ordering::Relaxed);
+                    if !was_live {
+                        tracing::info!(group = %group.name, endpoint = %replica.endpoint, "worker group is live");
+                    }
+                    self.install(&group.name, response.into_inner().tools);
+                    return;
+                }
+                Ok(Err(status)) => {
+                    tracing::debug!(group = %group.name, endpoint = %replica.endpoint, %status, "ListTools failed");
+                }
+                Err(_) => {
+                    tracing::debug!(group = %group.name, endpoint = %replica.endpoint, "ListTools timed out");
+                }
+            }
+        }
+        if group.live.swap(false, Ordering::Relaxed) {
+            tracing::warn!(group = %group.name, "worker group is down");
+        }
+    }
+
+    /// Replaces the tools of `group` with `definitions`, skipping any that are malformed
+    /// or claimed by another group.
+    fn install(&self, group: &str, definitions: Vec<pb::ToolDefinition>) {
+        let mut fresh = Vec::new();
+        for wire in definitions {
+            let name = wire.name.clone();
+            let definition = match ToolDefinition::try_from(wire) {
+                Ok(d) => d,
+                Err(e) => {
+                    tracing::error!(group, tool = %name, error = %e, "skipping tool");
+                    continue;
+                }
+            };
+            if let Err(e) = airlock_policy::validate_tool_name(&definition.name) {
+                tracing::error!(group, tool = %name, error = %e, "skipping tool");
+                continue;
+            }
+            let validator = match jsonschema::validator_for(&definition.input_schema) {
+                Ok(v) => v,
+                Err(e) => {
+                    tracing::error!(group, tool = %name, error = %e, "skipping tool with an invalid schema");
+                    continue;
+                }
+            };
+            fresh.push(CatalogTool { definition, group: group.to_owned(), validator });
+        }
+        let mut tools = match self.tools.write() {
+            Ok(guard) => guard,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        tools.retain(|_, tool| tool.group != group);
+        for tool in fresh {
+            match tools.get(&tool.definition.name) {
+                Some(other) if other.group != group => {
+                    tracing::error!(group, tool = %tool.definition.name, other = %other.group, "tool name already served by another group; skipping");
+                }
+                _ => {
+                    tools.insert(tool.definition.name.clone(), Arc::new(tool));
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,306 @@
+//! Reaching workers: endpoints, channels, and running one call on a replica.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use airlock_policy::ToolOutcome;
+use airlock_proto::v1 as pb;
+use airlock_proto::v1::tool_worker_client::ToolWorkerClient;
+use hyper_util::rt::TokioIo;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use tonic::transport::{Channel, Endpoint, Uri};
+
+/// Largest gRPC message exchanged with a worker.
+const MAX_MESSAGE_BYTES: usize = 32 * 1024 * 1024;
+/// How long connecting to a worker may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// Grace beyond the worker's own deadline before the orchestrator gives up on it.
+const DEADLINE_SLACK: Duration = Duration::from_secs(5);
+
+#[derive(Debug, thiserror::Error)]
+pub enum EndpointError {
+    #[error("endpoint {0:?} must be unix:/path, http://host:port or dns:///host:port")]
+    Unrecognised(String),
+    #[error("endpoint {0:?}: https needs mTLS configuration, which this build does not have; use unix: or http:// on a private network")]
+    TlsUnsupported(String),
+    #[error("endpoint {endpoint:?}: {reason}")]
+    Invalid { endpoint: String, reason: String },
+}
+
+/// A configured worker endpoint.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EndpointSpec {
+    Unix(PathBuf),
+    Http(String),
+    /// Every address the name resolves to is a replica (a headless Service).
+    Dns { host: String, port: u16 },
+}
+
+impl EndpointSpec {
+    pub fn parse(value: &str) -> Result<Self, EndpointError> {
+        if let Some(path) = value.strip_prefix("unix:") {
+            let path = path.strip_prefix("//").unwrap_or(path);
+            if path.is_empty() {
+                return Err(EndpointError::Unrecognised(value.to_owned()));
+            }
+            return Ok(EndpointSpec::Unix(PathBuf::from(path)));
+        }
+        if value.starts_with("https://") {
+            return Err(EndpointError::TlsUnsupported(value.to_owned()));
+        }
+        if value.starts_with("http://") {
+            value.parse::<Uri>().map_err(|e| EndpointError::Invalid {
+                endpoint: value.to_owned(),
+                reason: e.to_string(),
+            })?;
+            return Ok(EndpointSpec::Http(value.to_owned()));
+        }
+        if let Some(rest) = value.strip_prefix("dns:///") {
+            let (host, port) = rest
+                .rsplit_once(':')
+                .ok_or_else(|| EndpointError::Unrecognised(value.to_owned()))?;
+            let port = port.parse().map_err(|_| EndpointError::Unrecognised(value.to_owned()))?;
+            if host.is_empty() {
+                return Err(EndpointError::Unrecognised(value.to_owned()));
+            }
+            return Ok(EndpointSpec::Dns { host: host.to_owned(), port });
+        }
+        Err(EndpointError::Unrecognised(value.to_owned()))
+    }
+
+    pub fn is_dns(&self) -> bool {
+        matches!(self, EndpointSpec::Dns { .. })
+    }
+
+    /// The replica of a static endpoint; `None` for DNS endpoints, resolved later.
+    pub fn static_replica(&self) -> Option<Result<Replica, EndpointError>> {
+        match self {
+            EndpointSpec::Unix(path) => Some(Ok(Replica::unix(path.clone()))),
+            EndpointSpec::Http(url) => Some(Replica::http(url)),
+            EndpointSpec::Dns { .. } => None,
+        }
+    }
+
+    /// The replicas this endpoint stands for now, reusing channels from `current`.
+    pub async fn resolve(&self, current: &[Arc<Replica>]) -> Vec<Arc<Replica>> {
+        let reuse = |endpoint: &str| current.iter().find(|r| r.endpoint == endpoint).cloned();
+        match self {
+            EndpointSpec::Unix(path) => {
+                let name = format!("unix:{}", path.display());
+                vec![reuse(&name).unwrap_or_else(|| Arc::new(Replica::unix(path.clone())))]
+            }
+            EndpointSpec::Http(url) => match reuse(url) {
+                Some(r) => vec![r],
+                None => Replica::http(url).map(Arc::new).into_iter().collect(),
+            },
+            EndpointSpec::Dns { host, port } => {
+                let Ok(addrs) = tokio::net::lookup_host((host.as_str(), *port)).await else {
+                    tracing::warn!(%host, port, "cannot resolve worker service");
+                    return Vec::new();
+                };
+                let mut replicas = Vec::new();
+                for addr in addrs {
+                    let url = format!("http://{addr}");
+                    match reuse(&url) {
+                        Some(r) => replicas.push(r),
+                        None => {
+                            if let Ok(r) = Replica::http(&url) {
+                                replicas.push(Arc::new(r));
+                            }
+                        }
+                    }
+                }
+                replicas
+            }
+        }
+    }
+}
+
+/// One worker replica and its (lazily connecting, self-reconnecting) channel.
+pub struct Replica {
+    pub endpoint: String,
+    channel: Channel,
+}
+
+impl Replica {
+    fn unix(path: PathBuf) -> Self {
+        let endpoint = format!("unix:{}", path.display());
+        // The URI is required by the HTTP/2 layer but never resolved: the connector dials
+        // the socket path.
+        let channel = Endpoint::from_static("http://worker.airlock.invalid")
+            .connect_timeout(CONNECT_TIMEOUT)
+            .connect_with_connector_lazy(tower::service_fn(move |_: Uri| {
+                let path = path.clone();
+                async move {
+                    let stream = tokio::net::UnixStream::connect(path).await?;
+                    Ok::<_, std::io::Error>(TokioIo::new(stream))
+                }
+            }));
+        Self { endpoint, channel }
+    }
+
+    fn http(url: &str) -> Result<Self, EndpointError> {
+        let endpoint = Endpoint::from_shared(url.to_owned())
+            .map_err(|e| EndpointError::Invalid { endpoint: url.to_owned(), reason: e.to_string() })?
+            .connect_timeout(CONNECT_TIMEOUT)
+            .tcp_nodelay(true);
+        Ok(Self { endpoint: url.to_owned(), channel: endpoint.connect_lazy() })
+    }
+
+    pub fn client(&self) -> ToolWorkerClient<Channel> {
+        ToolWorkerClient::new(self.channel.clone())
+            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_MESSAGE_BYTES)
+    }
+}
+
+/// Something a running call reports before its result.
+#[derive(Debug, Clone)]
+#[allow(dead_code, reason = "progress is forwarded by the streaming front doors that report it")]
+pub enum WorkerEvent {
+    Progress { progress: f64, total: Option<f64>, message: String },
+    Output { stream: &'static str, data: Vec<u8> },
+}
+
+/// Why a call did not produce a tool result.
+#[derive(Debug, thiserror::Error)]
+pub enum DispatchError {
+    #[error("no replica of the {group} worker is reachable ({detail}); retry shortly")]
+    Unavailable { group: String, detail: String },
+    #[error("the call did not finish within its deadline of {timeout_ms} ms and was stopped")]
+    DeadlineExceeded { timeout_ms: u64 },
+    #[error("the call was cancelled")]
+    Cancelled,
+    #[error("the {group} worker failed during the call ({detail}); it may or may not have taken effect")]
+    Failed { group: String, detail: String },
+    #[error("the {group} worker refused the call: {detail}")]
+    Refused { group: String, detail: String },
+}
+
+/// The result of a dispatched call and the replica that ran it.
+pub struct Dispatched {
+    pub outcome: ToolOutcome,
+    pub replica: String,
+}
+
+/// Runs `request` on one replica of `group`. A replica that cannot be reached is
+/// skipped; a call that reached a worker is never retried, so it runs at most once.
+pub async fn execute(
+    group: &crate::catalog::WorkerGroup,
+    request: pb::ExecuteRequest,
+    events: Option<mpsc::Sender<WorkerEvent>>,
+    cancel: &CancellationToken,
+) -> Result<Dispatched, DispatchError> {
+    let timeout_ms = request.timeout_ms;
+    let overall = Duration::from_millis(timeout_ms) + DEADLINE_SLACK;
+    let mut last_unreachable = String::from("no replicas are known");
+    for replica in group.replicas_in_turn() {
+        let mut wire_request = tonic::Request::new(request.clone());
+        wire_request.set_timeout(overall);
+        let mut client = replica.client();
+        let started = tokio::select! {
+            _ = cancel.cancelled() => return Err(DispatchError::Cancelled),
+            r = client.execute(wire_request) => r,
+        };
+        let stream = match started {
+            Ok(response) => response.into_inner(),
+            Err(status) if is_unreachable(&status) => {
+                tracing::warn!(group = %group.name, endpoint = %replica.endpoint, %status, "replica unreachable");
+                last_unreachable = status.message().to_owned();
+                continue;
+            }
+            Err(status) => return Err(status_error(&group.name, status, timeout_ms)),
+        };
+        let consumed = tokio::select! {
+            _ = cancel.cancelled() => return Err(DispatchError::Cancelled),
+            r = tokio::time::timeout(overall, consume(stream, events.as_ref())) => r,
+        };
+        return match consumed {
+            Ok(Ok(outcome)) => Ok(Dispatched { outcome, replica: replica.endpoint.clone() }),
+            Ok(Err(status)) => {
+                if is_unreachable(&status) {
+                    group.mark_down();
+                }
+                Err(status_error(&group.name, status, timeout_ms))
+            }
+            Err(_) => Err(DispatchError::DeadlineExceeded { timeout_ms }),
+        };
+    }
+    group.mark_down();
+    Err(DispatchError::Unavailable { group: group.name.clone(), detail: last_unreachable })
+}
+
+async fn consume(
+    mut stream: tonic::Streaming<pb::ExecuteEvent>,
+    events: Option<&mpsc::Sender<WorkerEvent>>,
+) -> Result<ToolOutcome, tonic::Status> {
+    use pb::execute_event::Event;
+    while let Some(message) = stream.message().await? {
+        match message.event {
+            Some(Event::Result(result)) => {
+                return ToolOutcome::try_from(result)
+                    .map_err(|e| tonic::Status::internal(format!("malformed result: {e}")));
+            }
+            Some(Event::Progress(p)) => {
+                if let Some(events) = events {
+                    let total = (p.total > 0.0).then_some(p.total);
+                    let _ = events
+                        .send(WorkerEvent::Progress {
+                            progress: p.progress,
+                            total,
+                            message: p.message,
+                        })
+                        .await;
+                }
+            }
+            Some(Event::Output(o)) => {
+                if let Some(events) = events {
+                    let stream = if o.stream == pb::OutputStream::Stderr as i32 {
+                        "stderr"
+                    } else {
+                        "stdout"
+                    };
+                    let _ = events.send(WorkerEvent::Output { stream, data: o.data }).await;
+                }
+            }
+            None => {}
+        }
+    }
+    Err(tonic::Status::unavailable("the worker closed the stream without a result"))
+}
+
+/// A failure to reach the worker at all, as opposed to one the worker reported.
+fn is_unreachable(status: &tonic::Status) -> bool {
+    status.code() == tonic::Code::Unavailable
+}
+
+fn status_error(group: &str, status: tonic::Status, timeout_ms: u64) -> DispatchError {
+    match status.code() {
+        tonic::Code::DeadlineExceeded => DispatchError::DeadlineExceeded { timeout_ms },
+        tonic::Code::Cancelled => DispatchError::Cancelled,
+        tonic::Code::InvalidArgument | tonic::Code::NotFound => {
+            DispatchError::Refused { group: group.to_owned(), detail: status.message().to_owned() }
+        }
+        _ => DispatchError::Failed { group: group.to_owned(), detail: status.message().to_owned() },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoint_forms() {
+        assert_eq!(EndpointSpec::parse("unix:/a.sock").unwrap(), EndpointSpec::Unix("/a.sock".into()));
+        assert!(matches!(EndpointSpec::parse("http://10.0.0.1:50051").unwrap(), EndpointSpec::Http(_)));
+        assert_eq!(
+            EndpointSpec::parse("dns:///fs-worker.airlock.svc:50051").unwrap(),
+            EndpointSpec::Dns { host: "fs-worker.airlock.svc".into(), port: 50051 }
+        );
+        assert!(matches!(EndpointSpec::parse("https://x:1"), Err(EndpointError::TlsUnsupported(_))));
+        assert!(EndpointSpec::parse("ftp://x").is_err());
+        assert!(EndpointSpec::parse("dns:///nohost").is_err());
+    }
+}

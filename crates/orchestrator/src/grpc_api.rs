@@ -1,0 +1,219 @@
+//! The gRPC front door: `airlock.v1.Orchestrator`, the same gate as HTTP.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use airlock_policy::{SessionId, ToolOutcome};
+use airlock_proto::v1 as pb;
+use airlock_proto::v1::orchestrator_server::Orchestrator;
+use futures::Stream;
+use tokio::sync::mpsc;
+use tonic::{Request, Response, Status};
+
+use crate::auth::{Principal, Principals, Role, bearer_token};
+use crate::calls::{CallRecord, wait_final};
+use crate::dispatch::WorkerEvent;
+use crate::gate::{Gate, ToolUse};
+use crate::wire::MAX_WAIT_MS;
+
+pub struct GrpcFrontDoor {
+    pub gate: Arc<Gate>,
+    pub principals: Arc<Principals>,
+}
+
+impl GrpcFrontDoor {
+    fn authenticate<T>(&self, request: &Request<T>) -> Result<Principal, Status> {
+        let header = request
+            .metadata()
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .ok_or_else(|| Status::unauthenticated("missing authorization: Bearer <token> metadata"))?;
+        bearer_token(header)
+            .and_then(|t| self.principals.authenticate(t))
+            .cloned()
+            .ok_or_else(|| Status::unauthenticated("the bearer token is not valid"))
+    }
+
+    fn authorize_agent<T>(&self, request: &Request<T>) -> Result<Principal, Status> {
+        let principal = self.authenticate(request)?;
+        if !principal.has(Role::Agent) {
+            return Err(Status::permission_denied(format!(
+                "principal {:?} lacks the agent role",
+                principal.name
+            )));
+        }
+        Ok(principal)
+    }
+}
+
+fn session(value: &str) -> Result<SessionId, Status> {
+    if value.is_empty() {
+        return Ok(SessionId::default_session());
+    }
+    SessionId::parse(value).map_err(|e| Status::invalid_argument(format!("session_id: {e}")))
+}
+
+fn tool_use(index: usize, wire: pb::ToolUse) -> Result<Result<ToolUse, (String, String, String)>, Status> {
+    if wire.id.is_empty() || wire.name.is_empty() {
+        return Err(Status::invalid_argument(format!("tool_uses[{index}] needs an id and a name")));
+    }
+    let input_json = if wire.input_json.trim().is_empty() { "{}" } else { &wire.input_json };
+    Ok(match serde_json::from_str::<serde_json::Value>(input_json) {
+        Ok(input @ serde_json::Value::Object(_)) => Ok(ToolUse { id: wire.id, name: wire.name, input }),
+        Ok(_) => Err((wire.id, wire.name, "input_json must be a JSON object".to_owned())),
+        Err(e) => Err((wire.id, wire.name, format!("input_json is not valid JSON ({e})"))),
+    })
+}
+
+fn result_block(record: &CallRecord) -> Option<pb::ToolResultBlock> {
+    record.result.as_ref().filter(|_| record.status.is_final()).map(|o: &ToolOutcome| {
+        pb::ToolResultBlock {
+            tool_use_id: record.tool_use_id.clone(),
+            content: o.content.clone(),
+            is_error: o.is_error,
+        }
+    })
+}
+
+fn call_info(record: &CallRecord) -> pb::CallInfo {
+    pb::CallInfo {
+        tool_use_id: record.tool_use_id.clone(),
+        call_id: record.call_id.clone(),
+        status: record.status.as_str().to_owned(),
+        approval_id: record.approval_id.clone().unwrap_or_default(),
+        duration_ms: record.duration_ms.unwrap_or(0),
+        isolation_json: record.isolation().map(|v| v.to_string()).unwrap_or_default(),
+    }
+}
+
+type CallEventStream = Pin<Box<dyn Stream<Item = Result<pb::CallEvent, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl Orchestrator for GrpcFrontDoor {
+    async fn list_tools(
+        &self,
+        request: Request<pb::OrchestratorListToolsRequest>,
+    ) -> Result<Response<pb::OrchestratorListToolsResponse>, Status> {
+        self.authenticate(&request)?;
+        let tools = self
+            .gate
+            .catalog
+            .tools()
+            .iter()
+            .map(|t| {
+                let d = &t.definition;
+                pb::CatalogTool {
+                    name: d.name.clone(),
+                    description: d.description.clone(),
+                    input_schema_json: d.input_schema.to_string(),
+                    title: d.title.clone(),
+                    read_only: d.annotations.read_only,
+                    destructive: d.annotations.destructive,
+                    idempotent: d.annotations.idempotent,
+                    open_world: d.annotations.open_world,
+                }
+            })
+            .collect();
+        Ok(Response::new(pb::OrchestratorListToolsResponse { tools }))
+    }
+
+    async fn call_tools(
+        &self,
+        request: Request<pb::CallToolsRequest>,
+    ) -> Result<Response<pb::CallToolsResponse>, Status> {
+        let principal = self.authorize_agent(&request)?;
+        let request = request.into_inner();
+        let session = session(&request.session_id)?;
+        if request.tool_uses.is_empty() {
+            return Err(Status::invalid_argument("tool_uses must not be empty"));
+        }
+        if request.tool_uses.len() > self.gate.limits.max_tool_uses_per_request {
+            return Err(Status::invalid_argument(format!(
+                "at most {} tool_uses per request",
+                self.gate.limits.max_tool_uses_per_request
+            )));
+        }
+        let mut seen = std::collections::HashSet::new();
+        let mut uses = Vec::new();
+        for (index, wire) in request.tool_uses.into_iter().enumerate() {
+            if !seen.insert(wire.id.clone()) {
+                return Err(Status::invalid_argument(format!("tool_uses[{index}].id is used twice")));
+            }
+            uses.push(tool_use(index, wire)?);
+        }
+        let wait = match request.wait_ms {
+            0 => self.gate.default_wait(),
+            ms => Duration::from_millis(ms.min(MAX_WAIT_MS)),
+        };
+        let receivers: Vec<_> = uses
+            .into_iter()
+            .map(|u| match u {
+                Ok(tool_use) => self.gate.submit(&principal, &session, tool_use, None),
+                Err((id, name, message)) => self.gate.reject(&principal, id, name, message),
+            })
+            .collect();
+        let records = futures::future::join_all(receivers.into_iter().map(|rx| wait_final(rx, wait))).await;
+        Ok(Response::new(pb::CallToolsResponse {
+            tool_results: records.iter().filter_map(result_block).collect(),
+            calls: records.iter().map(call_info).collect(),
+        }))
+    }
+
+    type CallToolStreamStream = CallEventStream;
+
+    async fn call_tool_stream(
+        &self,
+        request: Request<pb::CallToolStreamRequest>,
+    ) -> Result<Response<Self::CallToolStreamStream>, Status> {
+        use pb::call_event::Event;
+        let principal = self.authorize_agent(&request)?;
+        let request = request.into_inner();
+        let session = session(&request.session_id)?;
+        let wire = request.tool_use.ok_or_else(|| Status::invalid_argument("tool_use is required"))?;
+        let (events_tx, mut events_rx) = mpsc::channel(256);
+        let mut rx = match tool_use(0, wire)? {
+            Ok(u) => self.gate.submit(&principal, &session, u, Some(events_tx)),
+            Err((id, name, message)) => self.gate.reject(&principal, id, name, message),
+        };
+        let gate = self.gate.clone();
+        let (out_tx, out_rx) = mpsc::channel::<Result<pb::CallEvent, Status>>(256);
+        tokio::spawn(async move {
+            let first = rx.borrow().clone();
+            let call_id = first.call_id.clone();
+            if out_tx.send(Ok(pb::CallEvent { event: Some(Event::Started(call_info(&first))) })).await.is_err() {
+                gate.calls.cancel(&call_id);
+                return;
+            }
+            loop {
+                tokio::select! {
+                    Some(event) = events_rx.recv() => {
+                        if let WorkerEvent::Output { stream, data } = event {
+                            let chunk = pb::OutputChunk { stream: stream.to_owned(), data: String::from_utf8_lossy(&data).into_owned() };
+                            if out_tx.send(Ok(pb::CallEvent { event: Some(Event::Output(chunk)) })).await.is_err() {
+                                gate.calls.cancel(&call_id);
+                                return;
+                            }
+                        }
+                    }
+                    changed = async { rx.wait_for(|r| r.status.is_final()).await.map(|r| r.clone()) } => {
+                        let Ok(record) = changed else { return };
+                        while let Ok(WorkerEvent::Output { stream, data }) = events_rx.try_recv() {
+                            let chunk = pb::OutputChunk { stream: stream.to_owned(), data: String::from_utf8_lossy(&data).into_owned() };
+                            let _ = out_tx.send(Ok(pb::CallEvent { event: Some(Event::Output(chunk)) })).await;
+                        }
+                        let completed = pb::CallCompleted { call: Some(call_info(&record)), result: result_block(&record) };
+                        let _ = out_tx.send(Ok(pb::CallEvent { event: Some(Event::Completed(completed)) })).await;
+                        return;
+                    }
+                    _ = out_tx.closed() => {
+                        // The client went away: cancel the call and its sandbox.
+                        gate.calls.cancel(&call_id);
+                        return;
+                    }
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(out_rx))))
+    }
+}

@@ -1,0 +1,22 @@
+//! The Airlock orchestrator: the front doors (HTTP `/v1`, gRPC `airlock.v1.Orchestrator`),
+//! the gate every tool call passes, and dispatch to the per-tool worker services.
+//!
+//! The orchestrator never executes anything itself: every side effect happens in a
+//! worker that it reaches over gRPC.
+#![forbid(unsafe_code)]
+
+pub mod auth;
+mod calls;
+pub mod catalog;
+pub mod config;
+mod dispatch;
+mod gate;
+mod grpc_api;
+mod http_api;
+mod openapi;
+mod server;
+mod wire;
+
+pub use auth::{AuthError, Principal, Principals, Role};
+pub use config::{OrchestratorConfig, PrincipalConfig, WorkerGroupConfig};
+pub use server::{BoundListeners, Orchestrator, Prepared, ServeError};

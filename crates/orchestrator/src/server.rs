@@ -1,0 +1,163 @@
+//! Binding, serving and shutting down the orchestrator's front doors.
+
+use std::future::Future;
+use std::net::TcpListener;
+use std::path::Path;
+use std::sync::Arc;
+
+use airlock_proto::v1::orchestrator_server::OrchestratorServer;
+use tokio_util::sync::CancellationToken;
+
+use crate::auth::{AuthError, Principals};
+use crate::calls::CallRegistry;
+use crate::catalog::{Catalog, CatalogError};
+use crate::config::OrchestratorConfig;
+use crate::gate::Gate;
+use crate::grpc_api::GrpcFrontDoor;
+use crate::http_api::{self, HttpState};
+
+const MAX_GRPC_MESSAGE_BYTES: usize = 32 * 1024 * 1024;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("cannot bind {what} on {addr}: {source}")]
+    Bind { what: &'static str, addr: String, source: std::io::Error },
+    #[error(transparent)]
+    Auth(#[from] AuthError),
+    #[error(transparent)]
+    Catalog(#[from] CatalogError),
+    #[error("cannot write {path}: {source}")]
+    RunFile { path: String, source: std::io::Error },
+    #[error("cannot build the reflection service: {0}")]
+    Reflection(#[from] tonic_reflection::server::Error),
+    #[error("grpc server failed: {0}")]
+    Grpc(#[from] tonic::transport::Error),
+    #[error("http server failed: {0}")]
+    Http(std::io::Error),
+}
+
+/// The orchestrator's sockets, bound before the process confines itself.
+#[derive(Debug)]
+pub struct BoundListeners {
+    pub http: TcpListener,
+    pub grpc: TcpListener,
+}
+
+impl BoundListeners {
+    pub fn bind(config: &OrchestratorConfig) -> Result<Self, ServeError> {
+        let bind = |what, addr: &str| {
+            let listener = TcpListener::bind(addr)
+                .map_err(|source| ServeError::Bind { what, addr: addr.to_owned(), source })?;
+            listener
+                .set_nonblocking(true)
+                .map_err(|source| ServeError::Bind { what, addr: addr.to_owned(), source })?;
+            Ok::<_, ServeError>(listener)
+        };
+        Ok(Self { http: bind("http", &config.http_listen)?, grpc: bind("grpc", &config.grpc_listen)? })
+    }
+
+    /// `{"http": "http://…", "grpc": "http://…"}` as bound (port 0 resolved).
+    pub fn endpoints(&self) -> serde_json::Value {
+        let url = |l: &TcpListener| {
+            l.local_addr().map(|a| format!("http://{a}")).unwrap_or_default()
+        };
+        serde_json::json!({"http": url(&self.http), "grpc": url(&self.grpc)})
+    }
+}
+
+pub struct Orchestrator;
+
+impl Orchestrator {
+    /// Loads what the gate needs (principals, catalog) — everything that reads files
+    /// outside the data dir happens here, before the caller confines the process.
+    pub fn prepare(config: &OrchestratorConfig) -> Result<Prepared, ServeError> {
+        let principals = Principals::load(&config.principals, &config.data_dir)?;
+        Catalog::check(&config.workers)?;
+        Ok(Prepared { principals: Arc::new(principals) })
+    }
+
+    /// Serves HTTP and gRPC until `shutdown` resolves; writes
+    /// `<data_dir>/run/orchestrator.json` once both listen.
+    pub async fn serve(
+        config: OrchestratorConfig,
+        prepared: Prepared,
+        listeners: BoundListeners,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> Result<(), ServeError> {
+        // Channels need the runtime, so the catalog is built here, not in `prepare`.
+        let catalog = Arc::new(Catalog::new(&config.workers)?);
+        let gate = Arc::new(Gate {
+            catalog: catalog.clone(),
+            calls: CallRegistry::default(),
+            limits: config.limits.clone(),
+        });
+        let stop = CancellationToken::new();
+        // Probe every worker group once before serving, so a ready launcher means a
+        // populated catalog.
+        for group in gate.catalog.groups() {
+            gate.catalog.refresh_group(group).await;
+        }
+        tokio::spawn(catalog.refresh_forever(stop.clone()));
+
+        let (health, health_service) = tonic_health::server::health_reporter();
+        health.set_serving::<OrchestratorServer<GrpcFrontDoor>>().await;
+        let reflection = tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(airlock_proto::FILE_DESCRIPTOR_SET)
+            .build_v1()?;
+        let front_door = GrpcFrontDoor { gate: gate.clone(), principals: prepared.principals.clone() };
+        let grpc_router = tonic::transport::Server::builder()
+            .add_service(health_service)
+            .add_service(reflection)
+            .add_service(
+                OrchestratorServer::new(front_door)
+                    .max_decoding_message_size(MAX_GRPC_MESSAGE_BYTES)
+                    .max_encoding_message_size(MAX_GRPC_MESSAGE_BYTES),
+            );
+        let http_router =
+            http_api::router(HttpState { gate: gate.clone(), principals: prepared.principals });
+
+        let endpoints = listeners.endpoints();
+        let http_listener = tokio::net::TcpListener::from_std(listeners.http)
+            .map_err(|source| ServeError::Bind { what: "http", addr: config.http_listen.clone(), source })?;
+        let grpc_listener = tokio::net::TcpListener::from_std(listeners.grpc)
+            .map_err(|source| ServeError::Bind { what: "grpc", addr: config.grpc_listen.clone(), source })?;
+        write_run_file(&config.data_dir, &endpoints)?;
+        tracing::info!(http = %endpoints["http"], grpc = %endpoints["grpc"], "orchestrator listening");
+
+        let shutting_down = CancellationToken::new();
+        let trigger = shutting_down.clone();
+        tokio::spawn(async move {
+            shutdown.await;
+            trigger.cancel();
+        });
+        let http_stop = shutting_down.clone();
+        let http = axum::serve(http_listener, http_router)
+            .with_graceful_shutdown(async move { http_stop.cancelled().await });
+        let grpc_stop = shutting_down.clone();
+        let grpc = grpc_router.serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(grpc_listener),
+            async move { grpc_stop.cancelled().await },
+        );
+        let (http_result, grpc_result) = tokio::join!(http, grpc);
+        stop.cancel();
+        http_result.map_err(ServeError::Http)?;
+        grpc_result?;
+        Ok(())
+    }
+}
+
+/// What [`Orchestrator::prepare`] loaded.
+pub struct Prepared {
+    principals: Arc<Principals>,
+}
+
+fn write_run_file(data_dir: &Path, endpoints: &serde_json::Value) -> Result<(), ServeError> {
+    let run_dir = data_dir.join("run");
+    let path = run_dir.join("orchestrator.json");
+    let err = |source| ServeError::RunFile { path: path.display().to_string(), source };
+    std::fs::create_dir_all(&run_dir).map_err(err)?;
+    let tmp = run_dir.join(".orchestrator.json.tmp");
+    std::fs::write(&tmp, endpoints.to_string()).map_err(err)?;
+    std::fs::rename(&tmp, &path).map_err(err)?;
+    Ok(())
+}

@@ -1,0 +1,20 @@
+//! Airlock's domain vocabulary, shared by the orchestrator, the workers and the sandbox.
+//!
+//! Pure data and pure decisions: no I/O, no async runtime, no `unsafe`. Wire types are
+//! converted into these types once, at a process boundary (see the `proto` feature).
+#![forbid(unsafe_code)]
+
+pub mod call;
+pub mod isolation;
+pub mod limits;
+pub mod names;
+pub mod tool;
+
+#[cfg(feature = "proto")]
+pub mod wire;
+
+pub use call::{CallStatus, ToolOutcome};
+pub use isolation::IsolationLevel;
+pub use limits::Limits;
+pub use names::{NameError, SessionId, validate_segment, validate_tool_name};
+pub use tool::{ToolAnnotations, ToolDefinition};

@@ -1,0 +1,41 @@
+//! Default limits pinned by the design; every one is configurable.
+
+use serde::{Deserialize, Serialize};
+
+pub const KIB: u64 = 1024;
+pub const MIB: u64 = 1024 * KIB;
+pub const GIB: u64 = 1024 * MIB;
+
+/// Request and per-call limits enforced at the orchestrator and the workers.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Limits {
+    /// Largest accepted HTTP request body.
+    pub max_request_bytes: u64,
+    /// Largest accepted arguments object of one tool call (serialized JSON).
+    pub max_argument_bytes: u64,
+    /// Most tool uses accepted in one request.
+    pub max_tool_uses_per_request: usize,
+    /// Deadline of one call when the tool does not say otherwise.
+    pub default_call_timeout_ms: u64,
+    /// Upper bound of any call's deadline.
+    pub max_call_timeout_ms: u64,
+    /// How long `POST /v1/tool_calls` waits for results when `wait_ms` is absent.
+    pub default_wait_ms: u64,
+    /// Calls per session (counted for calls that name a `session_id`).
+    pub max_calls_per_session: u64,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_request_bytes: 10 * MIB,
+            max_argument_bytes: 4 * MIB,
+            max_tool_uses_per_request: 64,
+            default_call_timeout_ms: 30_000,
+            max_call_timeout_ms: 600_000,
+            default_wait_ms: 60_000,
+            max_calls_per_session: 100,
+        }
+    }
+}

@@ -1,0 +1,115 @@
+//! Capabilities: every set emptied — bounding, ambient, inheritable, permitted and
+//! effective — and the root-privilege securebits locked where we may set them.
+//!
+//! The bounding set matters most: the sandbox's processes run as uid 0 of their user
+//! namespace (and a standard-mode sandbox may run as host root), and `execve` by uid 0
+//! grants every capability of the bounding set. An empty bounding set plus
+//! `no_new_privs` makes uid 0 capability-less for good.
+
+use crate::step::{AtStep, Failure, Step};
+use crate::sys;
+
+/// One `thiserror` enum per module: capability failures outside the child.
+#[derive(Debug, thiserror::Error)]
+pub enum CapsError {
+    #[error("cannot drop capabilities: {0}")]
+    Drop(#[source] std::io::Error),
+}
+
+const CAP_SETPCAP: libc::c_ulong = 8;
+const LINUX_CAPABILITY_VERSION_3: u32 = 0x2008_0522;
+
+// securebits (linux/securebits.h)
+const SECBIT_NOROOT: libc::c_ulong = 1 << 0;
+const SECBIT_NOROOT_LOCKED: libc::c_ulong = 1 << 1;
+const SECBIT_NO_SETUID_FIXUP: libc::c_ulong = 1 << 2;
+const SECBIT_NO_SETUID_FIXUP_LOCKED: libc::c_ulong = 1 << 3;
+const SECBIT_KEEP_CAPS_LOCKED: libc::c_ulong = 1 << 5;
+const SECBIT_NO_CAP_AMBIENT_RAISE: libc::c_ulong = 1 << 6;
+const SECBIT_NO_CAP_AMBIENT_RAISE_LOCKED: libc::c_ulong = 1 << 7;
+
+#[repr(C)]
+struct CapHeader {
+    version: u32,
+    pid: libc::c_int,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct CapData {
+    effective: u32,
+    permitted: u32,
+    inheritable: u32,
+}
+
+/// Drops every capability of the calling thread (async-signal-safe).
+///
+/// Fails when a capability stays in the bounding set (we lack `CAP_SETPCAP` to drop it);
+/// an already empty bounding set, as in a worker that confined itself, is fine.
+pub(crate) fn drop_all() -> Result<(), Failure> {
+    drop_all_raw().at(Step::DropCapabilities)
+}
+
+/// [`drop_all`] for callers outside the child.
+pub(crate) fn drop_all_checked() -> Result<(), CapsError> {
+    drop_all_raw().map_err(|e| CapsError::Drop(std::io::Error::from_raw_os_error(e)))
+}
+
+fn drop_all_raw() -> Result<(), i32> {
+    let can_setpcap = effective_has(CAP_SETPCAP)?;
+
+    // 1. Bounding set: what execve can ever grant.
+    for cap in 0..64 {
+        // SAFETY: prctl with integer arguments only.
+        let present = unsafe { libc::prctl(libc::PR_CAPBSET_READ, cap as libc::c_ulong, 0, 0, 0) };
+        if present == -1 {
+            // EINVAL: past the last capability this kernel knows.
+            break;
+        }
+        if present == 1 {
+            // SAFETY: prctl with integer arguments only.
+            sys::check_int(unsafe {
+                libc::prctl(libc::PR_CAPBSET_DROP, cap as libc::c_ulong, 0, 0, 0)
+            })?;
+        }
+    }
+
+    // 2. Ambient set (EINVAL before Linux 4.3, where it does not exist).
+    // SAFETY: prctl with integer arguments only.
+    let ret = unsafe {
+        libc::prctl(libc::PR_CAP_AMBIENT, libc::PR_CAP_AMBIENT_CLEAR_ALL as libc::c_ulong, 0, 0, 0)
+    };
+    if ret == -1 && sys::errno() != libc::EINVAL {
+        return Err(sys::errno());
+    }
+
+    // 3. Securebits: uid 0 gets no capabilities from exec or setuid, locked.
+    if can_setpcap {
+        let bits = SECBIT_NOROOT
+            | SECBIT_NOROOT_LOCKED
+            | SECBIT_NO_SETUID_FIXUP
+            | SECBIT_NO_SETUID_FIXUP_LOCKED
+            | SECBIT_KEEP_CAPS_LOCKED
+            | SECBIT_NO_CAP_AMBIENT_RAISE
+            | SECBIT_NO_CAP_AMBIENT_RAISE_LOCKED;
+        // SAFETY: prctl with integer arguments only.
+        sys::check_int(unsafe { libc::prctl(libc::PR_SET_SECUREBITS, bits, 0, 0, 0) })?;
+    }
+
+    // 4. Effective, permitted and inheritable sets: empty.
+    let mut header = CapHeader { version: LINUX_CAPABILITY_VERSION_3, pid: 0 };
+    let data = [CapData::default(); 2];
+    // SAFETY: header and data are valid, correctly sized capset arguments.
+    sys::check(unsafe { libc::syscall(libc::SYS_capset, &mut header, data.as_ptr()) })?;
+    Ok(())
+}
+
+/// Whether the calling thread's effective set holds `cap` (async-signal-safe).
+fn effective_has(cap: libc::c_ulong) -> Result<bool, i32> {
+    let mut header = CapHeader { version: LINUX_CAPABILITY_VERSION_3, pid: 0 };
+    let mut data = [CapData::default(); 2];
+    // SAFETY: header and data are valid, correctly sized capget arguments.
+    sys::check(unsafe { libc::syscall(libc::SYS_capget, &mut header, data.as_mut_ptr()) })?;
+    let word = (cap / 32) as usize;
+    Ok(data[word].effective & (1 << (cap % 32)) != 0)
+}

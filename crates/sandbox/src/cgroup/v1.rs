@@ -1,0 +1,212 @@
+//! cgroup v1: one hierarchy per controller (memory, pids, cpu; cpuacct and freezer when
+//! mounted). Each call gets a directory in every one of them and joins them all.
+//!
+//! Killing: a v1 hierarchy has no `cgroup.kill`. On hybrid hosts a controller-less
+//! cgroup2 tree is mounted as well (usually `/sys/fs/cgroup/unified`); the call joins a
+//! cgroup there too and is killed through its `cgroup.kill`. Otherwise the freezer
+//! stops forks while every listed process is SIGKILLed, or, without a freezer, the
+//! processes are SIGKILLed round after round until the pids hierarchy lists none.
+
+use std::path::PathBuf;
+
+use super::v2::CallV2;
+use super::{
+    CallCgroup, CgroupBackend, CgroupError, CgroupLimits, CgroupMount, CgroupVersion, OwnCgroup,
+    CPU_PERIOD_US,
+};
+
+#[derive(Debug)]
+pub struct V1 {
+    memory: PathBuf,
+    pids: PathBuf,
+    cpu: PathBuf,
+    cpuacct: Option<PathBuf>,
+    freezer: Option<PathBuf>,
+    /// Parent cgroup in the unified tree of a hybrid host, if it offers `cgroup.kill`.
+    unified: Option<PathBuf>,
+    memsw: bool,
+}
+
+impl V1 {
+    pub(crate) fn detect(
+        mounts: &[CgroupMount],
+        own: &[OwnCgroup],
+        parent_name: &str,
+    ) -> Result<Self, CgroupError> {
+        let parent_of = |controller: &str| -> Option<PathBuf> {
+            let mount = mounts
+                .iter()
+                .find(|m| m.fstype == "cgroup" && m.controllers.iter().any(|c| c == controller))?;
+            let own = own.iter().find(|o| o.controllers.iter().any(|c| c == controller))?;
+            Some(super::own_dir(mount, &own.path).join(parent_name))
+        };
+        let required = |controller: &str| {
+            parent_of(controller).ok_or_else(|| {
+                CgroupError::Unavailable(format!("the {controller} controller is not mounted"))
+            })
+        };
+        let memory = required("memory")?;
+        let pids = required("pids")?;
+        let cpu = required("cpu")?;
+        let cpuacct = parent_of("cpuacct");
+        let freezer = parent_of("freezer");
+        for dir in [Some(&memory), Some(&pids), Some(&cpu), cpuacct.as_ref(), freezer.as_ref()]
+            .into_iter()
+            .flatten()
+        {
+            super::mkdir(dir)?;
+        }
+        let memsw = memory.join("memory.memsw.limit_in_bytes").exists();
+        let unified = unified_parent(mounts, own, parent_name);
+        Ok(V1 { memory, pids, cpu, cpuacct, freezer, unified, memsw })
+    }
+}
+
+/// The parent cgroup in the unified tree of a hybrid host, when it has `cgroup.kill`.
+fn unified_parent(mounts: &[CgroupMount], own: &[OwnCgroup], parent_name: &str) -> Option<PathBuf> {
+    let mount = mounts.iter().find(|m| m.fstype == "cgroup2")?;
+    let own = own.iter().find(|o| o.controllers.is_empty())?;
+    let parent = super::own_dir(mount, &own.path).join(parent_name);
+    super::mkdir(&parent).ok()?;
+    // Every non-root cgroup has cgroup.kill on Linux 5.14+.
+    parent.join("cgroup.kill").exists().then_some(parent)
+}
+
+impl CgroupBackend for V1 {
+    fn version(&self) -> CgroupVersion {
+        CgroupVersion::V1
+    }
+
+    fn limits_swap(&self) -> bool {
+        self.memsw
+    }
+
+    fn create(&self, limits: &CgroupLimits) -> Result<Box<dyn CallCgroup>, CgroupError> {
+        let name = super::call_name();
+        let mut call = CallV1 {
+            memory: self.memory.join(&name),
+            pids: self.pids.join(&name),
+            cpu: self.cpu.join(&name),
+            cpuacct: self.cpuacct.as_ref().map(|d| d.join(&name)),
+            freezer: self.freezer.as_ref().map(|d| d.join(&name)),
+            unified: None,
+            removed: false,
+        };
+        let result = (|| {
+            for dir in call.dirs() {
+                super::mkdir(dir)?;
+            }
+            call.unified = match &self.unified {
+                Some(parent) => Some(CallV2::create_plain(parent)?),
+                None => None,
+            };
+            let bytes = limits.memory_bytes.to_string();
+            super::write(&call.memory.join("memory.limit_in_bytes"), &bytes)?;
+            if self.memsw {
+                // memory+swap equal to memory: no swap.
+                super::write(&call.memory.join("memory.memsw.limit_in_bytes"), &bytes)?;
+            }
+            super::write(&call.pids.join("pids.max"), &limits.pids.to_string())?;
+            super::write(&call.cpu.join("cpu.cfs_period_us"), &CPU_PERIOD_US.to_string())?;
+            super::write(&call.cpu.join("cpu.cfs_quota_us"), &limits.cpu_quota_us().to_string())
+        })();
+        match result {
+            Ok(()) => Ok(Box::new(call)),
+            Err(e) => {
+                let _ = call.remove();
+                Err(e)
+            }
+        }
+    }
+}
+
+#[derive(Debug)]
+struct CallV1 {
+    memory: PathBuf,
+    pids: PathBuf,
+    cpu: PathBuf,
+    cpuacct: Option<PathBuf>,
+    freezer: Option<PathBuf>,
+    unified: Option<CallV2>,
+    removed: bool,
+}
+
+impl CallV1 {
+    fn dirs(&self) -> impl Iterator<Item = &PathBuf> {
+        [Some(&self.memory), Some(&self.pids), Some(&self.cpu)]
+            .into_iter()
+            .chain([self.cpuacct.as_ref(), self.freezer.as_ref()])
+            .flatten()
+    }
+
+    fn freeze(&self, state: &str) {
+        if let Some(freezer) = &self.freezer {
+            let _ = super::write(&freezer.join("freezer.state"), state);
+        }
+    }
+}
+
+impl CallCgroup for CallV1 {
+    fn join(&self, pid: libc::pid_t) -> Result<(), CgroupError> {
+        let text = pid.to_string();
+        for dir in self.dirs() {
+            super::write(&dir.join("cgroup.procs"), &text)?;
+        }
+        if let Some(unified) = &self.unified {
+            unified.join(pid)?;
+        }
+        Ok(())
+    }
+
+    fn kill(&self) -> Result<(), CgroupError> {
+        if let Some(unified) = &self.unified {
+            unified.kill()?;
+        }
+        self.freeze("FROZEN");
+        let result = super::kill_until_empty(&self.pids);
+        self.freeze("THAWED");
+        result
+    }
+
+    fn peak_memory_bytes(&self) -> Option<u64> {
+        super::read_u64(&self.memory.join("memory.max_usage_in_bytes"))
+    }
+
+    fn cpu_usage_us(&self) -> Option<(u64, u64)> {
+        let dir = self.cpuacct.as_ref()?;
+        let user = super::read_u64(&dir.join("cpuacct.usage_user"))?;
+        let system = super::read_u64(&dir.join("cpuacct.usage_sys"))?;
+        Some((user / 1000, system / 1000))
+    }
+
+    fn remove(&mut self) -> Result<(), CgroupError> {
+        if self.removed {
+            return Ok(());
+        }
+        let _ = self.kill();
+        let mut first_error = None;
+        for dir in self.dirs() {
+            if let Err(e) = super::rmdir_when_empty(dir) {
+                first_error.get_or_insert(e);
+            }
+        }
+        if let Some(unified) = &mut self.unified {
+            if let Err(e) = unified.remove() {
+                first_error.get_or_insert(e);
+            }
+        }
+        match first_error {
+            Some(e) => Err(e),
+            None => {
+                self.removed = true;
+                Ok(())
+            }
+        }
+    }
+}
+
+impl Drop for CallV1 {
+    fn drop(&mut self) {
+        let _ = self.remove();
+    }
+}

@@ -1,0 +1,108 @@
+//! Resource limits of the sandboxed process: open files, file size, no core dumps, and
+//! CPU seconds derived from the wall-clock timeout (a backstop to the parent's timer).
+//!
+//! Hard limits can only be lowered without `CAP_SYS_RESOURCE` (absent from many bounding
+//! sets), so each limit is clamped to the hard limit the worker already has, and the
+//! report states the value actually set.
+
+use std::io;
+use std::time::Duration;
+
+use serde::Serialize;
+
+use crate::step::{AtStep, Failure, Step};
+use crate::sys;
+
+/// One `thiserror` enum per module: failures reading the current limits.
+#[derive(Debug, thiserror::Error)]
+pub enum RlimitError {
+    #[error("cannot read the current {name} limit: {source}")]
+    Read {
+        name: &'static str,
+        #[source]
+        source: io::Error,
+    },
+}
+
+/// The limits as set (after clamping), for the isolation report.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct RlimitReport {
+    pub nofile: u64,
+    pub fsize_bytes: u64,
+    pub core_bytes: u64,
+    /// `None` until a call's timeout is known.
+    pub cpu_seconds: Option<u64>,
+}
+
+/// The requested limits.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Rlimits {
+    pub nofile: u64,
+    pub fsize_bytes: u64,
+    pub timeout: Duration,
+}
+
+/// Prepared `setrlimit` calls (built before `clone`).
+pub(crate) struct RlimitPlan {
+    limits: [(libc::__rlimit_resource_t, libc::rlimit); 4],
+    report: RlimitReport,
+}
+
+impl RlimitPlan {
+    pub(crate) fn prepare(want: Rlimits) -> Result<Self, RlimitError> {
+        let cpu = cpu_seconds(want.timeout);
+        let nofile = clamp(libc::RLIMIT_NOFILE, "nofile", want.nofile, want.nofile)?;
+        let fsize = clamp(libc::RLIMIT_FSIZE, "fsize", want.fsize_bytes, want.fsize_bytes)?;
+        let core = clamp(libc::RLIMIT_CORE, "core", 0, 0)?;
+        // Soft limit: SIGXCPU; one second later the hard limit SIGKILLs.
+        let cpu_limit = clamp(libc::RLIMIT_CPU, "cpu", cpu, cpu + 1)?;
+        Ok(RlimitPlan {
+            limits: [
+                (libc::RLIMIT_NOFILE, nofile),
+                (libc::RLIMIT_FSIZE, fsize),
+                (libc::RLIMIT_CORE, core),
+                (libc::RLIMIT_CPU, cpu_limit),
+            ],
+            report: RlimitReport {
+                nofile: nofile.rlim_cur,
+                fsize_bytes: fsize.rlim_cur,
+                core_bytes: core.rlim_cur,
+                cpu_seconds: Some(cpu_limit.rlim_cur),
+            },
+        })
+    }
+
+    pub(crate) fn report(&self) -> RlimitReport {
+        self.report
+    }
+
+    /// Child side (async-signal-safe).
+    pub(crate) fn apply(&self) -> Result<(), Failure> {
+        for (resource, limit) in &self.limits {
+            // SAFETY: `limit` is a valid rlimit value.
+            sys::check_int(unsafe { libc::setrlimit(*resource, limit) }).at(Step::Rlimits)?;
+        }
+        Ok(())
+    }
+}
+
+/// CPU seconds for a wall-clock timeout: the timeout rounded up, plus one.
+pub(crate) fn cpu_seconds(timeout: Duration) -> u64 {
+    timeout.as_secs() + u64::from(timeout.subsec_nanos() > 0) + 1
+}
+
+/// The limit `(soft, hard)`, lowered to the current hard limit if needed.
+fn clamp(
+    resource: libc::__rlimit_resource_t,
+    name: &'static str,
+    soft: u64,
+    hard: u64,
+) -> Result<libc::rlimit, RlimitError> {
+    let mut current = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: `current` is a valid out-pointer.
+    if unsafe { libc::getrlimit(resource, &mut current) } == -1 {
+        return Err(RlimitError::Read { name, source: io::Error::last_os_error() });
+    }
+    let hard = hard.min(current.rlim_max);
+    Ok(libc::rlimit { rlim_cur: soft.min(hard), rlim_max: hard })
+}

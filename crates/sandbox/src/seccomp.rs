@@ -1,0 +1,251 @@
+//! seccomp: the last barrier installed before `execve`. Default allow; the system calls
+//! that reach past the other layers fail with `EPERM`:
+//! ptrace and cross-process memory access, the whole mount API, new namespaces
+//! (`unshare`, `setns`, `clone` with a namespace flag), the kernel keyring, bpf,
+//! perf, io_uring (which would bypass this filter), userfaultfd, kexec, kernel modules,
+//! file handles (`open_by_handle_at` escapes mount namespaces), and — when the network
+//! is off — `socket` for any family but `AF_UNIX`.
+//!
+//! `clone3` fails with `ENOSYS` instead: its flags live in memory that seccomp cannot
+//! inspect, and `ENOSYS` makes the C library fall back to `clone`, which is filtered by
+//! its flags. x32 system calls (numbers with bit 30 set) also fail with `ENOSYS`, since
+//! they would otherwise bypass rules keyed on x86-64 numbers.
+//!
+//! The filters are compiled with `seccompiler` before `clone`; the child installs them
+//! with one raw `seccomp` call each (later filters run first; the kernel applies the
+//! most restrictive answer).
+
+use std::collections::BTreeMap;
+
+use seccompiler::{
+    BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter,
+    SeccompRule, TargetArch, sock_filter,
+};
+
+use crate::step::{AtStep, Failure, Step};
+use crate::sys;
+
+/// One `thiserror` enum per module: filter compilation and installation failures.
+#[derive(Debug, thiserror::Error)]
+pub enum SeccompError {
+    #[error("unsupported architecture for seccomp: {0}")]
+    Arch(String),
+    #[error("cannot compile the seccomp filter: {0}")]
+    Compile(String),
+    #[error("cannot install the seccomp filter: {0}")]
+    Install(#[source] std::io::Error),
+}
+
+/// Which system calls a profile lets through.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Profile {
+    /// Sockets of families other than `AF_UNIX`.
+    pub network: bool,
+    /// `execve`/`execveat`.
+    pub exec: bool,
+    /// New namespaces and the mount API (needed by a worker that creates sandboxes;
+    /// never by a sandbox).
+    pub namespaces: bool,
+}
+
+impl Profile {
+    /// The profile of a sandboxed command.
+    pub(crate) fn sandbox(network: bool) -> Self {
+        Profile { network, exec: true, namespaces: false }
+    }
+}
+
+/// Compiled filters, in installation order.
+pub(crate) struct SeccompPlan {
+    programs: Vec<BpfProgram>,
+}
+
+const NAMESPACE_FLAGS: [libc::c_int; 8] = [
+    libc::CLONE_NEWUSER,
+    libc::CLONE_NEWNS,
+    libc::CLONE_NEWPID,
+    libc::CLONE_NEWNET,
+    libc::CLONE_NEWIPC,
+    libc::CLONE_NEWUTS,
+    libc::CLONE_NEWCGROUP,
+    0x80, // CLONE_NEWTIME
+];
+
+impl SeccompPlan {
+    pub(crate) fn compile(profile: Profile) -> Result<Self, SeccompError> {
+        let arch = TargetArch::try_from(std::env::consts::ARCH)
+            .map_err(|_| SeccompError::Arch(std::env::consts::ARCH.to_owned()))?;
+        let compile = |rules: BTreeMap<i64, Vec<SeccompRule>>, errno: i32| {
+            let filter = SeccompFilter::new(
+                rules,
+                SeccompAction::Allow,
+                SeccompAction::Errno(errno as u32),
+                arch,
+            )
+            .map_err(|e| SeccompError::Compile(e.to_string()))?;
+            BpfProgram::try_from(filter).map_err(|e| SeccompError::Compile(e.to_string()))
+        };
+        let cond = |arg, len, op, value| {
+            SeccompCondition::new(arg, len, op, value)
+                .map_err(|e| SeccompError::Compile(e.to_string()))
+        };
+        let rule =
+            |conds| SeccompRule::new(conds).map_err(|e| SeccompError::Compile(e.to_string()));
+
+        let mut denied: BTreeMap<i64, Vec<SeccompRule>> = BTreeMap::new();
+        let mut deny = |nr: libc::c_long| {
+            denied.insert(nr, Vec::new());
+        };
+        for nr in [
+            libc::SYS_ptrace,
+            libc::SYS_process_vm_readv,
+            libc::SYS_process_vm_writev,
+            libc::SYS_pidfd_getfd,
+            libc::SYS_kcmp,
+            libc::SYS_keyctl,
+            libc::SYS_add_key,
+            libc::SYS_request_key,
+            libc::SYS_bpf,
+            libc::SYS_perf_event_open,
+            libc::SYS_io_uring_setup,
+            libc::SYS_io_uring_enter,
+            libc::SYS_io_uring_register,
+            libc::SYS_userfaultfd,
+            libc::SYS_kexec_load,
+            libc::SYS_kexec_file_load,
+            libc::SYS_init_module,
+            libc::SYS_finit_module,
+            libc::SYS_delete_module,
+            libc::SYS_open_by_handle_at,
+            libc::SYS_name_to_handle_at,
+            libc::SYS_acct,
+            libc::SYS_swapon,
+            libc::SYS_swapoff,
+            libc::SYS_reboot,
+            libc::SYS_syslog,
+            libc::SYS_quotactl,
+            libc::SYS_setns,
+        ] {
+            deny(nr);
+        }
+        if !profile.namespaces {
+            for nr in [
+                libc::SYS_mount,
+                libc::SYS_umount2,
+                libc::SYS_pivot_root,
+                libc::SYS_move_mount,
+                libc::SYS_open_tree,
+                libc::SYS_fsopen,
+                libc::SYS_fsmount,
+                libc::SYS_fsconfig,
+                libc::SYS_fspick,
+                libc::SYS_mount_setattr,
+                libc::SYS_unshare,
+                libc::SYS_chroot,
+            ] {
+                deny(nr);
+            }
+        }
+        if !profile.exec {
+            deny(libc::SYS_execve);
+            deny(libc::SYS_execveat);
+        }
+        if !profile.namespaces {
+            // clone(flags, ...): refused when any namespace flag is set (rules are OR'ed).
+            let mut rules = Vec::new();
+            for flag in NAMESPACE_FLAGS {
+                let flag = flag as u64;
+                rules.push(rule(vec![cond(
+                    0,
+                    SeccompCmpArgLen::Qword,
+                    SeccompCmpOp::MaskedEq(flag),
+                    flag,
+                )?])?);
+            }
+            denied.insert(libc::SYS_clone, rules);
+        }
+        if !profile.network {
+            denied.insert(
+                libc::SYS_socket,
+                vec![rule(vec![cond(
+                    0,
+                    SeccompCmpArgLen::Dword,
+                    SeccompCmpOp::Ne,
+                    libc::AF_UNIX as u64,
+                )?])?],
+            );
+        }
+
+        let mut programs = vec![x32_guard()];
+        if !profile.namespaces {
+            let mut clone3 = BTreeMap::new();
+            clone3.insert(libc::SYS_clone3, Vec::new());
+            programs.push(compile(clone3, libc::ENOSYS)?);
+        }
+        programs.push(compile(denied, libc::EPERM)?);
+        Ok(SeccompPlan { programs })
+    }
+
+    /// Child side (async-signal-safe): installs the filters on the calling thread.
+    /// `no_new_privs` must already be set.
+    pub(crate) fn install(&self) -> Result<(), Failure> {
+        self.install_raw(0).at(Step::Seccomp)
+    }
+
+    /// Installs the filters on every thread of the process (`SECCOMP_FILTER_FLAG_TSYNC`).
+    pub(crate) fn install_all_threads(&self) -> Result<(), SeccompError> {
+        for program in &self.programs {
+            seccompiler::apply_filter_all_threads(program).map_err(|e| {
+                SeccompError::Install(std::io::Error::other(e.to_string()))
+            })?;
+        }
+        Ok(())
+    }
+
+    fn install_raw(&self, flags: libc::c_ulong) -> Result<(), i32> {
+        for program in &self.programs {
+            let prog = libc::sock_fprog {
+                len: program.len() as libc::c_ushort,
+                // seccompiler's sock_filter has libc's layout (both repr(C) mirrors of
+                // the kernel's struct).
+                filter: program.as_ptr() as *mut libc::sock_filter,
+            };
+            // SAFETY: `prog` points at `program`, alive for the duration of the call.
+            sys::check(unsafe {
+                libc::syscall(
+                    libc::SYS_seccomp,
+                    libc::SECCOMP_SET_MODE_FILTER,
+                    flags,
+                    &prog as *const libc::sock_fprog,
+                )
+            })?;
+        }
+        Ok(())
+    }
+}
+
+/// A hand-written filter: x32 system call numbers fail with ENOSYS.
+fn x32_guard() -> BpfProgram {
+    const X32_SYSCALL_BIT: u32 = 0x4000_0000;
+    const LD_W_ABS: u16 = 0x20; // BPF_LD | BPF_W | BPF_ABS
+    const JGE_K: u16 = 0x35; // BPF_JMP | BPF_JGE | BPF_K
+    const RET_K: u16 = 0x06; // BPF_RET | BPF_K
+    let ins = |code, jt, jf, k| sock_filter { code, jt, jf, k };
+    vec![
+        // seccomp_data.nr is at offset 0.
+        ins(LD_W_ABS, 0, 0, 0),
+        ins(JGE_K, 0, 1, X32_SYSCALL_BIT),
+        ins(RET_K, 0, 0, libc::SECCOMP_RET_ERRNO | libc::ENOSYS as u32),
+        ins(RET_K, 0, 0, libc::SECCOMP_RET_ALLOW),
+    ]
+}
+
+/// Whether the kernel supports seccomp filters (asks for an action's availability).
+pub fn filter_available() -> bool {
+    let action: u32 = libc::SECCOMP_RET_ERRNO;
+    // SAFETY: the argument points at a valid u32 for the duration of the call.
+    let ret = unsafe {
+        libc::syscall(libc::SYS_seccomp, libc::SECCOMP_GET_ACTION_AVAIL, 0u32, &action as *const u32)
+    };
+    ret == 0
+}

@@ -1,0 +1,118 @@
+//! Thin wrappers over the raw system calls that every barrier uses.
+//!
+//! Everything marked "async-signal-safe" here is a single system call with no allocation,
+//! so it may run in the child between `clone` and `execve` while other threads of the
+//! parent held locks at the moment of the fork.
+
+use std::ffi::{CStr, CString};
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
+
+/// The errno of the last failed call (async-signal-safe).
+pub(crate) fn errno() -> i32 {
+    // SAFETY: `__errno_location` returns a valid pointer to the calling thread's errno.
+    unsafe { *libc::__errno_location() }
+}
+
+/// Turns a `-1` return into `Err(errno)` (async-signal-safe).
+pub(crate) fn check(ret: libc::c_long) -> Result<libc::c_long, i32> {
+    if ret == -1 { Err(errno()) } else { Ok(ret) }
+}
+
+/// Same as [`check`] for calls returning `c_int`.
+pub(crate) fn check_int(ret: libc::c_int) -> Result<libc::c_int, i32> {
+    if ret == -1 { Err(errno()) } else { Ok(ret) }
+}
+
+/// A `CString` from a path; paths with an interior NUL are rejected.
+pub(crate) fn path_cstring(path: &Path) -> io::Result<CString> {
+    CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path contains a NUL byte"))
+}
+
+/// A `CString` from a string; strings with an interior NUL are rejected.
+pub(crate) fn cstring(s: &str) -> io::Result<CString> {
+    CString::new(s)
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "string contains a NUL byte"))
+}
+
+/// A pipe whose both ends are close-on-exec and numbered 3 or higher, so that they can
+/// never collide with the standard descriptors the child sets up.
+pub(crate) fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
+    let mut fds = [0 as RawFd; 2];
+    // SAFETY: `fds` is a valid array of two ints for pipe2 to fill.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } == -1 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: pipe2 succeeded, so both descriptors are open and owned by nobody else.
+    let (r, w) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    Ok((above_stdio(r)?, above_stdio(w)?))
+}
+
+/// Moves a descriptor numbered 0–2 (possible when the caller closed its stdio) above 2.
+fn above_stdio(fd: OwnedFd) -> io::Result<OwnedFd> {
+    if fd.as_raw_fd() > 2 {
+        return Ok(fd);
+    }
+    // SAFETY: F_DUPFD_CLOEXEC on an open descriptor returns a new open descriptor or -1.
+    let new = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 3) };
+    if new == -1 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `new` was just returned by fcntl and is owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(new) })
+}
+
+/// Sets `O_NONBLOCK` on a descriptor.
+pub(crate) fn set_nonblocking(fd: RawFd) -> io::Result<()> {
+    // SAFETY: F_GETFL/F_SETFL on a descriptor we own have no memory effects.
+    unsafe {
+        let flags = libc::fcntl(fd, libc::F_GETFL);
+        if flags == -1 || libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) == -1 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+/// Writes all of `buf` (async-signal-safe); gives up on the first error.
+pub(crate) fn write_all_raw(fd: RawFd, mut buf: &[u8]) -> Result<(), i32> {
+    while !buf.is_empty() {
+        // SAFETY: `buf` is a valid readable slice of `buf.len()` bytes.
+        let n = unsafe { libc::write(fd, buf.as_ptr().cast(), buf.len()) };
+        if n == -1 {
+            let e = errno();
+            if e == libc::EINTR {
+                continue;
+            }
+            return Err(e);
+        }
+        buf = &buf[n as usize..];
+    }
+    Ok(())
+}
+
+/// Writes a whole small file by path (used for cgroup and /proc knobs).
+pub(crate) fn write_file(path: &Path, contents: &[u8]) -> io::Result<()> {
+    use std::io::Write;
+    let mut f = std::fs::OpenOptions::new().write(true).open(path)?;
+    f.write_all(contents)
+}
+
+/// `mount(2)` with optional arguments (async-signal-safe).
+pub(crate) fn mount(
+    source: Option<&CStr>,
+    target: &CStr,
+    fstype: Option<&CStr>,
+    flags: libc::c_ulong,
+    data: Option<&CStr>,
+) -> Result<(), i32> {
+    let ptr = |s: Option<&CStr>| s.map_or(std::ptr::null(), CStr::as_ptr);
+    // SAFETY: every pointer is either null or a NUL-terminated string that outlives the call.
+    let ret = unsafe {
+        libc::mount(ptr(source), target.as_ptr(), ptr(fstype), flags, ptr(data).cast())
+    };
+    check_int(ret).map(drop)
+}

@@ -1,0 +1,203 @@
+//! `edit_file`: exact-text replacements, all or nothing, answered with a unified diff.
+
+use std::time::Duration;
+
+use rustix::fs::{AtFlags, FileType, OFlags};
+
+use crate::atomic::{AtomicError, write_atomic};
+use crate::resolve::{ResolveError, Workspace, open_beneath};
+use crate::text::{FileError, kind_name, looks_binary, read_capped};
+
+#[derive(Debug, thiserror::Error)]
+pub enum EditError {
+    #[error(transparent)]
+    Resolve(#[from] ResolveError),
+    #[error(transparent)]
+    File(#[from] FileError),
+    #[error(transparent)]
+    Atomic(#[from] AtomicError),
+    #[error(
+        "{path:?} is a symbolic link to {target:?}; edit_file does not edit through links, call \
+         it with the link's target path instead"
+    )]
+    Symlink { path: String, target: String },
+    #[error("{path:?} is larger than the {max} bytes edit_file handles; use write_file instead")]
+    TooLarge { path: String, max: u64 },
+    #[error("{path:?} is not UTF-8 text; edit_file edits text files only")]
+    NotText { path: String },
+    #[error("edits must hold at least one edit")]
+    NoEdits,
+    #[error("edit {index}: old_text is empty; give the exact text to replace")]
+    EmptyOldText { index: usize },
+    #[error(
+        "edit {index}: old_text was not found in {path:?} (after the edits before it were \
+         applied); nothing was changed. Call read_file to see the current text and copy \
+         old_text exactly, including whitespace and indentation"
+    )]
+    NotFound { index: usize, path: String },
+    #[error(
+        "edit {index}: old_text matches {count} places in {path:?}; nothing was changed. Include \
+         more surrounding lines in old_text so it matches exactly once, or set replace_all to \
+         true to replace every match"
+    )]
+    Ambiguous { index: usize, path: String, count: usize },
+    #[error(
+        "the edited text would be {size} bytes, more than the {max} bytes allowed; nothing was \
+         changed"
+    )]
+    ResultTooLarge { size: u64, max: u64 },
+}
+
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Edit {
+    pub old_text: String,
+    pub new_text: String,
+    #[serde(default)]
+    pub replace_all: bool,
+}
+
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EditArgs {
+    pub path: String,
+    pub edits: Vec<Edit>,
+    #[serde(default)]
+    pub dry_run: bool,
+}
+
+/// Applies `edits` in order to `text`. Edit numbers in errors are 1-based.
+pub fn apply_edits(text: &str, edits: &[Edit], path: &str) -> Result<(String, usize), EditError> {
+    if edits.is_empty() {
+        return Err(EditError::NoEdits);
+    }
+    let mut current = text.to_owned();
+    let mut replacements = 0;
+    for (i, edit) in edits.iter().enumerate() {
+        let index = i + 1;
+        if edit.old_text.is_empty() {
+            return Err(EditError::EmptyOldText { index });
+        }
+        let count = current.matches(edit.old_text.as_str()).count();
+        match count {
+            0 => return Err(EditError::NotFound { index, path: path.to_owned() }),
+            1 => current = current.replacen(edit.old_text.as_str(), &edit.new_text, 1),
+            _ if edit.replace_all => {
+                current = current.replace(edit.old_text.as_str(), &edit.new_text);
+            }
+            _ => return Err(EditError::Ambiguous { index, path: path.to_owned(), count }),
+        }
+        replacements += count;
+    }
+    Ok((current, replacements))
+}
+
+pub fn unified_diff(old: &str, new: &str, path: &str) -> String {
+    let clean = path.trim_start_matches("./");
+    similar::TextDiff::configure()
+        .timeout(Duration::from_secs(2))
+        .diff_lines(old, new)
+        .unified_diff()
+        .context_radius(3)
+        .header(&format!("a/{clean}"), &format!("b/{clean}"))
+        .to_string()
+}
+
+pub fn edit_file(ws: &Workspace, args: &EditArgs, max_bytes: u64) -> Result<String, EditError> {
+    let display = args.path.as_str();
+    let (dir, name) = ws.parent_and_name(display, "edit_file needs a file path")?;
+
+    // The final component itself, without following it.
+    let st = rustix::fs::statat(&dir, name.as_str(), AtFlags::SYMLINK_NOFOLLOW)
+        .map_err(|e| crate::resolve::map_errno(e, display))?;
+    match FileType::from_raw_mode(st.st_mode) {
+        FileType::RegularFile => {}
+        FileType::Symlink => {
+            let target = rustix::fs::readlinkat(&dir, name.as_str(), Vec::new())
+                .map(|t| t.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            return Err(EditError::Symlink { path: display.to_owned(), target });
+        }
+        FileType::Directory => {
+            return Err(FileError::IsDirectory { path: display.to_owned() }.into());
+        }
+        other => {
+            return Err(FileError::NotRegular { path: display.to_owned(), kind: kind_name(other) }
+                .into());
+        }
+    }
+
+    let fd = open_beneath(
+        &dir,
+        name.as_str(),
+        OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::NOCTTY,
+        rustix::fs::Mode::empty(),
+    )
+    .map_err(|e| crate::resolve::map_errno(e, display))?;
+    let mut file = std::fs::File::from(fd);
+    let bytes = read_capped(&mut file, max_bytes)
+        .map_err(|e| FileError::io(display, &e))?
+        .ok_or_else(|| EditError::TooLarge { path: display.to_owned(), max: max_bytes })?;
+    if looks_binary(&bytes[..bytes.len().min(crate::text::SNIFF_BYTES)]) {
+        return Err(EditError::NotText { path: display.to_owned() });
+    }
+    let old = String::from_utf8(bytes).map_err(|_| EditError::NotText { path: display.to_owned() })?;
+
+    let (new, replacements) = apply_edits(&old, &args.edits, display)?;
+    let size = new.len() as u64;
+    if size > max_bytes {
+        return Err(EditError::ResultTooLarge { size, max: max_bytes });
+    }
+    let diff = unified_diff(&old, &new, display);
+    let edits = args.edits.len();
+    let plural = |n: usize, word: &str| format!("{n} {word}{}", if n == 1 { "" } else { "s" });
+    let summary = format!(
+        "{} ({})",
+        plural(edits, "edit"),
+        plural(replacements, "replacement")
+    );
+    if old == new {
+        let what = if args.dry_run { "dry run: " } else { "" };
+        return Ok(format!("{what}{summary} leave {display} unchanged; nothing was written"));
+    }
+    if args.dry_run {
+        return Ok(format!("dry run: {summary} would change {display}; nothing was written\n{diff}"));
+    }
+    write_atomic(&dir, &name, new.as_bytes(), display)?;
+    Ok(format!("applied {summary} to {display}\n{diff}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn edit(old: &str, new: &str, all: bool) -> Edit {
+        Edit { old_text: old.into(), new_text: new.into(), replace_all: all }
+    }
+
+    #[test]
+    fn sequential_and_all_or_nothing() {
+        let text = "a b a\nc\n";
+        let (out, n) = apply_edits(text, &[edit("c", "d", false), edit("d", "e", false)], "f").unwrap();
+        assert_eq!(out, "a b a\ne\n");
+        assert_eq!(n, 2);
+        let err = apply_edits(text, &[edit("a", "x", false)], "f").unwrap_err();
+        assert!(matches!(err, EditError::Ambiguous { index: 1, count: 2, .. }), "{err}");
+        let (out, n) = apply_edits(text, &[edit("a", "x", true)], "f").unwrap();
+        assert_eq!((out.as_str(), n), ("x b x\nc\n", 2));
+        let err = apply_edits(text, &[edit("c", "d", false), edit("zz", "y", false)], "f").unwrap_err();
+        assert!(matches!(err, EditError::NotFound { index: 2, .. }), "{err}");
+        assert!(matches!(apply_edits(text, &[], "f"), Err(EditError::NoEdits)));
+        assert!(matches!(
+            apply_edits(text, &[edit("", "x", false)], "f"),
+            Err(EditError::EmptyOldText { index: 1 })
+        ));
+    }
+
+    #[test]
+    fn diff_has_headers() {
+        let d = unified_diff("a\nb\n", "a\nc\n", "dir/f.txt");
+        assert!(d.starts_with("--- a/dir/f.txt\n+++ b/dir/f.txt\n"), "{d}");
+        assert!(d.contains("-b\n+c\n"), "{d}");
+    }
+}

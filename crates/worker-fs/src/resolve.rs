@@ -1,0 +1,352 @@
+//! Confinement: every path of a call is resolved by the kernel beneath the workspace.
+//!
+//! The workspace directory is opened once per call; every later open is
+//! `openat2(workspace_fd or a dirfd beneath it, path, RESOLVE_BENEATH |
+//! RESOLVE_NO_MAGICLINKS)`. The kernel refuses (`EXDEV`) any resolution that would leave
+//! the starting directory, through `..`, an absolute path, an absolute or escaping
+//! symlink, or a `/proc` magic link. No safety decision is made on strings.
+
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::fs::DirBuilderExt;
+use std::path::{Path, PathBuf};
+
+use rustix::fs::{Mode, OFlags, ResolveFlags};
+use rustix::io::Errno;
+
+/// Where the shell sandbox mounts the workspace; absolute paths under it are accepted.
+pub const SANDBOX_ROOT: &str = "/workspace";
+
+/// How often a resolution is retried when the kernel reports a concurrent rename (`EAGAIN`).
+const EAGAIN_RETRIES: usize = 32;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ResolveError {
+    #[error("path {path:?} is outside the workspace; use a path relative to the workspace root")]
+    Outside { path: String },
+    #[error(
+        "{path:?} does not exist; use list_directory or search_files to find the right path"
+    )]
+    NotFound { path: String },
+    #[error("a component of {path:?} is not a directory; check the path with list_directory")]
+    NotADirectory { path: String },
+    #[error(
+        "{path:?} cannot be resolved: too many levels of symbolic links, or a symbolic link \
+         where a plain file or directory is needed"
+    )]
+    Loop { path: String },
+    #[error("path {path:?} contains a NUL byte; pass a plain relative path")]
+    Nul { path: String },
+    #[error("{path:?} is the workspace root; {hint}")]
+    Root { path: String, hint: &'static str },
+    #[error("path {path:?} must end in a file or directory name, not \".\" or \"..\"")]
+    NoName { path: String },
+    #[error("permission denied on {path:?}")]
+    Permission { path: String },
+    #[error("{path:?} exists and is not a directory; choose another path")]
+    NotADirectoryAt { path: String },
+    #[error("cannot access {path:?}: {errno}")]
+    Io { path: String, errno: Errno },
+    #[error("cannot open the workspace {dir}: {reason}")]
+    Workspace { dir: String, reason: String },
+    #[error(
+        "this kernel has no openat2 (Linux 5.6 or newer is needed); the fs worker refuses to \
+         touch files without it"
+    )]
+    Unsupported,
+}
+
+/// Maps an errno from resolving `path` to an error the model can act on.
+pub fn map_errno(errno: Errno, path: &str) -> ResolveError {
+    let path = path.to_owned();
+    match errno {
+        Errno::XDEV => ResolveError::Outside { path },
+        Errno::NOENT => ResolveError::NotFound { path },
+        Errno::NOTDIR => ResolveError::NotADirectory { path },
+        Errno::LOOP => ResolveError::Loop { path },
+        Errno::ACCESS | Errno::PERM => ResolveError::Permission { path },
+        Errno::NOSYS => ResolveError::Unsupported,
+        errno => ResolveError::Io { path, errno },
+    }
+}
+
+/// The last component of a relative path, split off lexically.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Last<'a> {
+    /// The path names the starting directory itself (`""`, `"."`, `"./"`).
+    Root,
+    /// The path ends in `..`.
+    Dots,
+    /// A plain name (no `/`, not `.` or `..`) inside `parent`.
+    Name { parent: &'a str, name: &'a str },
+}
+
+pub fn split_last(rel: &str) -> Last<'_> {
+    let mut s = rel;
+    loop {
+        let t = s.trim_end_matches('/');
+        if t.is_empty() || t == "." {
+            return Last::Root;
+        }
+        match t.strip_suffix("/.") {
+            Some(stripped) => s = stripped,
+            None => {
+                s = t;
+                break;
+            }
+        }
+    }
+    let (parent, name) = match s.rsplit_once('/') {
+        Some((p, n)) => (if p.is_empty() { "." } else { p }, n),
+        None => (".", s),
+    };
+    if name == ".." { Last::Dots } else { Last::Name { parent, name } }
+}
+
+/// The workspace of one call, opened.
+#[derive(Debug)]
+pub struct Workspace {
+    root: OwnedFd,
+    host: PathBuf,
+}
+
+fn resolve_flags() -> ResolveFlags {
+    ResolveFlags::BENEATH | ResolveFlags::NO_MAGICLINKS
+}
+
+/// `openat2` beneath `dir`, retried while the kernel reports a concurrent rename.
+pub fn open_beneath(
+    dir: impl AsFd,
+    path: &str,
+    flags: OFlags,
+    mode: Mode,
+) -> Result<OwnedFd, Errno> {
+    let dir = dir.as_fd();
+    let mut attempt = 0;
+    loop {
+        match rustix::fs::openat2(dir, path, flags | OFlags::CLOEXEC, mode, resolve_flags()) {
+            Err(Errno::AGAIN) if attempt < EAGAIN_RETRIES => attempt += 1,
+            other => return other,
+        }
+    }
+}
+
+/// Opens a child directory by its single-component `name` without following a symlink.
+pub fn open_child_dir(dir: impl AsFd, name: &str) -> Result<OwnedFd, Errno> {
+    let dir = dir.as_fd();
+    let mut attempt = 0;
+    loop {
+        match rustix::fs::openat2(
+            dir,
+            name,
+            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::empty(),
+            resolve_flags() | ResolveFlags::NO_SYMLINKS,
+        ) {
+            Err(Errno::AGAIN) if attempt < EAGAIN_RETRIES => attempt += 1,
+            other => return other,
+        }
+    }
+}
+
+/// Whether `segment` is one plain path component.
+fn is_plain_name(segment: &str) -> bool {
+    !segment.is_empty()
+        && segment != "."
+        && segment != ".."
+        && !segment.contains('/')
+        && !segment.contains('\0')
+}
+
+impl Workspace {
+    /// Opens (creating on demand, mode 0700) `<root>/<principal>/<session>`; the two
+    /// segments are opened beneath the root without following symlinks.
+    pub fn open_session(root: &Path, principal: &str, session: &str) -> Result<Self, ResolveError> {
+        let dir = root.join(principal).join(session);
+        let fail = |reason: String| ResolveError::Workspace {
+            dir: dir.display().to_string(),
+            reason,
+        };
+        if !is_plain_name(principal) || !is_plain_name(session) {
+            return Err(fail("principal and session must be plain path segments".into()));
+        }
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(root)
+            .map_err(|e| fail(e.to_string()))?;
+        let mut fd = rustix::fs::open(
+            root,
+            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+            Mode::empty(),
+        )
+        .map_err(|e| fail(e.to_string()))?;
+        for segment in [principal, session] {
+            match rustix::fs::mkdirat(&fd, segment, Mode::from_raw_mode(0o700)) {
+                Ok(()) | Err(Errno::EXIST) => {}
+                Err(Errno::NOSYS) => return Err(ResolveError::Unsupported),
+                Err(e) => return Err(fail(e.to_string())),
+            }
+            fd = open_child_dir(&fd, segment).map_err(|e| match e {
+                Errno::NOSYS => ResolveError::Unsupported,
+                e => fail(e.to_string()),
+            })?;
+        }
+        Ok(Self { root: fd, host: dir })
+    }
+
+    /// Turns a path as the model gave it into a path relative to the workspace root
+    /// (`"."` for the root). Absolute paths are accepted under `/workspace` and under the
+    /// workspace's host path; the result is still resolved by the kernel, so `..` in it
+    /// can never reach outside.
+    pub fn relative(&self, input: &str) -> Result<String, ResolveError> {
+        if input.contains('\0') {
+            return Err(ResolveError::Nul { path: input.to_owned() });
+        }
+        if !input.starts_with('/') {
+            return Ok(if input.is_empty() { ".".to_owned() } else { input.to_owned() });
+        }
+        let path = Path::new(input);
+        let rest = path
+            .strip_prefix(SANDBOX_ROOT)
+            .or_else(|_| path.strip_prefix(&self.host))
+            .ok()
+            .map(Path::to_path_buf)
+            .or_else(|| {
+                let canonical = std::fs::canonicalize(&self.host).ok()?;
+                path.strip_prefix(canonical).ok().map(Path::to_path_buf)
+            })
+            .ok_or_else(|| ResolveError::Outside { path: input.to_owned() })?;
+        let rest = rest.to_string_lossy().into_owned();
+        Ok(if rest.is_empty() { ".".to_owned() } else { rest })
+    }
+
+    /// Opens `rel` (following symlinks that stay inside) with `flags`.
+    pub fn open(&self, rel: &str, flags: OFlags, display: &str) -> Result<OwnedFd, ResolveError> {
+        open_beneath(&self.root, rel, flags, Mode::empty()).map_err(|e| map_errno(e, display))
+    }
+
+    /// Opens the directory `rel` for reading.
+    pub fn open_dir(&self, rel: &str, display: &str) -> Result<OwnedFd, ResolveError> {
+        self.open(rel, OFlags::RDONLY | OFlags::DIRECTORY, display)
+    }
+
+    /// Resolves `input` to its parent directory (opened beneath the workspace) and its
+    /// final plain name, for operations that act on the final component itself.
+    /// `root_hint` completes the error when `input` names the workspace root.
+    pub fn parent_and_name(
+        &self,
+        input: &str,
+        root_hint: &'static str,
+    ) -> Result<(OwnedFd, String), ResolveError> {
+        let rel = self.relative(input)?;
+        match split_last(&rel) {
+            Last::Root => Err(ResolveError::Root { path: input.to_owned(), hint: root_hint }),
+            Last::Dots => Err(ResolveError::NoName { path: input.to_owned() }),
+            Last::Name { parent, name } => {
+                let fd = self.open_dir(parent, input)?;
+                Ok((fd, name.to_owned()))
+            }
+        }
+    }
+
+    /// `mkdir -p` beneath the workspace, one component at a time on dirfds. Returns the
+    /// final directory and whether any directory was created.
+    pub fn make_dirs(&self, rel: &str, display: &str) -> Result<(OwnedFd, bool), ResolveError> {
+        let mut cur = open_beneath(&self.root, ".", dir_flags(), Mode::empty())
+            .map_err(|e| map_errno(e, display))?;
+        let mut created = false;
+        let mut walked = String::new();
+        for component in rel.split('/') {
+            if component.is_empty() || component == "." {
+                continue;
+            }
+            if !walked.is_empty() {
+                walked.push('/');
+            }
+            walked.push_str(component);
+            let next = match open_beneath(&cur, component, dir_flags(), Mode::empty()) {
+                Ok(fd) => fd,
+                Err(Errno::NOENT) if component != ".." => {
+                    match rustix::fs::mkdirat(&cur, component, Mode::from_raw_mode(0o755)) {
+                        Ok(()) => created = true,
+                        Err(Errno::EXIST) => {}
+                        Err(e) => return Err(map_errno(e, &walked)),
+                    }
+                    open_beneath(&cur, component, dir_flags(), Mode::empty()).map_err(|e| {
+                        match e {
+                            Errno::XDEV => ResolveError::Outside { path: display.to_owned() },
+                            e => map_errno(e, &walked),
+                        }
+                    })?
+                }
+                Err(Errno::NOTDIR) => {
+                    return Err(ResolveError::NotADirectoryAt { path: walked });
+                }
+                Err(Errno::XDEV) => return Err(ResolveError::Outside { path: display.to_owned() }),
+                Err(e) => return Err(map_errno(e, &walked)),
+            };
+            cur = next;
+        }
+        Ok((cur, created))
+    }
+}
+
+fn dir_flags() -> OFlags {
+    OFlags::RDONLY | OFlags::DIRECTORY
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn split_last_cases() {
+        assert_eq!(split_last("."), Last::Root);
+        assert_eq!(split_last(""), Last::Root);
+        assert_eq!(split_last("./"), Last::Root);
+        assert_eq!(split_last("./."), Last::Root);
+        assert_eq!(split_last("a"), Last::Name { parent: ".", name: "a" });
+        assert_eq!(split_last("a/"), Last::Name { parent: ".", name: "a" });
+        assert_eq!(split_last("a/."), Last::Name { parent: ".", name: "a" });
+        assert_eq!(split_last("a/b/c"), Last::Name { parent: "a/b", name: "c" });
+        assert_eq!(split_last("a//b"), Last::Name { parent: "a/", name: "b" });
+        assert_eq!(split_last("a/.."), Last::Dots);
+        assert_eq!(split_last(".."), Last::Dots);
+        assert_eq!(split_last("../x"), Last::Name { parent: "..", name: "x" });
+    }
+
+    #[test]
+    fn relative_paths() {
+        let dir = tempfile::tempdir().unwrap();
+        let ws = Workspace::open_session(dir.path(), "alice", "s1").unwrap();
+        assert_eq!(ws.relative("").unwrap(), ".");
+        assert_eq!(ws.relative("a/b").unwrap(), "a/b");
+        assert_eq!(ws.relative("/workspace").unwrap(), ".");
+        assert_eq!(ws.relative("/workspace/a/b").unwrap(), "a/b");
+        assert_eq!(ws.relative("/workspace/../x").unwrap(), "../x");
+        let host = dir.path().join("alice/s1/c.txt");
+        assert_eq!(ws.relative(host.to_str().unwrap()).unwrap(), "c.txt");
+        assert!(matches!(ws.relative("/etc/passwd"), Err(ResolveError::Outside { .. })));
+        assert!(matches!(ws.relative("/workspaces/x"), Err(ResolveError::Outside { .. })));
+        assert!(matches!(ws.relative("a\0b"), Err(ResolveError::Nul { .. })));
+    }
+
+    #[test]
+    fn workspace_segments_must_be_plain() {
+        let dir = tempfile::tempdir().unwrap();
+        assert!(Workspace::open_session(dir.path(), "..", "s1").is_err());
+        assert!(Workspace::open_session(dir.path(), "a/b", "s1").is_err());
+        assert!(Workspace::open_session(dir.path(), "a", ".").is_err());
+    }
+
+    #[test]
+    fn kernel_refuses_escapes() {
+        let dir = tempfile::tempdir().unwrap();
+        let ws = Workspace::open_session(dir.path(), "alice", "s1").unwrap();
+        let err = ws.open("../../x", OFlags::RDONLY, "../../x").unwrap_err();
+        assert!(matches!(err, ResolveError::Outside { .. }), "{err}");
+        std::os::unix::fs::symlink("/etc", dir.path().join("alice/s1/etc")).unwrap();
+        let err = ws.open("etc/passwd", OFlags::RDONLY, "etc/passwd").unwrap_err();
+        assert!(matches!(err, ResolveError::Outside { .. }), "{err}");
+    }
+}

@@ -1,0 +1,153 @@
+//! Opening regular files for reading, and telling text from binary.
+
+use std::fs::File;
+use std::io::{BufRead, Read};
+
+use rustix::fs::{FileType, OFlags};
+use rustix::io::Errno;
+
+use crate::resolve::{ResolveError, Workspace};
+
+/// How much of a file's start is inspected for NUL bytes.
+pub const SNIFF_BYTES: usize = 8192;
+
+#[derive(Debug, thiserror::Error)]
+pub enum FileError {
+    #[error(transparent)]
+    Resolve(#[from] ResolveError),
+    #[error("{path:?} is a directory; use list_directory to see what it contains")]
+    IsDirectory { path: String },
+    #[error("{path:?} is a {kind}, not a regular file; only regular files can be read")]
+    NotRegular { path: String, kind: &'static str },
+    #[error("{path:?} is a binary file ({size} bytes); read_file returns text only")]
+    Binary { path: String, size: u64 },
+    #[error("cannot read {path:?}: {errno}")]
+    Io { path: String, errno: Errno },
+}
+
+impl FileError {
+    pub fn io(path: &str, err: &std::io::Error) -> Self {
+        Self::Io { path: path.to_owned(), errno: Errno::from_io_error(err).unwrap_or(Errno::IO) }
+    }
+}
+
+pub fn kind_name(ft: FileType) -> &'static str {
+    match ft {
+        FileType::RegularFile => "file",
+        FileType::Directory => "directory",
+        FileType::Symlink => "symlink",
+        FileType::Fifo => "named pipe",
+        FileType::Socket => "socket",
+        FileType::CharacterDevice => "character device",
+        FileType::BlockDevice => "block device",
+        FileType::Unknown => "special file",
+    }
+}
+
+/// Opens `rel` beneath the workspace as a regular file (non-blocking, so a FIFO never
+/// hangs the call) and returns it with its size.
+pub fn open_regular(ws: &Workspace, rel: &str, display: &str) -> Result<(File, u64), FileError> {
+    let fd = ws.open(rel, OFlags::RDONLY | OFlags::NONBLOCK | OFlags::NOCTTY, display)?;
+    let st = rustix::fs::fstat(&fd)
+        .map_err(|errno| FileError::Io { path: display.to_owned(), errno })?;
+    match FileType::from_raw_mode(st.st_mode) {
+        FileType::RegularFile => {}
+        FileType::Directory => return Err(FileError::IsDirectory { path: display.to_owned() }),
+        other => {
+            return Err(FileError::NotRegular { path: display.to_owned(), kind: kind_name(other) });
+        }
+    }
+    Ok((File::from(fd), u64::try_from(st.st_size).unwrap_or(0)))
+}
+
+/// Whether `head` (the start of a file) looks binary: a NUL byte, or bytes that are not
+/// UTF-8 (a multi-byte character cut at the end of `head` does not count).
+pub fn looks_binary(head: &[u8]) -> bool {
+    if head.contains(&0) {
+        return true;
+    }
+    match std::str::from_utf8(head) {
+        Ok(_) => false,
+        Err(e) => e.error_len().is_some(),
+    }
+}
+
+/// Reads a whole regular file of at most `cap` bytes; `None` when it is larger.
+pub fn read_capped(file: &mut File, cap: u64) -> std::io::Result<Option<Vec<u8>>> {
+    let mut buf = Vec::new();
+    file.take(cap.saturating_add(1)).read_to_end(&mut buf)?;
+    if buf.len() as u64 > cap { Ok(None) } else { Ok(Some(buf)) }
+}
+
+/// Reads the next line (with its `\n`) into `buf`, keeping at most `cap` bytes of it and
+/// skipping the rest. Returns `None` at end of file, else whether the line was cut.
+pub fn next_line(r: &mut impl BufRead, buf: &mut Vec<u8>, cap: usize) -> std::io::Result<Option<bool>> {
+    buf.clear();
+    let mut any = false;
+    let mut cut = false;
+    loop {
+        let avail = r.fill_buf()?;
+        if avail.is_empty() {
+            return Ok(if any { Some(cut) } else { None });
+        }
+        any = true;
+        let (chunk_len, done) = match avail.iter().position(|&b| b == b'\n') {
+            Some(i) => (i + 1, true),
+            None => (avail.len(), false),
+        };
+        let room = cap.saturating_sub(buf.len());
+        if chunk_len > room {
+            buf.extend_from_slice(&avail[..room]);
+            cut = true;
+        } else {
+            buf.extend_from_slice(&avail[..chunk_len]);
+        }
+        r.consume(chunk_len);
+        if done {
+            return Ok(Some(cut));
+        }
+    }
+}
+
+/// Cuts `bytes` at the last complete UTF-8 character (after a byte cap split one).
+pub fn trim_partial_char(bytes: &mut Vec<u8>) {
+    if let Err(e) = std::str::from_utf8(bytes)
+        && e.error_len().is_none()
+    {
+        bytes.truncate(e.valid_up_to());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn binary_detection() {
+        assert!(!looks_binary(b"hello\nworld"));
+        assert!(looks_binary(b"hel\0lo"));
+        assert!(looks_binary(&[0xff, 0xfe, b'a']));
+        // "é" cut in half at the end of the sniffed window is still text.
+        assert!(!looks_binary(&[b'a', 0xc3]));
+    }
+
+    #[test]
+    fn lines_are_capped() {
+        let mut r = std::io::BufReader::with_capacity(4, &b"abcdefgh\nxy\nz"[..]);
+        let mut buf = Vec::new();
+        assert_eq!(next_line(&mut r, &mut buf, 3).unwrap(), Some(true));
+        assert_eq!(buf, b"abc");
+        assert_eq!(next_line(&mut r, &mut buf, 100).unwrap(), Some(false));
+        assert_eq!(buf, b"xy\n");
+        assert_eq!(next_line(&mut r, &mut buf, 0).unwrap(), Some(true));
+        assert!(buf.is_empty());
+        assert_eq!(next_line(&mut r, &mut buf, 10).unwrap(), None);
+    }
+
+    #[test]
+    fn partial_chars_are_trimmed() {
+        let mut v = "aé".as_bytes()[..2].to_vec();
+        trim_partial_char(&mut v);
+        assert_eq!(v, b"a");
+    }
+}

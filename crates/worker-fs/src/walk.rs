@@ -1,0 +1,158 @@
+//! Directory walking on dirfds: sorted, bounded, never following symlinks.
+
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+
+use rustix::fs::{AtFlags, Dir, FileType, Mode, OFlags};
+use rustix::io::Errno;
+
+use crate::resolve::{ResolveError, Workspace, open_beneath, open_child_dir};
+use crate::text::kind_name;
+
+/// Deepest directory level a recursive walk descends to.
+pub const MAX_DEPTH: usize = 64;
+
+/// Entries read from one directory at most; the rest are reported as cut.
+const MAX_DIR_ENTRIES: usize = 100_000;
+
+#[derive(Debug, thiserror::Error)]
+pub enum WalkError {
+    #[error(transparent)]
+    Resolve(#[from] ResolveError),
+    #[error("{path:?} is a {kind}, not a directory; {hint}")]
+    NotADirectory { path: String, kind: &'static str, hint: &'static str },
+    #[error("cannot read directory {path:?}: {errno}")]
+    Io { path: String, errno: Errno },
+}
+
+/// One directory entry as the walk reports it.
+#[derive(Debug)]
+pub struct Entry<'a> {
+    /// Path relative to the directory the walk started in.
+    pub rel: &'a str,
+    pub name: &'a str,
+    pub kind: FileType,
+    /// The directory holding the entry.
+    pub dir: BorrowedFd<'a>,
+}
+
+#[derive(Debug, Default)]
+pub struct WalkEnd {
+    /// Directories deeper than [`MAX_DEPTH`] were not entered.
+    pub depth_limited: bool,
+    /// A directory had more entries than one walk reads from it.
+    pub dir_cut: bool,
+    /// The stop callback ended the walk (deadline or cancellation).
+    pub stopped: bool,
+    /// The visitor ended the walk.
+    pub visitor_stopped: bool,
+}
+
+#[derive(Debug, PartialEq, Eq)]
+pub enum Visit {
+    Continue,
+    Stop,
+}
+
+/// Opens `rel` as a directory; a file there gives an error with `hint`.
+pub fn open_directory(
+    ws: &Workspace,
+    rel: &str,
+    display: &str,
+    hint: &'static str,
+) -> Result<OwnedFd, WalkError> {
+    let fd = ws.open(rel, OFlags::PATH, display)?;
+    let st = rustix::fs::fstat(&fd)
+        .map_err(|errno| WalkError::Io { path: display.to_owned(), errno })?;
+    let kind = FileType::from_raw_mode(st.st_mode);
+    if kind != FileType::Directory {
+        return Err(WalkError::NotADirectory { path: display.to_owned(), kind: kind_name(kind), hint });
+    }
+    open_beneath(&fd, ".", OFlags::RDONLY | OFlags::DIRECTORY, Mode::empty())
+        .map_err(|e| crate::resolve::map_errno(e, display).into())
+}
+
+/// The entries of `dir`, sorted by name, without `.` and `..`. The bool is true when the
+/// directory had more than [`MAX_DIR_ENTRIES`].
+pub fn read_entries(dir: impl AsFd) -> Result<(Vec<(String, FileType)>, bool), Errno> {
+    let dir = dir.as_fd();
+    let mut stream = Dir::read_from(dir)?;
+    let mut entries = Vec::new();
+    let mut cut = false;
+    while let Some(entry) = stream.read() {
+        let entry = entry?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name == "." || name == ".." {
+            continue;
+        }
+        if entries.len() >= MAX_DIR_ENTRIES {
+            cut = true;
+            break;
+        }
+        let mut kind = entry.file_type();
+        if kind == FileType::Unknown
+            && let Ok(st) = rustix::fs::statat(dir, name.as_str(), AtFlags::SYMLINK_NOFOLLOW)
+        {
+            kind = FileType::from_raw_mode(st.st_mode);
+        }
+        entries.push((name, kind));
+    }
+    entries.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok((entries, cut))
+}
+
+/// Walks `dir` depth-first in name order, calling `visit` for every entry. Symlinks are
+/// reported, never followed; subdirectories are opened by name with `O_NOFOLLOW` and
+/// `RESOLVE_NO_SYMLINKS`, so a directory swapped for a link is skipped, not entered.
+pub fn walk(
+    dir: &OwnedFd,
+    recursive: bool,
+    visit: &mut dyn FnMut(&Entry<'_>) -> Visit,
+    stop: &dyn Fn() -> bool,
+) -> Result<WalkEnd, Errno> {
+    let mut end = WalkEnd::default();
+    walk_dir(dir, "", 0, recursive, visit, stop, &mut end)?;
+    Ok(end)
+}
+
+fn walk_dir(
+    dir: &OwnedFd,
+    prefix: &str,
+    depth: usize,
+    recursive: bool,
+    visit: &mut dyn FnMut(&Entry<'_>) -> Visit,
+    stop: &dyn Fn() -> bool,
+    end: &mut WalkEnd,
+) -> Result<bool, Errno> {
+    let (entries, cut) = match read_entries(dir) {
+        Ok(read) => read,
+        // Only the starting directory's errors are the caller's; deeper ones are skipped.
+        Err(e) if depth == 0 => return Err(e),
+        Err(_) => return Ok(true),
+    };
+    end.dir_cut |= cut;
+    for (name, kind) in entries {
+        if stop() {
+            end.stopped = true;
+            return Ok(false);
+        }
+        let rel = if prefix.is_empty() { name.clone() } else { format!("{prefix}/{name}") };
+        let entry = Entry { rel: &rel, name: &name, kind, dir: dir.as_fd() };
+        if visit(&entry) == Visit::Stop {
+            end.visitor_stopped = true;
+            return Ok(false);
+        }
+        if recursive && kind == FileType::Directory {
+            if depth + 1 >= MAX_DEPTH {
+                end.depth_limited = true;
+                continue;
+            }
+            let Ok(child) = open_child_dir(dir, &name) else {
+                continue;
+            };
+            if !walk_dir(&child, &rel, depth + 1, recursive, visit, stop, end)? {
+                return Ok(false);
+            }
+        }
+    }
+    Ok(true)
+}

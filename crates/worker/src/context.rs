@@ -1,0 +1,66 @@
+//! What a tool sees of the call it is running.
+
+use std::time::Instant;
+
+use airlock_policy::SessionId;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+/// Which output stream a chunk belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OutputStream {
+    Stdout,
+    Stderr,
+}
+
+/// An event a running tool emits before its final result.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ToolEvent {
+    Progress { progress: f64, total: Option<f64>, message: String },
+    Output { stream: OutputStream, data: Vec<u8> },
+}
+
+/// The context of one call: who it runs for, until when, and a way to report progress.
+#[derive(Debug, Clone)]
+pub struct CallContext {
+    pub call_id: String,
+    /// Validated path segment naming the principal the call runs for.
+    pub principal: String,
+    pub session_id: SessionId,
+    /// When the worker's own timer ends the call.
+    pub deadline: Instant,
+    /// Cancelled when the caller goes away, the deadline passes or the worker drains
+    /// past its grace period.
+    pub cancel: CancellationToken,
+    events: mpsc::Sender<ToolEvent>,
+}
+
+impl CallContext {
+    pub fn new(
+        call_id: String,
+        principal: String,
+        session_id: SessionId,
+        deadline: Instant,
+        cancel: CancellationToken,
+        events: mpsc::Sender<ToolEvent>,
+    ) -> Self {
+        Self { call_id, principal, session_id, deadline, cancel, events }
+    }
+
+    /// Reports progress. Never blocks the tool: when the caller is slow, events are
+    /// dropped rather than stalling the call.
+    pub fn progress(&self, progress: f64, total: Option<f64>, message: impl Into<String>) {
+        let _ = self.events.try_send(ToolEvent::Progress { progress, total, message: message.into() });
+    }
+
+    /// Streams a chunk of output; waits when the caller is slow so no output is lost.
+    pub async fn output(&self, stream: OutputStream, data: Vec<u8>) {
+        let _ = self.events.send(ToolEvent::Output { stream, data }).await;
+    }
+
+    /// A blocking-context variant of [`CallContext::output`], for tools that run on a
+    /// blocking thread (the sandbox's output pump).
+    pub fn output_blocking(&self, stream: OutputStream, data: Vec<u8>) {
+        let _ = self.events.blocking_send(ToolEvent::Output { stream, data });
+    }
+}

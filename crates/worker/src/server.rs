@@ -1,0 +1,390 @@
+//! The `airlock.v1.ToolWorker` gRPC server.
+//!
+//! Three promises are kept here rather than in each tool: the worker's own timer ends a
+//! call at its deadline (`DEADLINE_EXCEEDED`), a caller that goes away cancels its call,
+//! and shutdown drains (no new calls, in-flight calls finish up to a grace period).
+
+use std::future::Future;
+use std::io;
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use airlock_policy::{SessionId, ToolOutcome, validate_segment};
+use airlock_proto::v1 as pb;
+use airlock_proto::v1::tool_worker_server::{ToolWorker, ToolWorkerServer};
+use futures::Stream;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream, UnixListenerStream};
+use tokio_util::sync::{CancellationToken, DropGuard};
+use tonic::{Request, Response, Status};
+
+use crate::{CallContext, ListenAddr, OutputStream, ToolEvent, ToolSet};
+
+/// Largest gRPC message accepted or sent (arguments and results of one call).
+const MAX_MESSAGE_BYTES: usize = 32 * 1024 * 1024;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("cannot bind {addr}: {source}")]
+    Bind { addr: String, source: io::Error },
+    #[error("cannot prepare socket directory {path}: {source}")]
+    SocketDir { path: String, source: io::Error },
+    #[error("cannot build reflection service: {0}")]
+    Reflection(#[from] tonic_reflection::server::Error),
+    #[error("grpc server failed: {0}")]
+    Transport(#[from] tonic::transport::Error),
+}
+
+/// Deadlines and drain behaviour of a worker.
+#[derive(Debug, Clone)]
+pub struct WorkerSettings {
+    /// Deadline of a call whose request names none.
+    pub default_timeout: Duration,
+    /// Upper bound of any call's deadline.
+    pub max_timeout: Duration,
+    /// How long in-flight calls may run on after shutdown starts.
+    pub drain_grace: Duration,
+}
+
+impl Default for WorkerSettings {
+    fn default() -> Self {
+        Self {
+            default_timeout: Duration::from_secs(30),
+            max_timeout: Duration::from_secs(600),
+            drain_grace: Duration::from_secs(30),
+        }
+    }
+}
+
+/// A bound, not yet serving, listener. Binding is synchronous so that a process can bind,
+/// confine itself and only then start its async runtime.
+#[derive(Debug)]
+pub enum BoundListener {
+    Unix(std::os::unix::net::UnixListener),
+    Tcp(std::net::TcpListener),
+}
+
+impl BoundListener {
+    /// Binds `addr`. A Unix socket replaces a stale socket file and is made accessible to
+    /// the owner only, so only the orchestrator running as the same user can connect.
+    pub fn bind(addr: &ListenAddr) -> Result<Self, ServeError> {
+        let bind_err = |source| ServeError::Bind { addr: addr.to_string(), source };
+        match addr {
+            ListenAddr::Unix(path) => {
+                prepare_socket_path(path)?;
+                let listener = std::os::unix::net::UnixListener::bind(path).map_err(bind_err)?;
+                std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+                    .map_err(bind_err)?;
+                listener.set_nonblocking(true).map_err(bind_err)?;
+                Ok(BoundListener::Unix(listener))
+            }
+            ListenAddr::Tcp(sock) => {
+                let listener = std::net::TcpListener::bind(sock).map_err(bind_err)?;
+                listener.set_nonblocking(true).map_err(bind_err)?;
+                Ok(BoundListener::Tcp(listener))
+            }
+        }
+    }
+
+    /// The address actually bound (resolves port 0).
+    pub fn local_addr(&self) -> String {
+        match self {
+            BoundListener::Unix(l) => l
+                .local_addr()
+                .ok()
+                .and_then(|a| a.as_pathname().map(|p| format!("unix:{}", p.display())))
+                .unwrap_or_else(|| "unix:?".to_owned()),
+            BoundListener::Tcp(l) => {
+                l.local_addr().map(|a| a.to_string()).unwrap_or_else(|_| "tcp:?".to_owned())
+            }
+        }
+    }
+}
+
+fn prepare_socket_path(path: &Path) -> Result<(), ServeError> {
+    let dir_err = |source| ServeError::SocketDir { path: path.display().to_string(), source };
+    if let Some(parent) = path.parent() {
+        std::fs::create_dir_all(parent).map_err(dir_err)?;
+    }
+    match std::fs::remove_file(path) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(dir_err(e)),
+    }
+}
+
+/// A worker: a tool set plus the settings it is served with.
+pub struct WorkerServer {
+    tools: ToolSet,
+    settings: WorkerSettings,
+}
+
+impl WorkerServer {
+    pub fn new(tools: ToolSet, settings: WorkerSettings) -> Self {
+        Self { tools, settings }
+    }
+
+    /// Serves until `shutdown` resolves, then drains: the listener stops accepting,
+    /// health turns NOT_SERVING, in-flight calls get `drain_grace` to finish and are
+    /// cancelled after that.
+    pub async fn serve(
+        self,
+        listener: BoundListener,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> Result<(), ServeError> {
+        let (health, health_service) = tonic_health::server::health_reporter();
+        health.set_serving::<ToolWorkerServer<WorkerService>>().await;
+        let reflection = tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(airlock_proto::FILE_DESCRIPTOR_SET)
+            .build_v1()?;
+
+        let all_calls = CancellationToken::new();
+        let service = WorkerService {
+            tools: self.tools,
+            settings: self.settings.clone(),
+            all_calls: all_calls.clone(),
+        };
+        let router = tonic::transport::Server::builder()
+            .add_service(health_service)
+            .add_service(reflection)
+            .add_service(
+                ToolWorkerServer::new(service)
+                    .max_decoding_message_size(MAX_MESSAGE_BYTES)
+                    .max_encoding_message_size(MAX_MESSAGE_BYTES),
+            );
+
+        let draining = CancellationToken::new();
+        let stop_accepting = {
+            let draining = draining.clone();
+            let health = health.clone();
+            async move {
+                shutdown.await;
+                tracing::info!("shutdown requested: draining in-flight calls");
+                health.set_not_serving::<ToolWorkerServer<WorkerService>>().await;
+                draining.cancel();
+            }
+        };
+        let serving = async move {
+            match listener {
+                BoundListener::Unix(l) => {
+                    let incoming = UnixListenerStream::new(
+                        tokio::net::UnixListener::from_std(l).map_err(|source| {
+                            ServeError::Bind { addr: "unix socket".to_owned(), source }
+                        })?,
+                    );
+                    router.serve_with_incoming_shutdown(incoming, stop_accepting).await?;
+                }
+                BoundListener::Tcp(l) => {
+                    let incoming = TcpListenerStream::new(
+                        tokio::net::TcpListener::from_std(l).map_err(|source| {
+                            ServeError::Bind { addr: "tcp socket".to_owned(), source }
+                        })?,
+                    );
+                    router.serve_with_incoming_shutdown(incoming, stop_accepting).await?;
+                }
+            }
+            Ok::<(), ServeError>(())
+        };
+        let grace = self.settings.drain_grace;
+        tokio::select! {
+            result = serving => result,
+            _ = async { draining.cancelled().await; tokio::time::sleep(grace).await } => {
+                tracing::warn!(grace_ms = grace.as_millis() as u64, "drain grace period over: cancelling in-flight calls");
+                all_calls.cancel();
+                Ok(())
+            }
+        }
+    }
+}
+
+struct WorkerService {
+    tools: ToolSet,
+    settings: WorkerSettings,
+    all_calls: CancellationToken,
+}
+
+impl WorkerService {
+    fn call_timeout(&self, requested_ms: u64, grpc_timeout: Option<Duration>) -> Duration {
+        let requested = match requested_ms {
+            0 => self.settings.default_timeout,
+            ms => Duration::from_millis(ms),
+        };
+        let bounded = requested.min(self.settings.max_timeout);
+        grpc_timeout.map_or(bounded, |t| bounded.min(t))
+    }
+}
+
+type EventStream = Pin<Box<dyn Stream<Item = Result<pb::ExecuteEvent, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl ToolWorker for WorkerService {
+    async fn list_tools(
+        &self,
+        _request: Request<pb::ListToolsRequest>,
+    ) -> Result<Response<pb::ListToolsResponse>, Status> {
+        let tools = self.tools.definitions().iter().map(pb::ToolDefinition::from).collect();
+        Ok(Response::new(pb::ListToolsResponse { group: self.tools.group().to_owned(), tools }))
+    }
+
+    type ExecuteStream = EventStream;
+
+    async fn execute(
+        &self,
+        request: Request<pb::ExecuteRequest>,
+    ) -> Result<Response<Self::ExecuteStream>, Status> {
+        let grpc_timeout = request.metadata().get("grpc-timeout").and_then(|v| {
+            v.to_str().ok().and_then(parse_grpc_timeout)
+        });
+        let request = request.into_inner();
+        let tool = self
+            .tools
+            .get(&request.tool)
+            .ok_or_else(|| Status::not_found(format!("tool {:?} is not served here", request.tool)))?;
+        let arguments: serde_json::Value = serde_json::from_str(&request.arguments_json)
+            .map_err(|e| Status::invalid_argument(format!("arguments are not valid JSON: {e}")))?;
+        if !arguments.is_object() {
+            return Err(Status::invalid_argument("arguments must be a JSON object"));
+        }
+        validate_segment("principal", &request.principal)
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let session_id = if request.session_id.is_empty() {
+            SessionId::default_session()
+        } else {
+            SessionId::parse(&request.session_id)
+                .map_err(|e| Status::invalid_argument(e.to_string()))?
+        };
+
+        let timeout = self.call_timeout(request.timeout_ms, grpc_timeout);
+        let deadline = Instant::now() + timeout;
+        let cancel = self.all_calls.child_token();
+        let (event_tx, event_rx) = mpsc::channel(256);
+        let (out_tx, out_rx) = mpsc::channel(256);
+        let ctx = CallContext::new(
+            request.call_id.clone(),
+            request.principal,
+            session_id,
+            deadline,
+            cancel.clone(),
+            event_tx,
+        );
+        tracing::debug!(call_id = %request.call_id, tool = %request.tool, "execute");
+        let call = async move { tool.execute(arguments, ctx).await };
+        tokio::spawn(run_call(call, event_rx, out_tx, cancel.clone(), timeout));
+
+        let stream = CancelOnDrop { inner: ReceiverStream::new(out_rx), _guard: cancel.drop_guard() };
+        Ok(Response::new(Box::pin(stream)))
+    }
+}
+
+/// Drives one call: forwards its events, then its result; ends it at the deadline; stops
+/// when the caller has gone away.
+async fn run_call(
+    call: impl Future<Output = ToolOutcome> + Send,
+    mut events: mpsc::Receiver<ToolEvent>,
+    out: mpsc::Sender<Result<pb::ExecuteEvent, Status>>,
+    cancel: CancellationToken,
+    timeout: Duration,
+) {
+    tokio::pin!(call);
+    let expiry = tokio::time::sleep(timeout);
+    tokio::pin!(expiry);
+    loop {
+        tokio::select! {
+            biased;
+            _ = cancel.cancelled() => {
+                // The caller went away (or the drain grace ran out): dropping the call's
+                // future is the cancellation; tools clean up in their Drop impls.
+                return;
+            }
+            outcome = &mut call => {
+                while let Ok(event) = events.try_recv() {
+                    let _ = out.send(Ok(wire_event(event))).await;
+                }
+                let result = pb::execute_event::Event::Result((&outcome).into());
+                let _ = out.send(Ok(pb::ExecuteEvent { event: Some(result) })).await;
+                return;
+            }
+            Some(event) = events.recv() => {
+                if out.send(Ok(wire_event(event))).await.is_err() {
+                    return;
+                }
+            }
+            _ = &mut expiry => {
+                cancel.cancel();
+                let message = format!("the call did not finish within {} ms and was stopped", timeout.as_millis());
+                let _ = out.send(Err(Status::deadline_exceeded(message))).await;
+                return;
+            }
+        }
+    }
+}
+
+fn wire_event(event: ToolEvent) -> pb::ExecuteEvent {
+    let event = match event {
+        ToolEvent::Progress { progress, total, message } => {
+            pb::execute_event::Event::Progress(pb::Progress {
+                progress,
+                total: total.unwrap_or(0.0),
+                message,
+            })
+        }
+        ToolEvent::Output { stream, data } => pb::execute_event::Event::Output(pb::Output {
+            stream: match stream {
+                OutputStream::Stdout => pb::OutputStream::Stdout,
+                OutputStream::Stderr => pb::OutputStream::Stderr,
+            } as i32,
+            data,
+        }),
+    };
+    pb::ExecuteEvent { event: Some(event) }
+}
+
+/// Parses a `grpc-timeout` header value: up to 8 digits and a unit (H M S m u n).
+fn parse_grpc_timeout(value: &str) -> Option<Duration> {
+    if value.len() < 2 || value.len() > 9 {
+        return None;
+    }
+    let (digits, unit) = value.split_at(value.len() - 1);
+    let n: u64 = digits.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(n.saturating_mul(3600)),
+        "M" => Duration::from_secs(n.saturating_mul(60)),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => return None,
+    })
+}
+
+/// A response stream that cancels its call when the transport drops it, which is how a
+/// caller that disconnects (or cancels its RPC) reaches the running tool.
+struct CancelOnDrop<S> {
+    inner: S,
+    _guard: DropGuard,
+}
+
+impl<S: Stream + Unpin> Stream for CancelOnDrop<S> {
+    type Item = S::Item;
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        Pin::new(&mut self.inner).poll_next(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grpc_timeout_units() {
+        assert_eq!(parse_grpc_timeout("5S"), Some(Duration::from_secs(5)));
+        assert_eq!(parse_grpc_timeout("250m"), Some(Duration::from_millis(250)));
+        assert_eq!(parse_grpc_timeout("1H"), Some(Duration::from_secs(3600)));
+        assert_eq!(parse_grpc_timeout("S"), None);
+        assert_eq!(parse_grpc_timeout("123456789S"), None);
+        assert_eq!(parse_grpc_timeout("5x"), None);
+    }
+}
