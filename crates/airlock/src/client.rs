@@ -19,13 +19,20 @@ impl Target {
     /// `--url`/`--token` (or `AIRLOCK_URL`/`AIRLOCK_TOKEN`), else `<data_dir>/endpoints.json`.
     fn resolve(connection: &Connection) -> anyhow::Result<Self> {
         let from_dir = || -> anyhow::Result<(String, Option<PathBuf>)> {
-            let loaded = Loaded::load(connection.location.config.as_deref(), connection.location.data_dir.as_deref())?;
+            let loaded = Loaded::load(
+                connection.location.config.as_deref(),
+                connection.location.data_dir.as_deref(),
+            )?;
             let path = loaded.data_dir.join("endpoints.json");
             let text = std::fs::read_to_string(&path).with_context(|| {
                 format!("cannot read {}; is `airlock up` running? Otherwise set AIRLOCK_URL and AIRLOCK_TOKEN", path.display())
             })?;
-            let endpoints: Value = serde_json::from_str(&text).with_context(|| format!("{} is not valid JSON", path.display()))?;
-            let url = endpoints["http"].as_str().context("endpoints.json has no \"http\"")?.to_owned();
+            let endpoints: Value = serde_json::from_str(&text)
+                .with_context(|| format!("{} is not valid JSON", path.display()))?;
+            let url = endpoints["http"]
+                .as_str()
+                .context("endpoints.json has no \"http\"")?
+                .to_owned();
             Ok((url, endpoints["token_file"].as_str().map(PathBuf::from)))
         };
         let (url, token_file) = match &connection.url {
@@ -40,15 +47,25 @@ impl Target {
                 .to_owned(),
             (None, None) => bail!("no token: pass --token or set AIRLOCK_TOKEN"),
         };
-        Ok(Self { url: url.trim_end_matches('/').to_owned(), token })
+        Ok(Self {
+            url: url.trim_end_matches('/').to_owned(),
+            token,
+        })
     }
 
     fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
-        tokio::runtime::Builder::new_current_thread().enable_all().build().context("cannot start the async runtime")
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .context("cannot start the async runtime")
     }
 
     async fn send(&self, request: reqwest::RequestBuilder) -> anyhow::Result<Value> {
-        let response = request.bearer_auth(&self.token).send().await.with_context(|| format!("cannot reach {}", self.url))?;
+        let response = request
+            .bearer_auth(&self.token)
+            .send()
+            .await
+            .with_context(|| format!("cannot reach {}", self.url))?;
         let status = response.status();
         let body: Value = response.json().await.context("the response is not JSON")?;
         if !status.is_success() {
@@ -63,14 +80,19 @@ pub fn tools(connection: &Connection, raw: bool, format: &str) -> anyhow::Result
     let target = Target::resolve(connection)?;
     let body = Target::runtime()?.block_on(async {
         let client = reqwest::Client::new();
-        target.send(client.get(format!("{}/v1/tools?format={format}", target.url))).await
+        target
+            .send(client.get(format!("{}/v1/tools?format={format}", target.url)))
+            .await
     })?;
     if raw {
         println!("{}", serde_json::to_string_pretty(&body)?);
         return Ok(ExitCode::SUCCESS);
     }
     for tool in body["tools"].as_array().into_iter().flatten() {
-        let name = tool["name"].as_str().or_else(|| tool["function"]["name"].as_str()).unwrap_or("?");
+        let name = tool["name"]
+            .as_str()
+            .or_else(|| tool["function"]["name"].as_str())
+            .unwrap_or("?");
         let description = tool["description"]
             .as_str()
             .or_else(|| tool["function"]["description"].as_str())
@@ -93,13 +115,20 @@ pub fn call(
         bail!("the arguments must be a JSON object, e.g. '{{\"path\": \"notes.txt\"}}'");
     }
     let target = Target::resolve(connection)?;
-    let mut request = json!({"tool_uses": [{"type": "tool_use", "id": "cli", "name": tool, "input": input}]});
+    let mut request =
+        json!({"tool_uses": [{"type": "tool_use", "id": "cli", "name": tool, "input": input}]});
     if let Some(session) = session {
         request["session_id"] = json!(session);
     }
     let body = Target::runtime()?.block_on(async {
         let client = reqwest::Client::new();
-        target.send(client.post(format!("{}/v1/tool_calls", target.url)).json(&request)).await
+        target
+            .send(
+                client
+                    .post(format!("{}/v1/tool_calls", target.url))
+                    .json(&request),
+            )
+            .await
     })?;
     if raw {
         println!("{}", serde_json::to_string_pretty(&body)?);
@@ -115,5 +144,9 @@ pub fn call(
             println!("{}", block["text"].as_str().unwrap_or_default());
         }
     }
-    Ok(if result["is_error"].as_bool().unwrap_or(false) { ExitCode::FAILURE } else { ExitCode::SUCCESS })
+    Ok(if result["is_error"].as_bool().unwrap_or(false) {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    })
 }

@@ -75,11 +75,18 @@ impl Loaded {
             },
         };
         let data_dir = absolute(&data_dir)?;
-        Ok(Self { file, config: parsed, data_dir })
+        Ok(Self {
+            file,
+            config: parsed,
+            data_dir,
+        })
     }
 
     pub fn workspaces_root(&self) -> PathBuf {
-        self.config.workspaces_root.clone().unwrap_or_else(|| self.data_dir.join("workspaces"))
+        self.config
+            .workspaces_root
+            .clone()
+            .unwrap_or_else(|| self.data_dir.join("workspaces"))
     }
 
     pub fn socket_path(&self, group: &str) -> PathBuf {
@@ -131,7 +138,9 @@ fn absolute(path: &Path) -> anyhow::Result<PathBuf> {
     if path.is_absolute() {
         return Ok(path.to_path_buf());
     }
-    Ok(std::env::current_dir().context("cannot read the current directory")?.join(path))
+    Ok(std::env::current_dir()
+        .context("cannot read the current directory")?
+        .join(path))
 }
 
 #[cfg(test)]
@@ -148,7 +157,8 @@ mod tests {
 
     #[test]
     fn unknown_keys_are_refused() {
-        let err = toml::from_str::<AirlockConfig>("[orchestrator]\nhttp_lisen = \"x\"\n").unwrap_err();
+        let err =
+            toml::from_str::<AirlockConfig>("[orchestrator]\nhttp_lisen = \"x\"\n").unwrap_err();
         assert!(err.to_string().contains("http_lisen"), "{err}");
     }
 

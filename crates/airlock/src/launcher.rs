@@ -26,8 +26,14 @@ const HEALTHY_RUN: Duration = Duration::from_secs(30);
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
 
 /// Variables a worker may inherit; everything else (API keys, tokens) stays out.
-const WORKER_ENV_ALLOWLIST: &[&str] =
-    &["PATH", "RUST_LOG", "RUST_BACKTRACE", "AIRLOCK_LOG_FORMAT", "TZ", "LANG"];
+const WORKER_ENV_ALLOWLIST: &[&str] = &[
+    "PATH",
+    "RUST_LOG",
+    "RUST_BACKTRACE",
+    "AIRLOCK_LOG_FORMAT",
+    "TZ",
+    "LANG",
+];
 
 /// One supervised component.
 struct Component {
@@ -59,14 +65,25 @@ fn prepare_data_dir(loaded: &Loaded) -> anyhow::Result<()> {
         .create(dir)
         .with_context(|| format!("cannot create data dir {}", dir.display()))?;
     for sub in ["sockets", "run"] {
-        std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir.join(sub))?;
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir.join(sub))?;
     }
-    std::fs::DirBuilder::new().recursive(true).mode(0o700).create(loaded.workspaces_root())?;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(loaded.workspaces_root())?;
     std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))?;
     if loaded.config.principals.is_empty() {
-        airlock_orchestrator::auth::ensure_token_file(&airlock_orchestrator::auth::token_file_path(dir))?;
+        airlock_orchestrator::auth::ensure_token_file(
+            &airlock_orchestrator::auth::token_file_path(dir),
+        )?;
     }
-    for stale in [dir.join("run/orchestrator.json"), dir.join("endpoints.json")] {
+    for stale in [
+        dir.join("run/orchestrator.json"),
+        dir.join("endpoints.json"),
+    ] {
         match std::fs::remove_file(&stale) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
                 return Err(e).with_context(|| format!("cannot remove {}", stale.display()));
@@ -158,7 +175,10 @@ async fn supervise(loaded: Loaded) -> anyhow::Result<ExitCode> {
 
 fn spawn(exe: &Path, component: &mut Component) -> anyhow::Result<()> {
     let mut command = Command::new(exe);
-    command.args(&component.args).stdin(Stdio::null()).kill_on_drop(true);
+    command
+        .args(&component.args)
+        .stdin(Stdio::null())
+        .kill_on_drop(true);
     if !component.full_env {
         command.env_clear();
         for key in WORKER_ENV_ALLOWLIST {
@@ -168,7 +188,9 @@ fn spawn(exe: &Path, component: &mut Component) -> anyhow::Result<()> {
         }
     }
     command.env(signals::LAUNCHER_PID_ENV, std::process::id().to_string());
-    let child = command.spawn().with_context(|| format!("cannot start the {}", component.name))?;
+    let child = command
+        .spawn()
+        .with_context(|| format!("cannot start the {}", component.name))?;
     tracing::info!(component = %component.name, pid = child.id().unwrap_or(0), "started");
     component.child = Some(child);
     component.started = Instant::now();
@@ -200,20 +222,26 @@ async fn wait_for_orchestrator(
     let run_file = data_dir.join("run/orchestrator.json");
     let deadline = Instant::now() + START_TIMEOUT;
     loop {
-        if let Ok(text) = std::fs::read_to_string(&run_file) {
-            if let Ok(endpoints) = serde_json::from_str::<serde_json::Value>(&text) {
-                return Ok(endpoints);
-            }
+        if let Ok(text) = std::fs::read_to_string(&run_file)
+            && let Ok(endpoints) = serde_json::from_str::<serde_json::Value>(&text)
+        {
+            return Ok(endpoints);
         }
         for component in components.iter_mut() {
-            if let Some(child) = component.child.as_mut() {
-                if let Ok(Some(status)) = child.try_wait() {
-                    bail!("the {} exited during start-up ({status}); see its log above", component.name);
-                }
+            if let Some(child) = component.child.as_mut()
+                && let Ok(Some(status)) = child.try_wait()
+            {
+                bail!(
+                    "the {} exited during start-up ({status}); see its log above",
+                    component.name
+                );
             }
         }
         if Instant::now() > deadline {
-            bail!("the orchestrator did not start within {} s", START_TIMEOUT.as_secs());
+            bail!(
+                "the orchestrator did not start within {} s",
+                START_TIMEOUT.as_secs()
+            );
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
@@ -237,11 +265,17 @@ fn announce(loaded: &Loaded, endpoints: &serde_json::Value) -> anyhow::Result<()
     let http = endpoints["http"].as_str().unwrap_or_default();
     println!("Airlock is up.");
     println!("  HTTP:  {http}   (OpenAPI: {http}/openapi.json)");
-    println!("  gRPC:  {}", endpoints["grpc"].as_str().unwrap_or_default());
+    println!(
+        "  gRPC:  {}",
+        endpoints["grpc"].as_str().unwrap_or_default()
+    );
     if let Some(token_file) = &token_file {
         println!("  Token: {}", token_file.display());
         println!();
-        println!("  export AIRLOCK_URL={http} AIRLOCK_TOKEN=$(cat {})", token_file.display());
+        println!(
+            "  export AIRLOCK_URL={http} AIRLOCK_TOKEN=$(cat {})",
+            token_file.display()
+        );
     }
     println!("  airlock tools --data-dir {}", loaded.data_dir.display());
     println!("Press Ctrl-C to stop.");
@@ -251,10 +285,10 @@ fn announce(loaded: &Loaded, endpoints: &serde_json::Value) -> anyhow::Result<()
 /// SIGTERM to every child, SIGKILL to those still running after the grace period.
 async fn stop_all(components: &mut [Component]) {
     for component in components.iter() {
-        if let Some(pid) = component.child.as_ref().and_then(Child::id) {
-            if let Some(pid) = rustix::process::Pid::from_raw(pid as i32) {
-                let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
-            }
+        if let Some(pid) = component.child.as_ref().and_then(Child::id)
+            && let Some(pid) = rustix::process::Pid::from_raw(pid as i32)
+        {
+            let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
         }
     }
     for component in components.iter_mut() {

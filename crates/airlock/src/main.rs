@@ -14,7 +14,11 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 #[derive(Debug, Parser)]
-#[command(name = "airlock", version, about = "Runs the tool calls of LLM agents, sandboxed and audited")]
+#[command(
+    name = "airlock",
+    version,
+    about = "Runs the tool calls of LLM agents, sandboxed and audited"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -91,11 +95,22 @@ fn main() -> ExitCode {
     logging::init();
     let result = match cli.command {
         Command::Up { location } => launcher::up(&location),
-        Command::Serve { component, location } => serve::run(component, &location),
-        Command::Tools { connection, json, format } => client::tools(&connection, json, &format),
-        Command::Call { tool, input, connection, session, json } => {
-            client::call(&connection, &tool, &input, session.as_deref(), json)
-        }
+        Command::Serve {
+            component,
+            location,
+        } => serve::run(component, &location),
+        Command::Tools {
+            connection,
+            json,
+            format,
+        } => client::tools(&connection, json, &format),
+        Command::Call {
+            tool,
+            input,
+            connection,
+            session,
+            json,
+        } => client::call(&connection, &tool, &input, session.as_deref(), json),
     };
     match result {
         Ok(code) => code,

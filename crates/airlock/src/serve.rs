@@ -40,12 +40,17 @@ pub fn run(component: Component, location: &Location) -> anyhow::Result<ExitCode
     let loaded = Loaded::load(location.config.as_deref(), location.data_dir.as_deref())?;
     match component {
         Component::Orchestrator => orchestrator(&loaded),
-        Component::Worker { group: WorkerGroup::Fs { listen } } => fs_worker(&loaded, listen),
+        Component::Worker {
+            group: WorkerGroup::Fs { listen },
+        } => fs_worker(&loaded, listen),
     }
 }
 
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
-    tokio::runtime::Builder::new_multi_thread().enable_all().build().context("cannot start the async runtime")
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")
 }
 
 fn orchestrator(loaded: &Loaded) -> anyhow::Result<ExitCode> {
@@ -54,7 +59,12 @@ fn orchestrator(loaded: &Loaded) -> anyhow::Result<ExitCode> {
         .with_context(|| format!("cannot create data dir {}", config.data_dir.display()))?;
     let listeners = BoundListeners::bind(&config)?;
     let prepared = Orchestrator::prepare(&config)?;
-    runtime()?.block_on(Orchestrator::serve(config, prepared, listeners, signals::shutdown()))?;
+    runtime()?.block_on(Orchestrator::serve(
+        config,
+        prepared,
+        listeners,
+        signals::shutdown(),
+    ))?;
     Ok(ExitCode::SUCCESS)
 }
 
@@ -65,7 +75,10 @@ fn fs_worker(loaded: &Loaded, listen: Option<String>) -> anyhow::Result<ExitCode
     };
     let fs = loaded.fs();
     std::fs::create_dir_all(&fs.workspaces_root).with_context(|| {
-        format!("cannot create workspaces root {}", fs.workspaces_root.display())
+        format!(
+            "cannot create workspaces root {}",
+            fs.workspaces_root.display()
+        )
     })?;
     let listener = BoundListener::bind(&addr)?;
     tracing::info!(listen = %listener.local_addr(), root = %fs.workspaces_root.display(), "fs worker starting");

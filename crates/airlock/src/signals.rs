@@ -3,9 +3,10 @@
 /// Resolves on the first SIGINT or SIGTERM.
 pub async fn shutdown() {
     use tokio::signal::unix::{SignalKind, signal};
-    let (Ok(mut interrupt), Ok(mut terminate)) =
-        (signal(SignalKind::interrupt()), signal(SignalKind::terminate()))
-    else {
+    let (Ok(mut interrupt), Ok(mut terminate)) = (
+        signal(SignalKind::interrupt()),
+        signal(SignalKind::terminate()),
+    ) else {
         tracing::error!("cannot install signal handlers; stop the process with SIGKILL");
         return std::future::pending().await;
     };
@@ -18,7 +19,9 @@ pub async fn shutdown() {
 /// For a child of `airlock up`: asks the kernel to send SIGTERM when the launcher dies,
 /// so no component outlives it, even after a `kill -9` of the launcher.
 pub fn follow_launcher() -> anyhow::Result<()> {
-    let Ok(expected) = std::env::var(LAUNCHER_PID_ENV) else { return Ok(()) };
+    let Ok(expected) = std::env::var(LAUNCHER_PID_ENV) else {
+        return Ok(());
+    };
     rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::TERM))?;
     let parent = rustix::process::getppid().map(|p| p.as_raw_nonzero().get().to_string());
     if parent.as_deref() != Some(expected.as_str()) {

@@ -20,14 +20,19 @@ pub const LOCAL_PRINCIPAL: &str = "local";
 pub enum AuthError {
     #[error("principal {name:?}: {reason}")]
     BadPrincipal { name: String, reason: String },
-    #[error("principal {name:?}: environment variable {var} is not set or empty; export it or use token_sha256")]
+    #[error(
+        "principal {name:?}: environment variable {var} is not set or empty; export it or use token_sha256"
+    )]
     MissingTokenEnv { name: String, var: String },
     #[error("principal {name:?}: token_sha256 must be 64 hex characters")]
     BadDigest { name: String },
     #[error("principals {first:?} and {second:?} have the same token")]
     DuplicateToken { first: String, second: String },
     #[error("cannot read or create the token file {path}: {source}")]
-    TokenFile { path: PathBuf, source: std::io::Error },
+    TokenFile {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("token file {path} is empty; delete it to have a new token generated")]
     EmptyTokenFile { path: PathBuf },
     #[error("cannot gather randomness for a token: {0}")]
@@ -120,12 +125,17 @@ pub fn token_file_path(data_dir: &Path) -> PathBuf {
 
 /// Reads the token file, creating it with a fresh random token (mode 0600) when absent.
 pub fn ensure_token_file(path: &Path) -> Result<String, AuthError> {
-    let file_err = |source| AuthError::TokenFile { path: path.to_owned(), source };
+    let file_err = |source| AuthError::TokenFile {
+        path: path.to_owned(),
+        source,
+    };
     match std::fs::read_to_string(path) {
         Ok(text) => {
             let token = text.trim().to_owned();
             if token.is_empty() {
-                return Err(AuthError::EmptyTokenFile { path: path.to_owned() });
+                return Err(AuthError::EmptyTokenFile {
+                    path: path.to_owned(),
+                });
             }
             // Tighten a token file someone loosened; the token is a credential.
             std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
@@ -142,7 +152,8 @@ pub fn ensure_token_file(path: &Path) -> Result<String, AuthError> {
                 .mode(0o600)
                 .open(path)
                 .map_err(file_err)?;
-            file.write_all(format!("{token}\n").as_bytes()).map_err(file_err)?;
+            file.write_all(format!("{token}\n").as_bytes())
+                .map_err(file_err)?;
             file.sync_all().map_err(file_err)?;
             Ok(token)
         }
@@ -151,31 +162,47 @@ pub fn ensure_token_file(path: &Path) -> Result<String, AuthError> {
 }
 
 fn principal_from_config(config: &PrincipalConfig) -> Result<Principal, AuthError> {
-    let bad = |reason: String| AuthError::BadPrincipal { name: config.name.clone(), reason };
+    let bad = |reason: String| AuthError::BadPrincipal {
+        name: config.name.clone(),
+        reason,
+    };
     validate_segment("principal name", &config.name).map_err(|e| bad(e.to_string()))?;
     let mut roles = Vec::new();
     for role in &config.roles {
         let parsed = Role::parse(role).ok_or_else(|| {
-            bad(format!("unknown role {role:?}; use \"agent\", \"approver\" or \"admin\""))
+            bad(format!(
+                "unknown role {role:?}; use \"agent\", \"approver\" or \"admin\""
+            ))
         })?;
         roles.push(parsed);
     }
     if roles.is_empty() {
-        return Err(bad("has no roles; give it at least one of agent, approver, admin".into()));
+        return Err(bad(
+            "has no roles; give it at least one of agent, approver, admin".into(),
+        ));
     }
-    Ok(Principal { name: config.name.clone(), roles })
+    Ok(Principal {
+        name: config.name.clone(),
+        roles,
+    })
 }
 
 fn config_digest(config: &PrincipalConfig) -> Result<[u8; 32], AuthError> {
     match (&config.token_env, &config.token_sha256) {
         (Some(var), None) => match std::env::var(var) {
             Ok(token) if !token.trim().is_empty() => Ok(digest(token.trim())),
-            _ => Err(AuthError::MissingTokenEnv { name: config.name.clone(), var: var.clone() }),
+            _ => Err(AuthError::MissingTokenEnv {
+                name: config.name.clone(),
+                var: var.clone(),
+            }),
         },
         (None, Some(hex_digest)) => {
-            let bytes = hex::decode(hex_digest.trim())
-                .map_err(|_| AuthError::BadDigest { name: config.name.clone() })?;
-            bytes.try_into().map_err(|_| AuthError::BadDigest { name: config.name.clone() })
+            let bytes = hex::decode(hex_digest.trim()).map_err(|_| AuthError::BadDigest {
+                name: config.name.clone(),
+            })?;
+            bytes.try_into().map_err(|_| AuthError::BadDigest {
+                name: config.name.clone(),
+            })
         }
         _ => Err(AuthError::BadPrincipal {
             name: config.name.clone(),
@@ -227,7 +254,10 @@ mod tests {
         let p = table.authenticate("s3cret").unwrap();
         assert_eq!(p.name, "ci");
         assert!(!p.has(Role::Approver));
-        let bad_role = vec![PrincipalConfig { roles: vec!["root".into()], ..configs[0].clone() }];
+        let bad_role = vec![PrincipalConfig {
+            roles: vec!["root".into()],
+            ..configs[0].clone()
+        }];
         assert!(Principals::load(&bad_role, dir.path()).is_err());
         let missing_env = vec![PrincipalConfig {
             name: "x".into(),

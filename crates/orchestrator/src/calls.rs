@@ -51,15 +51,23 @@ struct Table {
 
 impl CallRegistry {
     /// Registers a new call; returns the receiver that follows its state.
-    pub fn insert(&self, record: CallRecord, cancel: CancellationToken) -> watch::Receiver<CallRecord> {
+    pub fn insert(
+        &self,
+        record: CallRecord,
+        cancel: CancellationToken,
+    ) -> watch::Receiver<CallRecord> {
         let (tx, rx) = watch::channel(record.clone());
         let mut table = self.lock();
         while table.entries.len() >= CAPACITY {
-            let Some(oldest) = table.order.pop_front() else { break };
+            let Some(oldest) = table.order.pop_front() else {
+                break;
+            };
             table.entries.remove(&oldest);
         }
         table.order.push_back(record.call_id.clone());
-        table.entries.insert(record.call_id, Entry { state: tx, cancel });
+        table
+            .entries
+            .insert(record.call_id, Entry { state: tx, cancel });
         rx
     }
 
@@ -70,7 +78,10 @@ impl CallRegistry {
     }
 
     pub fn watch(&self, call_id: &str) -> Option<watch::Receiver<CallRecord>> {
-        self.lock().entries.get(call_id).map(|e| e.state.subscribe())
+        self.lock()
+            .entries
+            .get(call_id)
+            .map(|e| e.state.subscribe())
     }
 
     /// Cancels a running call; `false` when the call is unknown.
@@ -95,6 +106,5 @@ impl CallRegistry {
 /// Waits until the call is final or `wait` has passed; returns its state either way.
 pub async fn wait_final(mut rx: watch::Receiver<CallRecord>, wait: Duration) -> CallRecord {
     let _ = tokio::time::timeout(wait, rx.wait_for(|r| r.status.is_final())).await;
-    let record = rx.borrow().clone();
-    record
+    rx.borrow().clone()
 }

@@ -49,7 +49,10 @@ pub struct WorkerGroup {
 
 impl WorkerGroup {
     fn new(config: &WorkerGroupConfig) -> Result<Self, CatalogError> {
-        let bad = |reason: String| CatalogError::BadGroup { group: config.group.clone(), reason };
+        let bad = |reason: String| CatalogError::BadGroup {
+            group: config.group.clone(),
+            reason,
+        };
         if config.endpoints.is_empty() {
             return Err(bad("has no endpoints".to_owned()));
         }
@@ -90,7 +93,13 @@ impl WorkerGroup {
             return replicas;
         }
         let start = self.next.fetch_add(1, Ordering::Relaxed) % replicas.len();
-        replicas.iter().cycle().skip(start).take(replicas.len()).cloned().collect()
+        replicas
+            .iter()
+            .cycle()
+            .skip(start)
+            .take(replicas.len())
+            .cloned()
+            .collect()
     }
 
     /// Re-resolves `dns:///` endpoints so every current replica behind a headless
@@ -120,14 +129,23 @@ pub struct Catalog {
 
 impl Catalog {
     pub fn new(configs: &[WorkerGroupConfig]) -> Result<Self, CatalogError> {
-        let groups = configs.iter().map(WorkerGroup::new).collect::<Result<Vec<_>, _>>()?;
-        Ok(Self { groups: groups.into_iter().map(Arc::new).collect(), tools: RwLock::default() })
+        let groups = configs
+            .iter()
+            .map(WorkerGroup::new)
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Self {
+            groups: groups.into_iter().map(Arc::new).collect(),
+            tools: RwLock::default(),
+        })
     }
 
     /// Checks the configuration without connecting (no async runtime needed).
     pub fn check(configs: &[WorkerGroupConfig]) -> Result<(), CatalogError> {
         for config in configs {
-            let bad = |reason: String| CatalogError::BadGroup { group: config.group.clone(), reason };
+            let bad = |reason: String| CatalogError::BadGroup {
+                group: config.group.clone(),
+                reason,
+            };
             if config.endpoints.is_empty() {
                 return Err(bad("has no endpoints".to_owned()));
             }
@@ -171,8 +189,11 @@ impl Catalog {
             tasks.push(tokio::spawn(async move {
                 loop {
                     catalog.refresh_group(&group).await;
-                    let pause =
-                        if group.is_live() { LIVE_PROBE_INTERVAL } else { DOWN_PROBE_INTERVAL };
+                    let pause = if group.is_live() {
+                        LIVE_PROBE_INTERVAL
+                    } else {
+                        DOWN_PROBE_INTERVAL
+                    };
                     tokio::select! {
                         _ = stop.cancelled() => return,
                         _ = tokio::time::sleep(pause) => {}
@@ -236,7 +257,11 @@ impl Catalog {
                     continue;
                 }
             };
-            fresh.push(CatalogTool { definition, group: group.to_owned(), validator });
+            fresh.push(CatalogTool {
+                definition,
+                group: group.to_owned(),
+                validator,
+            });
         }
         let mut tools = match self.tools.write() {
             Ok(guard) => guard,

@@ -23,7 +23,9 @@ const DEADLINE_SLACK: Duration = Duration::from_secs(5);
 pub enum EndpointError {
     #[error("endpoint {0:?} must be unix:/path, http://host:port or dns:///host:port")]
     Unrecognised(String),
-    #[error("endpoint {0:?}: https needs mTLS configuration, which this build does not have; use unix: or http:// on a private network")]
+    #[error(
+        "endpoint {0:?}: https needs mTLS configuration, which this build does not have; use unix: or http:// on a private network"
+    )]
     TlsUnsupported(String),
     #[error("endpoint {endpoint:?}: {reason}")]
     Invalid { endpoint: String, reason: String },
@@ -35,7 +37,10 @@ pub enum EndpointSpec {
     Unix(PathBuf),
     Http(String),
     /// Every address the name resolves to is a replica (a headless Service).
-    Dns { host: String, port: u16 },
+    Dns {
+        host: String,
+        port: u16,
+    },
 }
 
 impl EndpointSpec {
@@ -61,11 +66,16 @@ impl EndpointSpec {
             let (host, port) = rest
                 .rsplit_once(':')
                 .ok_or_else(|| EndpointError::Unrecognised(value.to_owned()))?;
-            let port = port.parse().map_err(|_| EndpointError::Unrecognised(value.to_owned()))?;
+            let port = port
+                .parse()
+                .map_err(|_| EndpointError::Unrecognised(value.to_owned()))?;
             if host.is_empty() {
                 return Err(EndpointError::Unrecognised(value.to_owned()));
             }
-            return Ok(EndpointSpec::Dns { host: host.to_owned(), port });
+            return Ok(EndpointSpec::Dns {
+                host: host.to_owned(),
+                port,
+            });
         }
         Err(EndpointError::Unrecognised(value.to_owned()))
     }
@@ -143,10 +153,16 @@ impl Replica {
 
     fn http(url: &str) -> Result<Self, EndpointError> {
         let endpoint = Endpoint::from_shared(url.to_owned())
-            .map_err(|e| EndpointError::Invalid { endpoint: url.to_owned(), reason: e.to_string() })?
+            .map_err(|e| EndpointError::Invalid {
+                endpoint: url.to_owned(),
+                reason: e.to_string(),
+            })?
             .connect_timeout(CONNECT_TIMEOUT)
             .tcp_nodelay(true);
-        Ok(Self { endpoint: url.to_owned(), channel: endpoint.connect_lazy() })
+        Ok(Self {
+            endpoint: url.to_owned(),
+            channel: endpoint.connect_lazy(),
+        })
     }
 
     pub fn client(&self) -> ToolWorkerClient<Channel> {
@@ -158,10 +174,20 @@ impl Replica {
 
 /// Something a running call reports before its result.
 #[derive(Debug, Clone)]
-#[allow(dead_code, reason = "progress is forwarded by the streaming front doors that report it")]
+#[allow(
+    dead_code,
+    reason = "progress is forwarded by the streaming front doors that report it"
+)]
 pub enum WorkerEvent {
-    Progress { progress: f64, total: Option<f64>, message: String },
-    Output { stream: &'static str, data: Vec<u8> },
+    Progress {
+        progress: f64,
+        total: Option<f64>,
+        message: String,
+    },
+    Output {
+        stream: &'static str,
+        data: Vec<u8>,
+    },
 }
 
 /// Why a call did not produce a tool result.
@@ -173,7 +199,9 @@ pub enum DispatchError {
     DeadlineExceeded { timeout_ms: u64 },
     #[error("the call was cancelled")]
     Cancelled,
-    #[error("the {group} worker failed during the call ({detail}); it may or may not have taken effect")]
+    #[error(
+        "the {group} worker failed during the call ({detail}); it may or may not have taken effect"
+    )]
     Failed { group: String, detail: String },
     #[error("the {group} worker refused the call: {detail}")]
     Refused { group: String, detail: String },
@@ -218,7 +246,10 @@ pub async fn execute(
             r = tokio::time::timeout(overall, consume(stream, events.as_ref())) => r,
         };
         return match consumed {
-            Ok(Ok(outcome)) => Ok(Dispatched { outcome, replica: replica.endpoint.clone() }),
+            Ok(Ok(outcome)) => Ok(Dispatched {
+                outcome,
+                replica: replica.endpoint.clone(),
+            }),
             Ok(Err(status)) => {
                 if is_unreachable(&status) {
                     group.mark_down();
@@ -229,7 +260,10 @@ pub async fn execute(
         };
     }
     group.mark_down();
-    Err(DispatchError::Unavailable { group: group.name.clone(), detail: last_unreachable })
+    Err(DispatchError::Unavailable {
+        group: group.name.clone(),
+        detail: last_unreachable,
+    })
 }
 
 async fn consume(
@@ -262,13 +296,20 @@ async fn consume(
                     } else {
                         "stdout"
                     };
-                    let _ = events.send(WorkerEvent::Output { stream, data: o.data }).await;
+                    let _ = events
+                        .send(WorkerEvent::Output {
+                            stream,
+                            data: o.data,
+                        })
+                        .await;
                 }
             }
             None => {}
         }
     }
-    Err(tonic::Status::unavailable("the worker closed the stream without a result"))
+    Err(tonic::Status::unavailable(
+        "the worker closed the stream without a result",
+    ))
 }
 
 /// A failure to reach the worker at all, as opposed to one the worker reported.
@@ -280,10 +321,14 @@ fn status_error(group: &str, status: tonic::Status, timeout_ms: u64) -> Dispatch
     match status.code() {
         tonic::Code::DeadlineExceeded => DispatchError::DeadlineExceeded { timeout_ms },
         tonic::Code::Cancelled => DispatchError::Cancelled,
-        tonic::Code::InvalidArgument | tonic::Code::NotFound => {
-            DispatchError::Refused { group: group.to_owned(), detail: status.message().to_owned() }
-        }
-        _ => DispatchError::Failed { group: group.to_owned(), detail: status.message().to_owned() },
+        tonic::Code::InvalidArgument | tonic::Code::NotFound => DispatchError::Refused {
+            group: group.to_owned(),
+            detail: status.message().to_owned(),
+        },
+        _ => DispatchError::Failed {
+            group: group.to_owned(),
+            detail: status.message().to_owned(),
+        },
     }
 }
 
@@ -293,13 +338,25 @@ mod tests {
 
     #[test]
     fn endpoint_forms() {
-        assert_eq!(EndpointSpec::parse("unix:/a.sock").unwrap(), EndpointSpec::Unix("/a.sock".into()));
-        assert!(matches!(EndpointSpec::parse("http://10.0.0.1:50051").unwrap(), EndpointSpec::Http(_)));
+        assert_eq!(
+            EndpointSpec::parse("unix:/a.sock").unwrap(),
+            EndpointSpec::Unix("/a.sock".into())
+        );
+        assert!(matches!(
+            EndpointSpec::parse("http://10.0.0.1:50051").unwrap(),
+            EndpointSpec::Http(_)
+        ));
         assert_eq!(
             EndpointSpec::parse("dns:///fs-worker.airlock.svc:50051").unwrap(),
-            EndpointSpec::Dns { host: "fs-worker.airlock.svc".into(), port: 50051 }
+            EndpointSpec::Dns {
+                host: "fs-worker.airlock.svc".into(),
+                port: 50051
+            }
         );
-        assert!(matches!(EndpointSpec::parse("https://x:1"), Err(EndpointError::TlsUnsupported(_))));
+        assert!(matches!(
+            EndpointSpec::parse("https://x:1"),
+            Err(EndpointError::TlsUnsupported(_))
+        ));
         assert!(EndpointSpec::parse("ftp://x").is_err());
         assert!(EndpointSpec::parse("dns:///nohost").is_err());
     }

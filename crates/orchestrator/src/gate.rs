@@ -62,8 +62,9 @@ impl Gate {
         let session = session.clone();
         tokio::spawn(async move {
             let started = Instant::now();
-            let (status, outcome, replica) =
-                gate.run(&call_id, &principal, &session, tool_use, events, &cancel).await;
+            let (status, outcome, replica) = gate
+                .run(&call_id, &principal, &session, tool_use, events, &cancel)
+                .await;
             let duration_ms = started.elapsed().as_millis() as u64;
             tracing::info!(call_id, principal = %principal.name, status = status.as_str(), duration_ms, "call finished");
             gate.calls.update(&call_id, |r| {
@@ -93,7 +94,9 @@ impl Gate {
             ));
         };
         // Size cap before the schema, so a huge argument is never walked.
-        let size = serde_json::to_vec(&tool_use.input).map(|v| v.len()).unwrap_or(usize::MAX);
+        let size = serde_json::to_vec(&tool_use.input)
+            .map(|v| v.len())
+            .unwrap_or(usize::MAX);
         if size as u64 > self.limits.max_argument_bytes {
             return error(format!(
                 "arguments of {} are {size} bytes, over the limit of {} bytes; send less data per call",
@@ -118,15 +121,21 @@ impl Gate {
         };
         match dispatch::execute(&group, request, events, cancel).await {
             Ok(done) => {
-                let status = if done.outcome.is_error { CallStatus::Error } else { CallStatus::Ok };
+                let status = if done.outcome.is_error {
+                    CallStatus::Error
+                } else {
+                    CallStatus::Ok
+                };
                 (status, done.outcome, Some(done.replica))
             }
             Err(e @ DispatchError::DeadlineExceeded { .. }) => {
                 (CallStatus::Timeout, ToolOutcome::error(e.to_string()), None)
             }
-            Err(e @ DispatchError::Cancelled) => {
-                (CallStatus::Cancelled, ToolOutcome::error(e.to_string()), None)
-            }
+            Err(e @ DispatchError::Cancelled) => (
+                CallStatus::Cancelled,
+                ToolOutcome::error(e.to_string()),
+                None,
+            ),
             Err(e) => (CallStatus::Error, ToolOutcome::error(e.to_string()), None),
         }
     }
@@ -157,7 +166,10 @@ fn error(message: String) -> (CallStatus, ToolOutcome, Option<String>) {
 /// model can correct itself.
 fn validate(tool: &CatalogTool, input: &serde_json::Value) -> Result<(), String> {
     if !input.is_object() {
-        return Err(format!("input of {} must be a JSON object", tool.definition.name));
+        return Err(format!(
+            "input of {} must be a JSON object",
+            tool.definition.name
+        ));
     }
     let violations: Vec<String> = tool
         .validator
@@ -165,9 +177,17 @@ fn validate(tool: &CatalogTool, input: &serde_json::Value) -> Result<(), String>
         .take(MAX_REPORTED_VIOLATIONS)
         .map(|e| {
             let at = e.instance_path().to_string();
-            let field = if at.is_empty() { "(arguments)".to_owned() } else { at };
+            let field = if at.is_empty() {
+                "(arguments)".to_owned()
+            } else {
+                at
+            };
             let schema_path = e.schema_path().to_string();
-            let rule = schema_path.rsplit('/').next().unwrap_or_default().to_owned();
+            let rule = schema_path
+                .rsplit('/')
+                .next()
+                .unwrap_or_default()
+                .to_owned();
             format!("{field}: {e} (rule: {rule})")
         })
         .collect();

@@ -28,7 +28,9 @@ impl GrpcFrontDoor {
             .metadata()
             .get("authorization")
             .and_then(|v| v.to_str().ok())
-            .ok_or_else(|| Status::unauthenticated("missing authorization: Bearer <token> metadata"))?;
+            .ok_or_else(|| {
+                Status::unauthenticated("missing authorization: Bearer <token> metadata")
+            })?;
         bearer_token(header)
             .and_then(|t| self.principals.authenticate(t))
             .cloned()
@@ -54,26 +56,51 @@ fn session(value: &str) -> Result<SessionId, Status> {
     SessionId::parse(value).map_err(|e| Status::invalid_argument(format!("session_id: {e}")))
 }
 
-fn tool_use(index: usize, wire: pb::ToolUse) -> Result<Result<ToolUse, (String, String, String)>, Status> {
+fn tool_use(
+    index: usize,
+    wire: pb::ToolUse,
+) -> Result<Result<ToolUse, (String, String, String)>, Status> {
     if wire.id.is_empty() || wire.name.is_empty() {
-        return Err(Status::invalid_argument(format!("tool_uses[{index}] needs an id and a name")));
+        return Err(Status::invalid_argument(format!(
+            "tool_uses[{index}] needs an id and a name"
+        )));
     }
-    let input_json = if wire.input_json.trim().is_empty() { "{}" } else { &wire.input_json };
-    Ok(match serde_json::from_str::<serde_json::Value>(input_json) {
-        Ok(input @ serde_json::Value::Object(_)) => Ok(ToolUse { id: wire.id, name: wire.name, input }),
-        Ok(_) => Err((wire.id, wire.name, "input_json must be a JSON object".to_owned())),
-        Err(e) => Err((wire.id, wire.name, format!("input_json is not valid JSON ({e})"))),
-    })
+    let input_json = if wire.input_json.trim().is_empty() {
+        "{}"
+    } else {
+        &wire.input_json
+    };
+    Ok(
+        match serde_json::from_str::<serde_json::Value>(input_json) {
+            Ok(input @ serde_json::Value::Object(_)) => Ok(ToolUse {
+                id: wire.id,
+                name: wire.name,
+                input,
+            }),
+            Ok(_) => Err((
+                wire.id,
+                wire.name,
+                "input_json must be a JSON object".to_owned(),
+            )),
+            Err(e) => Err((
+                wire.id,
+                wire.name,
+                format!("input_json is not valid JSON ({e})"),
+            )),
+        },
+    )
 }
 
 fn result_block(record: &CallRecord) -> Option<pb::ToolResultBlock> {
-    record.result.as_ref().filter(|_| record.status.is_final()).map(|o: &ToolOutcome| {
-        pb::ToolResultBlock {
+    record
+        .result
+        .as_ref()
+        .filter(|_| record.status.is_final())
+        .map(|o: &ToolOutcome| pb::ToolResultBlock {
             tool_use_id: record.tool_use_id.clone(),
             content: o.content.clone(),
             is_error: o.is_error,
-        }
-    })
+        })
 }
 
 fn call_info(record: &CallRecord) -> pb::CallInfo {
@@ -83,7 +110,10 @@ fn call_info(record: &CallRecord) -> pb::CallInfo {
         status: record.status.as_str().to_owned(),
         approval_id: record.approval_id.clone().unwrap_or_default(),
         duration_ms: record.duration_ms.unwrap_or(0),
-        isolation_json: record.isolation().map(|v| v.to_string()).unwrap_or_default(),
+        isolation_json: record
+            .isolation()
+            .map(|v| v.to_string())
+            .unwrap_or_default(),
     }
 }
 
@@ -138,7 +168,9 @@ impl Orchestrator for GrpcFrontDoor {
         let mut uses = Vec::new();
         for (index, wire) in request.tool_uses.into_iter().enumerate() {
             if !seen.insert(wire.id.clone()) {
-                return Err(Status::invalid_argument(format!("tool_uses[{index}].id is used twice")));
+                return Err(Status::invalid_argument(format!(
+                    "tool_uses[{index}].id is used twice"
+                )));
             }
             uses.push(tool_use(index, wire)?);
         }
@@ -153,7 +185,8 @@ impl Orchestrator for GrpcFrontDoor {
                 Err((id, name, message)) => self.gate.reject(&principal, id, name, message),
             })
             .collect();
-        let records = futures::future::join_all(receivers.into_iter().map(|rx| wait_final(rx, wait))).await;
+        let records =
+            futures::future::join_all(receivers.into_iter().map(|rx| wait_final(rx, wait))).await;
         Ok(Response::new(pb::CallToolsResponse {
             tool_results: records.iter().filter_map(result_block).collect(),
             calls: records.iter().map(call_info).collect(),
@@ -170,7 +203,9 @@ impl Orchestrator for GrpcFrontDoor {
         let principal = self.authorize_agent(&request)?;
         let request = request.into_inner();
         let session = session(&request.session_id)?;
-        let wire = request.tool_use.ok_or_else(|| Status::invalid_argument("tool_use is required"))?;
+        let wire = request
+            .tool_use
+            .ok_or_else(|| Status::invalid_argument("tool_use is required"))?;
         let (events_tx, mut events_rx) = mpsc::channel(256);
         let mut rx = match tool_use(0, wire)? {
             Ok(u) => self.gate.submit(&principal, &session, u, Some(events_tx)),
@@ -181,7 +216,13 @@ impl Orchestrator for GrpcFrontDoor {
         tokio::spawn(async move {
             let first = rx.borrow().clone();
             let call_id = first.call_id.clone();
-            if out_tx.send(Ok(pb::CallEvent { event: Some(Event::Started(call_info(&first))) })).await.is_err() {
+            if out_tx
+                .send(Ok(pb::CallEvent {
+                    event: Some(Event::Started(call_info(&first))),
+                }))
+                .await
+                .is_err()
+            {
                 gate.calls.cancel(&call_id);
                 return;
             }
@@ -214,6 +255,8 @@ impl Orchestrator for GrpcFrontDoor {
                 }
             }
         });
-        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(out_rx))))
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(out_rx),
+        )))
     }
 }

@@ -38,7 +38,11 @@ pub struct ApiError {
 
 impl ApiError {
     pub fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
-        Self { status, code, message: message.into() }
+        Self {
+            status,
+            code,
+            message: message.into(),
+        }
     }
     fn bad_request(message: impl Into<String>) -> Self {
         Self::new(StatusCode::BAD_REQUEST, "invalid_request", message)
@@ -59,7 +63,9 @@ impl IntoResponse for ApiError {
         let body = json!({"error": {"code": self.code, "message": self.message}});
         let mut response = (self.status, axum::Json(body)).into_response();
         if self.status == StatusCode::UNAUTHORIZED {
-            response.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+            response
+                .headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
         }
         response
     }
@@ -84,8 +90,15 @@ pub fn router(state: HttpState) -> Router {
         .with_state(state)
 }
 
-async fn authenticate(State(state): State<HttpState>, mut request: Request, next: Next) -> Response {
-    let header = request.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok());
+async fn authenticate(
+    State(state): State<HttpState>,
+    mut request: Request,
+    next: Next,
+) -> Response {
+    let header = request
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok());
     let Some(header) = header else {
         return ApiError::new(
             StatusCode::UNAUTHORIZED,
@@ -94,10 +107,16 @@ async fn authenticate(State(state): State<HttpState>, mut request: Request, next
         )
         .into_response();
     };
-    let principal = bearer_token(header).and_then(|t| state.principals.authenticate(t)).cloned();
+    let principal = bearer_token(header)
+        .and_then(|t| state.principals.authenticate(t))
+        .cloned();
     let Some(principal) = principal else {
-        return ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", "the bearer token is not valid")
-            .into_response();
+        return ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+            "the bearer token is not valid",
+        )
+        .into_response();
     };
     request.extensions_mut().insert(principal);
     next.run(request).await
@@ -108,7 +127,11 @@ async fn not_found() -> ApiError {
 }
 
 async fn method_not_allowed() -> ApiError {
-    ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed", "this endpoint does not accept that method; see /openapi.json")
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method_not_allowed",
+        "this endpoint does not accept that method; see /openapi.json",
+    )
 }
 
 async fn healthz() -> axum::Json<Value> {
@@ -121,10 +144,19 @@ async fn readyz(State(state): State<HttpState>) -> Response {
         .catalog
         .groups()
         .iter()
-        .map(|g| (g.name.clone(), json!(if g.is_live() { "live" } else { "down" })))
+        .map(|g| {
+            (
+                g.name.clone(),
+                json!(if g.is_live() { "live" } else { "down" }),
+            )
+        })
         .collect();
     let ready = state.gate.catalog.groups().iter().all(|g| g.is_live());
-    let status = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    let status = if ready {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
     let body = json!({"status": if ready { "ready" } else { "not_ready" }, "workers": groups});
     (status, axum::Json(body)).into_response()
 }
@@ -136,7 +168,8 @@ async fn openapi() -> axum::Json<Value> {
 fn query(
     q: Result<Query<HashMap<String, String>>, QueryRejection>,
 ) -> Result<HashMap<String, String>, ApiError> {
-    q.map(|Query(q)| q).map_err(|e| ApiError::bad_request(format!("malformed query string: {e}")))
+    q.map(|Query(q)| q)
+        .map_err(|e| ApiError::bad_request(format!("malformed query string: {e}")))
 }
 
 async fn list_tools(
@@ -145,8 +178,13 @@ async fn list_tools(
 ) -> Result<axum::Json<Value>, ApiError> {
     let q = query(q)?;
     let format = CatalogFormat::parse(q.get("format").map(String::as_str))?;
-    let tools: Vec<Value> =
-        state.gate.catalog.tools().iter().map(|t| wire::catalog_entry(t, format)).collect();
+    let tools: Vec<Value> = state
+        .gate
+        .catalog
+        .tools()
+        .iter()
+        .map(|t| wire::catalog_entry(t, format))
+        .collect();
     Ok(axum::Json(json!({"tools": tools})))
 }
 
@@ -156,7 +194,9 @@ async fn read_json(headers: &HeaderMap, body: Body, limit: u64) -> Result<Value,
         ApiError::new(
             StatusCode::PAYLOAD_TOO_LARGE,
             "payload_too_large",
-            format!("request body is over the limit of {limit} bytes; send fewer or smaller tool calls"),
+            format!(
+                "request body is over the limit of {limit} bytes; send fewer or smaller tool calls"
+            ),
         )
     };
     let declared = headers
@@ -166,14 +206,22 @@ async fn read_json(headers: &HeaderMap, body: Body, limit: u64) -> Result<Value,
     if declared.is_some_and(|n| n > limit) {
         return Err(too_large());
     }
-    let bytes = axum::body::to_bytes(body, limit as usize).await.map_err(|e| {
-        let over = std::error::Error::source(&e)
-            .is_some_and(|s| s.is::<http_body_util::LengthLimitError>())
-            || e.to_string().contains("length limit");
-        if over { too_large() } else { ApiError::bad_request(format!("cannot read the request body: {e}")) }
-    })?;
+    let bytes = axum::body::to_bytes(body, limit as usize)
+        .await
+        .map_err(|e| {
+            let over = std::error::Error::source(&e)
+                .is_some_and(|s| s.is::<http_body_util::LengthLimitError>())
+                || e.to_string().contains("length limit");
+            if over {
+                too_large()
+            } else {
+                ApiError::bad_request(format!("cannot read the request body: {e}"))
+            }
+        })?;
     if bytes.is_empty() {
-        return Err(ApiError::bad_request("the request body is empty; send a JSON object"));
+        return Err(ApiError::bad_request(
+            "the request body is empty; send a JSON object",
+        ));
     }
     serde_json::from_slice(&bytes)
         .map_err(|e| ApiError::bad_request(format!("the request body is not valid JSON: {e}")))
@@ -189,8 +237,14 @@ async fn tool_calls(
     let gate = &state.gate;
     let body = read_json(&headers, body, gate.limits.max_request_bytes).await?;
     let request = wire::parse_tool_calls(&body, gate.limits.max_tool_uses_per_request)?;
-    let session = request.session_id.clone().unwrap_or_else(airlock_policy::SessionId::default_session);
-    let wait = request.wait_ms.map(Duration::from_millis).unwrap_or_else(|| gate.default_wait());
+    let session = request
+        .session_id
+        .clone()
+        .unwrap_or_else(airlock_policy::SessionId::default_session);
+    let wait = request
+        .wait_ms
+        .map(Duration::from_millis)
+        .unwrap_or_else(|| gate.default_wait());
 
     let receivers: Vec<_> = request
         .calls
@@ -202,7 +256,10 @@ async fn tool_calls(
         .collect();
     let records =
         futures::future::join_all(receivers.into_iter().map(|rx| wait_final(rx, wait))).await;
-    Ok(axum::Json(wire::tool_calls_response(request.shape, &records)))
+    Ok(axum::Json(wire::tool_calls_response(
+        request.shape,
+        &records,
+    )))
 }
 
 fn require_role(principal: &Principal, role: Role) -> Result<(), ApiError> {

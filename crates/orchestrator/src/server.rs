@@ -21,13 +21,20 @@ const MAX_GRPC_MESSAGE_BYTES: usize = 32 * 1024 * 1024;
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
     #[error("cannot bind {what} on {addr}: {source}")]
-    Bind { what: &'static str, addr: String, source: std::io::Error },
+    Bind {
+        what: &'static str,
+        addr: String,
+        source: std::io::Error,
+    },
     #[error(transparent)]
     Auth(#[from] AuthError),
     #[error(transparent)]
     Catalog(#[from] CatalogError),
     #[error("cannot write {path}: {source}")]
-    RunFile { path: String, source: std::io::Error },
+    RunFile {
+        path: String,
+        source: std::io::Error,
+    },
     #[error("cannot build the reflection service: {0}")]
     Reflection(#[from] tonic_reflection::server::Error),
     #[error("grpc server failed: {0}")]
@@ -46,20 +53,32 @@ pub struct BoundListeners {
 impl BoundListeners {
     pub fn bind(config: &OrchestratorConfig) -> Result<Self, ServeError> {
         let bind = |what, addr: &str| {
-            let listener = TcpListener::bind(addr)
-                .map_err(|source| ServeError::Bind { what, addr: addr.to_owned(), source })?;
+            let listener = TcpListener::bind(addr).map_err(|source| ServeError::Bind {
+                what,
+                addr: addr.to_owned(),
+                source,
+            })?;
             listener
                 .set_nonblocking(true)
-                .map_err(|source| ServeError::Bind { what, addr: addr.to_owned(), source })?;
+                .map_err(|source| ServeError::Bind {
+                    what,
+                    addr: addr.to_owned(),
+                    source,
+                })?;
             Ok::<_, ServeError>(listener)
         };
-        Ok(Self { http: bind("http", &config.http_listen)?, grpc: bind("grpc", &config.grpc_listen)? })
+        Ok(Self {
+            http: bind("http", &config.http_listen)?,
+            grpc: bind("grpc", &config.grpc_listen)?,
+        })
     }
 
     /// `{"http": "http://…", "grpc": "http://…"}` as bound (port 0 resolved).
     pub fn endpoints(&self) -> serde_json::Value {
         let url = |l: &TcpListener| {
-            l.local_addr().map(|a| format!("http://{a}")).unwrap_or_default()
+            l.local_addr()
+                .map(|a| format!("http://{a}"))
+                .unwrap_or_default()
         };
         serde_json::json!({"http": url(&self.http), "grpc": url(&self.grpc)})
     }
@@ -73,7 +92,9 @@ impl Orchestrator {
     pub fn prepare(config: &OrchestratorConfig) -> Result<Prepared, ServeError> {
         let principals = Principals::load(&config.principals, &config.data_dir)?;
         Catalog::check(&config.workers)?;
-        Ok(Prepared { principals: Arc::new(principals) })
+        Ok(Prepared {
+            principals: Arc::new(principals),
+        })
     }
 
     /// Serves HTTP and gRPC until `shutdown` resolves; writes
@@ -100,11 +121,16 @@ impl Orchestrator {
         tokio::spawn(catalog.refresh_forever(stop.clone()));
 
         let (health, health_service) = tonic_health::server::health_reporter();
-        health.set_serving::<OrchestratorServer<GrpcFrontDoor>>().await;
+        health
+            .set_serving::<OrchestratorServer<GrpcFrontDoor>>()
+            .await;
         let reflection = tonic_reflection::server::Builder::configure()
             .register_encoded_file_descriptor_set(airlock_proto::FILE_DESCRIPTOR_SET)
             .build_v1()?;
-        let front_door = GrpcFrontDoor { gate: gate.clone(), principals: prepared.principals.clone() };
+        let front_door = GrpcFrontDoor {
+            gate: gate.clone(),
+            principals: prepared.principals.clone(),
+        };
         let grpc_router = tonic::transport::Server::builder()
             .add_service(health_service)
             .add_service(reflection)
@@ -113,14 +139,28 @@ impl Orchestrator {
                     .max_decoding_message_size(MAX_GRPC_MESSAGE_BYTES)
                     .max_encoding_message_size(MAX_GRPC_MESSAGE_BYTES),
             );
-        let http_router =
-            http_api::router(HttpState { gate: gate.clone(), principals: prepared.principals });
+        let http_router = http_api::router(HttpState {
+            gate: gate.clone(),
+            principals: prepared.principals,
+        });
 
         let endpoints = listeners.endpoints();
-        let http_listener = tokio::net::TcpListener::from_std(listeners.http)
-            .map_err(|source| ServeError::Bind { what: "http", addr: config.http_listen.clone(), source })?;
-        let grpc_listener = tokio::net::TcpListener::from_std(listeners.grpc)
-            .map_err(|source| ServeError::Bind { what: "grpc", addr: config.grpc_listen.clone(), source })?;
+        let http_listener =
+            tokio::net::TcpListener::from_std(listeners.http).map_err(|source| {
+                ServeError::Bind {
+                    what: "http",
+                    addr: config.http_listen.clone(),
+                    source,
+                }
+            })?;
+        let grpc_listener =
+            tokio::net::TcpListener::from_std(listeners.grpc).map_err(|source| {
+                ServeError::Bind {
+                    what: "grpc",
+                    addr: config.grpc_listen.clone(),
+                    source,
+                }
+            })?;
         write_run_file(&config.data_dir, &endpoints)?;
         tracing::info!(http = %endpoints["http"], grpc = %endpoints["grpc"], "orchestrator listening");
 
@@ -154,7 +194,10 @@ pub struct Prepared {
 fn write_run_file(data_dir: &Path, endpoints: &serde_json::Value) -> Result<(), ServeError> {
     let run_dir = data_dir.join("run");
     let path = run_dir.join("orchestrator.json");
-    let err = |source| ServeError::RunFile { path: path.display().to_string(), source };
+    let err = |source| ServeError::RunFile {
+        path: path.display().to_string(),
+        source,
+    };
     std::fs::create_dir_all(&run_dir).map_err(err)?;
     let tmp = run_dir.join(".orchestrator.json.tmp");
     std::fs::write(&tmp, endpoints.to_string()).map_err(err)?;

@@ -46,7 +46,11 @@ pub struct ToolCallsRequest {
 impl ProposedCall {
     pub fn into_tool_use(self) -> Result<ToolUse, (String, String, String)> {
         match self.input {
-            Ok(input) => Ok(ToolUse { id: self.id, name: self.name, input }),
+            Ok(input) => Ok(ToolUse {
+                id: self.id,
+                name: self.name,
+                input,
+            }),
             Err(message) => Err((self.id, self.name, message)),
         }
     }
@@ -59,9 +63,9 @@ pub fn parse_tool_calls(body: &Value, max_uses: usize) -> Result<ToolCallsReques
     };
     let session_id = match object.get("session_id") {
         None | Some(Value::Null) => None,
-        Some(Value::String(s)) => Some(
-            SessionId::parse(s).map_err(|e| BadRequest(format!("session_id: {e}")))?,
-        ),
+        Some(Value::String(s)) => {
+            Some(SessionId::parse(s).map_err(|e| BadRequest(format!("session_id: {e}")))?)
+        }
         Some(_) => return Err(BadRequest("session_id must be a string".into())),
     };
     let wait_ms = match object.get("wait_ms") {
@@ -77,7 +81,10 @@ pub fn parse_tool_calls(body: &Value, max_uses: usize) -> Result<ToolCallsReques
         ("tool_calls", Shape::OpenAiChat),
         ("function_calls", Shape::OpenAiResponses),
     ];
-    let present: Vec<_> = shapes.iter().filter(|(key, _)| object.contains_key(*key)).collect();
+    let present: Vec<_> = shapes
+        .iter()
+        .filter(|(key, _)| object.contains_key(*key))
+        .collect();
     let (key, shape) = match present.as_slice() {
         [one] => **one,
         [] => {
@@ -85,7 +92,11 @@ pub fn parse_tool_calls(body: &Value, max_uses: usize) -> Result<ToolCallsReques
                 "the body needs \"tool_uses\" (Anthropic), \"tool_calls\" (OpenAI Chat) or \"function_calls\" (OpenAI Responses)".into(),
             ));
         }
-        _ => return Err(BadRequest("send only one of tool_uses, tool_calls, function_calls".into())),
+        _ => {
+            return Err(BadRequest(
+                "send only one of tool_uses, tool_calls, function_calls".into(),
+            ));
+        }
     };
     let Some(items) = object.get(key).and_then(Value::as_array) else {
         return Err(BadRequest(format!("{key} must be an array")));
@@ -94,7 +105,10 @@ pub fn parse_tool_calls(body: &Value, max_uses: usize) -> Result<ToolCallsReques
         return Err(BadRequest(format!("{key} must not be empty")));
     }
     if items.len() > max_uses {
-        return Err(BadRequest(format!("{key} has {} entries; at most {max_uses} per request", items.len())));
+        return Err(BadRequest(format!(
+            "{key} has {} entries; at most {max_uses} per request",
+            items.len()
+        )));
     }
     let mut calls = Vec::with_capacity(items.len());
     for (index, item) in items.iter().enumerate() {
@@ -107,10 +121,16 @@ pub fn parse_tool_calls(body: &Value, max_uses: usize) -> Result<ToolCallsReques
                 expect_type(item, "tool_use", &at("type"))?;
                 let input = match item.get("input") {
                     Some(v @ Value::Object(_)) => Ok(v.clone()),
-                    Some(_) => return Err(BadRequest(format!("{} must be a JSON object", at("input")))),
+                    Some(_) => {
+                        return Err(BadRequest(format!("{} must be a JSON object", at("input"))));
+                    }
                     None => return Err(BadRequest(format!("{} is required", at("input")))),
                 };
-                ProposedCall { id: string(item, "id", &at("id"))?, name: string(item, "name", &at("name"))?, input }
+                ProposedCall {
+                    id: string(item, "id", &at("id"))?,
+                    name: string(item, "name", &at("name"))?,
+                    input,
+                }
             }
             Shape::OpenAiChat => {
                 expect_type(item, "function", &at("type"))?;
@@ -133,11 +153,20 @@ pub fn parse_tool_calls(body: &Value, max_uses: usize) -> Result<ToolCallsReques
             }
         };
         if calls.iter().any(|c: &ProposedCall| c.id == call.id) {
-            return Err(BadRequest(format!("{} {:?} is used twice; ids must be unique", at("id"), call.id)));
+            return Err(BadRequest(format!(
+                "{} {:?} is used twice; ids must be unique",
+                at("id"),
+                call.id
+            )));
         }
         calls.push(call);
     }
-    Ok(ToolCallsRequest { shape, session_id, wait_ms, calls })
+    Ok(ToolCallsRequest {
+        shape,
+        session_id,
+        wait_ms,
+        calls,
+    })
 }
 
 fn expect_type(item: &Map<String, Value>, expected: &str, at: &str) -> Result<(), BadRequest> {
@@ -198,8 +227,11 @@ pub fn call_summary(record: &CallRecord) -> Value {
 
 /// An Anthropic `tool_result` block.
 pub fn anthropic_result(tool_use_id: &str, outcome: &ToolOutcome) -> Value {
-    let content: Vec<Value> =
-        outcome.content.iter().map(|text| json!({"type": "text", "text": text})).collect();
+    let content: Vec<Value> = outcome
+        .content
+        .iter()
+        .map(|text| json!({"type": "text", "text": text}))
+        .collect();
     json!({
         "type": "tool_result",
         "tool_use_id": tool_use_id,
@@ -212,13 +244,15 @@ pub fn anthropic_result(tool_use_id: &str, outcome: &ToolOutcome) -> Value {
 /// final yet have a `calls` entry but no result.
 pub fn tool_calls_response(shape: Shape, records: &[CallRecord]) -> Value {
     let calls: Vec<Value> = records.iter().map(call_summary).collect();
-    let finished = records.iter().filter(|r| r.status.is_final()).filter_map(|r| {
-        r.result.as_ref().map(|outcome| (r, outcome))
-    });
+    let finished = records
+        .iter()
+        .filter(|r| r.status.is_final())
+        .filter_map(|r| r.result.as_ref().map(|outcome| (r, outcome)));
     match shape {
         Shape::Anthropic => {
-            let results: Vec<Value> =
-                finished.map(|(r, o)| anthropic_result(&r.tool_use_id, o)).collect();
+            let results: Vec<Value> = finished
+                .map(|(r, o)| anthropic_result(&r.tool_use_id, o))
+                .collect();
             json!({"tool_results": results, "calls": calls})
         }
         Shape::OpenAiChat => {
@@ -240,10 +274,8 @@ pub fn tool_calls_response(shape: Shape, records: &[CallRecord]) -> Value {
 pub fn call_detail(record: &CallRecord) -> Value {
     let mut body = call_summary(record);
     body["tool"] = json!(record.tool);
-    if record.status.is_final() {
-        if let Some(outcome) = &record.result {
-            body["tool_result"] = anthropic_result(&record.tool_use_id, outcome);
-        }
+    if let Some(outcome) = record.result.as_ref().filter(|_| record.status.is_final()) {
+        body["tool_result"] = anthropic_result(&record.tool_use_id, outcome);
     }
     body
 }
@@ -314,13 +346,34 @@ mod tests {
             (json!({"tool_uses": []}), "must not be empty"),
             (json!({"tool_uses": {}}), "must be an array"),
             (json!({"tool_uses": [1]}), "tool_uses[0] must be an object"),
-            (json!({"tool_uses": [{"id": "a", "name": "x"}]}), "tool_uses[0].input is required"),
-            (json!({"tool_uses": [{"id": "a", "name": "x", "input": []}]}), "must be a JSON object"),
-            (json!({"tool_uses": [{"id": 1, "name": "x", "input": {}}]}), "tool_uses[0].id must be a string"),
-            (json!({"tool_uses": [{"type": "text", "id": "a", "name": "x", "input": {}}]}), "type"),
-            (json!({"tool_uses": [{"id": "a", "name": "x", "input": {}}, {"id": "a", "name": "x", "input": {}}]}), "twice"),
-            (json!({"session_id": "../x", "tool_uses": [{"id": "a", "name": "x", "input": {}}]}), "session_id"),
-            (json!({"wait_ms": -1, "tool_uses": [{"id": "a", "name": "x", "input": {}}]}), "wait_ms"),
+            (
+                json!({"tool_uses": [{"id": "a", "name": "x"}]}),
+                "tool_uses[0].input is required",
+            ),
+            (
+                json!({"tool_uses": [{"id": "a", "name": "x", "input": []}]}),
+                "must be a JSON object",
+            ),
+            (
+                json!({"tool_uses": [{"id": 1, "name": "x", "input": {}}]}),
+                "tool_uses[0].id must be a string",
+            ),
+            (
+                json!({"tool_uses": [{"type": "text", "id": "a", "name": "x", "input": {}}]}),
+                "type",
+            ),
+            (
+                json!({"tool_uses": [{"id": "a", "name": "x", "input": {}}, {"id": "a", "name": "x", "input": {}}]}),
+                "twice",
+            ),
+            (
+                json!({"session_id": "../x", "tool_uses": [{"id": "a", "name": "x", "input": {}}]}),
+                "session_id",
+            ),
+            (
+                json!({"wait_ms": -1, "tool_uses": [{"id": "a", "name": "x", "input": {}}]}),
+                "wait_ms",
+            ),
         ];
         for (body, needle) in cases {
             let err = parse_tool_calls(&body, 8).unwrap_err();

@@ -45,11 +45,19 @@ pub struct ToolOutcome {
 
 impl ToolOutcome {
     pub fn text(text: impl Into<String>) -> Self {
-        Self { is_error: false, content: vec![text.into()], isolation: None }
+        Self {
+            is_error: false,
+            content: vec![text.into()],
+            isolation: None,
+        }
     }
 
     pub fn error(text: impl Into<String>) -> Self {
-        Self { is_error: true, content: vec![text.into()], isolation: None }
+        Self {
+            is_error: true,
+            content: vec![text.into()],
+            isolation: None,
+        }
     }
 
     /// One text block holding a JSON document (shell, http and db tools answer so).

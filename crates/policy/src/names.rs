@@ -10,7 +10,9 @@ pub enum NameError {
     Empty { what: &'static str },
     #[error("{what} is longer than {max} characters")]
     TooLong { what: &'static str, max: usize },
-    #[error("{what} may contain only letters, digits, '_', '-' and '.' and must not be '.' or '..'")]
+    #[error(
+        "{what} may contain only letters, digits, '_', '-' and '.' and must not be '.' or '..'"
+    )]
     BadCharacters { what: &'static str },
     #[error("tool name must match ^[a-zA-Z0-9_-]{{1,64}}$")]
     BadToolName,
@@ -89,10 +91,16 @@ mod tests {
     #[test]
     fn segments_reject_traversal_and_separators() {
         for bad in ["", ".", "..", "a/b", "a\\b", "a b", "é", &"x".repeat(65)] {
-            assert!(validate_segment("session_id", bad).is_err(), "{bad:?} accepted");
+            assert!(
+                validate_segment("session_id", bad).is_err(),
+                "{bad:?} accepted"
+            );
         }
         for good in ["default", "s-1", "agent_7.run", &"x".repeat(64)] {
-            assert!(validate_segment("session_id", good).is_ok(), "{good:?} refused");
+            assert!(
+                validate_segment("session_id", good).is_ok(),
+                "{good:?} refused"
+            );
         }
     }
 

@@ -7,7 +7,10 @@ use crate::{ToolAnnotations, ToolDefinition, ToolOutcome};
 #[derive(Debug, thiserror::Error)]
 pub enum WireError {
     #[error("tool {tool} has an input schema that is not valid JSON: {source}")]
-    BadSchema { tool: String, source: serde_json::Error },
+    BadSchema {
+        tool: String,
+        source: serde_json::Error,
+    },
     #[error("isolation report is not valid JSON: {0}")]
     BadIsolation(serde_json::Error),
 }
@@ -49,8 +52,11 @@ impl From<&ToolDefinition> for pb::ToolDefinition {
 impl TryFrom<pb::ToolDefinition> for ToolDefinition {
     type Error = WireError;
     fn try_from(d: pb::ToolDefinition) -> Result<Self, Self::Error> {
-        let input_schema = serde_json::from_str(&d.input_schema_json)
-            .map_err(|source| WireError::BadSchema { tool: d.name.clone(), source })?;
+        let input_schema =
+            serde_json::from_str(&d.input_schema_json).map_err(|source| WireError::BadSchema {
+                tool: d.name.clone(),
+                source,
+            })?;
         Ok(ToolDefinition {
             name: d.name,
             title: d.title,
@@ -66,7 +72,11 @@ impl From<&ToolOutcome> for pb::ToolResult {
         pb::ToolResult {
             is_error: o.is_error,
             content: o.content.clone(),
-            isolation_json: o.isolation.as_ref().map(|v| v.to_string()).unwrap_or_default(),
+            isolation_json: o
+                .isolation
+                .as_ref()
+                .map(|v| v.to_string())
+                .unwrap_or_default(),
         }
     }
 }
@@ -79,6 +89,10 @@ impl TryFrom<pb::ToolResult> for ToolOutcome {
         } else {
             Some(serde_json::from_str(&r.isolation_json).map_err(WireError::BadIsolation)?)
         };
-        Ok(ToolOutcome { is_error: r.is_error, content: r.content, isolation })
+        Ok(ToolOutcome {
+            is_error: r.is_error,
+            content: r.content,
+            isolation,
+        })
     }
 }

@@ -47,15 +47,19 @@ struct CapData {
 /// Fails when a capability stays in the bounding set (we lack `CAP_SETPCAP` to drop it);
 /// an already empty bounding set, as in a worker that confined itself, is fine.
 pub(crate) fn drop_all() -> Result<(), Failure> {
-    drop_all_raw().at(Step::DropCapabilities)
+    drop_all_except(0).at(Step::DropCapabilities)
 }
 
-/// [`drop_all`] for callers outside the child.
-pub(crate) fn drop_all_checked() -> Result<(), CapsError> {
-    drop_all_raw().map_err(|e| CapsError::Drop(std::io::Error::from_raw_os_error(e)))
+/// For callers outside the child: drops every capability but those in `keep` (a bit
+/// mask), which stay permitted and effective (the bounding set is emptied regardless).
+pub(crate) fn drop_all_but(keep: u64) -> Result<(), CapsError> {
+    drop_all_except(keep).map_err(|e| CapsError::Drop(std::io::Error::from_raw_os_error(e)))
 }
 
-fn drop_all_raw() -> Result<(), i32> {
+/// `CAP_SETFCAP` as a mask for [`drop_all_but`].
+pub(crate) const SETFCAP_MASK: u64 = 1 << 31;
+
+fn drop_all_except(keep: u64) -> Result<(), i32> {
     let can_setpcap = effective_has(CAP_SETPCAP)?;
 
     // 1. Bounding set: what execve can ever grant.
@@ -77,7 +81,13 @@ fn drop_all_raw() -> Result<(), i32> {
     // 2. Ambient set (EINVAL before Linux 4.3, where it does not exist).
     // SAFETY: prctl with integer arguments only.
     let ret = unsafe {
-        libc::prctl(libc::PR_CAP_AMBIENT, libc::PR_CAP_AMBIENT_CLEAR_ALL as libc::c_ulong, 0, 0, 0)
+        libc::prctl(
+            libc::PR_CAP_AMBIENT,
+            libc::PR_CAP_AMBIENT_CLEAR_ALL as libc::c_ulong,
+            0,
+            0,
+            0,
+        )
     };
     if ret == -1 && sys::errno() != libc::EINVAL {
         return Err(sys::errno());
@@ -96,9 +106,17 @@ fn drop_all_raw() -> Result<(), i32> {
         sys::check_int(unsafe { libc::prctl(libc::PR_SET_SECUREBITS, bits, 0, 0, 0) })?;
     }
 
-    // 4. Effective, permitted and inheritable sets: empty.
-    let mut header = CapHeader { version: LINUX_CAPABILITY_VERSION_3, pid: 0 };
-    let data = [CapData::default(); 2];
+    // 4. Effective and permitted sets: empty but for `keep`; inheritable: empty.
+    let mut header = CapHeader {
+        version: LINUX_CAPABILITY_VERSION_3,
+        pid: 0,
+    };
+    let mut data = [CapData::default(); 2];
+    for (word, d) in data.iter_mut().enumerate() {
+        let bits = (keep >> (32 * word)) as u32;
+        d.effective = bits;
+        d.permitted = bits;
+    }
     // SAFETY: header and data are valid, correctly sized capset arguments.
     sys::check(unsafe { libc::syscall(libc::SYS_capset, &mut header, data.as_ptr()) })?;
     Ok(())
@@ -106,7 +124,10 @@ fn drop_all_raw() -> Result<(), i32> {
 
 /// Whether the calling thread's effective set holds `cap` (async-signal-safe).
 fn effective_has(cap: libc::c_ulong) -> Result<bool, i32> {
-    let mut header = CapHeader { version: LINUX_CAPABILITY_VERSION_3, pid: 0 };
+    let mut header = CapHeader {
+        version: LINUX_CAPABILITY_VERSION_3,
+        pid: 0,
+    };
     let mut data = [CapData::default(); 2];
     // SAFETY: header and data are valid, correctly sized capget arguments.
     sys::check(unsafe { libc::syscall(libc::SYS_capget, &mut header, data.as_mut_ptr()) })?;

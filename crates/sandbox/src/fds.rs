@@ -20,6 +20,8 @@ pub enum FdError {
 
 /// Where the error pipe lives after [`install`].
 pub(crate) const ERROR_FD: RawFd = 3;
+/// Where the status pipe lives after [`install`].
+pub(crate) const STATUS_FD: RawFd = 4;
 
 /// The child's ends of the pipes, as raw numbers (all ≥ 3, close-on-exec).
 #[derive(Debug, Clone, Copy)]
@@ -28,23 +30,33 @@ pub(crate) struct ChildFds {
     pub stdout: RawFd,
     pub stderr: RawFd,
     pub error: RawFd,
+    pub status: RawFd,
 }
 
-/// Child side: pipes onto 0, 1, 2; the error pipe onto 3; everything above closed
-/// (async-signal-safe).
+/// Child side: pipes onto 0, 1, 2; the error pipe onto 3, the status pipe onto 4;
+/// everything above closed (async-signal-safe).
 pub(crate) fn install(fds: ChildFds) -> Result<(), Failure> {
+    // First park the two pipes above every descriptor we are about to overwrite.
+    let error = dup_high(fds.error).at(Step::StandardStreams)?;
+    let status = dup_high(fds.status).at(Step::StandardStreams)?;
     // The sources are all ≥ 3, so these cannot clobber one another; dup2 clears
     // close-on-exec on the new descriptors, as wanted.
     for (source, target) in [(fds.stdin, 0), (fds.stdout, 1), (fds.stderr, 2)] {
         // SAFETY: dup2 takes no pointers.
         sys::check_int(unsafe { libc::dup2(source, target) }).at(Step::StandardStreams)?;
     }
-    if fds.error != ERROR_FD {
+    for (source, target) in [(error, ERROR_FD), (status, STATUS_FD)] {
         // SAFETY: dup3 takes no pointers; the new descriptor stays close-on-exec.
-        sys::check_int(unsafe { libc::dup3(fds.error, ERROR_FD, libc::O_CLOEXEC) })
+        sys::check_int(unsafe { libc::dup3(source, target, libc::O_CLOEXEC) })
             .at(Step::StandardStreams)?;
     }
-    close_from(ERROR_FD + 1).at(Step::CloseFds)
+    close_from(STATUS_FD + 1).at(Step::CloseFds)
+}
+
+/// A close-on-exec copy of `fd` numbered 5 or higher.
+fn dup_high(fd: RawFd) -> Result<RawFd, i32> {
+    // SAFETY: fcntl with integer arguments only.
+    sys::check_int(unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, STATUS_FD + 1) })
 }
 
 /// Closes every descriptor from `first` up.
@@ -55,7 +67,10 @@ fn close_from(first: RawFd) -> Result<(), i32> {
         Ok(_) => Ok(()),
         // Before Linux 5.9: close them one by one up to the descriptor limit.
         Err(libc::ENOSYS) => {
-            let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+            let mut limit = libc::rlimit {
+                rlim_cur: 0,
+                rlim_max: 0,
+            };
             // SAFETY: `limit` is a valid out-pointer.
             sys::check_int(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) })?;
             let last = limit.rlim_cur.min(1 << 20) as RawFd;

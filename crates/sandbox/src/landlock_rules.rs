@@ -19,7 +19,9 @@ use crate::sys;
 /// One `thiserror` enum per module: Landlock failures outside the child.
 #[derive(Debug, thiserror::Error)]
 pub enum LandlockError {
-    #[error("landlock is not available (kernel without CONFIG_SECURITY_LANDLOCK or not in the lsm= boot list)")]
+    #[error(
+        "landlock is not available (kernel without CONFIG_SECURITY_LANDLOCK or not in the lsm= boot list)"
+    )]
     Unavailable,
     #[error("invalid landlock path: {0}")]
     Path(#[source] io::Error),
@@ -105,8 +107,16 @@ impl LandlockPlan {
         LandlockPlan {
             abi,
             handled_fs: handled_fs(abi),
-            handled_net: if abi >= 4 && deny_tcp { NET_BIND_TCP | NET_CONNECT_TCP } else { 0 },
-            scoped: if abi >= 6 { SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL } else { 0 },
+            handled_net: if abi >= 4 && deny_tcp {
+                NET_BIND_TCP | NET_CONNECT_TCP
+            } else {
+                0
+            },
+            scoped: if abi >= 6 {
+                SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL
+            } else {
+                0
+            },
             rules: Vec::new(),
         }
     }
@@ -137,7 +147,8 @@ impl LandlockPlan {
 
     /// [`Self::apply`] for callers outside the child.
     pub(crate) fn apply_checked(&self) -> Result<(), LandlockError> {
-        self.apply_raw().map_err(|e| LandlockError::Apply(io::Error::from_raw_os_error(e)))
+        self.apply_raw()
+            .map_err(|e| LandlockError::Apply(io::Error::from_raw_os_error(e)))
     }
 
     fn apply_raw(&self) -> Result<(), i32> {
@@ -180,9 +191,16 @@ impl LandlockPlan {
             let mut st: libc::stat = unsafe { std::mem::zeroed() };
             // SAFETY: `fd` is open and `st` a valid out-pointer.
             let stat = sys::check_int(unsafe { libc::fstat(fd, &mut st) });
-            let is_dir = matches!(stat, Ok(_)) && st.st_mode & libc::S_IFMT == libc::S_IFDIR;
-            let allowed = if is_dir { *rights } else { rights & access::FILE_RIGHTS };
-            let attr = PathBeneathAttr { allowed_access: allowed, parent_fd: fd };
+            let is_dir = stat.is_ok() && st.st_mode & libc::S_IFMT == libc::S_IFDIR;
+            let allowed = if is_dir {
+                *rights
+            } else {
+                rights & access::FILE_RIGHTS
+            };
+            let attr = PathBeneathAttr {
+                allowed_access: allowed,
+                parent_fd: fd,
+            };
             let ret = if stat.is_err() || allowed == 0 {
                 stat.map(|_| 0)
             } else {

@@ -52,7 +52,12 @@ impl RlimitPlan {
     pub(crate) fn prepare(want: Rlimits) -> Result<Self, RlimitError> {
         let cpu = cpu_seconds(want.timeout);
         let nofile = clamp(libc::RLIMIT_NOFILE, "nofile", want.nofile, want.nofile)?;
-        let fsize = clamp(libc::RLIMIT_FSIZE, "fsize", want.fsize_bytes, want.fsize_bytes)?;
+        let fsize = clamp(
+            libc::RLIMIT_FSIZE,
+            "fsize",
+            want.fsize_bytes,
+            want.fsize_bytes,
+        )?;
         let core = clamp(libc::RLIMIT_CORE, "core", 0, 0)?;
         // Soft limit: SIGXCPU; one second later the hard limit SIGKILLs.
         let cpu_limit = clamp(libc::RLIMIT_CPU, "cpu", cpu, cpu + 1)?;
@@ -98,11 +103,20 @@ fn clamp(
     soft: u64,
     hard: u64,
 ) -> Result<libc::rlimit, RlimitError> {
-    let mut current = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    let mut current = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
     // SAFETY: `current` is a valid out-pointer.
     if unsafe { libc::getrlimit(resource, &mut current) } == -1 {
-        return Err(RlimitError::Read { name, source: io::Error::last_os_error() });
+        return Err(RlimitError::Read {
+            name,
+            source: io::Error::last_os_error(),
+        });
     }
     let hard = hard.min(current.rlim_max);
-    Ok(libc::rlimit { rlim_cur: soft.min(hard), rlim_max: hard })
+    Ok(libc::rlimit {
+        rlim_cur: soft.min(hard),
+        rlim_max: hard,
+    })
 }

@@ -88,8 +88,15 @@ enum SystemEntry {
 
 /// A host `/etc` entry bound read-only (or copied as a symlink).
 enum EtcEntry {
-    Bind { source: CString, target: CString, is_dir: bool },
-    Symlink { target: CString, link: CString },
+    Bind {
+        source: CString,
+        target: CString,
+        is_dir: bool,
+    },
+    Symlink {
+        target: CString,
+        link: CString,
+    },
 }
 
 /// Everything the child needs to build the new root, prepared before `clone`.
@@ -128,13 +135,23 @@ impl RootfsPlan {
         let mut system = Vec::new();
         for name in SYSTEM_DIRS {
             let host = Path::new("/").join(name);
-            let Ok(meta) = std::fs::symlink_metadata(&host) else { continue };
+            let Ok(meta) = std::fs::symlink_metadata(&host) else {
+                continue;
+            };
             if meta.file_type().is_symlink() {
-                let target = std::fs::read_link(&host)
-                    .map_err(|source| RootfsError::Inspect { path: host.clone(), source })?;
-                system.push(SystemEntry::Symlink { target: c(&target)?, link: c(&host)? });
+                let target = std::fs::read_link(&host).map_err(|source| RootfsError::Inspect {
+                    path: host.clone(),
+                    source,
+                })?;
+                system.push(SystemEntry::Symlink {
+                    target: c(&target)?,
+                    link: c(&host)?,
+                });
             } else if meta.is_dir() {
-                system.push(SystemEntry::Bind { source: c(&old.join(name))?, target: c(&host)? });
+                system.push(SystemEntry::Bind {
+                    source: c(&old.join(name))?,
+                    target: c(&host)?,
+                });
             }
         }
 
@@ -147,21 +164,32 @@ impl RootfsPlan {
         });
         for name in from_host {
             let host = Path::new("/etc").join(name);
-            let Ok(meta) = std::fs::symlink_metadata(&host) else { continue };
+            let Ok(meta) = std::fs::symlink_metadata(&host) else {
+                continue;
+            };
             if let Some(parent) = host.parent().filter(|p| *p != Path::new("/etc")) {
                 etc_dirs.push(c(parent)?);
             }
             // resolv.conf is often a symlink into /run: bind the file it points to.
             let follow = *name == "resolv.conf";
             if meta.file_type().is_symlink() && !follow {
-                let target = std::fs::read_link(&host)
-                    .map_err(|source| RootfsError::Inspect { path: host.clone(), source })?;
-                etc.push(EtcEntry::Symlink { target: c(&target)?, link: c(&host)? });
+                let target = std::fs::read_link(&host).map_err(|source| RootfsError::Inspect {
+                    path: host.clone(),
+                    source,
+                })?;
+                etc.push(EtcEntry::Symlink {
+                    target: c(&target)?,
+                    link: c(&host)?,
+                });
             } else {
-                let real = std::fs::canonicalize(&host)
-                    .map_err(|source| RootfsError::Inspect { path: host.clone(), source })?;
-                let meta = std::fs::metadata(&real)
-                    .map_err(|source| RootfsError::Inspect { path: real.clone(), source })?;
+                let real = std::fs::canonicalize(&host).map_err(|source| RootfsError::Inspect {
+                    path: host.clone(),
+                    source,
+                })?;
+                let meta = std::fs::metadata(&real).map_err(|source| RootfsError::Inspect {
+                    path: real.clone(),
+                    source,
+                })?;
                 let source = old.join(real.strip_prefix("/").unwrap_or(&real));
                 etc.push(EtcEntry::Bind {
                     source: c(&source)?,
@@ -222,7 +250,8 @@ impl RootfsPlan {
             match entry {
                 SystemEntry::Bind { source, target } => {
                     mkdir(target, 0o755).at(Step::BindSystemDir)?;
-                    bind_read_only(source, target, libc::MS_NODEV).at(Step::BindSystemDir)?;
+                    bind_read_only(source, target, libc::MS_NOSUID | libc::MS_NODEV)
+                        .at(Step::BindSystemDir)?;
                 }
                 SystemEntry::Symlink { target, link } => {
                     symlink(target, link).at(Step::SystemSymlink)?;
@@ -243,7 +272,11 @@ impl RootfsPlan {
         write_new_file(c"/etc/resolv.conf", b"").at(Step::MinimalEtc)?;
         for entry in &self.etc {
             match entry {
-                EtcEntry::Bind { source, target, is_dir } => {
+                EtcEntry::Bind {
+                    source,
+                    target,
+                    is_dir,
+                } => {
                     if *is_dir {
                         mkdir(target, 0o755).at(Step::MinimalEtc)?;
                     } else {
@@ -258,8 +291,14 @@ impl RootfsPlan {
 
         // 5. The workspace, read-write, without setuid or devices.
         mkdir(c"/workspace", 0o755).at(Step::BindWorkspace)?;
-        sys::mount(Some(&self.workspace_source), c"/workspace", None, libc::MS_BIND, None)
-            .at(Step::BindWorkspace)?;
+        sys::mount(
+            Some(&self.workspace_source),
+            c"/workspace",
+            None,
+            libc::MS_BIND,
+            None,
+        )
+        .at(Step::BindWorkspace)?;
         remount_bind(c"/workspace", libc::MS_NOSUID | libc::MS_NODEV).at(Step::BindWorkspace)?;
 
         // 6. /tmp: a tmpfs with a size limit (its pages are also charged to the cgroup).
@@ -284,7 +323,11 @@ impl RootfsPlan {
         )
         .at(Step::MountProc)?;
         for path in PROC_READ_ONLY {
-            match bind_read_only(path, path, libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC) {
+            match bind_read_only(
+                path,
+                path,
+                libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+            ) {
                 Err(libc::ENOENT) => {}
                 other => other.at(Step::ProcSysReadOnly)?,
             }
@@ -360,7 +403,11 @@ fn symlink(target: &CStr, link: &CStr) -> Result<(), i32> {
 fn write_new_file(path: &CStr, contents: &[u8]) -> Result<(), i32> {
     // SAFETY: `path` is NUL-terminated; the flags create a new file.
     let fd = sys::check_int(unsafe {
-        libc::open(path.as_ptr(), libc::O_WRONLY | libc::O_CREAT | libc::O_CLOEXEC, 0o644)
+        libc::open(
+            path.as_ptr(),
+            libc::O_WRONLY | libc::O_CREAT | libc::O_CLOEXEC,
+            0o644,
+        )
     })?;
     let result = sys::write_all_raw(fd, contents);
     // SAFETY: `fd` was opened above and is closed once.
@@ -378,11 +425,13 @@ fn bind_read_only(source: &CStr, target: &CStr, extra: libc::c_ulong) -> Result<
 /// locks in a user namespace (nosuid, nodev, noexec, read-only and atime flags inherited
 /// from the source mount), which a remount may not clear.
 fn remount_bind(target: &CStr, flags: libc::c_ulong) -> Result<(), i32> {
-    // SAFETY: an all-zero statfs is a valid value for the kernel to overwrite.
-    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // glibc's statvfs is one statfs system call (the kernel reports the mount flags in
+    // f_flags since 2.6.36), so it is async-signal-safe here.
+    // SAFETY: an all-zero statvfs is a valid value to overwrite.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
     // SAFETY: `target` is NUL-terminated and `st` is a valid out-pointer.
-    sys::check_int(unsafe { libc::statfs(target.as_ptr(), &mut st) })?;
-    let have = st.f_flags as libc::c_ulong;
+    sys::check_int(unsafe { libc::statvfs(target.as_ptr(), &mut st) })?;
+    let have = st.f_flag as libc::c_ulong;
     let mut locked = 0;
     for (st_flag, ms_flag) in [
         (libc::ST_RDONLY, libc::MS_RDONLY),
@@ -397,5 +446,11 @@ fn remount_bind(target: &CStr, flags: libc::c_ulong) -> Result<(), i32> {
             locked |= ms_flag;
         }
     }
-    sys::mount(None, target, None, libc::MS_BIND | libc::MS_REMOUNT | flags | locked, None)
+    sys::mount(
+        None,
+        target,
+        None,
+        libc::MS_BIND | libc::MS_REMOUNT | flags | locked,
+        None,
+    )
 }

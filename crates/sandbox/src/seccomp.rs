@@ -51,11 +51,16 @@ pub(crate) struct Profile {
 impl Profile {
     /// The profile of a sandboxed command.
     pub(crate) fn sandbox(network: bool) -> Self {
-        Profile { network, exec: true, namespaces: false }
+        Profile {
+            network,
+            exec: true,
+            namespaces: false,
+        }
     }
 }
 
 /// Compiled filters, in installation order.
+#[derive(Debug)]
 pub(crate) struct SeccompPlan {
     programs: Vec<BpfProgram>,
 }
@@ -195,9 +200,8 @@ impl SeccompPlan {
     /// Installs the filters on every thread of the process (`SECCOMP_FILTER_FLAG_TSYNC`).
     pub(crate) fn install_all_threads(&self) -> Result<(), SeccompError> {
         for program in &self.programs {
-            seccompiler::apply_filter_all_threads(program).map_err(|e| {
-                SeccompError::Install(std::io::Error::other(e.to_string()))
-            })?;
+            seccompiler::apply_filter_all_threads(program)
+                .map_err(|e| SeccompError::Install(std::io::Error::other(e.to_string())))?;
         }
         Ok(())
     }
@@ -245,7 +249,12 @@ pub fn filter_available() -> bool {
     let action: u32 = libc::SECCOMP_RET_ERRNO;
     // SAFETY: the argument points at a valid u32 for the duration of the call.
     let ret = unsafe {
-        libc::syscall(libc::SYS_seccomp, libc::SECCOMP_GET_ACTION_AVAIL, 0u32, &action as *const u32)
+        libc::syscall(
+            libc::SYS_seccomp,
+            libc::SECCOMP_GET_ACTION_AVAIL,
+            0u32,
+            &action as *const u32,
+        )
     };
     ret == 0
 }

@@ -131,7 +131,10 @@ impl Failure {
     pub(crate) fn decode(bytes: [u8; 8]) -> Option<Self> {
         let step = u32::from_ne_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]);
         let errno = i32::from_ne_bytes([bytes[4], bytes[5], bytes[6], bytes[7]]);
-        Some(Failure { step: Step::from_u32(step)?, errno })
+        Some(Failure {
+            step: Step::from_u32(step)?,
+            errno,
+        })
     }
 }
 

@@ -32,12 +32,6 @@ pub(crate) fn path_cstring(path: &Path) -> io::Result<CString> {
         .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path contains a NUL byte"))
 }
 
-/// A `CString` from a string; strings with an interior NUL are rejected.
-pub(crate) fn cstring(s: &str) -> io::Result<CString> {
-    CString::new(s)
-        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "string contains a NUL byte"))
-}
-
 /// A pipe whose both ends are close-on-exec and numbered 3 or higher, so that they can
 /// never collide with the standard descriptors the child sets up.
 pub(crate) fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
@@ -112,7 +106,13 @@ pub(crate) fn mount(
     let ptr = |s: Option<&CStr>| s.map_or(std::ptr::null(), CStr::as_ptr);
     // SAFETY: every pointer is either null or a NUL-terminated string that outlives the call.
     let ret = unsafe {
-        libc::mount(ptr(source), target.as_ptr(), ptr(fstype), flags, ptr(data).cast())
+        libc::mount(
+            ptr(source),
+            target.as_ptr(),
+            ptr(fstype),
+            flags,
+            ptr(data).cast(),
+        )
     };
     check_int(ret).map(drop)
 }

@@ -56,7 +56,10 @@ pub fn write_atomic(
     content: &[u8],
     display: &str,
 ) -> Result<bool, AtomicError> {
-    let io = |errno: Errno| AtomicError::Io { path: display.to_owned(), errno };
+    let io = |errno: Errno| AtomicError::Io {
+        path: display.to_owned(),
+        errno,
+    };
     let existed = rustix::fs::statat(dir, name, AtFlags::SYMLINK_NOFOLLOW).is_ok();
     let mode = target_mode(dir, name);
 
@@ -73,9 +76,9 @@ pub fn write_atomic(
         Err(errno) => {
             let _ = rustix::fs::unlinkat(dir, tmp_name.as_str(), AtFlags::empty());
             Err(match errno {
-                Errno::ISDIR | Errno::NOTEMPTY | Errno::EXIST => {
-                    AtomicError::IsDirectory { path: display.to_owned() }
-                }
+                Errno::ISDIR | Errno::NOTEMPTY | Errno::EXIST => AtomicError::IsDirectory {
+                    path: display.to_owned(),
+                },
                 errno => io(errno),
             })
         }
@@ -108,7 +111,8 @@ fn fill_and_rename(
     mode: u32,
 ) -> Result<(), Errno> {
     let mut file = std::fs::File::from(fd);
-    file.write_all(content).map_err(|e| Errno::from_io_error(&e).unwrap_or(Errno::IO))?;
+    file.write_all(content)
+        .map_err(|e| Errno::from_io_error(&e).unwrap_or(Errno::IO))?;
     rustix::fs::fchmod(&file, Mode::from_raw_mode(mode))?;
     rustix::fs::fsync(&file)?;
     drop(file);
@@ -138,8 +142,11 @@ mod tests {
         let fd = open_dir(dir.path());
         assert!(!write_atomic(&fd, "a.txt", b"one", "a.txt").unwrap());
         assert_eq!(std::fs::read(dir.path().join("a.txt")).unwrap(), b"one");
-        std::fs::set_permissions(dir.path().join("a.txt"), std::fs::Permissions::from_mode(0o600))
-            .unwrap();
+        std::fs::set_permissions(
+            dir.path().join("a.txt"),
+            std::fs::Permissions::from_mode(0o600),
+        )
+        .unwrap();
         assert!(write_atomic(&fd, "a.txt", b"two", "a.txt").unwrap());
         let meta = std::fs::metadata(dir.path().join("a.txt")).unwrap();
         assert_eq!(meta.permissions().mode() & 0o777, 0o600);

@@ -40,7 +40,11 @@ pub enum EditError {
          more surrounding lines in old_text so it matches exactly once, or set replace_all to \
          true to replace every match"
     )]
-    Ambiguous { index: usize, path: String, count: usize },
+    Ambiguous {
+        index: usize,
+        path: String,
+        count: usize,
+    },
     #[error(
         "the edited text would be {size} bytes, more than the {max} bytes allowed; nothing was \
          changed"
@@ -80,12 +84,23 @@ pub fn apply_edits(text: &str, edits: &[Edit], path: &str) -> Result<(String, us
         }
         let count = current.matches(edit.old_text.as_str()).count();
         match count {
-            0 => return Err(EditError::NotFound { index, path: path.to_owned() }),
+            0 => {
+                return Err(EditError::NotFound {
+                    index,
+                    path: path.to_owned(),
+                });
+            }
             1 => current = current.replacen(edit.old_text.as_str(), &edit.new_text, 1),
             _ if edit.replace_all => {
                 current = current.replace(edit.old_text.as_str(), &edit.new_text);
             }
-            _ => return Err(EditError::Ambiguous { index, path: path.to_owned(), count }),
+            _ => {
+                return Err(EditError::Ambiguous {
+                    index,
+                    path: path.to_owned(),
+                    count,
+                });
+            }
         }
         replacements += count;
     }
@@ -116,14 +131,23 @@ pub fn edit_file(ws: &Workspace, args: &EditArgs, max_bytes: u64) -> Result<Stri
             let target = rustix::fs::readlinkat(&dir, name.as_str(), Vec::new())
                 .map(|t| t.to_string_lossy().into_owned())
                 .unwrap_or_default();
-            return Err(EditError::Symlink { path: display.to_owned(), target });
+            return Err(EditError::Symlink {
+                path: display.to_owned(),
+                target,
+            });
         }
         FileType::Directory => {
-            return Err(FileError::IsDirectory { path: display.to_owned() }.into());
+            return Err(FileError::IsDirectory {
+                path: display.to_owned(),
+            }
+            .into());
         }
         other => {
-            return Err(FileError::NotRegular { path: display.to_owned(), kind: kind_name(other) }
-                .into());
+            return Err(FileError::NotRegular {
+                path: display.to_owned(),
+                kind: kind_name(other),
+            }
+            .into());
         }
     }
 
@@ -137,16 +161,26 @@ pub fn edit_file(ws: &Workspace, args: &EditArgs, max_bytes: u64) -> Result<Stri
     let mut file = std::fs::File::from(fd);
     let bytes = read_capped(&mut file, max_bytes)
         .map_err(|e| FileError::io(display, &e))?
-        .ok_or_else(|| EditError::TooLarge { path: display.to_owned(), max: max_bytes })?;
+        .ok_or_else(|| EditError::TooLarge {
+            path: display.to_owned(),
+            max: max_bytes,
+        })?;
     if looks_binary(&bytes[..bytes.len().min(crate::text::SNIFF_BYTES)]) {
-        return Err(EditError::NotText { path: display.to_owned() });
+        return Err(EditError::NotText {
+            path: display.to_owned(),
+        });
     }
-    let old = String::from_utf8(bytes).map_err(|_| EditError::NotText { path: display.to_owned() })?;
+    let old = String::from_utf8(bytes).map_err(|_| EditError::NotText {
+        path: display.to_owned(),
+    })?;
 
     let (new, replacements) = apply_edits(&old, &args.edits, display)?;
     let size = new.len() as u64;
     if size > max_bytes {
-        return Err(EditError::ResultTooLarge { size, max: max_bytes });
+        return Err(EditError::ResultTooLarge {
+            size,
+            max: max_bytes,
+        });
     }
     let diff = unified_diff(&old, &new, display);
     let edits = args.edits.len();
@@ -158,10 +192,14 @@ pub fn edit_file(ws: &Workspace, args: &EditArgs, max_bytes: u64) -> Result<Stri
     );
     if old == new {
         let what = if args.dry_run { "dry run: " } else { "" };
-        return Ok(format!("{what}{summary} leave {display} unchanged; nothing was written"));
+        return Ok(format!(
+            "{what}{summary} leave {display} unchanged; nothing was written"
+        ));
     }
     if args.dry_run {
-        return Ok(format!("dry run: {summary} would change {display}; nothing was written\n{diff}"));
+        return Ok(format!(
+            "dry run: {summary} would change {display}; nothing was written\n{diff}"
+        ));
     }
     write_atomic(&dir, &name, new.as_bytes(), display)?;
     Ok(format!("applied {summary} to {display}\n{diff}"))
@@ -172,22 +210,41 @@ mod tests {
     use super::*;
 
     fn edit(old: &str, new: &str, all: bool) -> Edit {
-        Edit { old_text: old.into(), new_text: new.into(), replace_all: all }
+        Edit {
+            old_text: old.into(),
+            new_text: new.into(),
+            replace_all: all,
+        }
     }
 
     #[test]
     fn sequential_and_all_or_nothing() {
         let text = "a b a\nc\n";
-        let (out, n) = apply_edits(text, &[edit("c", "d", false), edit("d", "e", false)], "f").unwrap();
+        let (out, n) =
+            apply_edits(text, &[edit("c", "d", false), edit("d", "e", false)], "f").unwrap();
         assert_eq!(out, "a b a\ne\n");
         assert_eq!(n, 2);
         let err = apply_edits(text, &[edit("a", "x", false)], "f").unwrap_err();
-        assert!(matches!(err, EditError::Ambiguous { index: 1, count: 2, .. }), "{err}");
+        assert!(
+            matches!(
+                err,
+                EditError::Ambiguous {
+                    index: 1,
+                    count: 2,
+                    ..
+                }
+            ),
+            "{err}"
+        );
         let (out, n) = apply_edits(text, &[edit("a", "x", true)], "f").unwrap();
         assert_eq!((out.as_str(), n), ("x b x\nc\n", 2));
-        let err = apply_edits(text, &[edit("c", "d", false), edit("zz", "y", false)], "f").unwrap_err();
+        let err =
+            apply_edits(text, &[edit("c", "d", false), edit("zz", "y", false)], "f").unwrap_err();
         assert!(matches!(err, EditError::NotFound { index: 2, .. }), "{err}");
-        assert!(matches!(apply_edits(text, &[], "f"), Err(EditError::NoEdits)));
+        assert!(matches!(
+            apply_edits(text, &[], "f"),
+            Err(EditError::NoEdits)
+        ));
         assert!(matches!(
             apply_edits(text, &[edit("", "x", false)], "f"),
             Err(EditError::EmptyOldText { index: 1 })

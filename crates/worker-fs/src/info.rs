@@ -45,7 +45,10 @@ pub fn rfc3339(secs: i64) -> String {
 
 fn stat_lines(path: &str, st: &Stat) -> Vec<String> {
     let kind = FileType::from_raw_mode(st.st_mode);
-    let mut lines = vec![format!("path: {path}"), format!("type: {}", kind_name(kind))];
+    let mut lines = vec![
+        format!("path: {path}"),
+        format!("type: {}", kind_name(kind)),
+    ];
     if kind != FileType::Directory {
         lines.push(format!("size: {} bytes", st.st_size));
     }
@@ -65,7 +68,10 @@ fn count_lines(dir: impl std::os::fd::AsFd, name: &str) -> Option<u64> {
     )
     .ok()?;
     let mut bytes = Vec::new();
-    std::fs::File::from(fd).take(LINE_COUNT_LIMIT + 1).read_to_end(&mut bytes).ok()?;
+    std::fs::File::from(fd)
+        .take(LINE_COUNT_LIMIT + 1)
+        .read_to_end(&mut bytes)
+        .ok()?;
     if bytes.len() as u64 > LINE_COUNT_LIMIT || looks_binary(&bytes) {
         return None;
     }
@@ -76,7 +82,10 @@ fn count_lines(dir: impl std::os::fd::AsFd, name: &str) -> Option<u64> {
 pub fn get_file_info(ws: &Workspace, args: &InfoArgs) -> Result<String, InfoError> {
     let display = args.path.as_str();
     let rel = ws.relative(display)?;
-    let io = |errno| InfoError::Io { path: display.to_owned(), errno };
+    let io = |errno| InfoError::Io {
+        path: display.to_owned(),
+        errno,
+    };
     let (dir, name) = match split_last(&rel) {
         Last::Root | Last::Dots => {
             // `.` and `..` are never symlinks: stat what they resolve to.

@@ -4,7 +4,7 @@ use rustix::fs::FileType;
 use rustix::io::Errno;
 
 use crate::resolve::{ResolveError, Workspace};
-use crate::walk::{Visit, WalkError, MAX_DEPTH, open_directory, walk};
+use crate::walk::{MAX_DEPTH, Visit, WalkError, open_directory, walk};
 
 pub const DEFAULT_MAX_ENTRIES: usize = 1000;
 
@@ -51,8 +51,16 @@ pub fn list_directory(
 ) -> Result<String, ListError> {
     let display = args.path.as_str();
     let rel = ws.relative(display)?;
-    let dir = open_directory(ws, &rel, display, "use get_file_info or read_file for files")?;
-    let max = args.max_entries.unwrap_or(DEFAULT_MAX_ENTRIES).clamp(1, config_max.max(1));
+    let dir = open_directory(
+        ws,
+        &rel,
+        display,
+        "use get_file_info or read_file for files",
+    )?;
+    let max = args
+        .max_entries
+        .unwrap_or(DEFAULT_MAX_ENTRIES)
+        .clamp(1, config_max.max(1));
 
     let mut lines: Vec<String> = Vec::new();
     let mut truncated = false;
@@ -64,14 +72,20 @@ pub fn list_directory(
         lines.push(describe(entry));
         Visit::Continue
     };
-    let end = walk(&dir, args.recursive, &mut visit, stop)
-        .map_err(|errno| ListError::Io { path: display.to_owned(), errno })?;
+    let end = walk(&dir, args.recursive, &mut visit, stop).map_err(|errno| ListError::Io {
+        path: display.to_owned(),
+        errno,
+    })?;
 
     let mut notes = Vec::new();
     if truncated {
         notes.push(format!(
             "[truncated: showing the first {max} entries; list a subdirectory{}]",
-            if max < config_max { format!(" or pass a larger max_entries (up to {config_max})") } else { String::new() }
+            if max < config_max {
+                format!(" or pass a larger max_entries (up to {config_max})")
+            } else {
+                String::new()
+            }
         ));
     }
     if end.depth_limited {

@@ -28,17 +28,28 @@ pub enum MutateError {
          delete_path first or choose another destination"
     )]
     DestinationExists { path: String },
-    #[error("cannot move {source_path:?} into itself or one of its own subdirectories")]
+    #[error(
+        "cannot move {source_path:?} into itself or one of its own subdirectories (or this \
+         filesystem cannot rename without overwriting); choose another destination"
+    )]
     IntoItself { source_path: String },
     #[error("cannot move {source_path:?} to {destination:?}: {errno}")]
-    Move { source_path: String, destination: String, errno: Errno },
+    Move {
+        source_path: String,
+        destination: String,
+        errno: Errno,
+    },
     #[error(
         "directory {path:?} is not empty; pass recursive=true to delete it with everything in it"
     )]
     NotEmpty { path: String },
-    #[error("{path:?} is nested more than {MAX_DELETE_DEPTH} levels deep; delete its deepest parts first")]
+    #[error(
+        "{path:?} is nested more than {MAX_DELETE_DEPTH} levels deep; delete its deepest parts first"
+    )]
     TooDeep { path: String },
-    #[error("delete_path stopped after deleting {deleted} entries: the call was cancelled or reached its deadline; call it again to finish")]
+    #[error(
+        "delete_path stopped after deleting {deleted} entries: the call was cancelled or reached its deadline; call it again to finish"
+    )]
     Stopped { deleted: u64 },
     #[error("cannot delete {path:?}: {errno}")]
     Delete { path: String, errno: Errno },
@@ -69,7 +80,9 @@ pub fn create_directory(ws: &Workspace, args: &CreateDirArgs) -> Result<String, 
     let display = args.path.as_str();
     let rel = ws.relative(display)?;
     if split_last(&rel) == Last::Root {
-        return Ok(format!("{display:?} is the workspace root, which already exists"));
+        return Ok(format!(
+            "{display:?} is the workspace root, which already exists"
+        ));
     }
     let (_, created) = ws.make_dirs(&rel, display)?;
     Ok(if created {
@@ -81,39 +94,54 @@ pub fn create_directory(ws: &Workspace, args: &CreateDirArgs) -> Result<String, 
 
 pub fn move_path(ws: &Workspace, args: &MoveArgs) -> Result<String, MutateError> {
     let (src, dst) = (args.source.as_str(), args.destination.as_str());
-    let (sdir, sname) = ws.parent_and_name(src, "the workspace root cannot be moved").map_err(
-        |e| match e {
-            ResolveError::NotFound { .. } => MutateError::SourceMissing { path: src.to_owned() },
+    let (sdir, sname) = ws
+        .parent_and_name(src, "the workspace root cannot be moved")
+        .map_err(|e| match e {
+            ResolveError::NotFound { .. } => MutateError::SourceMissing {
+                path: src.to_owned(),
+            },
             e => e.into(),
-        },
-    )?;
+        })?;
     let (ddir, dname) = ws
         .parent_and_name(dst, "nothing can be moved onto the workspace root")
         .map_err(|e| match e {
-            ResolveError::NotFound { .. } => {
-                MutateError::DestinationParentMissing { path: dst.to_owned() }
-            }
+            ResolveError::NotFound { .. } => MutateError::DestinationParentMissing {
+                path: dst.to_owned(),
+            },
             e => e.into(),
         })?;
-    let st = rustix::fs::statat(&sdir, sname.as_str(), AtFlags::SYMLINK_NOFOLLOW).map_err(|e| {
-        match e {
-            Errno::NOENT => MutateError::SourceMissing { path: src.to_owned() },
-            e => map_errno(e, src).into(),
-        }
-    })?;
-    rustix::fs::renameat_with(&sdir, sname.as_str(), &ddir, dname.as_str(), RenameFlags::NOREPLACE)
-        .map_err(|errno| match errno {
-            Errno::EXIST | Errno::NOTEMPTY => {
-                MutateError::DestinationExists { path: dst.to_owned() }
-            }
-            Errno::INVAL => MutateError::IntoItself { source_path: src.to_owned() },
-            Errno::NOENT => MutateError::SourceMissing { path: src.to_owned() },
-            errno => MutateError::Move {
-                source_path: src.to_owned(),
-                destination: dst.to_owned(),
-                errno,
+    let st =
+        rustix::fs::statat(&sdir, sname.as_str(), AtFlags::SYMLINK_NOFOLLOW).map_err(
+            |e| match e {
+                Errno::NOENT => MutateError::SourceMissing {
+                    path: src.to_owned(),
+                },
+                e => map_errno(e, src).into(),
             },
-        })?;
+        )?;
+    rustix::fs::renameat_with(
+        &sdir,
+        sname.as_str(),
+        &ddir,
+        dname.as_str(),
+        RenameFlags::NOREPLACE,
+    )
+    .map_err(|errno| match errno {
+        Errno::EXIST | Errno::NOTEMPTY => MutateError::DestinationExists {
+            path: dst.to_owned(),
+        },
+        Errno::INVAL => MutateError::IntoItself {
+            source_path: src.to_owned(),
+        },
+        Errno::NOENT => MutateError::SourceMissing {
+            path: src.to_owned(),
+        },
+        errno => MutateError::Move {
+            source_path: src.to_owned(),
+            destination: dst.to_owned(),
+            errno,
+        },
+    })?;
     let _ = rustix::fs::fsync(&ddir);
     let kind = crate::text::kind_name(FileType::from_raw_mode(st.st_mode));
     Ok(format!("moved {kind} {src} to {dst}"))
@@ -132,11 +160,16 @@ pub fn delete_path(
     let name = name.as_str();
     let st = rustix::fs::statat(&dir, name, AtFlags::SYMLINK_NOFOLLOW)
         .map_err(|e| map_errno(e, display))?;
-    let del = |errno| MutateError::Delete { path: display.to_owned(), errno };
+    let del = |errno| MutateError::Delete {
+        path: display.to_owned(),
+        errno,
+    };
     match FileType::from_raw_mode(st.st_mode) {
         FileType::Directory if !args.recursive => {
             rustix::fs::unlinkat(&dir, name, AtFlags::REMOVEDIR).map_err(|e| match e {
-                Errno::NOTEMPTY | Errno::EXIST => MutateError::NotEmpty { path: display.to_owned() },
+                Errno::NOTEMPTY | Errno::EXIST => MutateError::NotEmpty {
+                    path: display.to_owned(),
+                },
                 e => del(e),
             })?;
             Ok(format!("deleted empty directory {display}"))
@@ -147,15 +180,22 @@ pub fn delete_path(
             remove_contents(&child, display, 0, &mut deleted, stop)?;
             drop(child);
             rustix::fs::unlinkat(&dir, name, AtFlags::REMOVEDIR).map_err(del)?;
-            Ok(format!("deleted directory {display} and the {deleted} entries inside it"))
+            Ok(format!(
+                "deleted directory {display} and the {deleted} entries inside it"
+            ))
         }
         FileType::Symlink => {
             rustix::fs::unlinkat(&dir, name, AtFlags::empty()).map_err(del)?;
-            Ok(format!("deleted symbolic link {display} (its target was not touched)"))
+            Ok(format!(
+                "deleted symbolic link {display} (its target was not touched)"
+            ))
         }
         kind => {
             rustix::fs::unlinkat(&dir, name, AtFlags::empty()).map_err(del)?;
-            Ok(format!("deleted {} {display}", crate::text::kind_name(kind)))
+            Ok(format!(
+                "deleted {} {display}",
+                crate::text::kind_name(kind)
+            ))
         }
     }
 }
@@ -169,22 +209,30 @@ fn remove_contents(
     stop: &dyn Fn() -> bool,
 ) -> Result<(), MutateError> {
     if depth >= MAX_DELETE_DEPTH {
-        return Err(MutateError::TooDeep { path: path.to_owned() });
+        return Err(MutateError::TooDeep {
+            path: path.to_owned(),
+        });
     }
     loop {
-        let (entries, cut) = read_entries(dir)
-            .map_err(|errno| MutateError::Delete { path: path.to_owned(), errno })?;
+        let (entries, cut) = read_entries(dir).map_err(|errno| MutateError::Delete {
+            path: path.to_owned(),
+            errno,
+        })?;
         for (name, kind) in entries {
             if stop() {
                 return Err(MutateError::Stopped { deleted: *deleted });
             }
             let child_path = format!("{path}/{name}");
-            let del = |errno| MutateError::Delete { path: child_path.clone(), errno };
+            let del = |errno| MutateError::Delete {
+                path: child_path.clone(),
+                errno,
+            };
             if kind == FileType::Directory {
                 match open_child_dir(dir, &name) {
                     Ok(child) => {
                         remove_contents(&child, &child_path, depth + 1, deleted, stop)?;
-                        rustix::fs::unlinkat(dir, name.as_str(), AtFlags::REMOVEDIR).map_err(del)?;
+                        rustix::fs::unlinkat(dir, name.as_str(), AtFlags::REMOVEDIR)
+                            .map_err(del)?;
                     }
                     // Swapped for a link or a file since it was listed: remove the entry itself.
                     Err(Errno::LOOP | Errno::NOTDIR) => {

@@ -3,7 +3,9 @@
 use std::io::{BufReader, Read, Seek};
 
 use crate::resolve::Workspace;
-use crate::text::{FileError, SNIFF_BYTES, looks_binary, next_line, open_regular, trim_partial_char};
+use crate::text::{
+    FileError, SNIFF_BYTES, looks_binary, next_line, open_regular, trim_partial_char,
+};
 
 /// Files up to this size get an exact line total in paging notes.
 const COUNT_LIMIT: u64 = 64 * 1024 * 1024;
@@ -16,7 +18,11 @@ pub enum ReadError {
         "offset {offset} is past the end of {path:?}, which has {total} lines; call read_file \
          with an offset between 1 and {total}"
     )]
-    PastEnd { path: String, offset: u64, total: u64 },
+    PastEnd {
+        path: String,
+        offset: u64,
+        total: u64,
+    },
     #[error("read_file stopped: the call was cancelled or reached its deadline")]
     Stopped,
 }
@@ -53,9 +59,16 @@ pub fn read_file(
     let io = |e: std::io::Error| ReadError::File(FileError::io(display, &e));
 
     let mut head = Vec::with_capacity(SNIFF_BYTES);
-    (&mut file).take(SNIFF_BYTES as u64).read_to_end(&mut head).map_err(io)?;
+    (&mut file)
+        .take(SNIFF_BYTES as u64)
+        .read_to_end(&mut head)
+        .map_err(io)?;
     if looks_binary(&head) {
-        return Err(FileError::Binary { path: display.to_owned(), size }.into());
+        return Err(FileError::Binary {
+            path: display.to_owned(),
+            size,
+        }
+        .into());
     }
     file.rewind().map_err(io)?;
 
@@ -71,7 +84,7 @@ pub fn read_file(
     let mut stop_reason = Stop::Eof;
 
     loop {
-        if n % 4096 == 0 && stop() {
+        if n.is_multiple_of(4096) && stop() {
             return Err(ReadError::Stopped);
         }
         let collecting = n + 1 >= offset;
@@ -111,11 +124,26 @@ pub fn read_file(
         if n == 0 && offset == 1 {
             return Ok("[file is empty]".to_owned());
         }
-        return Err(ReadError::PastEnd { path: display.to_owned(), offset, total: n });
+        return Err(ReadError::PastEnd {
+            path: display.to_owned(),
+            offset,
+            total: n,
+        });
     }
     let first = offset;
     let last = first + shown - 1;
-    finish(out, display, size, Window { first, last, total, stop: stop_reason }, max_bytes)
+    finish(
+        out,
+        display,
+        size,
+        Window {
+            first,
+            last,
+            total,
+            stop: stop_reason,
+        },
+        max_bytes,
+    )
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -157,7 +185,7 @@ fn count_rest(
     let mut line = Vec::new();
     while next_line(reader, &mut line, 0)?.is_some() {
         n += 1;
-        if n % 65536 == 0 && stop() {
+        if n.is_multiple_of(65536) && stop() {
             return Ok(Total::AtLeast(n));
         }
     }
@@ -178,15 +206,26 @@ fn finish(
     window: Window,
     max_bytes: usize,
 ) -> Result<String, ReadError> {
-    let Window { first, last, total, stop } = window;
-    let text = String::from_utf8(out).map_err(|_| FileError::Binary { path: display.to_owned(), size })?;
+    let Window {
+        first,
+        last,
+        total,
+        stop,
+    } = window;
+    let text = String::from_utf8(out).map_err(|_| FileError::Binary {
+        path: display.to_owned(),
+        size,
+    })?;
     let more = total.more_after(last);
     let note = match stop {
         Stop::LongLine => Some(format!(
             "[line {first} of {total} is longer than {max_bytes} bytes; showing its first \
              {max_bytes} bytes{}]",
             if more {
-                format!("; call read_file with offset={} to continue after it", last + 1)
+                format!(
+                    "; call read_file with offset={} to continue after it",
+                    last + 1
+                )
             } else {
                 String::new()
             }

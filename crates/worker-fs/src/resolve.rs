@@ -23,9 +23,7 @@ const EAGAIN_RETRIES: usize = 32;
 pub enum ResolveError {
     #[error("path {path:?} is outside the workspace; use a path relative to the workspace root")]
     Outside { path: String },
-    #[error(
-        "{path:?} does not exist; use list_directory or search_files to find the right path"
-    )]
+    #[error("{path:?} does not exist; use list_directory or search_files to find the right path")]
     NotFound { path: String },
     #[error("a component of {path:?} is not a directory; check the path with list_directory")]
     NotADirectory { path: String },
@@ -99,7 +97,11 @@ pub fn split_last(rel: &str) -> Last<'_> {
         Some((p, n)) => (if p.is_empty() { "." } else { p }, n),
         None => (".", s),
     };
-    if name == ".." { Last::Dots } else { Last::Name { parent, name } }
+    if name == ".." {
+        Last::Dots
+    } else {
+        Last::Name { parent, name }
+    }
 }
 
 /// The workspace of one call, opened.
@@ -167,7 +169,9 @@ impl Workspace {
             reason,
         };
         if !is_plain_name(principal) || !is_plain_name(session) {
-            return Err(fail("principal and session must be plain path segments".into()));
+            return Err(fail(
+                "principal and session must be plain path segments".into(),
+            ));
         }
         std::fs::DirBuilder::new()
             .recursive(true)
@@ -191,7 +195,10 @@ impl Workspace {
                 e => fail(e.to_string()),
             })?;
         }
-        Ok(Self { root: fd, host: dir })
+        Ok(Self {
+            root: fd,
+            host: dir,
+        })
     }
 
     /// Turns a path as the model gave it into a path relative to the workspace root
@@ -200,10 +207,16 @@ impl Workspace {
     /// can never reach outside.
     pub fn relative(&self, input: &str) -> Result<String, ResolveError> {
         if input.contains('\0') {
-            return Err(ResolveError::Nul { path: input.to_owned() });
+            return Err(ResolveError::Nul {
+                path: input.to_owned(),
+            });
         }
         if !input.starts_with('/') {
-            return Ok(if input.is_empty() { ".".to_owned() } else { input.to_owned() });
+            return Ok(if input.is_empty() {
+                ".".to_owned()
+            } else {
+                input.to_owned()
+            });
         }
         let path = Path::new(input);
         let rest = path
@@ -215,9 +228,15 @@ impl Workspace {
                 let canonical = std::fs::canonicalize(&self.host).ok()?;
                 path.strip_prefix(canonical).ok().map(Path::to_path_buf)
             })
-            .ok_or_else(|| ResolveError::Outside { path: input.to_owned() })?;
+            .ok_or_else(|| ResolveError::Outside {
+                path: input.to_owned(),
+            })?;
         let rest = rest.to_string_lossy().into_owned();
-        Ok(if rest.is_empty() { ".".to_owned() } else { rest })
+        Ok(if rest.is_empty() {
+            ".".to_owned()
+        } else {
+            rest
+        })
     }
 
     /// Opens `rel` (following symlinks that stay inside) with `flags`.
@@ -240,8 +259,13 @@ impl Workspace {
     ) -> Result<(OwnedFd, String), ResolveError> {
         let rel = self.relative(input)?;
         match split_last(&rel) {
-            Last::Root => Err(ResolveError::Root { path: input.to_owned(), hint: root_hint }),
-            Last::Dots => Err(ResolveError::NoName { path: input.to_owned() }),
+            Last::Root => Err(ResolveError::Root {
+                path: input.to_owned(),
+                hint: root_hint,
+            }),
+            Last::Dots => Err(ResolveError::NoName {
+                path: input.to_owned(),
+            }),
             Last::Name { parent, name } => {
                 let fd = self.open_dir(parent, input)?;
                 Ok((fd, name.to_owned()))
@@ -272,17 +296,23 @@ impl Workspace {
                         Err(Errno::EXIST) => {}
                         Err(e) => return Err(map_errno(e, &walked)),
                     }
-                    open_beneath(&cur, component, dir_flags(), Mode::empty()).map_err(|e| {
-                        match e {
-                            Errno::XDEV => ResolveError::Outside { path: display.to_owned() },
+                    open_beneath(&cur, component, dir_flags(), Mode::empty()).map_err(
+                        |e| match e {
+                            Errno::XDEV => ResolveError::Outside {
+                                path: display.to_owned(),
+                            },
                             e => map_errno(e, &walked),
-                        }
-                    })?
+                        },
+                    )?
                 }
                 Err(Errno::NOTDIR) => {
                     return Err(ResolveError::NotADirectoryAt { path: walked });
                 }
-                Err(Errno::XDEV) => return Err(ResolveError::Outside { path: display.to_owned() }),
+                Err(Errno::XDEV) => {
+                    return Err(ResolveError::Outside {
+                        path: display.to_owned(),
+                    });
+                }
                 Err(e) => return Err(map_errno(e, &walked)),
             };
             cur = next;
@@ -305,14 +335,50 @@ mod tests {
         assert_eq!(split_last(""), Last::Root);
         assert_eq!(split_last("./"), Last::Root);
         assert_eq!(split_last("./."), Last::Root);
-        assert_eq!(split_last("a"), Last::Name { parent: ".", name: "a" });
-        assert_eq!(split_last("a/"), Last::Name { parent: ".", name: "a" });
-        assert_eq!(split_last("a/."), Last::Name { parent: ".", name: "a" });
-        assert_eq!(split_last("a/b/c"), Last::Name { parent: "a/b", name: "c" });
-        assert_eq!(split_last("a//b"), Last::Name { parent: "a/", name: "b" });
+        assert_eq!(
+            split_last("a"),
+            Last::Name {
+                parent: ".",
+                name: "a"
+            }
+        );
+        assert_eq!(
+            split_last("a/"),
+            Last::Name {
+                parent: ".",
+                name: "a"
+            }
+        );
+        assert_eq!(
+            split_last("a/."),
+            Last::Name {
+                parent: ".",
+                name: "a"
+            }
+        );
+        assert_eq!(
+            split_last("a/b/c"),
+            Last::Name {
+                parent: "a/b",
+                name: "c"
+            }
+        );
+        assert_eq!(
+            split_last("a//b"),
+            Last::Name {
+                parent: "a/",
+                name: "b"
+            }
+        );
         assert_eq!(split_last("a/.."), Last::Dots);
         assert_eq!(split_last(".."), Last::Dots);
-        assert_eq!(split_last("../x"), Last::Name { parent: "..", name: "x" });
+        assert_eq!(
+            split_last("../x"),
+            Last::Name {
+                parent: "..",
+                name: "x"
+            }
+        );
     }
 
     #[test]
@@ -326,8 +392,14 @@ mod tests {
         assert_eq!(ws.relative("/workspace/../x").unwrap(), "../x");
         let host = dir.path().join("alice/s1/c.txt");
         assert_eq!(ws.relative(host.to_str().unwrap()).unwrap(), "c.txt");
-        assert!(matches!(ws.relative("/etc/passwd"), Err(ResolveError::Outside { .. })));
-        assert!(matches!(ws.relative("/workspaces/x"), Err(ResolveError::Outside { .. })));
+        assert!(matches!(
+            ws.relative("/etc/passwd"),
+            Err(ResolveError::Outside { .. })
+        ));
+        assert!(matches!(
+            ws.relative("/workspaces/x"),
+            Err(ResolveError::Outside { .. })
+        ));
         assert!(matches!(ws.relative("a\0b"), Err(ResolveError::Nul { .. })));
     }
 
@@ -346,7 +418,9 @@ mod tests {
         let err = ws.open("../../x", OFlags::RDONLY, "../../x").unwrap_err();
         assert!(matches!(err, ResolveError::Outside { .. }), "{err}");
         std::os::unix::fs::symlink("/etc", dir.path().join("alice/s1/etc")).unwrap();
-        let err = ws.open("etc/passwd", OFlags::RDONLY, "etc/passwd").unwrap_err();
+        let err = ws
+            .open("etc/passwd", OFlags::RDONLY, "etc/passwd")
+            .unwrap_err();
         assert!(matches!(err, ResolveError::Outside { .. }), "{err}");
     }
 }

@@ -23,7 +23,10 @@ pub enum SearchError {
     #[error("invalid content_regex {regex:?}: {reason}")]
     Regex { regex: String, reason: String },
     #[error("cannot search {path:?}: {errno}")]
-    Io { path: String, errno: rustix::io::Errno },
+    Io {
+        path: String,
+        errno: rustix::io::Errno,
+    },
 }
 
 #[derive(Debug, serde::Deserialize)]
@@ -60,9 +63,15 @@ impl NameMatcher {
             .literal_separator(true)
             .backslash_escape(true)
             .build()
-            .map_err(|e| SearchError::Glob { glob: glob.to_owned(), reason: e.kind().to_string() })?
+            .map_err(|e| SearchError::Glob {
+                glob: glob.to_owned(),
+                reason: e.kind().to_string(),
+            })?
             .compile_matcher();
-        Ok(Self { matcher, whole_path: pattern.contains('/') })
+        Ok(Self {
+            matcher,
+            whole_path: pattern.contains('/'),
+        })
     }
 
     fn is_match(&self, entry: &Entry<'_>) -> bool {
@@ -100,23 +109,38 @@ pub fn search_files(
     stop: &dyn Fn() -> bool,
 ) -> Result<String, SearchError> {
     let display = args.path.as_str();
-    let matcher = args.glob.as_deref().filter(|g| !g.is_empty()).map(NameMatcher::new).transpose()?;
+    let matcher = args
+        .glob
+        .as_deref()
+        .filter(|g| !g.is_empty())
+        .map(NameMatcher::new)
+        .transpose()?;
     let regex = match args.content_regex.as_deref().filter(|r| !r.is_empty()) {
         Some(re) => Some(
             regex::RegexBuilder::new(re)
                 .size_limit(REGEX_SIZE_LIMIT)
                 .dfa_size_limit(REGEX_SIZE_LIMIT)
                 .build()
-                .map_err(|e| SearchError::Regex { regex: re.to_owned(), reason: e.to_string() })?,
+                .map_err(|e| SearchError::Regex {
+                    regex: re.to_owned(),
+                    reason: e.to_string(),
+                })?,
         ),
         None => None,
     };
-    let max_results = args.max_results.unwrap_or(DEFAULT_MAX_RESULTS).clamp(1, limits.max_results.max(1));
+    let max_results = args
+        .max_results
+        .unwrap_or(DEFAULT_MAX_RESULTS)
+        .clamp(1, limits.max_results.max(1));
 
     let rel = ws.relative(display)?;
     let dir = open_directory(ws, &rel, display, "pass the directory that holds it")?;
     let prefix = rel.trim_end_matches('/').trim_start_matches("./");
-    let prefix = if prefix.is_empty() || prefix == "." { String::new() } else { format!("{prefix}/") };
+    let prefix = if prefix.is_empty() || prefix == "." {
+        String::new()
+    } else {
+        format!("{prefix}/")
+    };
 
     let mut tally = Tally::default();
     let mut visit = |entry: &Entry<'_>| -> Visit {
@@ -149,13 +173,17 @@ pub fn search_files(
                     tally.more_results = true;
                     return Visit::Stop;
                 }
-                tally.results.push(format!("{shown}:{}: {}", i + 1, shorten(line)));
+                tally
+                    .results
+                    .push(format!("{shown}:{}: {}", i + 1, shorten(line)));
             }
         }
         Visit::Continue
     };
-    let end = walk(&dir, true, &mut visit, stop)
-        .map_err(|errno| SearchError::Io { path: display.to_owned(), errno })?;
+    let end = walk(&dir, true, &mut visit, stop).map_err(|errno| SearchError::Io {
+        path: display.to_owned(),
+        errno,
+    })?;
 
     let mut out = tally.results;
     if out.is_empty() {
@@ -187,12 +215,12 @@ pub fn search_files(
     }
     if tally.skipped_large > 0 {
         out.push(format!(
-            "[{} files larger than {} bytes were not searched for content]",
+            "[{} file(s) larger than {} bytes were not searched for content]",
             tally.skipped_large, limits.max_file_bytes
         ));
     }
     if tally.skipped_binary > 0 {
-        out.push(format!("[{} binary files were skipped]", tally.skipped_binary));
+        out.push(format!("[skipped {} binary file(s)]", tally.skipped_binary));
     }
     Ok(out.join("\n"))
 }

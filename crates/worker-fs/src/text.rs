@@ -27,7 +27,10 @@ pub enum FileError {
 
 impl FileError {
     pub fn io(path: &str, err: &std::io::Error) -> Self {
-        Self::Io { path: path.to_owned(), errno: Errno::from_io_error(err).unwrap_or(Errno::IO) }
+        Self::Io {
+            path: path.to_owned(),
+            errno: Errno::from_io_error(err).unwrap_or(Errno::IO),
+        }
     }
 }
 
@@ -47,14 +50,27 @@ pub fn kind_name(ft: FileType) -> &'static str {
 /// Opens `rel` beneath the workspace as a regular file (non-blocking, so a FIFO never
 /// hangs the call) and returns it with its size.
 pub fn open_regular(ws: &Workspace, rel: &str, display: &str) -> Result<(File, u64), FileError> {
-    let fd = ws.open(rel, OFlags::RDONLY | OFlags::NONBLOCK | OFlags::NOCTTY, display)?;
-    let st = rustix::fs::fstat(&fd)
-        .map_err(|errno| FileError::Io { path: display.to_owned(), errno })?;
+    let fd = ws.open(
+        rel,
+        OFlags::RDONLY | OFlags::NONBLOCK | OFlags::NOCTTY,
+        display,
+    )?;
+    let st = rustix::fs::fstat(&fd).map_err(|errno| FileError::Io {
+        path: display.to_owned(),
+        errno,
+    })?;
     match FileType::from_raw_mode(st.st_mode) {
         FileType::RegularFile => {}
-        FileType::Directory => return Err(FileError::IsDirectory { path: display.to_owned() }),
+        FileType::Directory => {
+            return Err(FileError::IsDirectory {
+                path: display.to_owned(),
+            });
+        }
         other => {
-            return Err(FileError::NotRegular { path: display.to_owned(), kind: kind_name(other) });
+            return Err(FileError::NotRegular {
+                path: display.to_owned(),
+                kind: kind_name(other),
+            });
         }
     }
     Ok((File::from(fd), u64::try_from(st.st_size).unwrap_or(0)))
@@ -76,12 +92,20 @@ pub fn looks_binary(head: &[u8]) -> bool {
 pub fn read_capped(file: &mut File, cap: u64) -> std::io::Result<Option<Vec<u8>>> {
     let mut buf = Vec::new();
     file.take(cap.saturating_add(1)).read_to_end(&mut buf)?;
-    if buf.len() as u64 > cap { Ok(None) } else { Ok(Some(buf)) }
+    if buf.len() as u64 > cap {
+        Ok(None)
+    } else {
+        Ok(Some(buf))
+    }
 }
 
 /// Reads the next line (with its `\n`) into `buf`, keeping at most `cap` bytes of it and
 /// skipping the rest. Returns `None` at end of file, else whether the line was cut.
-pub fn next_line(r: &mut impl BufRead, buf: &mut Vec<u8>, cap: usize) -> std::io::Result<Option<bool>> {
+pub fn next_line(
+    r: &mut impl BufRead,
+    buf: &mut Vec<u8>,
+    cap: usize,
+) -> std::io::Result<Option<bool>> {
     buf.clear();
     let mut any = false;
     let mut cut = false;

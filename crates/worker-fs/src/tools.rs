@@ -50,7 +50,10 @@ const ALL: [Kind; 9] = [
 pub fn tools(config: FsConfig) -> ToolSet {
     let config = Arc::new(config);
     ALL.iter().fold(ToolSet::new("fs"), |set, &kind| {
-        set.with(FsTool { kind, config: Arc::clone(&config) })
+        set.with(FsTool {
+            kind,
+            config: Arc::clone(&config),
+        })
     })
 }
 
@@ -60,7 +63,12 @@ struct FsTool {
 }
 
 fn annotations(read_only: bool, destructive: bool, idempotent: bool) -> ToolAnnotations {
-    ToolAnnotations { read_only, destructive, idempotent, open_world: false }
+    ToolAnnotations {
+        read_only,
+        destructive,
+        idempotent,
+        open_world: false,
+    }
 }
 
 impl FsTool {
@@ -214,7 +222,10 @@ impl FsTool {
                      3339) and, for small text files, the line count of a path. A symbolic \
                      link is described itself (its target is shown, not followed). {PATHS}"
                 ),
-                object(json!({ "path": path("File, directory or link to describe.") }), &["path"]),
+                object(
+                    json!({ "path": path("File, directory or link to describe.") }),
+                    &["path"],
+                ),
                 annotations(true, false, true),
             ),
             Kind::CreateDir => (
@@ -223,7 +234,10 @@ impl FsTool {
                     "Create a directory, including any missing parent directories (like mkdir \
                      -p). Succeeds without change if it already exists. {PATHS}"
                 ),
-                object(json!({ "path": file_path("Directory to create, e.g. \"src/utils\".") }), &["path"]),
+                object(
+                    json!({ "path": file_path("Directory to create, e.g. \"src/utils\".") }),
+                    &["path"],
+                ),
                 annotations(false, false, true),
             ),
             Kind::Move => (
@@ -279,16 +293,19 @@ fn run(
     tool: &str,
 ) -> Result<String, String> {
     let ws = |config: &FsConfig| {
-        Workspace::open_session(&config.workspaces_root, principal, session).map_err(|e| e.to_string())
+        Workspace::open_session(&config.workspaces_root, principal, session)
+            .map_err(|e| e.to_string())
     };
     match kind {
         Kind::Read => {
             let args: read::ReadArgs = parse(tool, arguments)?;
-            read::read_file(&ws(config)?, &args, config.max_read_bytes, stop).map_err(|e| e.to_string())
+            read::read_file(&ws(config)?, &args, config.max_read_bytes, stop)
+                .map_err(|e| e.to_string())
         }
         Kind::Write => {
             let args: write::WriteArgs = parse(tool, arguments)?;
-            write::write_file(&ws(config)?, &args, config.max_write_bytes).map_err(|e| e.to_string())
+            write::write_file(&ws(config)?, &args, config.max_write_bytes)
+                .map_err(|e| e.to_string())
         }
         Kind::Edit => {
             let args: edit::EditArgs = parse(tool, arguments)?;
@@ -297,7 +314,8 @@ fn run(
         Kind::List => {
             let args: list::ListArgs = parse(tool, arguments)?;
             let ws = ws(config)?;
-            list::list_directory(&ws, &args, config.max_list_entries, stop).map_err(|e| e.to_string())
+            list::list_directory(&ws, &args, config.max_list_entries, stop)
+                .map_err(|e| e.to_string())
         }
         Kind::Search => {
             let args: search::SearchArgs = parse(tool, arguments)?;
@@ -350,7 +368,9 @@ impl Tool for FsTool {
         let joined = tokio::task::spawn_blocking(move || {
             let stop = || {
                 cancel.is_cancelled()
-                    || Instant::now().checked_add(DEADLINE_MARGIN).is_none_or(|t| t >= deadline)
+                    || Instant::now()
+                        .checked_add(DEADLINE_MARGIN)
+                        .is_none_or(|t| t >= deadline)
             };
             run(kind, &config, &principal, &session, arguments, &stop, tool)
         })

@@ -19,7 +19,11 @@ pub enum WalkError {
     #[error(transparent)]
     Resolve(#[from] ResolveError),
     #[error("{path:?} is a {kind}, not a directory; {hint}")]
-    NotADirectory { path: String, kind: &'static str, hint: &'static str },
+    NotADirectory {
+        path: String,
+        kind: &'static str,
+        hint: &'static str,
+    },
     #[error("cannot read directory {path:?}: {errno}")]
     Io { path: String, errno: Errno },
 }
@@ -61,11 +65,17 @@ pub fn open_directory(
     hint: &'static str,
 ) -> Result<OwnedFd, WalkError> {
     let fd = ws.open(rel, OFlags::PATH, display)?;
-    let st = rustix::fs::fstat(&fd)
-        .map_err(|errno| WalkError::Io { path: display.to_owned(), errno })?;
+    let st = rustix::fs::fstat(&fd).map_err(|errno| WalkError::Io {
+        path: display.to_owned(),
+        errno,
+    })?;
     let kind = FileType::from_raw_mode(st.st_mode);
     if kind != FileType::Directory {
-        return Err(WalkError::NotADirectory { path: display.to_owned(), kind: kind_name(kind), hint });
+        return Err(WalkError::NotADirectory {
+            path: display.to_owned(),
+            kind: kind_name(kind),
+            hint,
+        });
     }
     open_beneath(&fd, ".", OFlags::RDONLY | OFlags::DIRECTORY, Mode::empty())
         .map_err(|e| crate::resolve::map_errno(e, display).into())
@@ -135,8 +145,17 @@ fn walk_dir(
             end.stopped = true;
             return Ok(false);
         }
-        let rel = if prefix.is_empty() { name.clone() } else { format!("{prefix}/{name}") };
-        let entry = Entry { rel: &rel, name: &name, kind, dir: dir.as_fd() };
+        let rel = if prefix.is_empty() {
+            name.clone()
+        } else {
+            format!("{prefix}/{name}")
+        };
+        let entry = Entry {
+            rel: &rel,
+            name: &name,
+            kind,
+            dir: dir.as_fd(),
+        };
         if visit(&entry) == Visit::Stop {
             end.visitor_stopped = true;
             return Ok(false);

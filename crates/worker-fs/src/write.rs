@@ -27,7 +27,10 @@ pub fn write_file(ws: &Workspace, args: &WriteArgs, max_bytes: u64) -> Result<St
     let display = args.path.as_str();
     let size = args.content.len() as u64;
     if size > max_bytes {
-        return Err(WriteError::TooLarge { size, max: max_bytes });
+        return Err(WriteError::TooLarge {
+            size,
+            max: max_bytes,
+        });
     }
     let rel = ws.relative(display)?;
     let (parent, name) = match split_last(&rel) {
@@ -38,12 +41,21 @@ pub fn write_file(ws: &Workspace, args: &WriteArgs, max_bytes: u64) -> Result<St
             }
             .into());
         }
-        Last::Dots => return Err(ResolveError::NoName { path: display.to_owned() }.into()),
+        Last::Dots => {
+            return Err(ResolveError::NoName {
+                path: display.to_owned(),
+            }
+            .into());
+        }
         Last::Name { parent, name } => (parent, name),
     };
     let (dir, created_dirs) = ws.make_dirs(parent, display)?;
     let existed = write_atomic(&dir, name, args.content.as_bytes(), display)?;
     let verb = if existed { "replaced" } else { "created" };
-    let dirs = if created_dirs { " (and its missing parent directories)" } else { "" };
+    let dirs = if created_dirs {
+        " (and its missing parent directories)"
+    } else {
+        ""
+    };
     Ok(format!("{verb} {display}{dirs}: wrote {size} bytes"))
 }

@@ -16,8 +16,15 @@ pub enum OutputStream {
 /// An event a running tool emits before its final result.
 #[derive(Debug, Clone, PartialEq)]
 pub enum ToolEvent {
-    Progress { progress: f64, total: Option<f64>, message: String },
-    Output { stream: OutputStream, data: Vec<u8> },
+    Progress {
+        progress: f64,
+        total: Option<f64>,
+        message: String,
+    },
+    Output {
+        stream: OutputStream,
+        data: Vec<u8>,
+    },
 }
 
 /// The context of one call: who it runs for, until when, and a way to report progress.
@@ -44,13 +51,24 @@ impl CallContext {
         cancel: CancellationToken,
         events: mpsc::Sender<ToolEvent>,
     ) -> Self {
-        Self { call_id, principal, session_id, deadline, cancel, events }
+        Self {
+            call_id,
+            principal,
+            session_id,
+            deadline,
+            cancel,
+            events,
+        }
     }
 
     /// Reports progress. Never blocks the tool: when the caller is slow, events are
     /// dropped rather than stalling the call.
     pub fn progress(&self, progress: f64, total: Option<f64>, message: impl Into<String>) {
-        let _ = self.events.try_send(ToolEvent::Progress { progress, total, message: message.into() });
+        let _ = self.events.try_send(ToolEvent::Progress {
+            progress,
+            total,
+            message: message.into(),
+        });
     }
 
     /// Streams a chunk of output; waits when the caller is slow so no output is lost.
@@ -61,6 +79,8 @@ impl CallContext {
     /// A blocking-context variant of [`CallContext::output`], for tools that run on a
     /// blocking thread (the sandbox's output pump).
     pub fn output_blocking(&self, stream: OutputStream, data: Vec<u8>) {
-        let _ = self.events.blocking_send(ToolEvent::Output { stream, data });
+        let _ = self
+            .events
+            .blocking_send(ToolEvent::Output { stream, data });
     }
 }

@@ -29,7 +29,9 @@ impl FromStr for ListenAddr {
             return Ok(ListenAddr::Unix(PathBuf::from(path)));
         }
         let bare = s.strip_prefix("http://").unwrap_or(s);
-        bare.parse().map(ListenAddr::Tcp).map_err(|_| ListenAddrError::Unrecognised(s.to_owned()))
+        bare.parse()
+            .map(ListenAddr::Tcp)
+            .map_err(|_| ListenAddrError::Unrecognised(s.to_owned()))
     }
 }
 

@@ -19,12 +19,16 @@ use futures::Stream;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream, UnixListenerStream};
 use tokio_util::sync::{CancellationToken, DropGuard};
+use tokio_util::task::TaskTracker;
 use tonic::{Request, Response, Status};
 
 use crate::{CallContext, ListenAddr, OutputStream, ToolEvent, ToolSet};
 
 /// Largest gRPC message accepted or sent (arguments and results of one call).
 const MAX_MESSAGE_BYTES: usize = 32 * 1024 * 1024;
+/// How long a cancelled call may take to clean up (kill its sandbox, remove temp files)
+/// before its future is dropped.
+const CANCEL_GRACE: Duration = Duration::from_secs(5);
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
@@ -71,7 +75,10 @@ impl BoundListener {
     /// Binds `addr`. A Unix socket replaces a stale socket file and is made accessible to
     /// the owner only, so only the orchestrator running as the same user can connect.
     pub fn bind(addr: &ListenAddr) -> Result<Self, ServeError> {
-        let bind_err = |source| ServeError::Bind { addr: addr.to_string(), source };
+        let bind_err = |source| ServeError::Bind {
+            addr: addr.to_string(),
+            source,
+        };
         match addr {
             ListenAddr::Unix(path) => {
                 prepare_socket_path(path)?;
@@ -97,15 +104,19 @@ impl BoundListener {
                 .ok()
                 .and_then(|a| a.as_pathname().map(|p| format!("unix:{}", p.display())))
                 .unwrap_or_else(|| "unix:?".to_owned()),
-            BoundListener::Tcp(l) => {
-                l.local_addr().map(|a| a.to_string()).unwrap_or_else(|_| "tcp:?".to_owned())
-            }
+            BoundListener::Tcp(l) => l
+                .local_addr()
+                .map(|a| a.to_string())
+                .unwrap_or_else(|_| "tcp:?".to_owned()),
         }
     }
 }
 
 fn prepare_socket_path(path: &Path) -> Result<(), ServeError> {
-    let dir_err = |source| ServeError::SocketDir { path: path.display().to_string(), source };
+    let dir_err = |source| ServeError::SocketDir {
+        path: path.display().to_string(),
+        source,
+    };
     if let Some(parent) = path.parent() {
         std::fs::create_dir_all(parent).map_err(dir_err)?;
     }
@@ -136,16 +147,20 @@ impl WorkerServer {
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> Result<(), ServeError> {
         let (health, health_service) = tonic_health::server::health_reporter();
-        health.set_serving::<ToolWorkerServer<WorkerService>>().await;
+        health
+            .set_serving::<ToolWorkerServer<WorkerService>>()
+            .await;
         let reflection = tonic_reflection::server::Builder::configure()
             .register_encoded_file_descriptor_set(airlock_proto::FILE_DESCRIPTOR_SET)
             .build_v1()?;
 
         let all_calls = CancellationToken::new();
+        let in_flight = TaskTracker::new();
         let service = WorkerService {
             tools: self.tools,
             settings: self.settings.clone(),
             all_calls: all_calls.clone(),
+            in_flight: in_flight.clone(),
         };
         let router = tonic::transport::Server::builder()
             .add_service(health_service)
@@ -163,27 +178,37 @@ impl WorkerServer {
             async move {
                 shutdown.await;
                 tracing::info!("shutdown requested: draining in-flight calls");
-                health.set_not_serving::<ToolWorkerServer<WorkerService>>().await;
+                health
+                    .set_not_serving::<ToolWorkerServer<WorkerService>>()
+                    .await;
                 draining.cancel();
             }
         };
         let serving = async move {
             match listener {
                 BoundListener::Unix(l) => {
-                    let incoming = UnixListenerStream::new(
-                        tokio::net::UnixListener::from_std(l).map_err(|source| {
-                            ServeError::Bind { addr: "unix socket".to_owned(), source }
-                        })?,
-                    );
-                    router.serve_with_incoming_shutdown(incoming, stop_accepting).await?;
+                    let incoming =
+                        UnixListenerStream::new(tokio::net::UnixListener::from_std(l).map_err(
+                            |source| ServeError::Bind {
+                                addr: "unix socket".to_owned(),
+                                source,
+                            },
+                        )?);
+                    router
+                        .serve_with_incoming_shutdown(incoming, stop_accepting)
+                        .await?;
                 }
                 BoundListener::Tcp(l) => {
-                    let incoming = TcpListenerStream::new(
-                        tokio::net::TcpListener::from_std(l).map_err(|source| {
-                            ServeError::Bind { addr: "tcp socket".to_owned(), source }
-                        })?,
-                    );
-                    router.serve_with_incoming_shutdown(incoming, stop_accepting).await?;
+                    let incoming =
+                        TcpListenerStream::new(tokio::net::TcpListener::from_std(l).map_err(
+                            |source| ServeError::Bind {
+                                addr: "tcp socket".to_owned(),
+                                source,
+                            },
+                        )?);
+                    router
+                        .serve_with_incoming_shutdown(incoming, stop_accepting)
+                        .await?;
                 }
             }
             Ok::<(), ServeError>(())
@@ -194,6 +219,8 @@ impl WorkerServer {
             _ = async { draining.cancelled().await; tokio::time::sleep(grace).await } => {
                 tracing::warn!(grace_ms = grace.as_millis() as u64, "drain grace period over: cancelling in-flight calls");
                 all_calls.cancel();
+                in_flight.close();
+                let _ = tokio::time::timeout(CANCEL_GRACE, in_flight.wait()).await;
                 Ok(())
             }
         }
@@ -204,6 +231,7 @@ struct WorkerService {
     tools: ToolSet,
     settings: WorkerSettings,
     all_calls: CancellationToken,
+    in_flight: TaskTracker,
 }
 
 impl WorkerService {
@@ -225,8 +253,16 @@ impl ToolWorker for WorkerService {
         &self,
         _request: Request<pb::ListToolsRequest>,
     ) -> Result<Response<pb::ListToolsResponse>, Status> {
-        let tools = self.tools.definitions().iter().map(pb::ToolDefinition::from).collect();
-        Ok(Response::new(pb::ListToolsResponse { group: self.tools.group().to_owned(), tools }))
+        let tools = self
+            .tools
+            .definitions()
+            .iter()
+            .map(pb::ToolDefinition::from)
+            .collect();
+        Ok(Response::new(pb::ListToolsResponse {
+            group: self.tools.group().to_owned(),
+            tools,
+        }))
     }
 
     type ExecuteStream = EventStream;
@@ -235,14 +271,14 @@ impl ToolWorker for WorkerService {
         &self,
         request: Request<pb::ExecuteRequest>,
     ) -> Result<Response<Self::ExecuteStream>, Status> {
-        let grpc_timeout = request.metadata().get("grpc-timeout").and_then(|v| {
-            v.to_str().ok().and_then(parse_grpc_timeout)
-        });
+        let grpc_timeout = request
+            .metadata()
+            .get("grpc-timeout")
+            .and_then(|v| v.to_str().ok().and_then(parse_grpc_timeout));
         let request = request.into_inner();
-        let tool = self
-            .tools
-            .get(&request.tool)
-            .ok_or_else(|| Status::not_found(format!("tool {:?} is not served here", request.tool)))?;
+        let tool = self.tools.get(&request.tool).ok_or_else(|| {
+            Status::not_found(format!("tool {:?} is not served here", request.tool))
+        })?;
         let arguments: serde_json::Value = serde_json::from_str(&request.arguments_json)
             .map_err(|e| Status::invalid_argument(format!("arguments are not valid JSON: {e}")))?;
         if !arguments.is_object() {
@@ -272,9 +308,13 @@ impl ToolWorker for WorkerService {
         );
         tracing::debug!(call_id = %request.call_id, tool = %request.tool, "execute");
         let call = async move { tool.execute(arguments, ctx).await };
-        tokio::spawn(run_call(call, event_rx, out_tx, cancel.clone(), timeout));
+        self.in_flight
+            .spawn(run_call(call, event_rx, out_tx, cancel.clone(), timeout));
 
-        let stream = CancelOnDrop { inner: ReceiverStream::new(out_rx), _guard: cancel.drop_guard() };
+        let stream = CancelOnDrop {
+            inner: ReceiverStream::new(out_rx),
+            _guard: cancel.drop_guard(),
+        };
         Ok(Response::new(Box::pin(stream)))
     }
 }
@@ -295,8 +335,10 @@ async fn run_call(
         tokio::select! {
             biased;
             _ = cancel.cancelled() => {
-                // The caller went away (or the drain grace ran out): dropping the call's
-                // future is the cancellation; tools clean up in their Drop impls.
+                // The caller went away (or the drain grace ran out). The tool sees the
+                // token and gets a moment to clean up; then its future is dropped, and
+                // tools release what they hold (a sandbox is killed) in Drop.
+                let _ = tokio::time::timeout(CANCEL_GRACE, &mut call).await;
                 return;
             }
             outcome = &mut call => {
@@ -314,6 +356,7 @@ async fn run_call(
             }
             _ = &mut expiry => {
                 cancel.cancel();
+                let _ = tokio::time::timeout(CANCEL_GRACE, &mut call).await;
                 let message = format!("the call did not finish within {} ms and was stopped", timeout.as_millis());
                 let _ = out.send(Err(Status::deadline_exceeded(message))).await;
                 return;
@@ -324,13 +367,15 @@ async fn run_call(
 
 fn wire_event(event: ToolEvent) -> pb::ExecuteEvent {
     let event = match event {
-        ToolEvent::Progress { progress, total, message } => {
-            pb::execute_event::Event::Progress(pb::Progress {
-                progress,
-                total: total.unwrap_or(0.0),
-                message,
-            })
-        }
+        ToolEvent::Progress {
+            progress,
+            total,
+            message,
+        } => pb::execute_event::Event::Progress(pb::Progress {
+            progress,
+            total: total.unwrap_or(0.0),
+            message,
+        }),
         ToolEvent::Output { stream, data } => pb::execute_event::Event::Output(pb::Output {
             stream: match stream {
                 OutputStream::Stdout => pb::OutputStream::Stdout,

@@ -29,7 +29,10 @@ pub struct ToolSet {
 
 impl ToolSet {
     pub fn new(group: impl Into<String>) -> Self {
-        Self { group: group.into(), tools: BTreeMap::new() }
+        Self {
+            group: group.into(),
+            tools: BTreeMap::new(),
+        }
     }
 
     /// Adds a tool; a later tool with the same name replaces the earlier one.

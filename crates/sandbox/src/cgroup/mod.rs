@@ -152,11 +152,15 @@ pub(crate) struct OwnCgroup {
 
 fn read_mounts() -> Result<Vec<CgroupMount>, CgroupError> {
     let path = Path::new("/proc/self/mountinfo");
-    let text = std::fs::read_to_string(path)
-        .map_err(|source| CgroupError::Read { path: path.into(), source })?;
+    let text = std::fs::read_to_string(path).map_err(|source| CgroupError::Read {
+        path: path.into(),
+        source,
+    })?;
     let mut mounts = Vec::new();
     for line in text.lines() {
-        let Some((left, right)) = line.split_once(" - ") else { continue };
+        let Some((left, right)) = line.split_once(" - ") else {
+            continue;
+        };
         let left: Vec<&str> = left.split(' ').collect();
         let right: Vec<&str> = right.split(' ').collect();
         let (Some(root), Some(mount_point), Some(fstype), Some(options)) =
@@ -179,8 +183,10 @@ fn read_mounts() -> Result<Vec<CgroupMount>, CgroupError> {
 
 fn read_own_cgroups() -> Result<Vec<OwnCgroup>, CgroupError> {
     let path = Path::new("/proc/self/cgroup");
-    let text = std::fs::read_to_string(path)
-        .map_err(|source| CgroupError::Read { path: path.into(), source })?;
+    let text = std::fs::read_to_string(path).map_err(|source| CgroupError::Read {
+        path: path.into(),
+        source,
+    })?;
     Ok(text
         .lines()
         .filter_map(|line| {
@@ -202,9 +208,15 @@ fn read_own_cgroups() -> Result<Vec<OwnCgroup>, CgroupError> {
 
 /// The directory of our own cgroup inside `mount`.
 pub(crate) fn own_dir(mount: &CgroupMount, own_path: &str) -> PathBuf {
-    let rel = own_path.strip_prefix(mount.root.as_str()).unwrap_or(own_path);
+    let rel = own_path
+        .strip_prefix(mount.root.as_str())
+        .unwrap_or(own_path);
     let rel = rel.trim_start_matches('/');
-    if rel.is_empty() { mount.mount_point.clone() } else { mount.mount_point.join(rel) }
+    if rel.is_empty() {
+        mount.mount_point.clone()
+    } else {
+        mount.mount_point.join(rel)
+    }
 }
 
 /// A unique name for a call's cgroup.
@@ -218,17 +230,25 @@ pub(crate) fn mkdir(path: &Path) -> Result<(), CgroupError> {
     match std::fs::create_dir(path) {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(()),
-        Err(source) => Err(CgroupError::Create { path: path.into(), source }),
+        Err(source) => Err(CgroupError::Create {
+            path: path.into(),
+            source,
+        }),
     }
 }
 
 pub(crate) fn write(path: &Path, value: &str) -> Result<(), CgroupError> {
-    crate::sys::write_file(path, value.as_bytes())
-        .map_err(|source| CgroupError::Write { path: path.into(), source })
+    crate::sys::write_file(path, value.as_bytes()).map_err(|source| CgroupError::Write {
+        path: path.into(),
+        source,
+    })
 }
 
 pub(crate) fn read(path: &Path) -> Result<String, CgroupError> {
-    std::fs::read_to_string(path).map_err(|source| CgroupError::Read { path: path.into(), source })
+    std::fs::read_to_string(path).map_err(|source| CgroupError::Read {
+        path: path.into(),
+        source,
+    })
 }
 
 pub(crate) fn read_u64(path: &Path) -> Option<u64> {
@@ -237,7 +257,10 @@ pub(crate) fn read_u64(path: &Path) -> Option<u64> {
 
 /// The pids listed in a `cgroup.procs` file.
 pub(crate) fn procs(dir: &Path) -> Result<Vec<libc::pid_t>, CgroupError> {
-    Ok(read(&dir.join("cgroup.procs"))?.lines().filter_map(|l| l.trim().parse().ok()).collect())
+    Ok(read(&dir.join("cgroup.procs"))?
+        .lines()
+        .filter_map(|l| l.trim().parse().ok())
+        .collect())
 }
 
 /// SIGKILLs every process listed in `dir`, again and again until none is left: a
@@ -272,7 +295,12 @@ pub(crate) fn rmdir_when_empty(dir: &Path) -> Result<(), CgroupError> {
                 std::thread::sleep(pause);
                 pause = (pause * 2).min(Duration::from_millis(20));
             }
-            Err(source) => return Err(CgroupError::Remove { path: dir.into(), source }),
+            Err(source) => {
+                return Err(CgroupError::Remove {
+                    path: dir.into(),
+                    source,
+                });
+            }
         }
     }
 }

@@ -11,8 +11,8 @@ use std::path::PathBuf;
 
 use super::v2::CallV2;
 use super::{
-    CallCgroup, CgroupBackend, CgroupError, CgroupLimits, CgroupMount, CgroupVersion, OwnCgroup,
-    CPU_PERIOD_US,
+    CPU_PERIOD_US, CallCgroup, CgroupBackend, CgroupError, CgroupLimits, CgroupMount,
+    CgroupVersion, OwnCgroup,
 };
 
 #[derive(Debug)]
@@ -37,7 +37,9 @@ impl V1 {
             let mount = mounts
                 .iter()
                 .find(|m| m.fstype == "cgroup" && m.controllers.iter().any(|c| c == controller))?;
-            let own = own.iter().find(|o| o.controllers.iter().any(|c| c == controller))?;
+            let own = own
+                .iter()
+                .find(|o| o.controllers.iter().any(|c| c == controller))?;
             Some(super::own_dir(mount, &own.path).join(parent_name))
         };
         let required = |controller: &str| {
@@ -50,15 +52,29 @@ impl V1 {
         let cpu = required("cpu")?;
         let cpuacct = parent_of("cpuacct");
         let freezer = parent_of("freezer");
-        for dir in [Some(&memory), Some(&pids), Some(&cpu), cpuacct.as_ref(), freezer.as_ref()]
-            .into_iter()
-            .flatten()
+        for dir in [
+            Some(&memory),
+            Some(&pids),
+            Some(&cpu),
+            cpuacct.as_ref(),
+            freezer.as_ref(),
+        ]
+        .into_iter()
+        .flatten()
         {
             super::mkdir(dir)?;
         }
         let memsw = memory.join("memory.memsw.limit_in_bytes").exists();
         let unified = unified_parent(mounts, own, parent_name);
-        Ok(V1 { memory, pids, cpu, cpuacct, freezer, unified, memsw })
+        Ok(V1 {
+            memory,
+            pids,
+            cpu,
+            cpuacct,
+            freezer,
+            unified,
+            memsw,
+        })
     }
 }
 
@@ -107,8 +123,14 @@ impl CgroupBackend for V1 {
                 super::write(&call.memory.join("memory.memsw.limit_in_bytes"), &bytes)?;
             }
             super::write(&call.pids.join("pids.max"), &limits.pids.to_string())?;
-            super::write(&call.cpu.join("cpu.cfs_period_us"), &CPU_PERIOD_US.to_string())?;
-            super::write(&call.cpu.join("cpu.cfs_quota_us"), &limits.cpu_quota_us().to_string())
+            super::write(
+                &call.cpu.join("cpu.cfs_period_us"),
+                &CPU_PERIOD_US.to_string(),
+            )?;
+            super::write(
+                &call.cpu.join("cpu.cfs_quota_us"),
+                &limits.cpu_quota_us().to_string(),
+            )
         })();
         match result {
             Ok(()) => Ok(Box::new(call)),
@@ -160,12 +182,19 @@ impl CallCgroup for CallV1 {
 
     fn kill(&self) -> Result<(), CgroupError> {
         if let Some(unified) = &self.unified {
+            // Hybrid host: the kernel kills the whole cgroup, forks in flight included.
             unified.kill()?;
+        } else if self.freezer.is_some() {
+            // Frozen tasks cannot fork; SIGKILL them all, then thaw so they die.
+            self.freeze("FROZEN");
+            for pid in super::procs(&self.pids).unwrap_or_default() {
+                // SAFETY: kill takes no pointers; a stale pid yields ESRCH.
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+            }
+            self.freeze("THAWED");
         }
-        self.freeze("FROZEN");
-        let result = super::kill_until_empty(&self.pids);
-        self.freeze("THAWED");
-        result
+        // Whatever is left (or everything, without a freezer): round after round.
+        super::kill_until_empty(&self.pids)
     }
 
     fn peak_memory_bytes(&self) -> Option<u64> {
@@ -190,10 +219,8 @@ impl CallCgroup for CallV1 {
                 first_error.get_or_insert(e);
             }
         }
-        if let Some(unified) = &mut self.unified {
-            if let Err(e) = unified.remove() {
-                first_error.get_or_insert(e);
-            }
+        if let Some(Err(e)) = self.unified.as_mut().map(|u| u.remove()) {
+            first_error.get_or_insert(e);
         }
         match first_error {
             Some(e) => Err(e),

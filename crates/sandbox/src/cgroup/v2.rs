@@ -10,8 +10,8 @@
 use std::path::{Path, PathBuf};
 
 use super::{
-    CallCgroup, CgroupBackend, CgroupError, CgroupLimits, CgroupMount, CgroupVersion, OwnCgroup,
-    CPU_PERIOD_US,
+    CPU_PERIOD_US, CallCgroup, CgroupBackend, CgroupError, CgroupLimits, CgroupMount,
+    CgroupVersion, OwnCgroup,
 };
 
 const CONTROLLERS: [&str; 3] = ["memory", "pids", "cpu"];
@@ -36,7 +36,9 @@ impl V2 {
             .iter()
             .find(|o| o.controllers.is_empty())
             .map(|o| o.path.clone())
-            .ok_or_else(|| CgroupError::Unavailable("no unified entry in /proc/self/cgroup".into()))?;
+            .ok_or_else(|| {
+                CgroupError::Unavailable("no unified entry in /proc/self/cgroup".into())
+            })?;
         let base = super::own_dir(mount, &own_path);
         let available = super::read(&base.join("cgroup.controllers"))?;
         let missing: Vec<&str> = CONTROLLERS
@@ -93,7 +95,10 @@ impl CgroupBackend for V2 {
     fn create(&self, limits: &CgroupLimits) -> Result<Box<dyn CallCgroup>, CgroupError> {
         let dir = self.parent.join(super::call_name());
         super::mkdir(&dir)?;
-        let mut call = CallV2 { dir, removed: false };
+        let mut call = CallV2 {
+            dir,
+            removed: false,
+        };
         call.limit(limits, self.has_swap)?;
         Ok(Box::new(call))
     }
@@ -111,12 +116,18 @@ impl CallV2 {
     pub(crate) fn create_plain(parent: &Path) -> Result<Self, CgroupError> {
         let dir = parent.join(super::call_name());
         super::mkdir(&dir)?;
-        Ok(CallV2 { dir, removed: false })
+        Ok(CallV2 {
+            dir,
+            removed: false,
+        })
     }
 
     fn limit(&mut self, limits: &CgroupLimits, swap: bool) -> Result<(), CgroupError> {
         let result = (|| {
-            super::write(&self.dir.join("memory.max"), &limits.memory_bytes.to_string())?;
+            super::write(
+                &self.dir.join("memory.max"),
+                &limits.memory_bytes.to_string(),
+            )?;
             if swap {
                 super::write(&self.dir.join("memory.swap.max"), "0")?;
             }
@@ -144,13 +155,16 @@ impl CallCgroup for CallV2 {
             // Linux 5.14+: the kernel kills every process, including ones being forked.
             return super::write(&kill, "1");
         }
-        // Older kernels: freeze so nothing can fork while we kill, then thaw so the
-        // SIGKILLs are delivered.
+        // Older kernels: freeze so nothing can fork, SIGKILL everyone, thaw, then kill
+        // round after round until the cgroup is empty.
         let freeze = self.dir.join("cgroup.freeze");
         let _ = super::write(&freeze, "1");
-        let result = super::kill_until_empty(&self.dir);
+        for pid in super::procs(&self.dir).unwrap_or_default() {
+            // SAFETY: kill takes no pointers; a stale pid yields ESRCH.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
         let _ = super::write(&freeze, "0");
-        result
+        super::kill_until_empty(&self.dir)
     }
 
     fn peak_memory_bytes(&self) -> Option<u64> {
@@ -160,7 +174,8 @@ impl CallCgroup for CallV2 {
     fn cpu_usage_us(&self) -> Option<(u64, u64)> {
         let stat = super::read(&self.dir.join("cpu.stat")).ok()?;
         let field = |name: &str| {
-            stat.lines().find_map(|l| l.strip_prefix(name)?.trim().parse::<u64>().ok())
+            stat.lines()
+                .find_map(|l| l.strip_prefix(name)?.trim().parse::<u64>().ok())
         };
         Some((field("user_usec ")?, field("system_usec ")?))
     }

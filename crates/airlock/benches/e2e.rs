@@ -1,0 +1,675 @@
+//! End-to-end benchmark: `read_file` over HTTP, Airlock against the plain FastAPI tool
+//! server (the seed simulator peer), side by side in one run.
+//!
+//! Run: `cargo bench -p airlock --bench e2e` (release build). Needs python3 with fastapi and
+//! uvicorn (`python3 -m pip install fastapi uvicorn`). The peer is found in
+//! `../shared/peers/seed-simulator` beside the repository, or in `AIRLOCK_BENCH_PEER_DIR`.
+//!
+//! Both servers read the very same files: the bench writes them into Airlock's workspace
+//! and hands the peer their absolute paths. For every row (file size × concurrency) the
+//! request budget is split into rounds that alternate between the servers, so drift on
+//! the machine hits both alike. Every response is checked (status 200, no error, the exact
+//! file content); one wrong answer fails the run. Latency is measured from sending the
+//! request to having the whole body; checking the body is outside the timed part.
+//!
+//! The result is printed as a Markdown table and written to `target/bench-e2e.md`.
+
+use std::fmt::Write as _;
+use std::io::Read as _;
+use std::net::TcpListener;
+use std::os::unix::fs::DirBuilderExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail, ensure};
+use serde_json::{Value, json};
+
+/// The airlock binary under test, built by cargo in the bench profile.
+const AIRLOCK_BIN: &str = env!("CARGO_BIN_EXE_airlock");
+/// Size of the small file.
+const SMALL_BYTES: usize = 100;
+/// Size of the large file.
+const LARGE_BYTES: usize = 1 << 20;
+/// `[fs] max_read_bytes` for the run, so the large file comes back whole.
+const MAX_READ_BYTES: usize = 2 << 20;
+/// Requests per server and row: small file, large file.
+const SMALL_REQUESTS: usize = 2000;
+const LARGE_REQUESTS: usize = 300;
+/// Rounds each row's budget is split into, alternating servers.
+const ROUNDS: usize = 4;
+/// Time cap per server and row (split over the rounds); the row reports what it got.
+const ROW_TIME_CAP: Duration = Duration::from_secs(20);
+/// Warm-up requests per server before any row: small file, large file.
+const WARMUP_SMALL: usize = 200;
+const WARMUP_LARGE: usize = 20;
+/// Deadline of one request.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long each server may take to start.
+const START_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long a stopped server may take to exit before it is killed.
+const STOP_GRACE: Duration = Duration::from_secs(15);
+const CONCURRENCY: [usize; 2] = [1, 8];
+
+fn main() -> Result<()> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?
+        .block_on(run())
+}
+
+async fn run() -> Result<()> {
+    // Declared first so it is removed last, after both servers have stopped.
+    let scratch = tempfile::Builder::new()
+        .prefix("airlock-bench-e2e-")
+        .tempdir()
+        .context("cannot create a temp dir")?;
+    let peer_dir = peer_dir()?;
+    check_python()?;
+
+    eprintln!("starting airlock ({AIRLOCK_BIN})");
+    let airlock = Airlock::start(scratch.path()).await?;
+    let small = airlock.write_file("small.txt", &text_file(SMALL_BYTES))?;
+    let large = airlock.write_file("large.txt", &text_file(LARGE_BYTES))?;
+
+    eprintln!("starting the FastAPI peer ({})", peer_dir.display());
+    let peer = Peer::start(&peer_dir, scratch.path()).await?;
+
+    let targets = [airlock.target(), peer.target()];
+    for target in &targets {
+        eprintln!("warming up {}", target.name);
+        run_requests(target, &small, WARMUP_SMALL, 1, ROW_TIME_CAP).await?;
+        run_requests(target, &large, WARMUP_LARGE, 1, ROW_TIME_CAP).await?;
+    }
+
+    let mut rows = Vec::new();
+    for (file, budget) in [(&small, SMALL_REQUESTS), (&large, LARGE_REQUESTS)] {
+        for concurrency in CONCURRENCY {
+            let label = format!("{} c={concurrency}", file.label);
+            eprintln!("row {label}: {budget} requests per server in {ROUNDS} alternating rounds");
+            let mut stats: Vec<Stats> = targets.iter().map(|_| Stats::default()).collect();
+            for round in 0..ROUNDS {
+                let quota = budget.div_ceil(ROUNDS);
+                let cap = ROW_TIME_CAP / ROUNDS as u32;
+                // Alternate who goes first, so neither always runs on a "warmer" machine.
+                let order: Vec<usize> = if round % 2 == 0 {
+                    vec![0, 1]
+                } else {
+                    vec![1, 0]
+                };
+                for index in order {
+                    let run = run_requests(&targets[index], file, quota, concurrency, cap).await?;
+                    stats[index].add(run);
+                }
+            }
+            rows.push(Row { label, stats });
+        }
+    }
+
+    let table = render(&rows, &targets);
+    println!("\n{table}");
+    let out = target_dir().join("bench-e2e.md");
+    std::fs::write(&out, &table).with_context(|| format!("cannot write {}", out.display()))?;
+    eprintln!("written to {}", out.display());
+
+    drop(peer);
+    drop(airlock);
+    drop(scratch);
+    Ok(())
+}
+
+/// `target/` of this build: the airlock binary is `target/<profile>/airlock`.
+fn target_dir() -> PathBuf {
+    let bin = Path::new(AIRLOCK_BIN);
+    bin.parent()
+        .and_then(Path::parent)
+        .map_or_else(|| PathBuf::from("target"), Path::to_path_buf)
+}
+
+fn peer_dir() -> Result<PathBuf> {
+    let dir = match std::env::var_os("AIRLOCK_BENCH_PEER_DIR") {
+        Some(d) => PathBuf::from(d),
+        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/peers/seed-simulator"),
+    };
+    ensure!(
+        dir.join("main.py").is_file(),
+        "the FastAPI peer is not at {} (no main.py); set AIRLOCK_BENCH_PEER_DIR to the \
+         seed-simulator folder",
+        dir.display()
+    );
+    Ok(dir)
+}
+
+fn check_python() -> Result<()> {
+    let fix = "run python3 -m pip install fastapi uvicorn";
+    let output = Command::new("python3")
+        .args(["-c", "import fastapi, uvicorn"])
+        .stdin(Stdio::null())
+        .output()
+        .with_context(|| {
+            format!("cannot run python3, which the FastAPI peer needs: install python3, then {fix}")
+        })?;
+    if !output.status.success() {
+        bail!(
+            "python3 cannot import fastapi/uvicorn ({}): {fix}",
+            String::from_utf8_lossy(&output.stderr).trim()
+        );
+    }
+    Ok(())
+}
+
+/// ASCII text of exactly `size` bytes in lines of at most 64 bytes, each ending in `\n`.
+fn text_file(size: usize) -> String {
+    let mut text = String::with_capacity(size);
+    let mut line = 0usize;
+    while text.len() < size {
+        let mut l = format!("line {line:06} the quick brown fox jumps over the lazy dog");
+        l.truncate(63);
+        let room = size - text.len();
+        if l.len() + 1 > room {
+            l.truncate(room.saturating_sub(1));
+        }
+        text.push_str(&l);
+        text.push('\n');
+        line += 1;
+    }
+    text
+}
+
+/// One file both servers read.
+struct BenchFile {
+    label: String,
+    path: PathBuf,
+    content: Arc<str>,
+}
+
+/// A process stopped with SIGTERM (then SIGKILL after a grace period) when dropped, so a
+/// failing run leaves nothing behind.
+struct ChildGuard {
+    name: &'static str,
+    child: Child,
+    log: PathBuf,
+}
+
+impl ChildGuard {
+    fn spawn(name: &'static str, mut command: Command, log: PathBuf) -> Result<Self> {
+        let out = std::fs::File::create(&log)
+            .with_context(|| format!("cannot create {}", log.display()))?;
+        let err = out.try_clone()?;
+        let child = command
+            .stdin(Stdio::null())
+            .stdout(out)
+            .stderr(err)
+            .spawn()
+            .with_context(|| format!("cannot start {name}"))?;
+        Ok(Self { name, child, log })
+    }
+
+    /// Fails with the end of the log when the process has exited.
+    fn check_running(&mut self) -> Result<()> {
+        if let Some(status) = self.child.try_wait()? {
+            bail!(
+                "{} exited ({status}); its log ends:\n{}",
+                self.name,
+                self.log_tail()
+            );
+        }
+        Ok(())
+    }
+
+    fn log_tail(&self) -> String {
+        let mut text = String::new();
+        if let Ok(mut f) = std::fs::File::open(&self.log) {
+            let _ = f.read_to_string(&mut text);
+        }
+        let start = text.len().saturating_sub(4000);
+        let start = (start..text.len())
+            .find(|&i| text.is_char_boundary(i))
+            .unwrap_or(0);
+        text[start..].to_owned()
+    }
+}
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(Some(_))) {
+            return;
+        }
+        let pid = i32::try_from(self.child.id())
+            .ok()
+            .and_then(rustix::process::Pid::from_raw);
+        if let Some(pid) = pid {
+            let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
+        }
+        let deadline = Instant::now() + STOP_GRACE;
+        while Instant::now() < deadline {
+            if matches!(self.child.try_wait(), Ok(Some(_)) | Err(_)) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        eprintln!(
+            "{} did not stop within {} s; killing it",
+            self.name,
+            STOP_GRACE.as_secs()
+        );
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+struct Airlock {
+    process: ChildGuard,
+    url: String,
+    token: String,
+    workspace: PathBuf,
+}
+
+impl Airlock {
+    async fn start(scratch: &Path) -> Result<Self> {
+        let data_dir = scratch.join("data");
+        let config = scratch.join("airlock.toml");
+        std::fs::write(
+            &config,
+            format!(
+                "[orchestrator]\nhttp_listen = \"127.0.0.1:0\"\ngrpc_listen = \"127.0.0.1:0\"\n\n\
+                 [fs]\nmax_read_bytes = {MAX_READ_BYTES}\n"
+            ),
+        )?;
+        let mut command = Command::new(AIRLOCK_BIN);
+        command
+            .arg("up")
+            .arg("--data-dir")
+            .arg(&data_dir)
+            .arg("--config")
+            .arg(&config);
+        let mut process = ChildGuard::spawn("airlock up", command, scratch.join("airlock.log"))?;
+
+        let endpoints_file = data_dir.join("endpoints.json");
+        let deadline = Instant::now() + START_TIMEOUT;
+        let endpoints: Value = loop {
+            process.check_running()?;
+            if let Ok(text) = std::fs::read_to_string(&endpoints_file)
+                && let Ok(v) = serde_json::from_str::<Value>(&text)
+            {
+                break v;
+            }
+            ensure!(
+                Instant::now() < deadline,
+                "airlock up wrote no {} within {} s; its log ends:\n{}",
+                endpoints_file.display(),
+                START_TIMEOUT.as_secs(),
+                process.log_tail()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        let url = endpoints["http"]
+            .as_str()
+            .context("endpoints.json has no \"http\" address")?
+            .trim_end_matches('/')
+            .to_owned();
+        let token_file = endpoints["token_file"]
+            .as_str()
+            .map_or_else(|| data_dir.join("token"), PathBuf::from);
+        let token = std::fs::read_to_string(&token_file)
+            .with_context(|| format!("cannot read the token {}", token_file.display()))?
+            .trim()
+            .to_owned();
+        wait_ok(&mut process, &format!("{url}/readyz")).await?;
+        eprintln!("airlock is ready at {url}");
+
+        let workspace = data_dir.join("workspaces/local/default");
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&workspace)
+            .with_context(|| format!("cannot create the workspace {}", workspace.display()))?;
+        Ok(Self {
+            process,
+            url,
+            token,
+            workspace,
+        })
+    }
+
+    fn write_file(&self, name: &str, content: &str) -> Result<BenchFile> {
+        let path = self.workspace.join(name);
+        std::fs::write(&path, content)
+            .with_context(|| format!("cannot write {}", path.display()))?;
+        let label = if content.len() >= 1 << 20 {
+            format!("{} MiB", content.len() >> 20)
+        } else {
+            format!("{} B", content.len())
+        };
+        Ok(BenchFile {
+            label,
+            path,
+            content: content.into(),
+        })
+    }
+
+    fn target(&self) -> Target {
+        Target {
+            name: "airlock",
+            url: format!("{}/v1/tool_calls", self.url),
+            kind: Kind::Airlock {
+                auth: format!("Bearer {}", self.token),
+            },
+        }
+    }
+}
+
+impl Drop for Airlock {
+    fn drop(&mut self) {
+        eprintln!("stopping {}", self.process.name);
+    }
+}
+
+struct Peer {
+    process: ChildGuard,
+    url: String,
+}
+
+impl Peer {
+    async fn start(dir: &Path, scratch: &Path) -> Result<Self> {
+        let port = free_port()?;
+        let mut command = Command::new("python3");
+        command
+            .args(["-m", "uvicorn", "main:app", "--host", "127.0.0.1", "--port"])
+            .arg(port.to_string())
+            .args(["--log-level", "warning"])
+            .current_dir(dir);
+        let mut process = ChildGuard::spawn("the FastAPI peer", command, scratch.join("peer.log"))?;
+        let url = format!("http://127.0.0.1:{port}");
+        wait_ok(&mut process, &format!("{url}/tools")).await?;
+        eprintln!("the FastAPI peer is ready at {url}");
+        Ok(Self { process, url })
+    }
+
+    fn target(&self) -> Target {
+        Target {
+            name: "fastapi peer",
+            url: format!("{}/tool-call", self.url),
+            kind: Kind::Peer,
+        }
+    }
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        eprintln!("stopping {}", self.process.name);
+    }
+}
+
+fn free_port() -> Result<u16> {
+    let listener = TcpListener::bind("127.0.0.1:0").context("cannot find a free port")?;
+    Ok(listener.local_addr()?.port())
+}
+
+/// Polls `url` until it answers 200, failing if the process exits or time runs out.
+async fn wait_ok(process: &mut ChildGuard, url: &str) -> Result<()> {
+    let client = client()?;
+    let deadline = Instant::now() + START_TIMEOUT;
+    let mut last = String::from("no answer yet");
+    loop {
+        process.check_running()?;
+        match client.get(url).timeout(Duration::from_secs(2)).send().await {
+            Ok(r) if r.status().is_success() => return Ok(()),
+            Ok(r) => last = format!("status {}", r.status()),
+            Err(e) => last = e.to_string(),
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "{} did not answer 200 on {url} within {} s (last: {last}); its log ends:\n{}",
+            process.name,
+            START_TIMEOUT.as_secs(),
+            process.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A keep-alive HTTP client for one worker task.
+fn client() -> Result<reqwest::Client> {
+    reqwest::Client::builder()
+        .no_proxy()
+        .tcp_nodelay(true)
+        .pool_max_idle_per_host(1)
+        .timeout(REQUEST_TIMEOUT)
+        .build()
+        .context("cannot build the HTTP client")
+}
+
+enum Kind {
+    Airlock { auth: String },
+    Peer,
+}
+
+/// One server's `read_file` endpoint.
+struct Target {
+    name: &'static str,
+    url: String,
+    kind: Kind,
+}
+
+impl Target {
+    fn body(&self, file: &BenchFile) -> Result<Vec<u8>> {
+        let body = match &self.kind {
+            Kind::Airlock { .. } => json!({"tool_uses": [{
+                "type": "tool_use",
+                "id": "t1",
+                "name": "read_file",
+                "input": {"path": file.path.file_name().and_then(|n| n.to_str()).context("file name")?},
+            }]}),
+            Kind::Peer => json!({
+                "tool_name": "read_file",
+                "arguments": {"filepath": file.path.to_str().context("non-UTF-8 path")?},
+            }),
+        };
+        Ok(serde_json::to_vec(&body)?)
+    }
+
+    fn request(&self, client: &reqwest::Client, body: &[u8]) -> reqwest::RequestBuilder {
+        let request = client
+            .post(&self.url)
+            .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .body(body.to_vec());
+        match &self.kind {
+            Kind::Airlock { auth } => request.header(reqwest::header::AUTHORIZATION, auth),
+            Kind::Peer => request,
+        }
+    }
+
+    /// Checks that `body` is a successful `read_file` result holding exactly `expected`.
+    fn verify(&self, status: reqwest::StatusCode, body: &[u8], expected: &str) -> Result<()> {
+        let show = || String::from_utf8_lossy(&body[..body.len().min(500)]).into_owned();
+        ensure!(
+            status == reqwest::StatusCode::OK,
+            "{}: status {status}: {}",
+            self.name,
+            show()
+        );
+        let v: Value = serde_json::from_slice(body)
+            .with_context(|| format!("{}: response is not JSON: {}", self.name, show()))?;
+        let text = match &self.kind {
+            Kind::Airlock { .. } => {
+                let result = &v["tool_results"][0];
+                ensure!(
+                    v["calls"][0]["status"] == "ok" && result["is_error"] == false,
+                    "{}: the call failed: {}",
+                    self.name,
+                    show()
+                );
+                result["content"][0]["text"].as_str()
+            }
+            Kind::Peer => {
+                ensure!(
+                    v["success"] == true,
+                    "{}: the call failed: {}",
+                    self.name,
+                    show()
+                );
+                v["output"]["content"].as_str()
+            }
+        };
+        let text = text.with_context(|| format!("{}: no result text: {}", self.name, show()))?;
+        ensure!(
+            text.len() == expected.len() && text == expected,
+            "{}: wrong content: {} bytes, expected {} bytes",
+            self.name,
+            text.len(),
+            expected.len()
+        );
+        Ok(())
+    }
+}
+
+/// What one run of requests measured.
+struct RunResult {
+    latencies: Vec<Duration>,
+    wall: Duration,
+}
+
+/// Sends up to `count` requests with `concurrency` workers (each with its own keep-alive
+/// client, connected before the clock starts), stopping early at `cap`.
+async fn run_requests(
+    target: &Target,
+    file: &BenchFile,
+    count: usize,
+    concurrency: usize,
+    cap: Duration,
+) -> Result<RunResult> {
+    let body = target.body(file)?;
+    let mut clients = Vec::with_capacity(concurrency);
+    for _ in 0..concurrency {
+        let client = client()?;
+        let response = target.request(&client, &body).send().await?;
+        let status = response.status();
+        let bytes = response.bytes().await?;
+        target.verify(status, &bytes, &file.content)?;
+        clients.push(client);
+    }
+    let next = AtomicUsize::new(0);
+    let started = Instant::now();
+    let deadline = started + cap;
+    let workers = clients.iter().map(|client| {
+        let (next, body) = (&next, &body);
+        async move {
+            let mut latencies = Vec::new();
+            while next.fetch_add(1, Ordering::Relaxed) < count && Instant::now() < deadline {
+                let sent = Instant::now();
+                let response = target
+                    .request(client, body)
+                    .send()
+                    .await
+                    .with_context(|| format!("{}: request failed", target.name))?;
+                let status = response.status();
+                let bytes = response
+                    .bytes()
+                    .await
+                    .with_context(|| format!("{}: reading the response failed", target.name))?;
+                latencies.push(sent.elapsed());
+                target.verify(status, &bytes, &file.content)?;
+            }
+            Ok::<_, anyhow::Error>(latencies)
+        }
+    });
+    let per_worker = futures::future::try_join_all(workers).await?;
+    let wall = started.elapsed();
+    Ok(RunResult {
+        latencies: per_worker.into_iter().flatten().collect(),
+        wall,
+    })
+}
+
+#[derive(Default)]
+struct Stats {
+    latencies: Vec<Duration>,
+    wall: Duration,
+}
+
+impl Stats {
+    fn add(&mut self, run: RunResult) {
+        self.latencies.extend(run.latencies);
+        self.wall += run.wall;
+    }
+
+    fn summary(&self) -> Summary {
+        let mut sorted = self.latencies.clone();
+        sorted.sort_unstable();
+        let ms = |q: f64| percentile(&sorted, q).map_or(f64::NAN, |d| d.as_secs_f64() * 1e3);
+        let throughput = sorted.len() as f64 / self.wall.as_secs_f64().max(f64::MIN_POSITIVE);
+        Summary {
+            n: sorted.len(),
+            p50: ms(0.50),
+            p99: ms(0.99),
+            throughput,
+        }
+    }
+}
+
+/// Nearest-rank percentile of sorted samples.
+fn percentile(sorted: &[Duration], q: f64) -> Option<Duration> {
+    if sorted.is_empty() {
+        return None;
+    }
+    let rank = (q * sorted.len() as f64).ceil() as usize;
+    sorted.get(rank.clamp(1, sorted.len()) - 1).copied()
+}
+
+struct Summary {
+    n: usize,
+    p50: f64,
+    p99: f64,
+    throughput: f64,
+}
+
+struct Row {
+    label: String,
+    stats: Vec<Stats>,
+}
+
+fn render(rows: &[Row], targets: &[Target]) -> String {
+    let cores = std::thread::available_parallelism().map_or(0, usize::from);
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "## read_file over HTTP: airlock vs the FastAPI peer (same run)\n"
+    );
+    let _ = writeln!(
+        out,
+        "{cores} CPUs, loopback, keep-alive client per worker; per server and row up to \
+         {SMALL_REQUESTS} (small) / {LARGE_REQUESTS} (1 MiB) requests in {ROUNDS} alternating \
+         rounds, capped at {} s; every response verified. Ratios are airlock / peer: p50 below 1 \
+         and throughput above 1 favour airlock.\n",
+        ROW_TIME_CAP.as_secs()
+    );
+    let _ = writeln!(
+        out,
+        "| row | server | n | p50 ms | p99 ms | throughput req/s | p50 ratio vs peer | throughput ratio vs peer |"
+    );
+    let _ = writeln!(out, "|---|---|---:|---:|---:|---:|---:|---:|");
+    let peer = targets.iter().position(|t| matches!(t.kind, Kind::Peer));
+    for row in rows {
+        let summaries: Vec<Summary> = row.stats.iter().map(Stats::summary).collect();
+        let base = peer.and_then(|i| summaries.get(i));
+        for (target, s) in targets.iter().zip(&summaries) {
+            let (p50_ratio, tp_ratio) = match (base, &target.kind) {
+                (Some(b), Kind::Airlock { .. }) => (
+                    format!("{:.2}", s.p50 / b.p50),
+                    format!("{:.2}", s.throughput / b.throughput),
+                ),
+                _ => ("1 (baseline)".to_owned(), "1 (baseline)".to_owned()),
+            };
+            let _ = writeln!(
+                out,
+                "| {} | {} | {} | {:.3} | {:.3} | {:.0} | {p50_ratio} | {tp_ratio} |",
+                row.label, target.name, s.n, s.p50, s.p99, s.throughput
+            );
+        }
+    }
+    out
+}

@@ -1,0 +1,372 @@
+//! The public run API: configuration, one command's spec, the outcome, and [`Sandbox`],
+//! which probes the host once, fails closed below `min_isolation`, and runs commands.
+
+use std::io;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use airlock_policy::IsolationLevel;
+use serde::{Deserialize, Serialize};
+
+use crate::caps::CapsError;
+use crate::cgroup::{CgroupBackend, CgroupError};
+use crate::fds::FdError;
+use crate::landlock_rules::LandlockError;
+use crate::namespaces::{self, NamespaceError};
+use crate::probe::{self, HostProbe, IsolationReport, LimitsReport, Missing};
+use crate::rlimits::{RlimitError, RlimitReport};
+use crate::rootfs::RootfsError;
+use crate::seccomp::{self, SeccompError, SeccompPlan};
+use crate::self_confine::SelfConfineError;
+use crate::spawn;
+
+/// Sandbox failures. Setup failures name the step; unavailable layers name the fix.
+#[derive(Debug, thiserror::Error)]
+pub enum SandboxError {
+    #[error("{0}")]
+    Unavailable(Missing),
+    #[error("the host cannot provide {level} isolation: {reasons}")]
+    BelowMinimum {
+        level: &'static str,
+        reasons: String,
+    },
+    #[error("invalid sandbox configuration: {0}")]
+    InvalidConfig(String),
+    #[error("invalid command: {0}")]
+    InvalidCommand(String),
+    #[error("sandbox setup failed at step \"{step}\": {source}")]
+    Setup {
+        step: &'static str,
+        #[source]
+        source: io::Error,
+    },
+    #[error(transparent)]
+    Cgroup(#[from] CgroupError),
+    #[error(transparent)]
+    Namespace(#[from] NamespaceError),
+    #[error(transparent)]
+    Rootfs(#[from] RootfsError),
+    #[error(transparent)]
+    Rlimit(#[from] RlimitError),
+    #[error(transparent)]
+    Landlock(#[from] LandlockError),
+    #[error(transparent)]
+    Seccomp(#[from] SeccompError),
+    #[error(transparent)]
+    Fd(#[from] FdError),
+    #[error(transparent)]
+    Caps(#[from] CapsError),
+    #[error(transparent)]
+    SelfConfine(#[from] SelfConfineError),
+    #[error("sandbox i/o failed: {0}")]
+    Io(#[source] io::Error),
+}
+
+/// Sandbox settings (`[sandbox]` in airlock.toml). Defaults follow DESIGN.md.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct SandboxConfig {
+    /// Refuse to run below this level.
+    pub min_isolation: IsolationLevel,
+    /// Run at exactly this level instead of the strongest the host supports (must not be
+    /// below `min_isolation`); `None` = strongest available.
+    pub force_level: Option<IsolationLevel>,
+    pub memory_bytes: u64,
+    pub pids: u64,
+    /// CPU bandwidth in thousandths of a CPU (1000 = one CPU).
+    pub cpu_millis: u64,
+    pub tmp_bytes: u64,
+    pub fsize_bytes: u64,
+    pub nofile: u64,
+    /// Captured bytes per stream; the rest is drained and dropped, flagged truncated.
+    pub output_cap_bytes: usize,
+    /// Give the sandbox the worker's network (default: none).
+    pub network: bool,
+    /// Name of the parent cgroup of the calls, under the worker's own cgroup.
+    pub cgroup_parent: String,
+}
+
+impl Default for SandboxConfig {
+    fn default() -> Self {
+        SandboxConfig {
+            min_isolation: IsolationLevel::Strict,
+            force_level: None,
+            memory_bytes: 512 << 20,
+            pids: 256,
+            cpu_millis: 1000,
+            tmp_bytes: 64 << 20,
+            fsize_bytes: 1 << 30,
+            nofile: 1024,
+            output_cap_bytes: 1 << 20,
+            network: false,
+            cgroup_parent: "airlock".to_owned(),
+        }
+    }
+}
+
+/// One command to run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CommandSpec {
+    /// Program and arguments; a program without `/` is searched in `PATH`.
+    pub argv: Vec<String>,
+    /// Host directory mounted read-write at `/workspace` (strict) or used in place
+    /// (standard).
+    pub workspace: PathBuf,
+    /// Working directory relative to the workspace (default: its root).
+    pub cwd: Option<String>,
+    pub stdin: Vec<u8>,
+    /// The only environment variables besides `PATH`, `HOME` and `TMPDIR` (which these
+    /// override).
+    pub env: Vec<(String, String)>,
+    /// Wall-clock limit; the whole sandbox is killed when it runs out.
+    pub timeout: Duration,
+}
+
+impl CommandSpec {
+    /// A spec with no stdin, no extra environment and a 30 s timeout.
+    pub fn new(argv: Vec<String>, workspace: impl Into<PathBuf>) -> Self {
+        CommandSpec {
+            argv,
+            workspace: workspace.into(),
+            cwd: None,
+            stdin: Vec::new(),
+            env: Vec::new(),
+            timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Which output stream a chunk came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Stream {
+    Stdout,
+    Stderr,
+}
+
+/// Receives output while the command runs, on the calling thread (only the captured
+/// part, up to the cap).
+pub trait OutputSink {
+    fn chunk(&mut self, stream: Stream, data: &[u8]);
+}
+
+impl<F: FnMut(Stream, &[u8])> OutputSink for F {
+    fn chunk(&mut self, stream: Stream, data: &[u8]) {
+        self(stream, data)
+    }
+}
+
+/// A sink that ignores streamed output (the outcome still holds it).
+#[derive(Debug, Default, Clone, Copy)]
+pub struct NoSink;
+
+impl OutputSink for NoSink {
+    fn chunk(&mut self, _: Stream, _: &[u8]) {}
+}
+
+/// Cancels a running command from another thread or task: the whole sandbox is killed
+/// within one poll tick (20 ms).
+#[derive(Debug, Clone, Default)]
+pub struct Cancel(Arc<AtomicBool>);
+
+impl Cancel {
+    pub fn new() -> Self {
+        Self::default()
+    }
+    pub fn cancel(&self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+    pub fn is_cancelled(&self) -> bool {
+        self.0.load(Ordering::SeqCst)
+    }
+}
+
+/// CPU time and peak memory of a call (cgroup numbers when available, else wait4's).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+pub struct Usage {
+    pub cpu_user_ms: u64,
+    pub cpu_system_ms: u64,
+    pub peak_memory_bytes: u64,
+}
+
+/// What happened to a command.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RunOutcome {
+    /// Exit code when the command exited.
+    pub exit_code: Option<i32>,
+    /// Signal number when the command was killed by a signal.
+    pub signal: Option<i32>,
+    #[serde(skip)]
+    pub stdout: Vec<u8>,
+    #[serde(skip)]
+    pub stderr: Vec<u8>,
+    pub stdout_truncated: bool,
+    pub stderr_truncated: bool,
+    pub timed_out: bool,
+    pub cancelled: bool,
+    #[serde(serialize_with = "duration_ms")]
+    pub duration: Duration,
+    pub usage: Usage,
+    pub isolation: IsolationReport,
+}
+
+fn duration_ms<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_u64(d.as_millis() as u64)
+}
+
+/// A sandbox factory for one configuration: probed once, then runs any number of
+/// commands (concurrently from several threads, too).
+#[derive(Debug)]
+pub struct Sandbox {
+    config: SandboxConfig,
+    level: IsolationLevel,
+    landlock_abi: u32,
+    cgroup: Option<Arc<dyn CgroupBackend>>,
+    seccomp: SeccompPlan,
+    report: IsolationReport,
+}
+
+impl Sandbox {
+    /// Probes the host and prepares the sandbox; fails, naming the missing layer and
+    /// the fix, when the host cannot provide `min_isolation` (or `force_level`).
+    pub fn new(config: SandboxConfig) -> Result<Self, SandboxError> {
+        validate(&config)?;
+        let host = probe::probe(&config.cgroup_parent);
+        Self::with_probe(config, host)
+    }
+
+    /// As [`Sandbox::new`] with an existing probe.
+    pub fn with_probe(config: SandboxConfig, host: HostProbe) -> Result<Self, SandboxError> {
+        validate(&config)?;
+        let level = match config.force_level {
+            Some(level) if level < config.min_isolation => {
+                return Err(SandboxError::InvalidConfig(format!(
+                    "force_level {} is below min_isolation {}",
+                    level.as_str(),
+                    config.min_isolation.as_str()
+                )));
+            }
+            Some(level) => level,
+            None => host.best_level().unwrap_or(IsolationLevel::Standard),
+        };
+        let level = level.max(config.min_isolation);
+        let mut missing = host.missing_for(level);
+        if missing.len() == 1 {
+            return Err(SandboxError::Unavailable(missing.remove(0)));
+        }
+        if !missing.is_empty() {
+            return Err(SandboxError::BelowMinimum {
+                level: level.as_str(),
+                reasons: missing
+                    .iter()
+                    .map(ToString::to_string)
+                    .collect::<Vec<_>>()
+                    .join("; "),
+            });
+        }
+        let landlock_abi = host.landlock_abi.clone().unwrap_or(0);
+        let cgroup = host.cgroup.ok();
+        let strict = level == IsolationLevel::Strict;
+        let seccomp = SeccompPlan::compile(seccomp::Profile::sandbox(config.network))?;
+        let report = IsolationReport {
+            level,
+            namespaces: if strict {
+                namespaces::names(config.network)
+            } else {
+                Vec::new()
+            },
+            pivot_root: strict,
+            landlock_abi: Some(landlock_abi),
+            seccomp: Some("filter"),
+            cgroup: cgroup.as_ref().map(|c| c.version()),
+            no_new_privs: true,
+            capabilities_dropped: true,
+            rlimits: RlimitReport {
+                nofile: config.nofile,
+                fsize_bytes: config.fsize_bytes,
+                core_bytes: 0,
+                cpu_seconds: None,
+            },
+            limits: LimitsReport {
+                memory_bytes: cgroup.as_ref().map(|_| config.memory_bytes),
+                swap_bytes: cgroup.as_ref().filter(|c| c.limits_swap()).map(|_| 0),
+                pids: cgroup.as_ref().map(|_| config.pids),
+                cpu: cgroup.as_ref().map(|_| config.cpu_millis as f64 / 1000.0),
+                tmp_bytes: strict.then_some(config.tmp_bytes),
+                output_bytes: config.output_cap_bytes as u64,
+                timeout_ms: None,
+            },
+            network: if config.network { "host" } else { "none" },
+        };
+        Ok(Sandbox {
+            config,
+            level,
+            landlock_abi,
+            cgroup,
+            seccomp,
+            report,
+        })
+    }
+
+    /// The layers every run of this sandbox gets (per-call values such as the timeout
+    /// are filled in each [`RunOutcome::isolation`]).
+    pub fn report(&self) -> &IsolationReport {
+        &self.report
+    }
+
+    pub fn level(&self) -> IsolationLevel {
+        self.level
+    }
+
+    pub fn config(&self) -> &SandboxConfig {
+        &self.config
+    }
+
+    /// Runs one command to completion (or timeout, or cancellation). Blocking: call it
+    /// from a blocking thread (e.g. `tokio::task::spawn_blocking`).
+    pub fn run(
+        &self,
+        spec: &CommandSpec,
+        sink: &mut dyn OutputSink,
+        cancel: &Cancel,
+    ) -> Result<RunOutcome, SandboxError> {
+        spawn::run(self, spec, sink, cancel)
+    }
+
+    pub(crate) fn is_strict(&self) -> bool {
+        self.level == IsolationLevel::Strict
+    }
+
+    pub(crate) fn landlock_abi(&self) -> u32 {
+        self.landlock_abi
+    }
+
+    pub(crate) fn cgroup_backend(&self) -> Option<&dyn CgroupBackend> {
+        self.cgroup.as_deref()
+    }
+
+    pub(crate) fn seccomp(&self) -> &SeccompPlan {
+        &self.seccomp
+    }
+}
+
+fn validate(config: &SandboxConfig) -> Result<(), SandboxError> {
+    let bad = |m: &str| Err(SandboxError::InvalidConfig(m.to_owned()));
+    let name = &config.cgroup_parent;
+    if name.is_empty() || name.contains('/') || name.starts_with('.') || name.starts_with("cgroup.")
+    {
+        return bad("cgroup_parent must be a plain directory name");
+    }
+    if config.memory_bytes < 1 << 20 {
+        return bad("memory_bytes must be at least 1 MiB");
+    }
+    if config.pids == 0 || config.cpu_millis == 0 || config.nofile < 3 {
+        return bad("pids and cpu_millis must be positive and nofile at least 3");
+    }
+    if config.tmp_bytes == 0 {
+        return bad("tmp_bytes must be positive");
+    }
+    Ok(())
+}

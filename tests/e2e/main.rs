@@ -1,0 +1,14 @@
+//! Black-box tests: start `airlock up` on a temp data dir and drive it over HTTP and
+//! gRPC exactly as a user would.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "test code: a failed expectation is a failed test"
+)]
+
+mod fs_tools;
+mod grpc_api;
+mod http_api;
+mod supervision;
+mod support;
+mod traversal;

@@ -1,0 +1,320 @@
+//! A running `airlock up` for one test, stopped (and checked for leftovers) on drop.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+
+pub const AIRLOCK: &str = env!("CARGO_BIN_EXE_airlock");
+
+pub struct Airlock {
+    pub dir: tempfile::TempDir,
+    pub url: String,
+    pub grpc: String,
+    pub token: String,
+    child: Option<Child>,
+    client: reqwest::Client,
+}
+
+impl Airlock {
+    /// Starts `airlock up` with an optional extra config snippet.
+    pub async fn start() -> Self {
+        Self::start_with("").await
+    }
+
+    pub async fn start_with(extra_config: &str) -> Self {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let config = dir.path().join("airlock.toml");
+        std::fs::write(
+            &config,
+            format!(
+                "[orchestrator]\nhttp_listen = \"127.0.0.1:0\"\ngrpc_listen = \"127.0.0.1:0\"\n{extra_config}"
+            ),
+        )
+        .expect("write config");
+        let data_dir = dir.path().join("data");
+        let log = std::fs::File::create(dir.path().join("airlock.log")).expect("log file");
+        let child = Command::new(AIRLOCK)
+            .args(["up", "--data-dir"])
+            .arg(&data_dir)
+            .arg("--config")
+            .arg(&config)
+            .env("RUST_LOG", "info")
+            .env_remove("AIRLOCK_URL")
+            .env_remove("AIRLOCK_TOKEN")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("spawn airlock up");
+        let mut airlock = Self {
+            dir,
+            url: String::new(),
+            grpc: String::new(),
+            token: String::new(),
+            child: Some(child),
+            client: reqwest::Client::new(),
+        };
+        let endpoints = airlock.wait_for_endpoints().await;
+        airlock.url = endpoints["http"]
+            .as_str()
+            .expect("http endpoint")
+            .to_owned();
+        airlock.grpc = endpoints["grpc"]
+            .as_str()
+            .expect("grpc endpoint")
+            .to_owned();
+        let token_file = endpoints["token_file"].as_str().expect("token_file");
+        airlock.token = std::fs::read_to_string(token_file)
+            .expect("token")
+            .trim()
+            .to_owned();
+        airlock.wait_ready().await;
+        airlock
+    }
+
+    pub fn data_dir(&self) -> PathBuf {
+        self.dir.path().join("data")
+    }
+
+    /// The workspace of principal `local`, session `session`.
+    pub fn workspace(&self, session: &str) -> PathBuf {
+        self.data_dir()
+            .join("workspaces")
+            .join("local")
+            .join(session)
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("airlock.log")).unwrap_or_default()
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("running").id()
+    }
+
+    async fn wait_for_endpoints(&mut self) -> Value {
+        let path = self.data_dir().join("endpoints.json");
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Ok(text) = std::fs::read_to_string(&path)
+                && let Ok(v) = serde_json::from_str::<Value>(&text)
+            {
+                return v;
+            }
+            if let Some(status) = self
+                .child
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten())
+            {
+                panic!("airlock up exited early ({status}):\n{}", self.log());
+            }
+            assert!(
+                Instant::now() < deadline,
+                "airlock up did not start:\n{}",
+                self.log()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Waits until `/readyz` answers 200.
+    pub async fn wait_ready(&self) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Ok(r) = self.client.get(format!("{}/readyz", self.url)).send().await
+                && r.status() == 200
+            {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "airlock never became ready:\n{}",
+                self.log()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    pub fn http(&self) -> &reqwest::Client {
+        &self.client
+    }
+
+    /// An authenticated request.
+    pub fn request(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
+        self.client
+            .request(method, format!("{}{path}", self.url))
+            .bearer_auth(&self.token)
+    }
+
+    /// POST /v1/tool_calls with a JSON body; returns status and body.
+    pub async fn post(&self, path: &str, body: &Value) -> (u16, Value) {
+        let response = self
+            .request(reqwest::Method::POST, path)
+            .json(body)
+            .send()
+            .await
+            .expect("send");
+        let status = response.status().as_u16();
+        let body = response.json::<Value>().await.expect("JSON body");
+        (status, body)
+    }
+
+    pub async fn get(&self, path: &str) -> (u16, Value) {
+        let response = self
+            .request(reqwest::Method::GET, path)
+            .send()
+            .await
+            .expect("send");
+        let status = response.status().as_u16();
+        let body = response.json::<Value>().await.expect("JSON body");
+        (status, body)
+    }
+
+    /// Calls one tool in `session`; returns (is_error, text, calls[0]).
+    pub async fn call_in(&self, session: &str, tool: &str, input: Value) -> (bool, String, Value) {
+        let body = json!({
+            "session_id": session,
+            "tool_uses": [{"type": "tool_use", "id": "t1", "name": tool, "input": input}],
+        });
+        let (status, body) = self.post("/v1/tool_calls", &body).await;
+        assert_eq!(status, 200, "{body}");
+        let result = &body["tool_results"][0];
+        assert_eq!(result["type"], "tool_result", "{body}");
+        assert_eq!(result["tool_use_id"], "t1");
+        let text = result["content"]
+            .as_array()
+            .expect("content")
+            .iter()
+            .map(|b| b["text"].as_str().expect("text block").to_owned())
+            .collect::<Vec<_>>()
+            .join("\n");
+        (
+            result["is_error"].as_bool().expect("is_error"),
+            text,
+            body["calls"][0].clone(),
+        )
+    }
+
+    pub async fn call(&self, tool: &str, input: Value) -> (bool, String, Value) {
+        self.call_in("default", tool, input).await
+    }
+
+    /// Reaps a launcher that was killed from outside.
+    pub fn stop_after_kill(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.take().and_then(|mut c| c.wait().ok())
+    }
+
+    /// Sends SIGTERM to the launcher and waits for it.
+    pub fn stop(&mut self) -> std::process::ExitStatus {
+        let mut child = self.child.take().expect("running");
+        signal(child.id(), rustix::process::Signal::TERM);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(status) = child.try_wait().expect("wait") {
+                return status;
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                panic!("airlock up did not stop within 30 s of SIGTERM");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Airlock {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let pids = descendants(child.id());
+            signal(child.id(), rustix::process::Signal::TERM);
+            let deadline = Instant::now() + Duration::from_secs(15);
+            while child.try_wait().ok().flatten().is_none() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+            for pid in pids {
+                signal(pid, rustix::process::Signal::KILL);
+            }
+        }
+    }
+}
+
+pub fn signal(pid: u32, signal: rustix::process::Signal) {
+    if let Some(pid) = rustix::process::Pid::from_raw(pid as i32) {
+        let _ = rustix::process::kill_process(pid, signal);
+    }
+}
+
+/// Every live descendant of `pid` (from /proc/<pid>/task/*/children).
+pub fn descendants(pid: u32) -> Vec<u32> {
+    let mut found = Vec::new();
+    let mut frontier = vec![pid];
+    while let Some(p) = frontier.pop() {
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{p}/task")) else {
+            continue;
+        };
+        for task in tasks.flatten() {
+            let children =
+                std::fs::read_to_string(task.path().join("children")).unwrap_or_default();
+            for child in children
+                .split_whitespace()
+                .filter_map(|c| c.parse::<u32>().ok())
+            {
+                if !found.contains(&child) {
+                    found.push(child);
+                    frontier.push(child);
+                }
+            }
+        }
+    }
+    found
+}
+
+/// Whether a process exists and is not a zombie.
+pub fn alive(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => !stat
+            .rsplit(')')
+            .next()
+            .unwrap_or("")
+            .trim_start()
+            .starts_with('Z'),
+        Err(_) => false,
+    }
+}
+
+/// The command line of a process, arguments joined by spaces.
+pub fn cmdline(pid: u32) -> String {
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .map(|b| String::from_utf8_lossy(&b).replace('\0', " "))
+        .unwrap_or_default()
+}
+
+/// A snapshot of a file tree: path → (content, mtime), for "nothing changed" checks.
+pub fn snapshot(root: &Path) -> Vec<(PathBuf, Vec<u8>, std::time::SystemTime)> {
+    let mut out = Vec::new();
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            let meta = std::fs::symlink_metadata(&path).expect("metadata");
+            if meta.is_dir() {
+                stack.push(path.clone());
+            }
+            let content = if meta.is_file() {
+                std::fs::read(&path).expect("read")
+            } else {
+                Vec::new()
+            };
+            out.push((path, content, meta.modified().expect("mtime")));
+        }
+    }
+    out.sort();
+    out
+}
