@@ -9,6 +9,7 @@
 mod fs_tools;
 mod grpc_api;
 mod http_api;
+mod shell;
 mod supervision;
 mod support;
 mod traversal;

@@ -85,10 +85,20 @@ async fn run() -> Result<()> {
         run_requests(target, &large, WARMUP_LARGE, 1, ROW_TIME_CAP).await?;
     }
 
+    // Positional arguments select rows by substring, e.g. `-- "1 MiB"`; cargo's own
+    // flags (`--bench`) are ignored.
+    let filters: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with("--"))
+        .collect();
+    let load_before = load_average();
     let mut rows = Vec::new();
     for (file, budget) in [(&small, SMALL_REQUESTS), (&large, LARGE_REQUESTS)] {
         for concurrency in CONCURRENCY {
             let label = format!("{} c={concurrency}", file.label);
+            if !filters.is_empty() && !filters.iter().any(|f| label.contains(f.as_str())) {
+                continue;
+            }
             eprintln!("row {label}: {budget} requests per server in {ROUNDS} alternating rounds");
             let mut stats: Vec<Stats> = targets.iter().map(|_| Stats::default()).collect();
             for round in 0..ROUNDS {
@@ -109,7 +119,8 @@ async fn run() -> Result<()> {
         }
     }
 
-    let table = render(&rows, &targets);
+    let load = format!("{load_before} before the rows, {} after", load_average());
+    let table = render(&rows, &targets, &load);
     println!("\n{table}");
     let out = target_dir().join("bench-e2e.md");
     std::fs::write(&out, &table).with_context(|| format!("cannot write {}", out.display()))?;
@@ -413,14 +424,13 @@ fn free_port() -> Result<u16> {
 async fn wait_ok(process: &mut ChildGuard, url: &str) -> Result<()> {
     let client = client()?;
     let deadline = Instant::now() + START_TIMEOUT;
-    let mut last = String::from("no answer yet");
     loop {
         process.check_running()?;
-        match client.get(url).timeout(Duration::from_secs(2)).send().await {
+        let last = match client.get(url).timeout(Duration::from_secs(2)).send().await {
             Ok(r) if r.status().is_success() => return Ok(()),
-            Ok(r) => last = format!("status {}", r.status()),
-            Err(e) => last = e.to_string(),
-        }
+            Ok(r) => format!("status {}", r.status()),
+            Err(e) => e.to_string(),
+        };
         ensure!(
             Instant::now() < deadline,
             "{} did not answer 200 on {url} within {} s (last: {last}); its log ends:\n{}",
@@ -632,7 +642,15 @@ struct Row {
     stats: Vec<Stats>,
 }
 
-fn render(rows: &[Row], targets: &[Target]) -> String {
+/// The 1, 5 and 15 minute load averages: other work on the machine skews the numbers.
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|| "unknown".to_owned())
+}
+
+fn render(rows: &[Row], targets: &[Target], load: &str) -> String {
     let cores = std::thread::available_parallelism().map_or(0, usize::from);
     let mut out = String::new();
     let _ = writeln!(
@@ -644,7 +662,7 @@ fn render(rows: &[Row], targets: &[Target]) -> String {
         "{cores} CPUs, loopback, keep-alive client per worker; per server and row up to \
          {SMALL_REQUESTS} (small) / {LARGE_REQUESTS} (1 MiB) requests in {ROUNDS} alternating \
          rounds, capped at {} s; every response verified. Ratios are airlock / peer: p50 below 1 \
-         and throughput above 1 favour airlock.\n",
+         and throughput above 1 favour airlock. Load average (1/5/15 min): {load}.\n",
         ROW_TIME_CAP.as_secs()
     );
     let _ = writeln!(

@@ -8,11 +8,12 @@ use std::path::{Path, PathBuf};
 use airlock_orchestrator::{OrchestratorConfig, PrincipalConfig, WorkerGroupConfig};
 use airlock_policy::Limits;
 use airlock_worker_fs::FsConfig;
+use airlock_worker_shell::ShellConfig;
 use anyhow::Context;
 use serde::Deserialize;
 
 /// The tool groups `airlock up` starts, in start order.
-pub const LOCAL_GROUPS: &[&str] = &["fs"];
+pub const LOCAL_GROUPS: &[&str] = &["fs", "shell"];
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -22,6 +23,8 @@ pub struct AirlockConfig {
     pub principals: Vec<PrincipalConfig>,
     pub limits: Limits,
     pub fs: FsConfig,
+    /// The shell sandbox: isolation level, limits, timeouts, network.
+    pub sandbox: ShellConfig,
     /// Root of the per-principal, per-session workspaces; `<data_dir>/workspaces` by
     /// default. In Kubernetes, a volume the shell and fs workers both mount.
     pub workspaces_root: Option<PathBuf>,
@@ -115,6 +118,17 @@ impl Loaded {
             principals: self.config.principals.clone(),
             limits: self.config.limits.clone(),
         }
+    }
+
+    pub fn shell(&self) -> ShellConfig {
+        let mut shell = self.config.sandbox.clone();
+        shell.workspaces_root = self.workspaces_root();
+        shell
+    }
+
+    /// The directory of the config file, which confined components may still read.
+    pub fn config_dir(&self) -> Option<PathBuf> {
+        self.file.as_ref().and_then(|f| f.parent().map(Path::to_path_buf))
     }
 
     pub fn fs(&self) -> FsConfig {

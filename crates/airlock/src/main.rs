@@ -5,6 +5,7 @@ mod client;
 mod config;
 mod launcher;
 mod logging;
+mod sandbox_cli;
 mod serve;
 mod signals;
 
@@ -73,6 +74,11 @@ enum Command {
         #[arg(long, default_value = "anthropic")]
         format: String,
     },
+    /// Run one command in the shell worker's sandbox and print the isolation report.
+    Sandbox {
+        #[command(subcommand)]
+        action: SandboxAction,
+    },
     /// Call one tool: airlock call read_file '{"path": "notes.txt"}'
     Call {
         tool: String,
@@ -90,6 +96,20 @@ enum Command {
     },
 }
 
+#[derive(Debug, Subcommand)]
+enum SandboxAction {
+    /// airlock sandbox run [--profile strict|standard] -- <cmd…>
+    Run {
+        #[command(flatten)]
+        location: Location,
+        /// Isolation profile: strict (every layer) or standard (no namespaces).
+        #[arg(long)]
+        profile: Option<String>,
+        #[arg(last = true, required = true)]
+        command: Vec<String>,
+    },
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     logging::init();
@@ -99,6 +119,14 @@ fn main() -> ExitCode {
             component,
             location,
         } => serve::run(component, &location),
+        Command::Sandbox {
+            action:
+                SandboxAction::Run {
+                    location,
+                    profile,
+                    command,
+                },
+        } => sandbox_cli::run(&location, profile.as_deref(), &command),
         Command::Tools {
             connection,
             json,

@@ -1,13 +1,16 @@
 //! `airlock serve orchestrator|worker <group>`: one component in the foreground.
 //!
-//! Each component binds its sockets and loads what it reads from outside its data dir
-//! first, then (from the sandbox layer) confines itself, and only then starts its async
-//! runtime and serves.
+//! Every component starts the same way: bind its sockets and open what it needs from
+//! outside its own directories, confine itself (no_new_privs, Landlock, capabilities,
+//! a seccomp filter without exec for all but the shell worker) while the process still
+//! has one thread, and only then start the async runtime and serve.
 
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 use airlock_orchestrator::{BoundListeners, Orchestrator};
-use airlock_worker::{BoundListener, ListenAddr, WorkerServer, WorkerSettings};
+use airlock_sandbox::{SelfConfinement, confine_self};
+use airlock_worker::{BoundListener, ListenAddr, ToolSet, WorkerServer, WorkerSettings};
 use anyhow::Context;
 
 use crate::Location;
@@ -33,6 +36,12 @@ pub enum WorkerGroup {
         #[arg(long, env = "AIRLOCK_LISTEN")]
         listen: Option<String>,
     },
+    /// execute_shell, one sandbox per call.
+    Shell {
+        /// Listen address: unix:/path.sock or host:port (default: <data_dir>/sockets/shell.sock).
+        #[arg(long, env = "AIRLOCK_LISTEN")]
+        listen: Option<String>,
+    },
 }
 
 pub fn run(component: Component, location: &Location) -> anyhow::Result<ExitCode> {
@@ -40,9 +49,8 @@ pub fn run(component: Component, location: &Location) -> anyhow::Result<ExitCode
     let loaded = Loaded::load(location.config.as_deref(), location.data_dir.as_deref())?;
     match component {
         Component::Orchestrator => orchestrator(&loaded),
-        Component::Worker {
-            group: WorkerGroup::Fs { listen },
-        } => fs_worker(&loaded, listen),
+        Component::Worker { group: WorkerGroup::Fs { listen } } => fs_worker(&loaded, listen),
+        Component::Worker { group: WorkerGroup::Shell { listen } } => shell_worker(&loaded, listen),
     }
 }
 
@@ -53,38 +61,98 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
         .context("cannot start the async runtime")
 }
 
+/// Confines this process; refuses to go on (fail closed) when it cannot.
+fn confine(component: &str, spec: SelfConfinement) -> anyhow::Result<()> {
+    let report = confine_self(&spec)
+        .with_context(|| format!("the {component} cannot confine itself; refusing to start"))?;
+    tracing::info!(
+        component,
+        landlock_abi = report.landlock_abi,
+        landlock_filesystem = report.landlock_filesystem,
+        exec_allowed = report.exec_allowed,
+        kept = ?report.capabilities_kept,
+        "confined: no_new_privs, landlock, capabilities dropped, seccomp"
+    );
+    Ok(())
+}
+
 fn orchestrator(loaded: &Loaded) -> anyhow::Result<ExitCode> {
     let config = loaded.orchestrator();
     std::fs::create_dir_all(&config.data_dir)
         .with_context(|| format!("cannot create data dir {}", config.data_dir.display()))?;
     let listeners = BoundListeners::bind(&config)?;
     let prepared = Orchestrator::prepare(&config)?;
-    runtime()?.block_on(Orchestrator::serve(
-        config,
-        prepared,
-        listeners,
-        signals::shutdown(),
-    ))?;
+    confine(
+        "orchestrator",
+        SelfConfinement {
+            read_paths: loaded.config_dir().into_iter().collect(),
+            write_paths: vec![config.data_dir.clone()],
+            allow_exec: false,
+            allow_namespaces: false,
+        },
+    )?;
+    runtime()?.block_on(Orchestrator::serve(config, prepared, listeners, signals::shutdown()))?;
     Ok(ExitCode::SUCCESS)
 }
 
-fn fs_worker(loaded: &Loaded, listen: Option<String>) -> anyhow::Result<ExitCode> {
-    let addr: ListenAddr = match listen {
+fn listen_addr(loaded: &Loaded, group: &str, listen: Option<String>) -> anyhow::Result<ListenAddr> {
+    Ok(match listen {
         Some(a) => a.parse()?,
-        None => ListenAddr::Unix(loaded.socket_path("fs")),
-    };
-    let fs = loaded.fs();
-    std::fs::create_dir_all(&fs.workspaces_root).with_context(|| {
-        format!(
-            "cannot create workspaces root {}",
-            fs.workspaces_root.display()
-        )
-    })?;
-    let listener = BoundListener::bind(&addr)?;
-    tracing::info!(listen = %listener.local_addr(), root = %fs.workspaces_root.display(), "fs worker starting");
-    let server = WorkerServer::new(airlock_worker_fs::tools(fs), worker_settings(loaded));
+        None => ListenAddr::Unix(loaded.socket_path(group)),
+    })
+}
+
+fn serve_worker(
+    loaded: &Loaded,
+    listener: BoundListener,
+    tools: ToolSet,
+) -> anyhow::Result<ExitCode> {
+    let server = WorkerServer::new(tools, worker_settings(loaded));
     runtime()?.block_on(server.serve(listener, signals::shutdown()))?;
     Ok(ExitCode::SUCCESS)
+}
+
+fn ensure_dir(path: &PathBuf) -> anyhow::Result<()> {
+    std::fs::create_dir_all(path).with_context(|| format!("cannot create {}", path.display()))
+}
+
+fn fs_worker(loaded: &Loaded, listen: Option<String>) -> anyhow::Result<ExitCode> {
+    let fs = loaded.fs();
+    ensure_dir(&fs.workspaces_root)?;
+    let listener = BoundListener::bind(&listen_addr(loaded, "fs", listen)?)?;
+    tracing::info!(listen = %listener.local_addr(), root = %fs.workspaces_root.display(), "fs worker starting");
+    confine(
+        "fs worker",
+        SelfConfinement {
+            read_paths: Vec::new(),
+            write_paths: vec![fs.workspaces_root.clone()],
+            allow_exec: false,
+            allow_namespaces: false,
+        },
+    )?;
+    serve_worker(loaded, listener, airlock_worker_fs::tools(fs))
+}
+
+fn shell_worker(loaded: &Loaded, listen: Option<String>) -> anyhow::Result<ExitCode> {
+    let shell = loaded.shell();
+    ensure_dir(&shell.workspaces_root)?;
+    let listener = BoundListener::bind(&listen_addr(loaded, "shell", listen)?)?;
+    // Probing the host and creating the parent cgroups needs the privileges the
+    // confinement below gives up, so the sandbox is prepared first.
+    let (tools, sandbox) = airlock_worker_shell::tools(shell.clone())
+        .context("the shell worker cannot provide the configured isolation; refusing to start")?;
+    let report = serde_json::to_string(sandbox.report()).unwrap_or_default();
+    tracing::info!(listen = %listener.local_addr(), isolation = %report, "shell worker starting");
+    confine(
+        "shell worker",
+        SelfConfinement {
+            read_paths: Vec::new(),
+            write_paths: vec![shell.workspaces_root.clone()],
+            allow_exec: true,
+            allow_namespaces: true,
+        },
+    )?;
+    serve_worker(loaded, listener, tools)
 }
 
 fn worker_settings(loaded: &Loaded) -> WorkerSettings {

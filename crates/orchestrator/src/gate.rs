@@ -121,10 +121,10 @@ impl Gate {
         };
         match dispatch::execute(&group, request, events, cancel).await {
             Ok(done) => {
-                let status = if done.outcome.is_error {
-                    CallStatus::Error
-                } else {
-                    CallStatus::Ok
+                let status = match (done.outcome.timed_out, done.outcome.is_error) {
+                    (true, _) => CallStatus::Timeout,
+                    (false, true) => CallStatus::Error,
+                    (false, false) => CallStatus::Ok,
                 };
                 (status, done.outcome, Some(done.replica))
             }

@@ -5,6 +5,7 @@
 //! worker that it reaches over gRPC.
 #![forbid(unsafe_code)]
 
+pub mod audit;
 pub mod auth;
 mod calls;
 pub mod catalog;
@@ -15,6 +16,7 @@ mod grpc_api;
 mod http_api;
 mod openapi;
 mod server;
+pub mod store;
 mod wire;
 
 pub use auth::{AuthError, Principal, Principals, Role};

@@ -41,6 +41,9 @@ pub struct ToolOutcome {
     pub is_error: bool,
     pub content: Vec<String>,
     pub isolation: Option<serde_json::Value>,
+    /// The tool's own time limit ended the call (reported as status `timeout`).
+    #[serde(default)]
+    pub timed_out: bool,
 }
 
 impl ToolOutcome {
@@ -49,6 +52,7 @@ impl ToolOutcome {
             is_error: false,
             content: vec![text.into()],
             isolation: None,
+            timed_out: false,
         }
     }
 
@@ -57,6 +61,7 @@ impl ToolOutcome {
             is_error: true,
             content: vec![text.into()],
             isolation: None,
+            timed_out: false,
         }
     }
 

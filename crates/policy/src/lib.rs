@@ -10,6 +10,8 @@ pub mod limits;
 pub mod names;
 pub mod tool;
 
+#[cfg(feature = "cedar")]
+pub mod authz;
 #[cfg(feature = "proto")]
 pub mod wire;
 

@@ -77,6 +77,7 @@ impl From<&ToolOutcome> for pb::ToolResult {
                 .as_ref()
                 .map(|v| v.to_string())
                 .unwrap_or_default(),
+            timed_out: o.timed_out,
         }
     }
 }
@@ -93,6 +94,7 @@ impl TryFrom<pb::ToolResult> for ToolOutcome {
             is_error: r.is_error,
             content: r.content,
             isolation,
+            timed_out: r.timed_out,
         })
     }
 }

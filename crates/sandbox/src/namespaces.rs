@@ -7,12 +7,15 @@
 //! The sandbox's uid 0 and gid 0 map to the worker's own effective uid and gid — a
 //! single-id map. This is the only map the kernel lets the worker write without
 //! `CAP_SETUID`/`CAP_SETGID` in its own namespace and without the setuid `newuidmap`
-//! helper, which matters because a confined worker has dropped every capability
-//! (see `self_confine`). It also keeps the workspace usable: files the fs worker wrote
-//! belong to the same host uid, so the sandbox can edit them without anyone `chown`ing
-//! user files. Mapping to an unprivileged host uid (say 100000) would need `newuidmap`
-//! or `CAP_SETUID` plus an idmapped bind of the workspace; it is the natural next
-//! hardening step for a root worker, and not needed for correctness of the layers below.
+//! helper, which matters because a confined worker has dropped its capabilities (see
+//! `self_confine`; a worker running as host root keeps `CAP_SETFCAP` alone, which
+//! Linux 5.12+ requires to map host uid 0 into a namespace). It also keeps the
+//! workspace usable: files the fs worker wrote belong to the same host uid, so the
+//! sandbox can edit them without anyone `chown`ing user files. In the Kubernetes
+//! deployment the worker runs as a non-root uid, so the sandbox's root is that
+//! unprivileged uid on the node. For a root worker, mapping to an unprivileged host uid
+//! (say 100000) would need `CAP_SETUID` plus an idmapped bind of the workspace; that is
+//! the natural next hardening step, not needed for the layers below to hold.
 //!
 //! Why a root worker mapping 0→0 is still contained: the sandbox's capabilities live in
 //! its own user namespace and are all dropped (bounding set included) before `execve`;
@@ -31,6 +34,7 @@
 //! worker's network namespace.
 
 use std::io;
+use std::os::fd::RawFd;
 use std::path::PathBuf;
 
 use crate::step::{AtStep, Failure, Step};
@@ -90,6 +94,61 @@ pub(crate) unsafe fn clone_process(flags: libc::c_ulong) -> Result<libc::pid_t, 
         return Err(NamespaceError::Clone(io::Error::last_os_error()));
     }
     Ok(ret as libc::pid_t)
+}
+
+/// `clone3(2)` like [`clone_process`], placing the child directly into the cgroup whose
+/// directory `cgroup_fd` refers to (`CLONE_INTO_CGROUP`, Linux 5.7+, cgroup v2 only): the
+/// child never runs outside it, and no migration (with its RCU grace period) is needed.
+///
+/// Returns `Ok(None)` when the kernel lacks `clone3` or `CLONE_INTO_CGROUP`.
+///
+/// # Safety
+/// As [`clone_process`].
+pub(crate) unsafe fn clone_into_cgroup(
+    flags: libc::c_ulong,
+    cgroup_fd: RawFd,
+) -> Result<Option<libc::pid_t>, NamespaceError> {
+    const CLONE_INTO_CGROUP: u64 = 0x2_0000_0000;
+    #[repr(C)]
+    #[derive(Default)]
+    struct CloneArgs {
+        flags: u64,
+        pidfd: u64,
+        child_tid: u64,
+        parent_tid: u64,
+        exit_signal: u64,
+        stack: u64,
+        stack_size: u64,
+        tls: u64,
+        set_tid: u64,
+        set_tid_size: u64,
+        cgroup: u64,
+    }
+    // c_ulong is 32 bits wide on some targets.
+    #[allow(clippy::unnecessary_cast)]
+    let args = CloneArgs {
+        flags: flags as u64 | CLONE_INTO_CGROUP,
+        exit_signal: libc::SIGCHLD as u64,
+        cgroup: cgroup_fd as u64,
+        ..CloneArgs::default()
+    };
+    // SAFETY: `args` is a valid clone_args of the size passed; without CLONE_VM and with
+    // no stack the child continues on a copy of our stack, like fork.
+    let ret = unsafe {
+        libc::syscall(
+            libc::SYS_clone3,
+            &args as *const CloneArgs,
+            std::mem::size_of::<CloneArgs>(),
+        )
+    };
+    if ret == -1 {
+        let err = io::Error::last_os_error();
+        return match err.raw_os_error() {
+            Some(libc::ENOSYS | libc::E2BIG) => Ok(None),
+            _ => Err(NamespaceError::Clone(err)),
+        };
+    }
+    Ok(Some(ret as libc::pid_t))
 }
 
 /// Parent side: map the sandbox's root to the worker's own uid and gid, and deny

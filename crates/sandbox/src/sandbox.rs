@@ -368,5 +368,8 @@ fn validate(config: &SandboxConfig) -> Result<(), SandboxError> {
     if config.tmp_bytes == 0 {
         return bad("tmp_bytes must be positive");
     }
+    if config.force_level.is_some_and(|l| l < config.min_isolation) {
+        return bad("force_level is below min_isolation");
+    }
     Ok(())
 }

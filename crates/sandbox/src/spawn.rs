@@ -21,7 +21,7 @@
 //! namespace ignores signals it has no handler for, even `kill -KILL $$`).
 
 use std::convert::Infallible;
-use std::ffi::CString;
+use std::ffi::{CStr, CString};
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::path::{Component, Path, PathBuf};
@@ -139,6 +139,8 @@ impl ExecPlan {
 /// Everything the child needs, prepared before `clone`.
 struct ChildPlan<'a> {
     strict: bool,
+    /// v1 `tasks` files to write `0` to (join our own cgroups).
+    cgroup_tasks: Vec<CString>,
     fds: ChildFds,
     sync: RawFd,
     rootfs: Option<RootfsPlan>,
@@ -147,6 +149,25 @@ struct ChildPlan<'a> {
     landlock: LandlockPlan,
     seccomp: &'a SeccompPlan,
     exec: ExecPlan,
+    /// The worker's own argument and environment strings, which the child inherits in
+    /// its copy of the memory and which `/proc/<pid>/{cmdline,environ}` would show.
+    inherited_strings: [(usize, usize); 2],
+}
+
+/// Address ranges of this process's original argument and environment strings
+/// (`arg_start..arg_end`, `env_start..env_end` of proc(5) `stat`), read before fork.
+fn inherited_string_regions() -> [(usize, usize); 2] {
+    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
+        return [(0, 0); 2];
+    };
+    // Fields after the parenthesised command name start at field 3.
+    let Some(rest) = stat.rsplit_once(')').map(|(_, rest)| rest) else {
+        return [(0, 0); 2];
+    };
+    let fields: Vec<usize> = rest.split_whitespace().map(|f| f.parse().unwrap_or(0)).collect();
+    // Fields 48..=51 of the proc(5) list (1-based) are arg_start, arg_end, env_start, env_end.
+    let field = |n: usize| fields.get(n - 3).copied().unwrap_or(0);
+    [(field(48), field(49)), (field(50), field(51))]
 }
 
 /// The child: one straight sequence of confinement steps, then `execve`.
@@ -171,6 +192,19 @@ fn confine_and_exec(plan: &ChildPlan<'_>, report_fd: &mut RawFd) -> Result<Infal
     sys::check_int(unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) })
         .at(Step::ParentDeathSignal)?;
 
+    // 1b. Scrub the worker's argument and environment strings from our copy of its
+    //     memory: the sandbox must not read the worker's configuration (or anything in
+    //     its environment) through /proc/1/cmdline or /proc/1/environ.
+    for &(start, end) in &plan.inherited_strings {
+        if start != 0 && end > start {
+            // SAFETY: the range is this process's own argument/environment block
+            // (from /proc/self/stat before fork), mapped read-write on the initial
+            // stack; after fork it is our private copy, and nothing in the child
+            // reads it again (exec gets an explicit envp).
+            unsafe { std::ptr::write_bytes(start as *mut u8, 0, end - start) };
+        }
+    }
+
     // 2. Wait until the parent has written our id maps and moved us into the call's
     //    cgroup; end-of-file means the parent gave up, so we stop here.
     let mut go = [0u8; 1];
@@ -181,6 +215,12 @@ fn confine_and_exec(plan: &ChildPlan<'_>, report_fd: &mut RawFd) -> Result<Infal
             Step::WaitForParent,
             if n == 0 { libc::EPIPE } else { sys::errno() },
         ));
+    }
+
+    // 2b. Join the call's v1 cgroups ourselves (v2: clone3 already started us inside),
+    //     before anything else runs: pids, memory and CPU limits apply from here on.
+    for tasks in &plan.cgroup_tasks {
+        join_own_cgroup(tasks).at(Step::JoinCgroup)?;
     }
 
     if plan.strict {
@@ -234,6 +274,18 @@ fn confine_and_exec(plan: &ChildPlan<'_>, report_fd: &mut RawFd) -> Result<Infal
     Err(plan.exec.exec())
 }
 
+/// Moves the calling (single-threaded) process into the cgroup of a v1 `tasks` file
+/// (async-signal-safe).
+fn join_own_cgroup(tasks: &CStr) -> Result<(), i32> {
+    // SAFETY: `tasks` is NUL-terminated.
+    let fd =
+        sys::check_int(unsafe { libc::open(tasks.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC) })?;
+    let result = sys::write_all_raw(fd, b"0");
+    // SAFETY: closing the descriptor opened above, once.
+    unsafe { libc::close(fd) };
+    result
+}
+
 /// pid 1 of the sandbox's pid namespace: forks the command, reaps every orphan, and
 /// when the command exits reports its wait status and exits (async-signal-safe).
 fn run_as_init(plan: &ChildPlan<'_>) {
@@ -262,6 +314,9 @@ fn run_as_init(plan: &ChildPlan<'_>) {
         // SAFETY: _exit ends this process only.
         unsafe { libc::_exit(127) };
     }
+    // A recognisable name in `ps` inside the sandbox.
+    // SAFETY: prctl with a NUL-terminated string.
+    unsafe { libc::prctl(libc::PR_SET_NAME, c"airlock-init".as_ptr(), 0, 0, 0) };
     // Our copy of the error pipe must close so the parent sees end-of-file when the
     // command's exec succeeds.
     // SAFETY: closing our own descriptor.
@@ -570,8 +625,18 @@ pub(crate) fn run(
     let (sync_r, sync_w) = pipe()?;
     let (error_r, error_w) = pipe()?;
     let (status_r, status_w) = pipe()?;
+    let cgroup_tasks = match &cgroup {
+        Some(cg) => cg
+            .self_join_files()
+            .iter()
+            .map(|p| sys::path_cstring(p))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(SandboxError::Io)?,
+        None => Vec::new(),
+    };
     let plan = ChildPlan {
         strict,
+        cgroup_tasks,
         fds: ChildFds {
             stdin: stdin_r.as_raw_fd(),
             stdout: stdout_w.as_raw_fd(),
@@ -586,6 +651,7 @@ pub(crate) fn run(
         landlock,
         seccomp: sandbox.seccomp(),
         exec,
+        inherited_strings: inherited_string_regions(),
     };
 
     let flags = if strict {
@@ -594,9 +660,17 @@ pub(crate) fn run(
         0
     };
     let started = Instant::now();
-    // SAFETY: the child runs only `child_main`, which makes async-signal-safe calls on
-    // the prepared plan and never returns.
-    let pid = unsafe { namespaces::clone_process(flags) }?;
+    // SAFETY (both clones): the child runs only `child_main`, which makes
+    // async-signal-safe calls on the prepared plan and never returns.
+    let cloned_into = match cgroup.as_ref().and_then(|c| c.clone_into_fd()) {
+        Some(fd) => unsafe { namespaces::clone_into_cgroup(flags, fd) }?,
+        None => None,
+    };
+    let joined = cloned_into.is_some();
+    let pid = match cloned_into {
+        Some(pid) => pid,
+        None => unsafe { namespaces::clone_process(flags) }?,
+    };
     if pid == 0 {
         child_main(&plan);
     }
@@ -613,7 +687,7 @@ pub(crate) fn run(
     if strict {
         namespaces::write_id_maps(pid)?;
     }
-    if let Some(cgroup) = &child.cgroup {
+    if let Some(cgroup) = child.cgroup.as_ref().filter(|_| !joined) {
         cgroup.join(pid)?;
     }
     sys::write_all_raw(sync_w.as_raw_fd(), &[1])
@@ -763,20 +837,20 @@ fn supervise(
         if pfds[1].revents != 0 {
             stderr.read(sink);
         }
-        if pfds[2].revents != 0 {
-            if let Some(fd) = &stdin {
-                let rest = &spec.stdin[stdin_pos..];
-                // SAFETY: `rest` is a valid readable slice.
-                let n = unsafe { libc::write(fd.as_raw_fd(), rest.as_ptr().cast(), rest.len()) };
-                if n > 0 {
-                    stdin_pos += n as usize;
-                }
-                // Done, or the child closed its stdin (EPIPE; Rust ignores SIGPIPE).
-                if stdin_pos >= spec.stdin.len()
-                    || (n == -1 && !matches!(sys::errno(), libc::EAGAIN | libc::EINTR))
-                {
-                    stdin = None;
-                }
+        if pfds[2].revents != 0
+            && let Some(fd) = &stdin
+        {
+            let rest = &spec.stdin[stdin_pos..];
+            // SAFETY: `rest` is a valid readable slice.
+            let n = unsafe { libc::write(fd.as_raw_fd(), rest.as_ptr().cast(), rest.len()) };
+            if n > 0 {
+                stdin_pos += n as usize;
+            }
+            // Done, or the child closed its stdin (EPIPE; Rust ignores SIGPIPE).
+            if stdin_pos >= spec.stdin.len()
+                || (n == -1 && !matches!(sys::errno(), libc::EAGAIN | libc::EINTR))
+            {
+                stdin = None;
             }
         }
         let exited = if watch_exit {

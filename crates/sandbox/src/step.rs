@@ -12,6 +12,7 @@
 #[repr(u32)]
 pub enum Step {
     WaitForParent = 1,
+    JoinCgroup,
     ParentDeathSignal,
     NewSession,
     CgroupNamespace,
@@ -40,8 +41,9 @@ pub enum Step {
     Exec,
 }
 
-const ALL: [Step; 27] = [
+const ALL: [Step; 28] = [
     Step::WaitForParent,
+    Step::JoinCgroup,
     Step::ParentDeathSignal,
     Step::NewSession,
     Step::CgroupNamespace,
@@ -75,6 +77,7 @@ impl Step {
     pub fn describe(self) -> &'static str {
         match self {
             Step::WaitForParent => "wait for the parent (id maps, cgroup)",
+            Step::JoinCgroup => "join the call's cgroup",
             Step::ParentDeathSignal => "set the parent-death signal",
             Step::NewSession => "start a new session",
             Step::CgroupNamespace => "enter a cgroup namespace",

@@ -1,6 +1,8 @@
 //! Integration tests of the sandbox with real processes. Nothing is skipped: a host
 //! without a required feature fails the test with a message naming it.
 #![allow(unsafe_code)]
+// Helpers outside #[test] functions panic on setup failures too, like the tests.
+#![allow(clippy::expect_used, clippy::unwrap_used)]
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -148,10 +150,14 @@ fn unique_marker(test: &str) -> String {
 fn true_exits_zero() {
     let ws = workspace();
     let sandbox = strict(config("true"));
+    let mounts_before = std::fs::read_to_string("/proc/self/mountinfo").expect("mountinfo");
     let out = run(&sandbox, &spec(&["true"], ws.path()));
     assert_eq!(out.exit_code, Some(0));
     assert_eq!(out.signal, None);
     assert!(!out.timed_out && !out.cancelled);
+    // Every mount lived in the sandbox's own mount namespace.
+    let mounts_after = std::fs::read_to_string("/proc/self/mountinfo").expect("mountinfo");
+    assert_eq!(mounts_before, mounts_after, "mounts leaked into the host");
     assert_no_cgroup_left("true");
 }
 
@@ -176,6 +182,7 @@ fn echo_streams_and_captures_output() {
         .flat_map(|(_, d)| d.clone())
         .collect();
     assert_eq!(text(&streamed_out), "hello\n");
+    assert_no_cgroup_left("echo");
 }
 
 #[test]
@@ -193,6 +200,7 @@ fn exit_codes_and_signals() {
         &spec(&["perl", "-e", "kill 'SEGV', $$"], ws.path()),
     );
     assert_eq!(out.signal, Some(libc::SIGSEGV));
+    assert_no_cgroup_left("exit");
 }
 
 #[test]
@@ -204,6 +212,7 @@ fn stdin_is_fed() {
     let out = run(&sandbox, &s);
     assert_eq!(out.exit_code, Some(0));
     assert_eq!(out.stdout, s.stdin);
+    assert_no_cgroup_left("stdin");
 }
 
 #[test]
@@ -244,6 +253,7 @@ fn output_is_capped_and_flagged_and_the_child_never_blocks() {
     assert!(out.stdout_truncated && out.stderr_truncated);
     let out = sh(&sandbox, ws.path(), "echo small");
     assert!(!out.stdout_truncated);
+    assert_no_cgroup_left("cap");
 }
 
 #[test]
@@ -424,6 +434,7 @@ fn fsize_caps_file_writes() {
     assert_eq!(text(&out.stdout).trim(), (128 + libc::SIGXFSZ).to_string());
     let size = std::fs::metadata(ws.path().join("big")).expect("big").len();
     assert!(size <= 1 << 20, "file grew to {size}");
+    assert_no_cgroup_left("fsize");
 }
 
 #[test]
@@ -448,6 +459,7 @@ fn tmp_is_size_limited() {
         "stderr: {}",
         text(&out.stderr)
     );
+    assert_no_cgroup_left("tmp");
 }
 
 #[test]
@@ -473,6 +485,7 @@ fn host_secrets_are_not_reachable() {
         .and_then(|l| l.trim().parse().ok())
         .expect("process count");
     assert!(pids < 10, "{pids} processes visible in /proc");
+    assert_no_cgroup_left("secrets");
 }
 
 #[test]
@@ -501,6 +514,7 @@ fn writes_outside_the_workspace_fail() {
         "hello\n"
     );
     assert!(ws.path().join("d/e").is_dir());
+    assert_no_cgroup_left("writes");
 }
 
 #[test]
@@ -529,6 +543,7 @@ fn network_is_off() {
     );
     assert!(stdout.contains("unix-ok"), "{stdout}");
     assert_eq!(sandbox.report().network, "none");
+    assert_no_cgroup_left("net");
 }
 
 #[test]
@@ -569,6 +584,7 @@ fn seccomp_blocks_escape_syscalls() {
         text(&out.stdout)
     );
     assert!(text(&out.stdout).contains("fork-ok"));
+    assert_no_cgroup_left("seccomp");
 }
 
 #[test]
@@ -588,6 +604,7 @@ fn environment_is_empty_but_for_passed_variables() {
         .map(|s| s.to_string())
         .collect();
     assert_eq!(vars, expected);
+    assert_no_cgroup_left("env");
 }
 
 #[test]
@@ -614,6 +631,7 @@ fn only_standard_descriptors_are_open_and_cwd_is_honoured() {
         sandbox.run(&s, &mut NoSink, &Cancel::new()),
         Err(SandboxError::InvalidCommand(_))
     ));
+    assert_no_cgroup_left("fds");
 }
 
 #[test]
@@ -665,6 +683,7 @@ fn strict_report_has_every_layer() {
             .to_string()
             .contains("isolation level: strict")
     );
+    assert_no_cgroup_left("report");
 }
 
 #[test]

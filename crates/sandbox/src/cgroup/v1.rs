@@ -7,6 +7,7 @@
 //! stops forks while every listed process is SIGKILLed, or, without a freezer, the
 //! processes are SIGKILLed round after round until the pids hierarchy lists none.
 
+use std::os::fd::RawFd;
 use std::path::PathBuf;
 
 use super::v2::CallV2;
@@ -50,8 +51,12 @@ impl V1 {
         let memory = required("memory")?;
         let pids = required("pids")?;
         let cpu = required("cpu")?;
-        let cpuacct = parent_of("cpuacct");
-        let freezer = parent_of("freezer");
+        let unified = unified_parent(mounts, own, parent_name);
+        // Every extra hierarchy costs a mkdir, a write and an rmdir per call: cpuacct is
+        // used only when it shares the cpu hierarchy (wait4 accounts CPU otherwise), the
+        // freezer only when the unified tree cannot kill.
+        let cpuacct = parent_of("cpuacct").filter(|dir| *dir == cpu);
+        let freezer = parent_of("freezer").filter(|_| unified.is_none());
         for dir in [
             Some(&memory),
             Some(&pids),
@@ -65,7 +70,6 @@ impl V1 {
             super::mkdir(dir)?;
         }
         let memsw = memory.join("memory.memsw.limit_in_bytes").exists();
-        let unified = unified_parent(mounts, own, parent_name);
         Ok(V1 {
             memory,
             pids,
@@ -157,7 +161,10 @@ impl CallV1 {
     fn dirs(&self) -> impl Iterator<Item = &PathBuf> {
         [Some(&self.memory), Some(&self.pids), Some(&self.cpu)]
             .into_iter()
-            .chain([self.cpuacct.as_ref(), self.freezer.as_ref()])
+            .chain([
+                self.cpuacct.as_ref().filter(|d| **d != self.cpu),
+                self.freezer.as_ref(),
+            ])
             .flatten()
     }
 
@@ -169,15 +176,20 @@ impl CallV1 {
 }
 
 impl CallCgroup for CallV1 {
+    fn clone_into_fd(&self) -> Option<RawFd> {
+        self.unified.as_ref().and_then(CallV2::clone_into_fd)
+    }
+
+    fn self_join_files(&self) -> Vec<PathBuf> {
+        self.dirs().map(|d| d.join("tasks")).collect()
+    }
+
     fn join(&self, pid: libc::pid_t) -> Result<(), CgroupError> {
-        let text = pid.to_string();
-        for dir in self.dirs() {
-            super::write(&dir.join("cgroup.procs"), &text)?;
+        // The v1 hierarchies are joined by the child itself (see `self_join_files`).
+        match &self.unified {
+            Some(unified) => unified.join(pid),
+            None => Ok(()),
         }
-        if let Some(unified) = &self.unified {
-            unified.join(pid)?;
-        }
-        Ok(())
     }
 
     fn kill(&self) -> Result<(), CgroupError> {

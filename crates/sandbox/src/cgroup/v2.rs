@@ -7,6 +7,7 @@
 //! processes — typical in a container, whose cgroup is the pod's — they are moved into a
 //! leaf `<own cgroup>/<parent>-worker` first, the way container init systems do.
 
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
 
 use super::{
@@ -95,8 +96,10 @@ impl CgroupBackend for V2 {
     fn create(&self, limits: &CgroupLimits) -> Result<Box<dyn CallCgroup>, CgroupError> {
         let dir = self.parent.join(super::call_name());
         super::mkdir(&dir)?;
+        let fd = open_dir(&dir);
         let mut call = CallV2 {
             dir,
+            fd,
             removed: false,
         };
         call.limit(limits, self.has_swap)?;
@@ -108,6 +111,8 @@ impl CgroupBackend for V2 {
 #[derive(Debug)]
 pub(crate) struct CallV2 {
     dir: PathBuf,
+    /// O_PATH descriptor of `dir`, for `CLONE_INTO_CGROUP`.
+    fd: Option<OwnedFd>,
     removed: bool,
 }
 
@@ -116,8 +121,10 @@ impl CallV2 {
     pub(crate) fn create_plain(parent: &Path) -> Result<Self, CgroupError> {
         let dir = parent.join(super::call_name());
         super::mkdir(&dir)?;
+        let fd = open_dir(&dir);
         Ok(CallV2 {
             dir,
+            fd,
             removed: false,
         })
     }
@@ -144,7 +151,27 @@ impl CallV2 {
     }
 }
 
+/// An O_PATH descriptor of a cgroup directory (`None` if it cannot be opened: the
+/// parent then joins the child the classic way).
+fn open_dir(dir: &Path) -> Option<OwnedFd> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_PATH | libc::O_DIRECTORY)
+        .open(dir)
+        .ok()
+        .map(OwnedFd::from)
+}
+
 impl CallCgroup for CallV2 {
+    fn clone_into_fd(&self) -> Option<RawFd> {
+        self.fd.as_ref().map(AsRawFd::as_raw_fd)
+    }
+
+    fn self_join_files(&self) -> Vec<PathBuf> {
+        Vec::new()
+    }
+
     fn join(&self, pid: libc::pid_t) -> Result<(), CgroupError> {
         super::write(&self.dir.join("cgroup.procs"), &pid.to_string())
     }

@@ -1,0 +1,755 @@
+//! The audit log's records, its hash chain, and redaction of secret arguments.
+//!
+//! Every step of the gate is an [`AuditRecord`] in an append-only log kept by the
+//! [`Store`](crate::store::Store). Records are numbered densely from 1 (`seq`) and
+//! chained: `hash = SHA-256(prev_hash || canonical JSON of {seq, ts, kind, call_id,
+//! principal, session_id, data})` as lowercase hex, where `prev_hash` is the previous
+//! record's `hash` and the first record's `prev_hash` is [`GENESIS_HASH`] (64 zeros).
+//! The canonical JSON has object keys sorted by their UTF-8 bytes at every depth and
+//! no whitespace ([`canonical_json`]); it does not depend on serde_json's
+//! `preserve_order` feature.
+//!
+//! # What `verify` detects
+//!
+//! The store also keeps an *anchor* (`audit_head`: the last `seq` and `hash`), updated
+//! in the same transaction as every append. [`Store::verify`](crate::store::Store::verify)
+//! walks the records in `seq` order and reports the first bad one:
+//!
+//! - a **modified** record (any field, `seq` included): its hash no longer matches;
+//! - a **deleted** record in the middle: a gap in `seq` (or, if the later records were
+//!   renumbered, a `prev_hash` that no longer matches);
+//! - an **inserted** record: a `prev_hash` or `hash` mismatch at the forgery or, for a
+//!   forgery whose hashes were recomputed correctly, at the next genuine record
+//!   (whose `seq` changed); a forged record appended after the last one is caught by
+//!   the anchor;
+//! - **reordered** records (swapped `seq`): a hash mismatch at the first moved record;
+//! - a **truncated tail** (the last records deleted): the anchor names a later `seq`.
+//!
+//! Not detectable: someone with write access to the database who rewrites the chain
+//! from some record onwards *and* the anchor (the hash is keyless, so anyone can
+//! recompute it), or who deletes the tail and moves the anchor back. Detecting that
+//! needs the head hash kept somewhere the attacker cannot write (export
+//! [`VerifyReport`]'s head periodically, or a keyed MAC).
+
+use std::fmt::Write as _;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+
+/// The `prev_hash` of the first record: 64 zeros.
+pub const GENESIS_HASH: &str = "0000000000000000000000000000000000000000000000000000000000000000";
+
+/// What replaces a secret value in the audit log.
+pub const REDACTED: &str = "[redacted]";
+
+/// Argument names that are always treated as secrets (compared case-insensitively,
+/// with `-` and `_` treated alike). A key also counts as secret when it ends in
+/// `_password`, `_passwd`, `_token`, `_secret` or `_api_key` (e.g. `GITHUB_TOKEN`,
+/// `db-password`).
+pub const DEFAULT_SECRET_FIELDS: &[&str] = &[
+    "password",
+    "passwd",
+    "token",
+    "access_token",
+    "refresh_token",
+    "id_token",
+    "auth_token",
+    "x_auth_token",
+    "api_key",
+    "apikey",
+    "x_api_key",
+    "secret",
+    "client_secret",
+    "authorization",
+    "proxy_authorization",
+    "cookie",
+    "set_cookie",
+    "private_key",
+];
+
+const SECRET_SUFFIXES: &[&str] = &["_password", "_passwd", "_token", "_secret", "_api_key"];
+
+/// One event to append. The store assigns `seq`, `ts` and the hashes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NewAuditEvent {
+    /// What happened: `requested`, `rejected_schema`, `denied`, `pending_approval`,
+    /// `approved`, `approval_denied`, `expired`, `dispatched`, `completed`, … (free text).
+    pub kind: String,
+    pub call_id: Option<String>,
+    pub principal: Option<String>,
+    pub session_id: Option<String>,
+    /// Event details; arguments in here must already be [`redact`]ed.
+    pub data: Value,
+}
+
+impl NewAuditEvent {
+    /// An event of `kind` with `data` and no call, principal or session.
+    pub fn new(kind: impl Into<String>, data: Value) -> Self {
+        Self {
+            kind: kind.into(),
+            call_id: None,
+            principal: None,
+            session_id: None,
+            data,
+        }
+    }
+
+    pub fn call_id(mut self, call_id: impl Into<String>) -> Self {
+        self.call_id = Some(call_id.into());
+        self
+    }
+
+    pub fn principal(mut self, principal: impl Into<String>) -> Self {
+        self.principal = Some(principal.into());
+        self
+    }
+
+    pub fn session_id(mut self, session_id: Option<String>) -> Self {
+        self.session_id = session_id;
+        self
+    }
+}
+
+/// One stored audit record; serializes to the `GET /v1/audit` item shape.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AuditRecord {
+    /// 1, 2, 3, … without gaps.
+    pub seq: u64,
+    /// RFC 3339 UTC with milliseconds, e.g. `2026-05-20T12:34:56.789Z`.
+    pub ts: String,
+    pub kind: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub call_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub principal: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session_id: Option<String>,
+    pub data: Value,
+    /// Hex SHA-256 of the previous record ([`GENESIS_HASH`] for `seq` 1).
+    pub prev_hash: String,
+    /// Hex SHA-256 over `prev_hash` and this record (see the module docs).
+    pub hash: String,
+}
+
+impl AuditRecord {
+    /// Whether `hash` matches the record's contents and `prev_hash`.
+    pub fn hash_is_valid(&self) -> bool {
+        chain_hash(
+            &self.prev_hash,
+            self.seq,
+            &self.ts,
+            &self.kind,
+            self.call_id.as_deref(),
+            self.principal.as_deref(),
+            self.session_id.as_deref(),
+            &self.data,
+        ) == self.hash
+    }
+}
+
+/// A read of the audit log: records in ascending `seq`, filtered.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct AuditQuery {
+    /// Only records of this session.
+    #[serde(default)]
+    pub session_id: Option<String>,
+    /// Only records of this call.
+    #[serde(default)]
+    pub call_id: Option<String>,
+    /// Only records with `seq > after`.
+    #[serde(default)]
+    pub after: Option<u64>,
+    /// At most this many records; 0 means [`AuditQuery::DEFAULT_LIMIT`]; capped at
+    /// [`AuditQuery::MAX_LIMIT`].
+    #[serde(default)]
+    pub limit: usize,
+    /// The *last* `limit` matching records (still returned in ascending `seq`), for
+    /// `airlock audit tail`; otherwise the first `limit` after `after`.
+    #[serde(default)]
+    pub latest: bool,
+}
+
+impl AuditQuery {
+    pub const DEFAULT_LIMIT: usize = 100;
+    pub const MAX_LIMIT: usize = 10_000;
+
+    /// The limit to apply: `limit` clamped to `1..=MAX_LIMIT`, 0 meaning the default.
+    pub fn effective_limit(&self) -> usize {
+        match self.limit {
+            0 => Self::DEFAULT_LIMIT,
+            n => n.min(Self::MAX_LIMIT),
+        }
+    }
+}
+
+/// The result of checking the whole chain; serializes to the `GET /v1/audit/verify`
+/// shape `{"ok", "records", "first_bad_seq"?, "reason"?}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VerifyReport {
+    pub ok: bool,
+    /// How many records were read.
+    pub records: u64,
+    /// The first record (by `seq`) that is missing, altered or out of place.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub first_bad_seq: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+/// The chain hash of one record (see the module docs), lowercase hex.
+#[allow(clippy::too_many_arguments, reason = "one argument per hashed field")]
+pub fn chain_hash(
+    prev_hash: &str,
+    seq: u64,
+    ts: &str,
+    kind: &str,
+    call_id: Option<&str>,
+    principal: Option<&str>,
+    session_id: Option<&str>,
+    data: &Value,
+) -> String {
+    let opt = |v: Option<&str>| v.map_or(Value::Null, |s| Value::String(s.to_owned()));
+    let mut body = serde_json::Map::new();
+    body.insert("seq".into(), Value::from(seq));
+    body.insert("ts".into(), Value::String(ts.to_owned()));
+    body.insert("kind".into(), Value::String(kind.to_owned()));
+    body.insert("call_id".into(), opt(call_id));
+    body.insert("principal".into(), opt(principal));
+    body.insert("session_id".into(), opt(session_id));
+    body.insert("data".into(), data.clone());
+    let mut hasher = Sha256::new();
+    hasher.update(prev_hash.as_bytes());
+    hasher.update(canonical_json(&Value::Object(body)).as_bytes());
+    hex::encode(hasher.finalize())
+}
+
+/// JSON text with object keys sorted (by UTF-8 bytes) at every depth and no
+/// whitespace; strings and numbers as serde_json writes them.
+pub fn canonical_json(value: &Value) -> String {
+    let mut out = String::new();
+    write_canonical(value, &mut out);
+    out
+}
+
+fn write_canonical(value: &Value, out: &mut String) {
+    match value {
+        Value::Object(map) => {
+            let mut entries: Vec<(&String, &Value)> = map.iter().collect();
+            entries.sort_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
+            out.push('{');
+            for (i, (key, val)) in entries.into_iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                write_scalar(&Value::String(key.clone()), out);
+                out.push(':');
+                write_canonical(val, out);
+            }
+            out.push('}');
+        }
+        Value::Array(items) => {
+            out.push('[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                write_canonical(item, out);
+            }
+            out.push(']');
+        }
+        scalar => write_scalar(scalar, out),
+    }
+}
+
+fn write_scalar(value: &Value, out: &mut String) {
+    // Display of a scalar Value is its compact JSON text and cannot fail.
+    let _ = write!(out, "{value}");
+}
+
+/// Walks records in `seq` order and remembers the first break in the chain.
+#[derive(Debug)]
+pub(crate) struct ChainVerifier {
+    records: u64,
+    expected_seq: u64,
+    prev_hash: String,
+    bad: Option<(u64, String)>,
+}
+
+impl Default for ChainVerifier {
+    fn default() -> Self {
+        Self {
+            records: 0,
+            expected_seq: 1,
+            prev_hash: GENESIS_HASH.to_owned(),
+            bad: None,
+        }
+    }
+}
+
+impl ChainVerifier {
+    /// Checks the next record; `Err(reason)` for a row that could not even be decoded
+    /// (e.g. `data` that is not JSON) at `seq`.
+    pub(crate) fn push(&mut self, row: Result<AuditRecord, (u64, String)>) {
+        self.records += 1;
+        if self.bad.is_some() {
+            return;
+        }
+        let record = match row {
+            Ok(record) => record,
+            Err((seq, reason)) => {
+                self.bad = Some((seq, reason));
+                return;
+            }
+        };
+        if record.seq != self.expected_seq {
+            let reason = if record.seq > self.expected_seq {
+                format!(
+                    "record {} is missing (the next record is {})",
+                    self.expected_seq, record.seq
+                )
+            } else {
+                format!(
+                    "record {} appears out of order after {}",
+                    record.seq,
+                    self.expected_seq - 1
+                )
+            };
+            self.bad = Some((self.expected_seq.min(record.seq.max(1)), reason));
+            return;
+        }
+        if record.prev_hash != self.prev_hash {
+            self.bad = Some((
+                record.seq,
+                format!(
+                    "record {} does not follow record {}: its prev_hash differs from that record's hash (a record was deleted, inserted or moved)",
+                    record.seq,
+                    record.seq - 1
+                ),
+            ));
+            return;
+        }
+        if !record.hash_is_valid() {
+            self.bad = Some((
+                record.seq,
+                format!(
+                    "record {} was modified: its contents do not match its hash",
+                    record.seq
+                ),
+            ));
+            return;
+        }
+        self.prev_hash = record.hash;
+        self.expected_seq += 1;
+    }
+
+    /// The report, given the anchor (`audit_head`) read in the same snapshot:
+    /// `None` when the anchor row is missing.
+    pub(crate) fn finish(self, head: Option<(u64, String)>) -> VerifyReport {
+        let bad = |seq: Option<u64>, reason: String| VerifyReport {
+            ok: false,
+            records: self.records,
+            first_bad_seq: seq,
+            reason: Some(reason),
+        };
+        if let Some((seq, reason)) = self.bad.clone() {
+            return bad(Some(seq), reason);
+        }
+        let last = self.expected_seq - 1;
+        match head {
+            None => bad(
+                Some(last + 1),
+                "the audit head anchor is missing (it was deleted)".to_owned(),
+            ),
+            Some((head_seq, _)) if head_seq > last => bad(
+                Some(last + 1),
+                format!(
+                    "the log ends at record {last} but the head anchor names record {head_seq}: records were deleted from the end"
+                ),
+            ),
+            Some((head_seq, _)) if head_seq < last => bad(
+                Some(head_seq + 1),
+                format!(
+                    "records after {head_seq} were added outside the store (the head anchor names record {head_seq})"
+                ),
+            ),
+            Some((_, head_hash)) if head_hash != self.prev_hash => bad(
+                Some(last),
+                format!("record {last} does not match the head anchor's hash"),
+            ),
+            Some(_) => VerifyReport {
+                ok: true,
+                records: self.records,
+                first_bad_seq: None,
+                reason: None,
+            },
+        }
+    }
+}
+
+/// A copy of `input` fit for the audit log: the value of every property that is a
+/// secret is replaced with `"[redacted]"`.
+///
+/// A property is a secret when its schema (found through `properties`, `items`,
+/// `prefixItems`, `additionalProperties` and the subschemas of `allOf`/`anyOf`/
+/// `oneOf`) has `"writeOnly": true` or `"x-airlock-secret": true`, or when its key
+/// matches [`DEFAULT_SECRET_FIELDS`] or `extra_secret_fields` (case-insensitive,
+/// `-` = `_`). Header lists given as `[{"name": "Authorization", "value": …}]` or
+/// `[["Authorization", …]]` have the values of secret names redacted, and the
+/// password of a URL's user-info (`scheme://user:password@host`) in any string is
+/// redacted too.
+pub fn redact(input: &Value, schema: &Value, extra_secret_fields: &[String]) -> Value {
+    let extra: Vec<String> = extra_secret_fields
+        .iter()
+        .map(|name| normalize_key(name))
+        .collect();
+    redact_value(input, &[schema], &extra)
+}
+
+/// Whether a property or header name is a secret by name alone.
+pub fn is_secret_name(name: &str, extra_secret_fields: &[String]) -> bool {
+    let extra: Vec<String> = extra_secret_fields
+        .iter()
+        .map(|name| normalize_key(name))
+        .collect();
+    secret_by_name(name, &extra)
+}
+
+fn normalize_key(key: &str) -> String {
+    key.trim().to_ascii_lowercase().replace('-', "_")
+}
+
+fn secret_by_name(key: &str, extra: &[String]) -> bool {
+    let key = normalize_key(key);
+    DEFAULT_SECRET_FIELDS.contains(&key.as_str())
+        || SECRET_SUFFIXES.iter().any(|suffix| key.ends_with(suffix))
+        || extra.contains(&key)
+}
+
+fn schema_marks_secret(schema: &Value) -> bool {
+    schema.get("writeOnly") == Some(&Value::Bool(true))
+        || schema.get("x-airlock-secret") == Some(&Value::Bool(true))
+}
+
+/// The schema itself plus the subschemas that also apply to the same value.
+fn applicable<'a>(schemas: &[&'a Value], out: &mut Vec<&'a Value>) {
+    for schema in schemas {
+        if !schema.is_object() {
+            continue;
+        }
+        out.push(schema);
+        for combinator in ["allOf", "anyOf", "oneOf"] {
+            if let Some(Value::Array(subs)) = schema.get(combinator) {
+                let subs: Vec<&Value> = subs.iter().collect();
+                applicable(&subs, out);
+            }
+        }
+    }
+}
+
+fn redact_value(value: &Value, schemas: &[&Value], extra: &[String]) -> Value {
+    let mut all = Vec::new();
+    applicable(schemas, &mut all);
+    if all.iter().any(|s| schema_marks_secret(s)) {
+        return Value::String(REDACTED.to_owned());
+    }
+    match value {
+        Value::Object(map) => {
+            if let Some(redacted) = redact_name_value_pair(map, extra) {
+                return redacted;
+            }
+            let mut out = serde_json::Map::new();
+            for (key, val) in map {
+                let mut child: Vec<&Value> = Vec::new();
+                for schema in &all {
+                    match schema.get("properties").and_then(|p| p.get(key)) {
+                        Some(prop) => child.push(prop),
+                        None => {
+                            if let Some(additional) = schema.get("additionalProperties") {
+                                child.push(additional);
+                            }
+                        }
+                    }
+                }
+                let redacted = if secret_by_name(key, extra) {
+                    Value::String(REDACTED.to_owned())
+                } else {
+                    redact_value(val, &child, extra)
+                };
+                out.insert(key.clone(), redacted);
+            }
+            Value::Object(out)
+        }
+        Value::Array(items) => {
+            // `[name, value]` header pairs.
+            if let [Value::String(name), secret] = items.as_slice()
+                && !secret.is_object()
+                && !secret.is_array()
+                && secret_by_name(name, extra)
+            {
+                return Value::Array(vec![
+                    Value::String(name.clone()),
+                    Value::String(REDACTED.to_owned()),
+                ]);
+            }
+            let out = items
+                .iter()
+                .enumerate()
+                .map(|(i, item)| {
+                    let mut child: Vec<&Value> = Vec::new();
+                    for schema in &all {
+                        let prefix = schema
+                            .get("prefixItems")
+                            .and_then(|p| p.as_array())
+                            .and_then(|p| p.get(i));
+                        match prefix {
+                            Some(prefix) => child.push(prefix),
+                            None => {
+                                if let Some(items_schema) = schema.get("items") {
+                                    child.push(items_schema);
+                                }
+                            }
+                        }
+                    }
+                    redact_value(item, &child, extra)
+                })
+                .collect();
+            Value::Array(out)
+        }
+        Value::String(text) => Value::String(redact_url_password(text)),
+        other => other.clone(),
+    }
+}
+
+/// `{"name": "Authorization", "value": "…"}` (also `key`/`header`) → value redacted.
+fn redact_name_value_pair(
+    map: &serde_json::Map<String, Value>,
+    extra: &[String],
+) -> Option<Value> {
+    let name = ["name", "key", "header"]
+        .iter()
+        .find_map(|k| map.get(*k).and_then(Value::as_str))?;
+    if !map.contains_key("value") || !secret_by_name(name, extra) {
+        return None;
+    }
+    let mut out = map.clone();
+    out.insert("value".into(), Value::String(REDACTED.to_owned()));
+    Some(Value::Object(out))
+}
+
+/// `scheme://user:password@host…` → `scheme://user:[redacted]@host…`, anywhere in
+/// the text.
+fn redact_url_password(text: &str) -> String {
+    if !text.contains("://") || !text.contains('@') {
+        return text.to_owned();
+    }
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(pos) = rest.find("://") {
+        let (head, tail) = rest.split_at(pos + 3);
+        out.push_str(head);
+        let authority_end = tail
+            .find(|c: char| matches!(c, '/' | '?' | '#') || c.is_whitespace())
+            .unwrap_or(tail.len());
+        let authority = &tail[..authority_end];
+        match authority.rfind('@') {
+            Some(at) => {
+                let userinfo = &authority[..at];
+                match userinfo.find(':') {
+                    Some(colon) => {
+                        out.push_str(&userinfo[..colon + 1]);
+                        out.push_str(REDACTED);
+                        out.push_str(&authority[at..]);
+                    }
+                    None => out.push_str(authority),
+                }
+            }
+            None => out.push_str(authority),
+        }
+        rest = &tail[authority_end..];
+    }
+    out.push_str(rest);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    #[test]
+    fn canonical_json_sorts_keys_at_every_depth() {
+        let value = json!({"b": 1, "a": {"z": [1, {"y": 2, "x": "é\n"}], "c": null}});
+        assert_eq!(
+            canonical_json(&value),
+            r#"{"a":{"c":null,"z":[1,{"x":"é\n","y":2}]},"b":1}"#
+        );
+    }
+
+    #[test]
+    fn chain_hash_is_stable_and_field_sensitive() {
+        let data = json!({"tool": "read_file"});
+        let h = chain_hash(GENESIS_HASH, 1, "t", "requested", Some("c"), None, None, &data);
+        assert_eq!(h.len(), 64);
+        assert_eq!(
+            h,
+            chain_hash(GENESIS_HASH, 1, "t", "requested", Some("c"), None, None, &data)
+        );
+        assert_ne!(
+            h,
+            chain_hash(GENESIS_HASH, 2, "t", "requested", Some("c"), None, None, &data)
+        );
+        assert_ne!(
+            h,
+            chain_hash(GENESIS_HASH, 1, "t", "requested", None, Some("c"), None, &data)
+        );
+    }
+
+    fn record(seq: u64, prev: &str) -> AuditRecord {
+        let data = json!({"n": seq});
+        let hash = chain_hash(prev, seq, "t", "k", None, None, None, &data);
+        AuditRecord {
+            seq,
+            ts: "t".into(),
+            kind: "k".into(),
+            call_id: None,
+            principal: None,
+            session_id: None,
+            data,
+            prev_hash: prev.into(),
+            hash,
+        }
+    }
+
+    fn chain(n: u64) -> Vec<AuditRecord> {
+        let mut prev = GENESIS_HASH.to_owned();
+        (1..=n)
+            .map(|seq| {
+                let r = record(seq, &prev);
+                prev = r.hash.clone();
+                r
+            })
+            .collect()
+    }
+
+    fn run(records: Vec<AuditRecord>, head: Option<(u64, String)>) -> VerifyReport {
+        let mut verifier = ChainVerifier::default();
+        for r in records {
+            verifier.push(Ok(r));
+        }
+        verifier.finish(head)
+    }
+
+    #[test]
+    fn verifier_accepts_a_good_chain_and_an_empty_one() {
+        let records = chain(5);
+        let head = Some((5, records[4].hash.clone()));
+        let report = run(records, head);
+        assert!(report.ok, "{report:?}");
+        assert_eq!(report.records, 5);
+        assert!(run(Vec::new(), Some((0, GENESIS_HASH.into()))).ok);
+    }
+
+    #[test]
+    fn verifier_finds_gaps_edits_and_truncation() {
+        let records = chain(5);
+        let head = Some((5, records[4].hash.clone()));
+
+        let mut gap = records.clone();
+        gap.remove(2);
+        assert_eq!(run(gap, head.clone()).first_bad_seq, Some(3));
+
+        let mut edited = records.clone();
+        edited[3].data = json!({"n": 99});
+        assert_eq!(run(edited, head.clone()).first_bad_seq, Some(4));
+
+        let mut truncated = records.clone();
+        truncated.pop();
+        assert_eq!(run(truncated, head.clone()).first_bad_seq, Some(5));
+
+        let extra = record(6, &records[4].hash);
+        let mut appended = records.clone();
+        appended.push(extra);
+        assert_eq!(run(appended, head.clone()).first_bad_seq, Some(6));
+
+        assert_eq!(run(records, None).first_bad_seq, Some(6));
+    }
+
+    #[test]
+    fn redacts_schema_marked_and_named_secrets() {
+        let schema = json!({
+            "type": "object",
+            "properties": {
+                "user": {"type": "string"},
+                "pin": {"type": "string", "writeOnly": true},
+                "nested": {"type": "object", "properties": {
+                    "code": {"type": "string", "x-airlock-secret": true},
+                    "keep": {"type": "string"}
+                }},
+                "list": {"type": "array", "items": {"type": "object", "properties": {
+                    "otp": {"type": "string", "writeOnly": true}
+                }}}
+            }
+        });
+        let input = json!({
+            "user": "ann",
+            "pin": "1234",
+            "Password": "hunter2",
+            "nested": {"code": "42", "keep": "visible", "API-Key": "k"},
+            "list": [{"otp": "9", "n": 1}],
+            "env": {"GITHUB_TOKEN": "ghp", "HOME": "/root", "MY_CUSTOM": "x"},
+            "max_tokens": 5
+        });
+        let out = redact(&input, &schema, &["my_custom".to_owned()]);
+        assert_eq!(
+            out,
+            json!({
+                "user": "ann",
+                "pin": REDACTED,
+                "Password": REDACTED,
+                "nested": {"code": REDACTED, "keep": "visible", "API-Key": REDACTED},
+                "list": [{"otp": REDACTED, "n": 1}],
+                "env": {"GITHUB_TOKEN": REDACTED, "HOME": "/root", "MY_CUSTOM": REDACTED},
+                "max_tokens": 5
+            })
+        );
+    }
+
+    #[test]
+    fn redacts_header_maps_lists_and_url_passwords() {
+        let schema = json!({"type": "object"});
+        let input = json!({
+            "method": "POST",
+            "url": "https://bob:s3cret@example.com/x?y=1",
+            "headers": {"Authorization": "Bearer abc", "Accept": "text/plain"},
+            "header_list": [{"name": "x-api-key", "value": "k"}, {"name": "Accept", "value": "a"}],
+            "pairs": [["Cookie", "session=1"], ["Accept", "b"]],
+            "sql": "connect postgres://u:pw@db:5432/x and https://plain.example/",
+        });
+        let out = redact(&input, &schema, &[]);
+        assert_eq!(
+            out,
+            json!({
+                "method": "POST",
+                "url": "https://bob:[redacted]@example.com/x?y=1",
+                "headers": {"Authorization": REDACTED, "Accept": "text/plain"},
+                "header_list": [{"name": "x-api-key", "value": REDACTED}, {"name": "Accept", "value": "a"}],
+                "pairs": [["Cookie", REDACTED], ["Accept", "b"]],
+                "sql": "connect postgres://u:[redacted]@db:5432/x and https://plain.example/",
+            })
+        );
+    }
+
+    #[test]
+    fn redacts_through_combinators_and_additional_properties() {
+        let schema = json!({
+            "allOf": [{"properties": {"a": {"writeOnly": true}}}],
+            "properties": {"m": {"type": "object", "additionalProperties": {"x-airlock-secret": true}}}
+        });
+        let out = redact(&json!({"a": 1, "b": 2, "m": {"k": "v"}}), &schema, &[]);
+        assert_eq!(out, json!({"a": REDACTED, "b": 2, "m": {"k": REDACTED}}));
+        assert!(is_secret_name("Proxy-Authorization", &[]));
+        assert!(!is_secret_name("tokens", &[]));
+    }
+}

@@ -1,0 +1,505 @@
+//! Durable state shared by the gate: the hash-chained audit log, calls (a small state
+//! machine that survives an orchestrator restart) and approvals.
+//!
+//! One trait, [`Store`], two implementations chosen by [`open`]:
+//!
+//! - `"sqlite"` (the embedded default): `<data_dir>/airlock.db`, WAL mode, one
+//!   connection behind a mutex, every statement on tokio's blocking pool; writes take
+//!   the database lock up front (`BEGIN IMMEDIATE`), so many tasks — and even several
+//!   processes on the same file — keep the audit chain linear.
+//! - `"postgres://user@host:port/db"`: a connection pool; several orchestrator replicas
+//!   share one database. Appends lock the `audit_head` row (`SELECT … FOR UPDATE`) so
+//!   concurrent writers keep the chain linear and dense; approval decisions and
+//!   dispatch claims are compare-and-set updates, so exactly one replica wins.
+//!
+//! # Call states
+//!
+//! ```text
+//! pending_approval ──decide(approve)──▶ approved ──claim_for_dispatch──▶ dispatched ──finish_call──▶ finished
+//!        │                                  ▲                              │
+//!        └─decide(deny) / expire─▶ rejected  └── lease expired: claim again ┘
+//! ```
+//!
+//! A call that needs no approval is inserted as `approved` and claimed at once. A
+//! restarted orchestrator asks [`Store::resumable_calls`] for approved calls nobody
+//! claimed and for dispatched calls whose lease ran out, claims each, and dispatches
+//! it again with the *same* `call_id` (workers deduplicate by `call_id`).
+//!
+//! # Time
+//!
+//! [`Timestamp`] is Unix time in milliseconds (UTC). Methods that depend on the clock
+//! take `now` from the caller, so tests can move time; [`now_millis`] gives the real
+//! one and [`rfc3339`] formats one for the wire.
+
+mod postgres;
+mod sqlite;
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use async_trait::async_trait;
+use serde::{Deserialize, Serialize, Serializer};
+use serde_json::Value;
+
+pub use crate::audit::{AuditQuery, AuditRecord, NewAuditEvent, VerifyReport};
+
+/// Unix time in milliseconds, UTC.
+pub type Timestamp = i64;
+
+/// The schema version this build writes (`schema_version` table).
+pub const SCHEMA_VERSION: i64 = 1;
+
+/// The SQLite store's file name inside the data dir.
+pub const SQLITE_FILE: &str = "airlock.db";
+
+/// Errors of the store. Messages never contain a password or token.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error(
+        "unknown store `{0}`: use \"sqlite\" or a postgres://user@host:port/db url in [orchestrator] store"
+    )]
+    UnknownKind(String),
+    #[error("invalid postgres store url: {0}")]
+    InvalidUrl(String),
+    #[error(
+        "cannot reach the postgresql store at {endpoint}: {cause}; start the server or fix `store` (host, port, user, database) and its password in [orchestrator]"
+    )]
+    Unreachable { endpoint: String, cause: String },
+    #[error("cannot open the sqlite store at {path}: {cause}")]
+    Open { path: String, cause: String },
+    #[error(
+        "the store's schema version {found} is newer than this airlock supports ({supported}); upgrade airlock"
+    )]
+    SchemaTooNew { found: i64, supported: i64 },
+    #[error("sqlite store: {0}")]
+    Sqlite(#[from] rusqlite::Error),
+    #[error("postgresql store: {0}")]
+    Postgres(#[from] tokio_postgres::Error),
+    #[error("postgresql store: no connection available: {0}")]
+    Pool(String),
+    #[error("store task failed: {0}")]
+    Task(String),
+    #[error("the store holds invalid data: {0}")]
+    Corrupt(String),
+    #[error("{what} {id} not found")]
+    NotFound { what: &'static str, id: String },
+    #[error("{what} {id} already exists")]
+    AlreadyExists { what: &'static str, id: String },
+    #[error("approval {id} was already decided: {status}")]
+    AlreadyDecided { id: String, status: ApprovalStatus },
+    #[error("approval {id} has expired")]
+    Expired { id: String },
+}
+
+/// Where a call is in its life (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CallState {
+    /// Waiting for a human decision.
+    PendingApproval,
+    /// May run; nobody has claimed it yet.
+    Approved,
+    /// Claimed by one orchestrator replica and sent to a worker.
+    Dispatched,
+    /// Has its final outcome ([`StoredCall::status`] and [`StoredCall::result`]).
+    Finished,
+    /// Denied or expired before it ran.
+    Rejected,
+}
+
+impl CallState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CallState::PendingApproval => "pending_approval",
+            CallState::Approved => "approved",
+            CallState::Dispatched => "dispatched",
+            CallState::Finished => "finished",
+            CallState::Rejected => "rejected",
+        }
+    }
+
+    pub fn parse(text: &str) -> Result<Self, StoreError> {
+        Ok(match text {
+            "pending_approval" => CallState::PendingApproval,
+            "approved" => CallState::Approved,
+            "dispatched" => CallState::Dispatched,
+            "finished" => CallState::Finished,
+            "rejected" => CallState::Rejected,
+            other => return Err(StoreError::Corrupt(format!("unknown call state `{other}`"))),
+        })
+    }
+}
+
+/// An approval's status, as `GET /v1/approvals` shows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ApprovalStatus {
+    Pending,
+    Approved,
+    Denied,
+    Expired,
+}
+
+impl ApprovalStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ApprovalStatus::Pending => "pending",
+            ApprovalStatus::Approved => "approved",
+            ApprovalStatus::Denied => "denied",
+            ApprovalStatus::Expired => "expired",
+        }
+    }
+
+    pub fn parse(text: &str) -> Result<Self, StoreError> {
+        Ok(match text {
+            "pending" => ApprovalStatus::Pending,
+            "approved" => ApprovalStatus::Approved,
+            "denied" => ApprovalStatus::Denied,
+            "expired" => ApprovalStatus::Expired,
+            other => {
+                return Err(StoreError::Corrupt(format!(
+                    "unknown approval status `{other}`"
+                )));
+            }
+        })
+    }
+}
+
+impl std::fmt::Display for ApprovalStatus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for ApprovalStatus {
+    type Err = StoreError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::parse(s)
+    }
+}
+
+/// A call to record.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NewCall {
+    pub call_id: String,
+    pub tool_use_id: String,
+    pub tool: String,
+    /// The real (unredacted) arguments: a resumed call runs with them. Only the audit
+    /// log gets the redacted copy.
+    pub input: Value,
+    pub principal: String,
+    pub session_id: Option<String>,
+    /// `Approved` for a call that may run now, `PendingApproval` when it waits.
+    pub state: CallState,
+    pub created_at: Timestamp,
+}
+
+/// A call as stored.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct StoredCall {
+    pub call_id: String,
+    pub tool_use_id: String,
+    pub tool: String,
+    pub input: Value,
+    pub principal: String,
+    pub session_id: Option<String>,
+    pub state: CallState,
+    pub approval_id: Option<String>,
+    /// The final status (`ok`, `error`, `denied`, `timeout`, `cancelled`, …) once finished.
+    pub status: Option<String>,
+    /// The final result (whatever JSON the caller stored) once finished.
+    pub result: Option<Value>,
+    pub duration_ms: Option<u64>,
+    /// The worker replica that ran it.
+    pub replica: Option<String>,
+    /// Who claimed it for dispatch, and until when the claim holds.
+    pub claimed_by: Option<String>,
+    pub lease_until: Option<Timestamp>,
+    pub created_at: Timestamp,
+    pub finished_at: Option<Timestamp>,
+}
+
+/// The final outcome of a call.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CallOutcome {
+    /// `ok`, `error`, `denied`, `timeout`, `cancelled`, … (free text).
+    pub status: String,
+    /// The result to keep (e.g. the `tool_result` and isolation report).
+    pub result: Value,
+    pub duration_ms: Option<u64>,
+    pub replica: Option<String>,
+    pub finished_at: Timestamp,
+}
+
+/// An approval to create, for a call that is recorded in the same transaction.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NewApproval {
+    pub approval_id: String,
+    /// The call that waits; inserted (state `pending_approval`) if not yet stored,
+    /// otherwise moved to `pending_approval`.
+    pub call: NewCall,
+    pub created_at: Timestamp,
+    pub expires_at: Timestamp,
+}
+
+/// An approval; serializes to the `GET /v1/approvals` item shape (times as RFC 3339).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Approval {
+    pub approval_id: String,
+    pub call_id: String,
+    pub tool: String,
+    /// The call's real arguments: redact them before showing them if the approver
+    /// must not see secrets.
+    pub input: Value,
+    pub principal: String,
+    pub session_id: Option<String>,
+    pub status: ApprovalStatus,
+    #[serde(serialize_with = "ser_time")]
+    pub created_at: Timestamp,
+    #[serde(serialize_with = "ser_time")]
+    pub expires_at: Timestamp,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub decided_by: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    #[serde(
+        serialize_with = "ser_opt_time",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub decided_at: Option<Timestamp>,
+}
+
+/// How much one session has used, for budgets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+pub struct SessionUsage {
+    /// Calls recorded with this principal and session id.
+    pub calls: u64,
+    /// When the first of them was recorded.
+    pub first_at: Option<Timestamp>,
+}
+
+/// The durable state of the gate. Every method is atomic on its own.
+#[async_trait]
+pub trait Store: Send + Sync {
+    /// `"sqlite"` or `"postgres"`.
+    fn kind(&self) -> &'static str;
+
+    /// Appends one audit event: assigns the next `seq`, the time (now), `prev_hash` and
+    /// `hash`, and moves the head anchor, in one transaction. Concurrent appends, from
+    /// tasks or replicas, are serialized, so `seq` stays dense and the chain linear.
+    async fn append(&self, event: NewAuditEvent) -> Result<AuditRecord, StoreError>;
+
+    /// Reads audit records in ascending `seq` (see [`AuditQuery`]).
+    async fn audit(&self, query: AuditQuery) -> Result<Vec<AuditRecord>, StoreError>;
+
+    /// Walks the whole chain in one consistent snapshot and reports the first record
+    /// that was modified, deleted, inserted or moved, and a truncated tail (see the
+    /// [`audit`](crate::audit) module docs for what is and is not detectable).
+    async fn verify(&self) -> Result<VerifyReport, StoreError>;
+
+    /// Records a new call. [`StoreError::AlreadyExists`] if the id is taken.
+    async fn insert_call(&self, call: NewCall) -> Result<(), StoreError>;
+
+    async fn get_call(&self, call_id: &str) -> Result<Option<StoredCall>, StoreError>;
+
+    /// Stores the final outcome and moves the call to `finished`. Returns false (and
+    /// changes nothing) if it was already finished, so "completed" is recorded once
+    /// even if two replicas ran a re-dispatched call. [`StoreError::NotFound`] if absent.
+    async fn finish_call(&self, call_id: &str, outcome: &CallOutcome) -> Result<bool, StoreError>;
+
+    /// Creates a pending approval and records its call (`pending_approval`) in one
+    /// transaction. [`StoreError::AlreadyExists`] if the approval id is taken.
+    async fn create_approval(&self, approval: NewApproval) -> Result<Approval, StoreError>;
+
+    /// Approvals with `status` (all when `None`), oldest first.
+    async fn list_approvals(
+        &self,
+        status: Option<ApprovalStatus>,
+    ) -> Result<Vec<Approval>, StoreError>;
+
+    async fn get_approval(&self, approval_id: &str) -> Result<Option<Approval>, StoreError>;
+
+    /// Moves a pending approval to approved or denied (compare-and-set: of concurrent
+    /// deciders exactly one succeeds) and its call to `approved` or `rejected`.
+    /// Errors: [`StoreError::NotFound`]; [`StoreError::AlreadyDecided`] if it is no
+    /// longer pending; [`StoreError::Expired`] if `expires_at <= now` (the approval is
+    /// then marked expired and its call rejected). Checking that the approver may
+    /// decide (role, distinct approver) is the caller's job.
+    async fn decide_approval(
+        &self,
+        approval_id: &str,
+        approve: bool,
+        decided_by: &str,
+        reason: Option<&str>,
+        now: Timestamp,
+    ) -> Result<Approval, StoreError>;
+
+    /// Claims a call for dispatch, exactly once: `approved` → `dispatched` (or takes
+    /// over a `dispatched` call whose lease ended at or before `now`), setting
+    /// `claimed_by` and `lease_until`. Returns true for the one claimant that won;
+    /// false if the call is in any other state or someone else holds a live claim.
+    /// [`StoreError::NotFound`] if the call does not exist. Choose `lease_until` past
+    /// the call's deadline (or renew it with [`Store::renew_lease`]); a restarted
+    /// single orchestrator may take over its own old claims by passing
+    /// `now = Timestamp::MAX`.
+    async fn claim_for_dispatch(
+        &self,
+        call_id: &str,
+        claimant: &str,
+        now: Timestamp,
+        lease_until: Timestamp,
+    ) -> Result<bool, StoreError>;
+
+    /// Extends the lease of a call that `claimant` holds; false if it does not hold it.
+    async fn renew_lease(
+        &self,
+        call_id: &str,
+        claimant: &str,
+        lease_until: Timestamp,
+    ) -> Result<bool, StoreError>;
+
+    /// Calls to pick up (e.g. after a restart): approved but never claimed, and
+    /// dispatched but never finished whose lease ended at or before `now`. Oldest
+    /// first. Claim each with [`Store::claim_for_dispatch`] before running it.
+    async fn resumable_calls(&self, now: Timestamp) -> Result<Vec<StoredCall>, StoreError>;
+
+    /// Marks every pending approval with `expires_at <= now` expired (and its call
+    /// rejected) and returns them. Each expired approval is returned to exactly one
+    /// caller, even with several replicas sweeping at once.
+    async fn expire_approvals(&self, now: Timestamp) -> Result<Vec<Approval>, StoreError>;
+
+    /// Calls recorded for `(principal, session_id)` and the time of the first.
+    async fn session_usage(
+        &self,
+        principal: &str,
+        session_id: &str,
+    ) -> Result<SessionUsage, StoreError>;
+}
+
+/// Opens (and creates or migrates) the store named by `store`: `"sqlite"` (the file
+/// `<data_dir>/airlock.db`; the directory is created) or a `postgres://` /
+/// `postgresql://` URL. `password`, when given, overrides one in the URL (from
+/// `password_env`/`password_file`). Fails fast, naming host and port, when PostgreSQL
+/// is unreachable.
+pub async fn open(
+    store: &str,
+    data_dir: &Path,
+    password: Option<String>,
+) -> Result<Arc<dyn Store>, StoreError> {
+    let trimmed = store.trim();
+    if trimmed.is_empty() || trimmed.eq_ignore_ascii_case("sqlite") {
+        let store = sqlite::SqliteStore::open(&data_dir.join(SQLITE_FILE)).await?;
+        return Ok(Arc::new(store));
+    }
+    if trimmed.starts_with("postgres://") || trimmed.starts_with("postgresql://") {
+        let store = postgres::PostgresStore::open(trimmed, password).await?;
+        return Ok(Arc::new(store));
+    }
+    // Name only the scheme: the rest may hold credentials.
+    let shown = match trimmed.find("://") {
+        Some(pos) => format!("{}://…", &trimmed[..pos]),
+        None if trimmed.len() <= 32 && !trimmed.contains('@') => trimmed.to_owned(),
+        None => "…".to_owned(),
+    };
+    Err(StoreError::UnknownKind(shown))
+}
+
+/// Opens the SQLite store at an explicit file path (tests, tools).
+pub async fn open_sqlite_file(path: &Path) -> Result<Arc<dyn Store>, StoreError> {
+    Ok(Arc::new(sqlite::SqliteStore::open(path).await?))
+}
+
+/// The current time.
+pub fn now_millis() -> Timestamp {
+    match SystemTime::now().duration_since(UNIX_EPOCH) {
+        Ok(d) => i64::try_from(d.as_millis()).unwrap_or(i64::MAX),
+        Err(_) => 0,
+    }
+}
+
+/// `2026-05-20T12:34:56.789Z` for a [`Timestamp`] (proleptic Gregorian, UTC).
+pub fn rfc3339(ts: Timestamp) -> String {
+    let secs = ts.div_euclid(1000);
+    let millis = ts.rem_euclid(1000);
+    let days = secs.div_euclid(86_400);
+    let sod = secs.rem_euclid(86_400);
+    let (y, m, d) = civil_from_days(days);
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}.{millis:03}Z",
+        sod / 3600,
+        (sod / 60) % 60,
+        sod % 60
+    )
+}
+
+/// Howard Hinnant's `civil_from_days`.
+fn civil_from_days(days: i64) -> (i64, i64, i64) {
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let y = yoe + era * 400;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    (if m <= 2 { y + 1 } else { y }, m, d)
+}
+
+fn ser_time<S: Serializer>(ts: &Timestamp, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&rfc3339(*ts))
+}
+
+fn ser_opt_time<S: Serializer>(ts: &Option<Timestamp>, s: S) -> Result<S::Ok, S::Error> {
+    match ts {
+        Some(ts) => s.serialize_str(&rfc3339(*ts)),
+        None => s.serialize_none(),
+    }
+}
+
+/// JSON text for a column.
+fn to_json_text(value: &Value) -> String {
+    crate::audit::canonical_json(value)
+}
+
+fn from_json_text(text: &str, what: &str) -> Result<Value, StoreError> {
+    serde_json::from_str(text)
+        .map_err(|e| StoreError::Corrupt(format!("{what} is not valid json: {e}")))
+}
+
+fn to_u64(value: i64, what: &str) -> Result<u64, StoreError> {
+    u64::try_from(value).map_err(|_| StoreError::Corrupt(format!("{what} is negative")))
+}
+
+fn to_i64(value: u64) -> i64 {
+    i64::try_from(value).unwrap_or(i64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn formats_rfc3339() {
+        assert_eq!(rfc3339(0), "1970-01-01T00:00:00.000Z");
+        assert_eq!(rfc3339(951_782_400_123), "2000-02-29T00:00:00.123Z");
+        assert_eq!(rfc3339(1_779_280_496_789), "2026-05-20T12:34:56.789Z");
+        assert_eq!(rfc3339(-1), "1969-12-31T23:59:59.999Z");
+    }
+
+    #[test]
+    fn parses_states() {
+        for s in [
+            CallState::PendingApproval,
+            CallState::Approved,
+            CallState::Dispatched,
+            CallState::Finished,
+            CallState::Rejected,
+        ] {
+            assert_eq!(CallState::parse(s.as_str()).ok(), Some(s));
+        }
+        assert!(ApprovalStatus::parse("nope").is_err());
+    }
+}

@@ -1,0 +1,790 @@
+//! The PostgreSQL store, shared by several orchestrator replicas.
+//!
+//! Appends lock the single `audit_head` row (`SELECT … FOR UPDATE`) for the length of
+//! their transaction, so concurrent writers from any replica append one after the
+//! other and the chain stays linear and dense. Approval decisions lock the approval
+//! row; dispatch claims and expiry are single conditional `UPDATE`s, which PostgreSQL
+//! re-checks after a concurrent writer commits, so exactly one replica wins each.
+//! Connections are plain TCP or Unix-socket (no TLS).
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod, Runtime};
+use tokio_postgres::config::Host;
+use tokio_postgres::error::SqlState;
+use deadpool_postgres::GenericClient;
+use tokio_postgres::{IsolationLevel, NoTls, Row};
+
+use super::{
+    Approval, ApprovalStatus, AuditQuery, AuditRecord, CallOutcome, CallState, NewApproval,
+    NewAuditEvent, NewCall, SCHEMA_VERSION, SessionUsage, Store, StoreError, StoredCall,
+    Timestamp, VerifyReport, from_json_text, now_millis, rfc3339, to_i64, to_json_text, to_u64,
+};
+use crate::audit::{ChainVerifier, GENESIS_HASH, chain_hash};
+
+/// `pg_advisory_xact_lock` key that serializes schema creation across replicas.
+const MIGRATION_LOCK: i64 = 0x6169_726c_6f63_6b01; // "airlock" + 1
+
+const SCHEMA_V1: &str = "
+CREATE TABLE IF NOT EXISTS audit_events (
+    seq        BIGINT PRIMARY KEY,
+    ts         TEXT NOT NULL,
+    kind       TEXT NOT NULL,
+    call_id    TEXT,
+    principal  TEXT,
+    session_id TEXT,
+    data       TEXT NOT NULL,
+    prev_hash  TEXT NOT NULL,
+    hash       TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS audit_events_session ON audit_events (session_id, seq);
+CREATE INDEX IF NOT EXISTS audit_events_call ON audit_events (call_id, seq);
+CREATE TABLE IF NOT EXISTS audit_head (
+    id   INTEGER PRIMARY KEY CHECK (id = 1),
+    seq  BIGINT NOT NULL,
+    hash TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS calls (
+    call_id     TEXT PRIMARY KEY,
+    tool_use_id TEXT NOT NULL,
+    tool        TEXT NOT NULL,
+    input       TEXT NOT NULL,
+    principal   TEXT NOT NULL,
+    session_id  TEXT,
+    state       TEXT NOT NULL,
+    approval_id TEXT,
+    status      TEXT,
+    result      TEXT,
+    duration_ms BIGINT,
+    replica     TEXT,
+    claimed_by  TEXT,
+    lease_until BIGINT,
+    created_at  BIGINT NOT NULL,
+    finished_at BIGINT
+);
+CREATE INDEX IF NOT EXISTS calls_state ON calls (state);
+CREATE INDEX IF NOT EXISTS calls_session ON calls (principal, session_id);
+CREATE TABLE IF NOT EXISTS approvals (
+    approval_id TEXT PRIMARY KEY,
+    call_id     TEXT NOT NULL REFERENCES calls (call_id),
+    status      TEXT NOT NULL,
+    created_at  BIGINT NOT NULL,
+    expires_at  BIGINT NOT NULL,
+    decided_by  TEXT,
+    reason      TEXT,
+    decided_at  BIGINT
+);
+CREATE INDEX IF NOT EXISTS approvals_status ON approvals (status, created_at);
+";
+
+const AUDIT_COLUMNS: &str = "seq, ts, kind, call_id, principal, session_id, data, prev_hash, hash";
+
+const CALL_COLUMNS: &str = "call_id, tool_use_id, tool, input, principal, session_id, state, \
+     approval_id, status, result, duration_ms, replica, claimed_by, lease_until, created_at, \
+     finished_at";
+
+const APPROVAL_SELECT: &str = "SELECT a.approval_id, a.call_id, c.tool, c.input, c.principal, \
+     c.session_id, a.status, a.created_at, a.expires_at, a.decided_by, a.reason, a.decided_at \
+     FROM approvals a JOIN calls c ON c.call_id = a.call_id";
+
+/// Records read per round trip by `verify`.
+const VERIFY_PAGE: i64 = 5000;
+
+pub(super) struct PostgresStore {
+    pool: Pool,
+}
+
+/// `host:port` list of a config, for messages (never the password).
+fn endpoint_of(config: &tokio_postgres::Config) -> String {
+    let ports = config.get_ports();
+    let port_at = |i: usize| {
+        ports
+            .get(i)
+            .or_else(|| ports.first())
+            .copied()
+            .unwrap_or(5432)
+    };
+    let hosts: Vec<String> = config
+        .get_hosts()
+        .iter()
+        .enumerate()
+        .map(|(i, host)| match host {
+            Host::Tcp(name) => format!("{name}:{}", port_at(i)),
+            Host::Unix(dir) => format!("{}/.s.PGSQL.{}", dir.display(), port_at(i)),
+        })
+        .collect();
+    if hosts.is_empty() {
+        format!("localhost:{}", port_at(0))
+    } else {
+        hosts.join(",")
+    }
+}
+
+impl PostgresStore {
+    pub(super) async fn open(url: &str, password: Option<String>) -> Result<Self, StoreError> {
+        let mut config: tokio_postgres::Config = url
+            .parse()
+            .map_err(|e: tokio_postgres::Error| StoreError::InvalidUrl(e.to_string()))?;
+        if let Some(password) = password {
+            config.password(password);
+        }
+        if config.get_connect_timeout().is_none() {
+            config.connect_timeout(Duration::from_secs(10));
+        }
+        if config.get_application_name().is_none() {
+            config.application_name("airlock-orchestrator");
+        }
+        let endpoint = endpoint_of(&config);
+        let manager = Manager::from_config(
+            config,
+            NoTls,
+            ManagerConfig {
+                recycling_method: RecyclingMethod::Fast,
+            },
+        );
+        let pool = Pool::builder(manager)
+            .max_size(16)
+            .runtime(Runtime::Tokio1)
+            .wait_timeout(Some(Duration::from_secs(30)))
+            .create_timeout(Some(Duration::from_secs(15)))
+            .build()
+            .map_err(|e| StoreError::Pool(e.to_string()))?;
+        let mut client = pool.get().await.map_err(|e| {
+            let cause = match &e {
+                deadpool_postgres::PoolError::Backend(err) => match err.as_db_error() {
+                    Some(db) => db.message().to_owned(),
+                    None => error_chain(err),
+                },
+                other => other.to_string(),
+            };
+            StoreError::Unreachable { endpoint, cause }
+        })?;
+        migrate(&mut client).await?;
+        drop(client);
+        Ok(Self { pool })
+    }
+
+    async fn client(&self) -> Result<Object, StoreError> {
+        self.pool.get().await.map_err(|e| match e {
+            deadpool_postgres::PoolError::Backend(err) => StoreError::Postgres(err),
+            other => StoreError::Pool(other.to_string()),
+        })
+    }
+}
+
+/// An error and its causes, `a: b: c`.
+fn error_chain(err: &dyn std::error::Error) -> String {
+    let mut text = err.to_string();
+    let mut source = err.source();
+    while let Some(cause) = source {
+        let cause_text = cause.to_string();
+        if !text.contains(&cause_text) {
+            text.push_str(": ");
+            text.push_str(&cause_text);
+        }
+        source = cause.source();
+    }
+    text
+}
+
+async fn migrate(client: &mut Object) -> Result<(), StoreError> {
+    let tx = client.transaction().await?;
+    tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK])
+        .await?;
+    tx.batch_execute("CREATE TABLE IF NOT EXISTS schema_version (version BIGINT NOT NULL)")
+        .await?;
+    let version: Option<i64> = tx
+        .query_one("SELECT MAX(version) FROM schema_version", &[])
+        .await?
+        .get(0);
+    match version {
+        None => {
+            tx.batch_execute(SCHEMA_V1).await?;
+            tx.execute(
+                "INSERT INTO audit_head (id, seq, hash) VALUES (1, 0, $1)",
+                &[&GENESIS_HASH],
+            )
+            .await?;
+            tx.execute(
+                "INSERT INTO schema_version (version) VALUES ($1)",
+                &[&SCHEMA_VERSION],
+            )
+            .await?;
+        }
+        Some(found) if found > SCHEMA_VERSION => {
+            return Err(StoreError::SchemaTooNew {
+                found,
+                supported: SCHEMA_VERSION,
+            });
+        }
+        Some(_) => {}
+    }
+    tx.commit().await?;
+    Ok(())
+}
+
+fn is_unique_violation(err: &tokio_postgres::Error) -> bool {
+    err.code() == Some(&SqlState::UNIQUE_VIOLATION)
+}
+
+fn head_missing() -> StoreError {
+    StoreError::Corrupt(
+        "the audit head anchor is missing (the log was tampered with); run `airlock audit verify`"
+            .to_owned(),
+    )
+}
+
+fn audit_from_row(row: &Row) -> Result<AuditRecord, (u64, String)> {
+    let seq: i64 = row
+        .try_get(0)
+        .map_err(|e| (0, format!("unreadable audit row: {e}")))?;
+    let seq_u = u64::try_from(seq).map_err(|_| (0, format!("record {seq} has a negative seq")))?;
+    let bad = |e: tokio_postgres::Error| (seq_u, format!("record {seq_u} is unreadable: {e}"));
+    let data: String = row.try_get(6).map_err(bad)?;
+    let data = serde_json::from_str(&data)
+        .map_err(|_| (seq_u, format!("record {seq_u} holds data that is not valid json")))?;
+    Ok(AuditRecord {
+        seq: seq_u,
+        ts: row.try_get(1).map_err(bad)?,
+        kind: row.try_get(2).map_err(bad)?,
+        call_id: row.try_get(3).map_err(bad)?,
+        principal: row.try_get(4).map_err(bad)?,
+        session_id: row.try_get(5).map_err(bad)?,
+        data,
+        prev_hash: row.try_get(7).map_err(bad)?,
+        hash: row.try_get(8).map_err(bad)?,
+    })
+}
+
+fn call_from_row(row: &Row) -> Result<StoredCall, StoreError> {
+    let input: String = row.try_get(3)?;
+    let state: String = row.try_get(6)?;
+    let result: Option<String> = row.try_get(9)?;
+    let duration_ms: Option<i64> = row.try_get(10)?;
+    Ok(StoredCall {
+        call_id: row.try_get(0)?,
+        tool_use_id: row.try_get(1)?,
+        tool: row.try_get(2)?,
+        input: from_json_text(&input, "a call's input")?,
+        principal: row.try_get(4)?,
+        session_id: row.try_get(5)?,
+        state: CallState::parse(&state)?,
+        approval_id: row.try_get(7)?,
+        status: row.try_get(8)?,
+        result: result
+            .map(|r| from_json_text(&r, "a call's result"))
+            .transpose()?,
+        duration_ms: duration_ms
+            .map(|d| to_u64(d, "a call's duration"))
+            .transpose()?,
+        replica: row.try_get(11)?,
+        claimed_by: row.try_get(12)?,
+        lease_until: row.try_get(13)?,
+        created_at: row.try_get(14)?,
+        finished_at: row.try_get(15)?,
+    })
+}
+
+fn approval_from_row(row: &Row) -> Result<Approval, StoreError> {
+    let input: String = row.try_get(3)?;
+    let status: String = row.try_get(6)?;
+    Ok(Approval {
+        approval_id: row.try_get(0)?,
+        call_id: row.try_get(1)?,
+        tool: row.try_get(2)?,
+        input: from_json_text(&input, "an approval's input")?,
+        principal: row.try_get(4)?,
+        session_id: row.try_get(5)?,
+        status: ApprovalStatus::parse(&status)?,
+        created_at: row.try_get(7)?,
+        expires_at: row.try_get(8)?,
+        decided_by: row.try_get(9)?,
+        reason: row.try_get(10)?,
+        decided_at: row.try_get(11)?,
+    })
+}
+
+async fn select_approval<C: GenericClient>(
+    client: &C,
+    id: &str,
+) -> Result<Option<Approval>, StoreError> {
+    let row = client
+        .query_opt(
+            &format!("{APPROVAL_SELECT} WHERE a.approval_id = $1"),
+            &[&id],
+        )
+        .await?;
+    row.as_ref().map(approval_from_row).transpose()
+}
+
+async fn call_exists<C: GenericClient>(client: &C, call_id: &str) -> Result<bool, StoreError> {
+    Ok(client
+        .query_opt("SELECT 1 FROM calls WHERE call_id = $1", &[&call_id])
+        .await?
+        .is_some())
+}
+
+async fn insert_call_row<C: GenericClient>(
+    client: &C,
+    call: &NewCall,
+    approval_id: Option<&str>,
+) -> Result<(), StoreError> {
+    client
+        .execute(
+            "INSERT INTO calls (call_id, tool_use_id, tool, input, principal, session_id, state, \
+             approval_id, created_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+            &[
+                &call.call_id,
+                &call.tool_use_id,
+                &call.tool,
+                &to_json_text(&call.input),
+                &call.principal,
+                &call.session_id,
+                &call.state.as_str(),
+                &approval_id,
+                &call.created_at,
+            ],
+        )
+        .await
+        .map_err(|e| {
+            if is_unique_violation(&e) {
+                StoreError::AlreadyExists {
+                    what: "call",
+                    id: call.call_id.clone(),
+                }
+            } else {
+                e.into()
+            }
+        })?;
+    Ok(())
+}
+
+#[async_trait]
+impl Store for PostgresStore {
+    fn kind(&self) -> &'static str {
+        "postgres"
+    }
+
+    async fn append(&self, event: NewAuditEvent) -> Result<AuditRecord, StoreError> {
+        let mut client = self.client().await?;
+        let tx = client.transaction().await?;
+        // The row lock serializes appenders of every replica until commit.
+        let head = tx
+            .query_opt(
+                "SELECT seq, hash FROM audit_head WHERE id = 1 FOR UPDATE",
+                &[],
+            )
+            .await?
+            .ok_or_else(head_missing)?;
+        let head_seq: i64 = head.try_get(0)?;
+        let prev_hash: String = head.try_get(1)?;
+        let seq = to_u64(head_seq, "the audit head's seq")? + 1;
+        let ts = rfc3339(now_millis());
+        let hash = chain_hash(
+            &prev_hash,
+            seq,
+            &ts,
+            &event.kind,
+            event.call_id.as_deref(),
+            event.principal.as_deref(),
+            event.session_id.as_deref(),
+            &event.data,
+        );
+        tx.execute(
+            &format!(
+                "INSERT INTO audit_events ({AUDIT_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)"
+            ),
+            &[
+                &to_i64(seq),
+                &ts,
+                &event.kind,
+                &event.call_id,
+                &event.principal,
+                &event.session_id,
+                &to_json_text(&event.data),
+                &prev_hash,
+                &hash,
+            ],
+        )
+        .await?;
+        tx.execute(
+            "UPDATE audit_head SET seq = $1, hash = $2 WHERE id = 1",
+            &[&to_i64(seq), &hash],
+        )
+        .await?;
+        tx.commit().await?;
+        Ok(AuditRecord {
+            seq,
+            ts,
+            kind: event.kind,
+            call_id: event.call_id,
+            principal: event.principal,
+            session_id: event.session_id,
+            data: event.data,
+            prev_hash,
+            hash,
+        })
+    }
+
+    async fn audit(&self, query: AuditQuery) -> Result<Vec<AuditRecord>, StoreError> {
+        let client = self.client().await?;
+        let order = if query.latest { "DESC" } else { "ASC" };
+        let limit = i64::try_from(query.effective_limit()).unwrap_or(i64::MAX);
+        let after = query.after.map_or(0, to_i64);
+        let rows = client
+            .query(
+                &format!(
+                    "SELECT {AUDIT_COLUMNS} FROM audit_events \
+                     WHERE ($1::text IS NULL OR session_id = $1::text) \
+                     AND ($2::text IS NULL OR call_id = $2::text) \
+                     AND seq > $3 ORDER BY seq {order} LIMIT $4"
+                ),
+                &[&query.session_id, &query.call_id, &after, &limit],
+            )
+            .await?;
+        let mut out = rows
+            .iter()
+            .map(|row| audit_from_row(row).map_err(|(_, reason)| StoreError::Corrupt(reason)))
+            .collect::<Result<Vec<_>, _>>()?;
+        if query.latest {
+            out.reverse();
+        }
+        Ok(out)
+    }
+
+    async fn verify(&self) -> Result<VerifyReport, StoreError> {
+        let mut client = self.client().await?;
+        // One snapshot for the anchor and every page of records.
+        let tx = client
+            .build_transaction()
+            .isolation_level(IsolationLevel::RepeatableRead)
+            .read_only(true)
+            .start()
+            .await?;
+        let head = tx
+            .query_opt("SELECT seq, hash FROM audit_head WHERE id = 1", &[])
+            .await?;
+        let head = match head {
+            Some(row) => {
+                let seq: i64 = row.try_get(0)?;
+                Some((to_u64(seq, "the audit head's seq")?, row.try_get(1)?))
+            }
+            None => None,
+        };
+        let mut verifier = ChainVerifier::default();
+        let mut after = i64::MIN;
+        loop {
+            let rows = tx
+                .query(
+                    &format!(
+                        "SELECT {AUDIT_COLUMNS} FROM audit_events WHERE seq > $1 \
+                         ORDER BY seq ASC LIMIT $2"
+                    ),
+                    &[&after, &VERIFY_PAGE],
+                )
+                .await?;
+            let Some(last) = rows.last() else { break };
+            after = last.try_get(0)?;
+            let full = i64::try_from(rows.len()).unwrap_or(i64::MAX) == VERIFY_PAGE;
+            for row in &rows {
+                verifier.push(audit_from_row(row));
+            }
+            if !full {
+                break;
+            }
+        }
+        tx.commit().await?;
+        Ok(verifier.finish(head))
+    }
+
+    async fn insert_call(&self, call: NewCall) -> Result<(), StoreError> {
+        let client = self.client().await?;
+        insert_call_row(&client, &call, None).await
+    }
+
+    async fn get_call(&self, call_id: &str) -> Result<Option<StoredCall>, StoreError> {
+        let client = self.client().await?;
+        let row = client
+            .query_opt(
+                &format!("SELECT {CALL_COLUMNS} FROM calls WHERE call_id = $1"),
+                &[&call_id],
+            )
+            .await?;
+        row.as_ref().map(call_from_row).transpose()
+    }
+
+    async fn finish_call(&self, call_id: &str, outcome: &CallOutcome) -> Result<bool, StoreError> {
+        let client = self.client().await?;
+        let changed = client
+            .execute(
+                "UPDATE calls SET state = 'finished', status = $2, result = $3, duration_ms = $4, \
+                 replica = $5, finished_at = $6 WHERE call_id = $1 AND state <> 'finished'",
+                &[
+                    &call_id,
+                    &outcome.status,
+                    &to_json_text(&outcome.result),
+                    &outcome.duration_ms.map(to_i64),
+                    &outcome.replica,
+                    &outcome.finished_at,
+                ],
+            )
+            .await?;
+        if changed == 0 && !call_exists(&client, call_id).await? {
+            return Err(StoreError::NotFound {
+                what: "call",
+                id: call_id.to_owned(),
+            });
+        }
+        Ok(changed == 1)
+    }
+
+    async fn create_approval(&self, approval: NewApproval) -> Result<Approval, StoreError> {
+        let mut client = self.client().await?;
+        let tx = client.transaction().await?;
+        let id = approval.approval_id.as_str();
+        let call = &approval.call;
+        let updated = tx
+            .execute(
+                "UPDATE calls SET state = 'pending_approval', approval_id = $2 WHERE call_id = $1",
+                &[&call.call_id, &id],
+            )
+            .await?;
+        if updated == 0 {
+            let mut pending = call.clone();
+            pending.state = CallState::PendingApproval;
+            insert_call_row(&tx, &pending, Some(id)).await?;
+        }
+        tx.execute(
+            "INSERT INTO approvals (approval_id, call_id, status, created_at, expires_at) \
+             VALUES ($1, $2, 'pending', $3, $4)",
+            &[&id, &call.call_id, &approval.created_at, &approval.expires_at],
+        )
+        .await
+        .map_err(|e| {
+            if is_unique_violation(&e) {
+                StoreError::AlreadyExists {
+                    what: "approval",
+                    id: id.to_owned(),
+                }
+            } else {
+                e.into()
+            }
+        })?;
+        let created = select_approval(&tx, id)
+            .await?
+            .ok_or_else(|| StoreError::NotFound {
+                what: "approval",
+                id: id.to_owned(),
+            })?;
+        tx.commit().await?;
+        Ok(created)
+    }
+
+    async fn list_approvals(
+        &self,
+        status: Option<ApprovalStatus>,
+    ) -> Result<Vec<Approval>, StoreError> {
+        let client = self.client().await?;
+        let status = status.map(ApprovalStatus::as_str);
+        let rows = client
+            .query(
+                &format!(
+                    "{APPROVAL_SELECT} WHERE ($1::text IS NULL OR a.status = $1::text) \
+                     ORDER BY a.created_at ASC, a.approval_id ASC"
+                ),
+                &[&status],
+            )
+            .await?;
+        rows.iter().map(approval_from_row).collect()
+    }
+
+    async fn get_approval(&self, approval_id: &str) -> Result<Option<Approval>, StoreError> {
+        let client = self.client().await?;
+        select_approval(&client, approval_id).await
+    }
+
+    async fn decide_approval(
+        &self,
+        approval_id: &str,
+        approve: bool,
+        decided_by: &str,
+        reason: Option<&str>,
+        now: Timestamp,
+    ) -> Result<Approval, StoreError> {
+        let mut client = self.client().await?;
+        let tx = client.transaction().await?;
+        let found = tx
+            .query_opt(
+                "SELECT call_id, status, expires_at FROM approvals WHERE approval_id = $1 FOR UPDATE",
+                &[&approval_id],
+            )
+            .await?;
+        let Some(found) = found else {
+            return Err(StoreError::NotFound {
+                what: "approval",
+                id: approval_id.to_owned(),
+            });
+        };
+        let call_id: String = found.try_get(0)?;
+        let status: String = found.try_get(1)?;
+        let expires_at: Timestamp = found.try_get(2)?;
+        let status = ApprovalStatus::parse(&status)?;
+        if status != ApprovalStatus::Pending {
+            return Err(StoreError::AlreadyDecided {
+                id: approval_id.to_owned(),
+                status,
+            });
+        }
+        if expires_at <= now {
+            tx.execute(
+                "UPDATE approvals SET status = 'expired', decided_at = $2 \
+                 WHERE approval_id = $1 AND status = 'pending'",
+                &[&approval_id, &now],
+            )
+            .await?;
+            tx.execute(
+                "UPDATE calls SET state = 'rejected' WHERE call_id = $1 AND state = 'pending_approval'",
+                &[&call_id],
+            )
+            .await?;
+            tx.commit().await?;
+            return Err(StoreError::Expired {
+                id: approval_id.to_owned(),
+            });
+        }
+        let (new_status, new_state) = if approve {
+            (ApprovalStatus::Approved, CallState::Approved)
+        } else {
+            (ApprovalStatus::Denied, CallState::Rejected)
+        };
+        tx.execute(
+            "UPDATE approvals SET status = $2, decided_by = $3, reason = $4, decided_at = $5 \
+             WHERE approval_id = $1 AND status = 'pending'",
+            &[
+                &approval_id,
+                &new_status.as_str(),
+                &decided_by,
+                &reason,
+                &now,
+            ],
+        )
+        .await?;
+        tx.execute(
+            "UPDATE calls SET state = $2 WHERE call_id = $1 AND state = 'pending_approval'",
+            &[&call_id, &new_state.as_str()],
+        )
+        .await?;
+        let decided = select_approval(&tx, approval_id)
+            .await?
+            .ok_or_else(|| StoreError::NotFound {
+                what: "approval",
+                id: approval_id.to_owned(),
+            })?;
+        tx.commit().await?;
+        Ok(decided)
+    }
+
+    async fn claim_for_dispatch(
+        &self,
+        call_id: &str,
+        claimant: &str,
+        now: Timestamp,
+        lease_until: Timestamp,
+    ) -> Result<bool, StoreError> {
+        let client = self.client().await?;
+        let changed = client
+            .execute(
+                "UPDATE calls SET state = 'dispatched', claimed_by = $2, lease_until = $3 \
+                 WHERE call_id = $1 AND (state = 'approved' OR (state = 'dispatched' \
+                 AND (lease_until IS NULL OR lease_until <= $4)))",
+                &[&call_id, &claimant, &lease_until, &now],
+            )
+            .await?;
+        if changed == 0 && !call_exists(&client, call_id).await? {
+            return Err(StoreError::NotFound {
+                what: "call",
+                id: call_id.to_owned(),
+            });
+        }
+        Ok(changed == 1)
+    }
+
+    async fn renew_lease(
+        &self,
+        call_id: &str,
+        claimant: &str,
+        lease_until: Timestamp,
+    ) -> Result<bool, StoreError> {
+        let client = self.client().await?;
+        let changed = client
+            .execute(
+                "UPDATE calls SET lease_until = $3 \
+                 WHERE call_id = $1 AND state = 'dispatched' AND claimed_by = $2",
+                &[&call_id, &claimant, &lease_until],
+            )
+            .await?;
+        Ok(changed == 1)
+    }
+
+    async fn resumable_calls(&self, now: Timestamp) -> Result<Vec<StoredCall>, StoreError> {
+        let client = self.client().await?;
+        let rows = client
+            .query(
+                &format!(
+                    "SELECT {CALL_COLUMNS} FROM calls WHERE state = 'approved' OR (state = 'dispatched' \
+                     AND (lease_until IS NULL OR lease_until <= $1)) ORDER BY created_at ASC, call_id ASC"
+                ),
+                &[&now],
+            )
+            .await?;
+        rows.iter().map(call_from_row).collect()
+    }
+
+    async fn expire_approvals(&self, now: Timestamp) -> Result<Vec<Approval>, StoreError> {
+        let mut client = self.client().await?;
+        let tx = client.transaction().await?;
+        let rows = tx
+            .query(
+                "UPDATE approvals SET status = 'expired', decided_at = $1 \
+                 WHERE status = 'pending' AND expires_at <= $1 RETURNING approval_id, call_id",
+                &[&now],
+            )
+            .await?;
+        let mut out = Vec::with_capacity(rows.len());
+        for row in &rows {
+            let id: String = row.try_get(0)?;
+            let call_id: String = row.try_get(1)?;
+            tx.execute(
+                "UPDATE calls SET state = 'rejected' WHERE call_id = $1 AND state = 'pending_approval'",
+                &[&call_id],
+            )
+            .await?;
+            if let Some(approval) = select_approval(&tx, &id).await? {
+                out.push(approval);
+            }
+        }
+        tx.commit().await?;
+        out.sort_by(|a, b| (a.created_at, &a.approval_id).cmp(&(b.created_at, &b.approval_id)));
+        Ok(out)
+    }
+
+    async fn session_usage(
+        &self,
+        principal: &str,
+        session_id: &str,
+    ) -> Result<SessionUsage, StoreError> {
+        let client = self.client().await?;
+        let row = client
+            .query_one(
+                "SELECT COUNT(*), MIN(created_at) FROM calls WHERE principal = $1 AND session_id = $2",
+                &[&principal, &session_id],
+            )
+            .await?;
+        let calls: i64 = row.try_get(0)?;
+        Ok(SessionUsage {
+            calls: to_u64(calls, "a call count")?,
+            first_at: row.try_get(1)?,
+        })
+    }
+}

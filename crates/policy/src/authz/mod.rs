@@ -1,0 +1,712 @@
+//! Step 4 and the "needs approval?" half of step 5 of the gate (DESIGN §3): Cedar policy.
+//!
+//! # Model
+//!
+//! - **principal** `Airlock::Principal::"<name>"`, a member of `Airlock::Role::"<role>"`
+//!   for each of its roles (`agent`, `approver`, `admin`).
+//! - **action** `Airlock::Action::"<tool name>"`: one action per tool, so "action = the
+//!   tool" as DESIGN §3 says. Each action is a member of its worker group
+//!   (`Action::"fs"`, …) and of its annotation groups (`Action::"destructive"`, …), so
+//!   `action in Airlock::Action::"destructive"` works. Actions are declared in the
+//!   embedded schema (`deploy/policies/schema.cedarschema`), which is what makes strict
+//!   validation useful: each action has its *own* context type, so
+//!   `context.arguments.path` type-checks for `write_file` and a typo such as
+//!   `context.arguments.pth` is refused at load with file, line and a "did you mean"
+//!   hint. (With a single `call` action and the tool as the resource, the arguments
+//!   would have to be an untyped open record and such typos would only ever fail
+//!   silently at run time.) The cost: a tool the schema does not declare is denied and
+//!   invisible, whatever the policy — fail closed; adding a tool means adding it to the
+//!   schema and to the table in `catalog.rs`.
+//! - **resource** `Airlock::Tool::"<tool name>"` with attributes `group`, `read_only`,
+//!   `destructive`, `idempotent`, `open_world` taken from the worker's
+//!   [`ToolDefinition`] (the action groups follow the catalog of DESIGN §4 instead).
+//! - **context** `{ session_id, arguments, … }`, see the schema's header for the
+//!   normalisation of paths and URLs and the derived `program`/`shell`/`env_names`/`url`.
+//!
+//! # Decisions
+//!
+//! Forbid wins over everything; no satisfied permit means deny. A forbid policy that
+//! fails to evaluate denies too (Cedar itself would skip it). When the call is allowed,
+//! it needs approval if the `[approvals] tools` knob says so *or* if any satisfied permit
+//! carries `@approval("required")` (such a permit also grants the call: "may call, with
+//! a human's approval"). Policies can add approvals, never remove the knob's.
+//!
+//! Policies are named by their `@id("…")` annotation (else Cedar's `policy<N>`); an
+//! optional `@reason("…")` is quoted in denial and approval reasons.
+#![forbid(unsafe_code)]
+
+mod approval;
+mod catalog;
+mod source;
+
+use std::collections::{HashMap, HashSet};
+use std::fmt;
+use std::path::Path;
+use std::str::FromStr;
+
+use cedar_policy as cedar;
+use serde::Serialize;
+use serde_json::Value;
+
+pub use approval::{ApprovalKnob, DEFAULT_APPROVAL_TOOLS, SAFE_HTTP_METHODS};
+pub use catalog::ArgumentError;
+
+use crate::tool::ToolDefinition;
+
+/// The entity schema every policy is validated against.
+pub const SCHEMA_SOURCE: &str = include_str!("../../../../deploy/policies/schema.cedarschema");
+
+/// The policy `airlock up` uses when no `[policy]` file is configured.
+pub const DEFAULT_POLICY_SOURCE: &str = include_str!("../../../../deploy/policies/default.cedar");
+
+/// The name under which errors in [`DEFAULT_POLICY_SOURCE`] are reported.
+pub const DEFAULT_POLICY_FILE_NAME: &str = "<embedded>/deploy/policies/default.cedar";
+
+/// Why a policy file cannot be loaded. Lines and columns are 1-based; columns count
+/// characters.
+#[derive(Debug, thiserror::Error)]
+pub enum PolicyError {
+    #[error("cannot read policy file {file}: {source}")]
+    Read {
+        file: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{file}:{line}:{column}: syntax error: {message}")]
+    Parse {
+        file: String,
+        line: usize,
+        column: usize,
+        message: String,
+    },
+    #[error("{file}:{line}:{column}: policy `{policy_id}` does not validate against the schema: {message}")]
+    Validation {
+        file: String,
+        line: usize,
+        column: usize,
+        policy_id: String,
+        message: String,
+    },
+    #[error("{file}:{line}:{column}: policy `{policy_id}`: {message}")]
+    Annotation {
+        file: String,
+        line: usize,
+        column: usize,
+        policy_id: String,
+        message: String,
+    },
+    #[error("the embedded policy schema is invalid: {message}")]
+    Schema { message: String },
+}
+
+impl PolicyError {
+    /// The file, line and column the error points at, when it points at one.
+    pub fn location(&self) -> Option<(&str, usize, usize)> {
+        match self {
+            Self::Parse {
+                file, line, column, ..
+            }
+            | Self::Validation {
+                file, line, column, ..
+            }
+            | Self::Annotation {
+                file, line, column, ..
+            } => Some((file, *line, *column)),
+            Self::Read { .. } | Self::Schema { .. } => None,
+        }
+    }
+}
+
+/// The outcome of [`Authorizer::decide`]. Strictest wins: deny, then approval, then
+/// allow.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(tag = "decision", rename_all = "snake_case")]
+pub enum Decision {
+    Allow,
+    RequireApproval { reasons: Vec<String> },
+    Deny { reasons: Vec<String> },
+}
+
+impl Decision {
+    /// The reasons of an approval or a denial (none for `Allow`).
+    pub fn reasons(&self) -> &[String] {
+        match self {
+            Self::Allow => &[],
+            Self::RequireApproval { reasons } | Self::Deny { reasons } => reasons,
+        }
+    }
+
+    pub fn is_deny(&self) -> bool {
+        matches!(self, Self::Deny { .. })
+    }
+
+    fn deny(reason: String) -> Self {
+        Self::Deny {
+            reasons: vec![reason],
+        }
+    }
+}
+
+/// Who is calling: the authenticated principal and its roles (never the model).
+#[derive(Debug, Clone, Copy)]
+pub struct PrincipalRef<'a> {
+    pub name: &'a str,
+    pub roles: &'a [String],
+}
+
+/// One call to authorise, after its arguments passed the tool's JSON Schema.
+#[derive(Debug, Clone, Copy)]
+pub struct CallRequest<'a> {
+    pub principal: &'a str,
+    pub roles: &'a [String],
+    pub tool: &'a ToolDefinition,
+    pub arguments: &'a Value,
+    pub session_id: &'a str,
+    /// The call's workspace directory on the host, if known: absolute fs paths inside
+    /// it are made relative before policies see them (so a path rule cannot be dodged
+    /// by spelling the path absolutely).
+    pub workspace: Option<&'a Path>,
+}
+
+impl CallRequest<'_> {
+    pub fn principal_ref(&self) -> PrincipalRef<'_> {
+        PrincipalRef {
+            name: self.principal,
+            roles: self.roles,
+        }
+    }
+}
+
+#[derive(Debug)]
+struct PolicyMeta {
+    forbid: bool,
+    approval: bool,
+    reason: Option<String>,
+}
+
+#[derive(Debug)]
+struct Types {
+    principal: cedar::EntityTypeName,
+    role: cedar::EntityTypeName,
+    tool: cedar::EntityTypeName,
+    action: cedar::EntityTypeName,
+}
+
+impl Types {
+    fn new() -> Result<Self, PolicyError> {
+        let parse = |name: &str| {
+            cedar::EntityTypeName::from_str(name).map_err(|error| PolicyError::Schema {
+                message: format!("bad entity type name {name}: {error}"),
+            })
+        };
+        Ok(Self {
+            principal: parse("Airlock::Principal")?,
+            role: parse("Airlock::Role")?,
+            tool: parse("Airlock::Tool")?,
+            action: parse("Airlock::Action")?,
+        })
+    }
+
+    fn uid(ty: &cedar::EntityTypeName, id: &str) -> cedar::EntityUid {
+        cedar::EntityUid::from_type_name_and_id(ty.clone(), cedar::EntityId::new(id))
+    }
+}
+
+/// A loaded, validated policy plus the approval knob. Immutable, `Send + Sync`: share it
+/// behind an `Arc` and swap the `Arc` on reload.
+pub struct Authorizer {
+    file: String,
+    policies: cedar::PolicySet,
+    meta: HashMap<cedar::PolicyId, PolicyMeta>,
+    schema: cedar::Schema,
+    types: Types,
+    approvals: ApprovalKnob,
+    warnings: Vec<String>,
+}
+
+impl fmt::Debug for Authorizer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Authorizer")
+            .field("file", &self.file)
+            .field("policies", &self.meta.len())
+            .field("approvals", &self.approvals)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Authorizer {
+    /// Parses `policy_text` (named `policy_file_name` in errors) and validates it against
+    /// the embedded schema in strict mode.
+    pub fn from_sources(
+        policy_text: &str,
+        policy_file_name: &str,
+        approvals: ApprovalKnob,
+    ) -> Result<Self, PolicyError> {
+        let file = policy_file_name;
+        let schema = schema()?;
+        let types = Types::new()?;
+        let at = |offset: usize| source::line_column(policy_text, offset);
+
+        let parsed = cedar::PolicySet::from_str(policy_text).map_err(|errors| {
+            let (line, column) = source::first_offset(&errors).map_or((1, 1), at);
+            PolicyError::Parse {
+                file: file.to_owned(),
+                line,
+                column,
+                message: source::message(&errors),
+            }
+        })?;
+        if parsed.templates().next().is_some() {
+            let offset = ["?principal", "?resource"]
+                .iter()
+                .filter_map(|slot| policy_text.find(slot))
+                .min()
+                .unwrap_or(0);
+            let (line, column) = at(offset);
+            return Err(PolicyError::Annotation {
+                file: file.to_owned(),
+                line,
+                column,
+                policy_id: "template".to_owned(),
+                message: "templates (?principal, ?resource) are not supported".to_owned(),
+            });
+        }
+
+        let (policies, meta, offsets) = rename_policies(&parsed, policy_text, file)?;
+
+        let validator = cedar::Validator::new(schema.clone());
+        let result = validator.validate(&policies, cedar::ValidationMode::Strict);
+        let located = |id: &cedar::PolicyId, diagnostic: &dyn miette::Diagnostic| {
+            source::first_offset(diagnostic)
+                .or_else(|| offsets.get(id).copied())
+                .unwrap_or(0)
+        };
+        let mut errors: Vec<(usize, &cedar::ValidationError)> = result
+            .validation_errors()
+            .map(|error| (located(error.policy_id(), error), error))
+            .collect();
+        errors.sort_by_key(|(offset, _)| *offset);
+        if let Some((offset, error)) = errors.first() {
+            let (line, column) = at(*offset);
+            let mut message = source::message(*error);
+            if errors.len() > 1 {
+                message.push_str(&format!(
+                    " (and {} more validation errors)",
+                    errors.len() - 1
+                ));
+            }
+            return Err(PolicyError::Validation {
+                file: file.to_owned(),
+                line,
+                column,
+                policy_id: error.policy_id().to_string(),
+                message,
+            });
+        }
+        let warnings = result
+            .validation_warnings()
+            .map(|warning| {
+                let (line, column) = at(located(warning.policy_id(), warning));
+                format!("{file}:{line}:{column}: {}", source::message(warning))
+            })
+            .collect();
+
+        Ok(Self {
+            file: file.to_owned(),
+            policies,
+            meta,
+            schema,
+            types,
+            approvals,
+            warnings,
+        })
+    }
+
+    /// Reads and loads a policy file. On error the caller keeps its previous
+    /// `Authorizer` (reload) or refuses to start.
+    pub fn load_file(path: &Path, approvals: ApprovalKnob) -> Result<Self, PolicyError> {
+        let file = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|source| PolicyError::Read {
+            file: file.clone(),
+            source,
+        })?;
+        Self::from_sources(&text, &file, approvals)
+    }
+
+    /// The embedded default policy of `airlock up` (`deploy/policies/default.cedar`).
+    pub fn default_policy(approvals: ApprovalKnob) -> Result<Self, PolicyError> {
+        Self::from_sources(DEFAULT_POLICY_SOURCE, DEFAULT_POLICY_FILE_NAME, approvals)
+    }
+
+    /// The file the policy was loaded from (as given).
+    pub fn file(&self) -> &str {
+        &self.file
+    }
+
+    /// The approval knob in force.
+    pub fn approvals(&self) -> &ApprovalKnob {
+        &self.approvals
+    }
+
+    /// Validator warnings (`file:line:column: message`), e.g. a policy that can never
+    /// apply; worth logging at load.
+    pub fn warnings(&self) -> &[String] {
+        &self.warnings
+    }
+
+    /// The ids of the loaded policies, sorted.
+    pub fn policy_ids(&self) -> Vec<String> {
+        let mut ids: Vec<String> = self.meta.keys().map(ToString::to_string).collect();
+        ids.sort();
+        ids
+    }
+
+    /// Decides one call: deny, require approval, or allow.
+    pub fn decide(&self, request: &CallRequest<'_>) -> Decision {
+        let tool = request.tool.name.as_str();
+        let Some(spec) = catalog::spec(tool) else {
+            return Decision::deny(format!(
+                "tool `{tool}` is not declared in the policy schema"
+            ));
+        };
+        let context = match catalog::context_json(
+            spec,
+            request.arguments,
+            request.session_id,
+            request.workspace,
+        ) {
+            Ok(context) => context,
+            Err(error) => return Decision::deny(error.to_string()),
+        };
+        let principal = Types::uid(&self.types.principal, request.principal);
+        let action = Types::uid(&self.types.action, tool);
+        let resource = Types::uid(&self.types.tool, tool);
+        let context = match cedar::Context::from_json_value(context, Some((&self.schema, &action)))
+        {
+            Ok(context) => context,
+            Err(error) => {
+                return Decision::deny(format!(
+                    "the arguments of `{tool}` cannot be checked by policy: {error}"
+                ));
+            }
+        };
+        let cedar_request = match cedar::Request::new(
+            principal,
+            action,
+            resource,
+            context,
+            Some(&self.schema),
+        ) {
+            Ok(request) => request,
+            Err(error) => {
+                return Decision::deny(format!("the call cannot be checked by policy: {error}"));
+            }
+        };
+        let entities = match self.entities(&request.principal_ref(), request.tool) {
+            Ok(entities) => entities,
+            Err(error) => return Decision::deny(error),
+        };
+        let response =
+            cedar::Authorizer::new().is_authorized(&cedar_request, &self.policies, &entities);
+        let diagnostics = response.diagnostics();
+
+        let mut denials = Vec::new();
+        let mut approvals = Vec::new();
+        for error in diagnostics.errors() {
+            let cedar::AuthorizationError::PolicyEvaluationError(error) = error;
+            let id = error.policy_id();
+            match self.meta.get(id) {
+                Some(meta) if meta.forbid => denials.push(format!(
+                    "forbid policy `{id}` failed to evaluate ({}), so the call is denied",
+                    error.inner()
+                )),
+                Some(meta) if meta.approval => approvals.push(format!(
+                    "approval policy `{id}` failed to evaluate ({}), so approval is required",
+                    error.inner()
+                )),
+                _ => {}
+            }
+        }
+
+        if response.decision() == cedar::Decision::Deny {
+            for id in diagnostics.reason() {
+                denials.push(self.describe(id, "forbidden by policy"));
+            }
+            if denials.is_empty() || diagnostics.reason().next().is_none() {
+                denials.push(format!(
+                    "no policy permits principal `{}` to call `{tool}`",
+                    request.principal
+                ));
+            }
+            return Decision::Deny { reasons: denials };
+        }
+        if !denials.is_empty() {
+            return Decision::Deny { reasons: denials };
+        }
+        if let Some(reason) = self.approvals.requires(tool, request.arguments) {
+            approvals.insert(0, reason);
+        }
+        for id in diagnostics.reason() {
+            if self.meta.get(id).is_some_and(|meta| meta.approval) {
+                approvals.push(self.describe(id, "approval required by policy"));
+            }
+        }
+        if approvals.is_empty() {
+            Decision::Allow
+        } else {
+            Decision::RequireApproval { reasons: approvals }
+        }
+    }
+
+    /// Whether `tool` belongs in `principal`'s catalog: `false` only when no call of the
+    /// tool can be allowed for this principal whatever its arguments and session — a
+    /// forbid applies unconditionally, or no permit can apply. Decided by Cedar partial
+    /// evaluation with the context unknown: policies whose conditions read the context
+    /// stay residual and keep the tool visible (a tool undeclared in the schema is never
+    /// visible).
+    pub fn visible(&self, principal: &PrincipalRef<'_>, tool: &ToolDefinition) -> bool {
+        if catalog::spec(&tool.name).is_none() {
+            return false;
+        }
+        let Ok(entities) = self.entities(principal, tool) else {
+            return false;
+        };
+        let request = cedar::Request::builder()
+            .principal(Types::uid(&self.types.principal, principal.name))
+            .action(Types::uid(&self.types.action, &tool.name))
+            .resource(Types::uid(&self.types.tool, &tool.name))
+            .build();
+        let response =
+            cedar::Authorizer::new().is_authorized_partial(&request, &self.policies, &entities);
+        response.decision() != Some(cedar::Decision::Deny)
+    }
+
+    fn describe(&self, id: &cedar::PolicyId, what: &str) -> String {
+        match self.meta.get(id).and_then(|meta| meta.reason.as_deref()) {
+            Some(reason) => format!("{what} `{id}`: {reason}"),
+            None => format!("{what} `{id}`"),
+        }
+    }
+
+    /// The principal, its roles and the tool as Cedar entities (the schema adds the
+    /// action entities and their groups).
+    fn entities(
+        &self,
+        principal: &PrincipalRef<'_>,
+        tool: &ToolDefinition,
+    ) -> Result<cedar::Entities, String> {
+        let group = catalog::spec(&tool.name).map_or("", |spec| spec.group);
+        let roles: HashSet<cedar::EntityUid> = principal
+            .roles
+            .iter()
+            .map(|role| Types::uid(&self.types.role, role))
+            .collect();
+        let mut entities: Vec<cedar::Entity> = roles
+            .iter()
+            .map(|role| cedar::Entity::new_no_attrs(role.clone(), HashSet::new()))
+            .collect();
+        entities.push(cedar::Entity::new_no_attrs(
+            Types::uid(&self.types.principal, principal.name),
+            roles,
+        ));
+        let annotations = tool.annotations;
+        let attributes = HashMap::from([
+            (
+                "group".to_owned(),
+                cedar::RestrictedExpression::new_string(group.to_owned()),
+            ),
+            (
+                "read_only".to_owned(),
+                cedar::RestrictedExpression::new_bool(annotations.read_only),
+            ),
+            (
+                "destructive".to_owned(),
+                cedar::RestrictedExpression::new_bool(annotations.destructive),
+            ),
+            (
+                "idempotent".to_owned(),
+                cedar::RestrictedExpression::new_bool(annotations.idempotent),
+            ),
+            (
+                "open_world".to_owned(),
+                cedar::RestrictedExpression::new_bool(annotations.open_world),
+            ),
+        ]);
+        let tool_entity = cedar::Entity::new(
+            Types::uid(&self.types.tool, &tool.name),
+            attributes,
+            HashSet::new(),
+        )
+        .map_err(|error| format!("tool `{}` cannot be given to policy: {error}", tool.name))?;
+        entities.push(tool_entity);
+        cedar::Entities::from_entities(entities, Some(&self.schema))
+            .map_err(|error| format!("the call cannot be checked by policy: {error}"))
+    }
+}
+
+fn schema() -> Result<cedar::Schema, PolicyError> {
+    cedar::Schema::from_cedarschema_str(SCHEMA_SOURCE)
+        .map(|(schema, _warnings)| schema)
+        .map_err(|error| PolicyError::Schema {
+            message: source::message(&error),
+        })
+}
+
+type Renamed = (
+    cedar::PolicySet,
+    HashMap<cedar::PolicyId, PolicyMeta>,
+    HashMap<cedar::PolicyId, usize>,
+);
+
+/// Gives each policy the id of its `@id` annotation and checks the annotations Airlock
+/// reads. Returns the renamed set, each policy's metadata and its byte offset in the
+/// file.
+fn rename_policies(
+    parsed: &cedar::PolicySet,
+    text: &str,
+    file: &str,
+) -> Result<Renamed, PolicyError> {
+    // Cedar numbers policies `policy0`, `policy1`, … in file order; each policy's text is
+    // the exact slice of the file it came from, which locates it.
+    let mut ordered: Vec<&cedar::Policy> = parsed.policies().collect();
+    ordered.sort_by_key(|policy| {
+        policy
+            .id()
+            .to_string()
+            .strip_prefix("policy")
+            .and_then(|n| n.parse::<usize>().ok())
+            .unwrap_or(usize::MAX)
+    });
+    let mut cursor = 0;
+    let mut policies = cedar::PolicySet::new();
+    let mut meta = HashMap::new();
+    let mut offsets = HashMap::new();
+    for policy in ordered {
+        let offset = policy
+            .to_cedar()
+            .and_then(|slice| {
+                let start = cursor + text.get(cursor..)?.find(&slice)?;
+                cursor = start + slice.len();
+                Some(start)
+            })
+            .unwrap_or(cursor);
+        let fail = |id: &str, message: String| {
+            let (line, column) = source::line_column(text, offset);
+            PolicyError::Annotation {
+                file: file.to_owned(),
+                line,
+                column,
+                policy_id: id.to_owned(),
+                message,
+            }
+        };
+        let id = match policy.annotation("id") {
+            Some(id) if id.trim().is_empty() => {
+                return Err(fail(
+                    &policy.id().to_string(),
+                    "@id must not be empty".to_owned(),
+                ));
+            }
+            Some(id) => id.to_owned(),
+            None => policy.id().to_string(),
+        };
+        let policy_id = cedar::PolicyId::new(&id);
+        if meta.contains_key(&policy_id) {
+            return Err(fail(
+                &id,
+                format!("@id(\"{id}\") names more than one policy"),
+            ));
+        }
+        let forbid = policy.effect() == cedar::Effect::Forbid;
+        let approval = match policy.annotation("approval") {
+            None => false,
+            Some("required") if !forbid => true,
+            Some("required") => {
+                return Err(fail(
+                    &id,
+                    "@approval(\"required\") belongs on a permit policy; a forbid policy denies"
+                        .to_owned(),
+                ));
+            }
+            Some(other) => {
+                return Err(fail(
+                    &id,
+                    format!("@approval must be \"required\", not \"{other}\""),
+                ));
+            }
+        };
+        let reason = policy.annotation("reason").map(str::to_owned);
+        policies
+            .add(policy.new_id(policy_id.clone()))
+            .map_err(|error| fail(&id, source::message(&error)))?;
+        offsets.insert(policy_id.clone(), offset);
+        meta.insert(
+            policy_id,
+            PolicyMeta {
+                forbid,
+                approval,
+                reason,
+            },
+        );
+    }
+    Ok((policies, meta, offsets))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn assert_send_sync<T: Send + Sync>() {}
+
+    #[test]
+    fn authorizer_is_shareable() {
+        assert_send_sync::<Authorizer>();
+    }
+
+    #[test]
+    fn the_schema_declares_every_tool_of_the_catalog_with_its_context() {
+        let schema = schema().unwrap();
+        let types = Types::new().unwrap();
+        let full = serde_json::json!({
+            "command": "ls", "argv": ["ls", "-l"], "cwd": "src", "stdin": "", "env": {"A": "1"},
+            "timeout_seconds": 5, "path": "src/a", "offset": 1, "limit": 2, "content": "x",
+            "edits": [{"old_text": "a", "new_text": "b", "replace_all": true}], "dry_run": false,
+            "recursive": true, "max_entries": 3, "glob": "*.rs", "content_regex": "x",
+            "max_results": 4, "source": "a", "destination": "b", "method": "get",
+            "url": "https://example.com/x", "max_response_bytes": 5, "format": "text",
+            "start_index": 0, "max_length": 9, "database": "main", "table": "t",
+            "sql": "select 1", "max_rows": 10
+        });
+        let declared: HashSet<String> = schema
+            .actions()
+            .map(|action| action.id().unescaped().to_owned())
+            .collect();
+        for spec in catalog::TOOLS {
+            assert!(declared.contains(spec.name), "{} missing", spec.name);
+            let action = Types::uid(&types.action, spec.name);
+            let context = catalog::context_json(spec, &full, "s", None).unwrap();
+            cedar::Context::from_json_value(context, Some((&schema, &action)))
+                .unwrap_or_else(|error| panic!("{}: {error}", spec.name));
+            // The required fields alone are enough too.
+            let mut minimal = serde_json::Map::new();
+            for field in spec.fields.iter().filter(|field| field.required) {
+                minimal.insert(field.name.to_owned(), full[field.name].clone());
+            }
+            let context =
+                catalog::context_json(spec, &Value::Object(minimal), "s", None).unwrap();
+            cedar::Context::from_json_value(context, Some((&schema, &action)))
+                .unwrap_or_else(|error| panic!("{} (minimal): {error}", spec.name));
+        }
+        let groups = [
+            "shell",
+            "fs",
+            "http",
+            "db",
+            "read_only",
+            "destructive",
+            "idempotent",
+            "open_world",
+        ];
+        assert_eq!(declared.len(), catalog::TOOLS.len() + groups.len());
+    }
+}

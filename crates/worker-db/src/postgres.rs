@@ -1,0 +1,520 @@
+//! PostgreSQL: a small lazy pool of connections, one transaction per call.
+//!
+//! The engine layer of read-only for `query_database`: every call runs in
+//! `START TRANSACTION READ ONLY` (with a snapshot taken before the user's statement, so
+//! it cannot switch the transaction to read-write), with `SET LOCAL statement_timeout`,
+//! as ONE prepared statement over the extended protocol (which refuses several
+//! statements), and is rolled back; the connection is then reset with `DISCARD ALL`,
+//! which also releases session-level advisory locks. Limits of this layer, stated
+//! honestly: PostgreSQL allows advisory locks, `set_config` (undone by the rollback) and
+//! reading functions such as `pg_read_file` in read-only transactions; the parser's
+//! function denylist refuses them, and production should connect as a role without
+//! superuser or file-access privileges (`pg_read_server_files`, `pg_execute_server_program`).
+//!
+//! A connection is made on first use, so a database that is down never stops the worker
+//! from starting; every call reports it again until it is back.
+
+use std::error::Error as _;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::TryStreamExt;
+use serde_json::Value;
+use tokio_postgres::config::Host;
+use tokio_postgres::error::SqlState;
+use tokio_postgres::types::ToSql;
+use tokio_postgres::{Client, NoTls, Transaction};
+
+use crate::config::Engine;
+use crate::readonly::{self, ReadOnlyError};
+use crate::sqlite::approx_len;
+use crate::tools::{Limits, Output};
+use crate::values::{PgJson, TextParam, ValueError, pg_params};
+
+/// Failures of a PostgreSQL call, worded for the model. Never holds the password.
+#[derive(Debug, thiserror::Error)]
+pub enum PgError {
+    #[error("database {name:?} is unreachable: {reason}; check that PostgreSQL is running at {at}")]
+    Unreachable {
+        name: String,
+        reason: String,
+        at: String,
+    },
+    #[error(
+        "could not connect to database {name:?}: {reason}; check the user, database and password (password_env or password_file) in the configuration"
+    )]
+    Connect { name: String, reason: String },
+    #[error(transparent)]
+    Refused(#[from] ReadOnlyError),
+    #[error(
+        "refused by PostgreSQL's read-only transaction ({0}); query_database only reads; to change data use execute_sql"
+    )]
+    EngineRefused(String),
+    #[error(
+        "the statement was stopped after {0} ms (statement timeout or call deadline); make it cheaper, e.g. with WHERE and LIMIT"
+    )]
+    Timeout(u64),
+    #[error("the call was cancelled")]
+    Cancelled,
+    #[error(transparent)]
+    Param(#[from] ValueError),
+    #[error("the statement has {expected} parameter(s) ($1, $2, ...) but params has {given}")]
+    ParamCount { expected: usize, given: usize },
+    #[error("PostgreSQL error: {0}")]
+    Sql(String),
+    #[error("table or view {0:?} not found; call list_tables to see what exists")]
+    NoTable(String),
+}
+
+/// One configured PostgreSQL database.
+pub(crate) struct Postgres {
+    pub name: String,
+    pub config: tokio_postgres::Config,
+    pub password: Option<String>,
+    pub skip_parser: bool,
+    pub skip_engine: bool,
+    pub permits: Arc<tokio::sync::Semaphore>,
+    pub idle: Mutex<Vec<Client>>,
+}
+
+/// A connection taken from the pool; only [`Pooled::release`] gives it back, so a
+/// connection left in an unknown state (error, timeout, cancel) is closed on drop.
+struct Pooled<'a> {
+    client: Client,
+    pool: &'a Postgres,
+    _permit: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl Pooled<'_> {
+    fn release(self) {
+        if !self.client.is_closed()
+            && let Ok(mut idle) = self.pool.idle.lock()
+        {
+            idle.push(self.client);
+        }
+    }
+}
+
+const LIST_TABLES: &str = "\
+SELECT coalesce(json_agg(json_build_object('schema', n.nspname, 'name', c.relname, 'type',
+         CASE c.relkind WHEN 'r' THEN 'table' WHEN 'p' THEN 'partitioned table'
+                        WHEN 'v' THEN 'view' WHEN 'm' THEN 'materialized view'
+                        ELSE 'foreign table' END) ORDER BY n.nspname, c.relname), '[]')
+FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+WHERE c.relkind IN ('r', 'p', 'v', 'm', 'f')
+  AND n.nspname NOT IN ('pg_catalog', 'information_schema')
+  AND n.nspname NOT LIKE 'pg\\_toast%' AND n.nspname NOT LIKE 'pg\\_temp%'";
+
+const DESCRIBE: &str = "\
+WITH t AS (
+  SELECT c.oid, n.nspname, c.relname, c.relkind
+  FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+  WHERE c.relkind IN ('r', 'p', 'v', 'm', 'f')
+    AND (c.relname = $1::text OR n.nspname || '.' || c.relname = $1::text)
+  ORDER BY pg_table_is_visible(c.oid) DESC, n.nspname LIMIT 1
+)
+SELECT json_build_object(
+  'schema', t.nspname, 'table', t.relname,
+  'type', CASE t.relkind WHEN 'r' THEN 'table' WHEN 'p' THEN 'partitioned table'
+                         WHEN 'v' THEN 'view' WHEN 'm' THEN 'materialized view'
+                         ELSE 'foreign table' END,
+  'columns', (SELECT coalesce(json_agg(json_build_object(
+      'name', a.attname, 'type', format_type(a.atttypid, a.atttypmod),
+      'nullable', NOT a.attnotnull, 'default', pg_get_expr(d.adbin, d.adrelid),
+      'primary_key', coalesce(a.attnum = ANY(pk.conkey), false)) ORDER BY a.attnum), '[]')
+    FROM pg_attribute a
+    LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
+    LEFT JOIN pg_constraint pk ON pk.conrelid = a.attrelid AND pk.contype = 'p'
+    WHERE a.attrelid = t.oid AND a.attnum > 0 AND NOT a.attisdropped),
+  'primary_key', (SELECT coalesce(json_agg(a.attname ORDER BY k.ord), '[]')
+    FROM pg_constraint pk
+    CROSS JOIN LATERAL unnest(pk.conkey) WITH ORDINALITY k(attnum, ord)
+    JOIN pg_attribute a ON a.attrelid = pk.conrelid AND a.attnum = k.attnum
+    WHERE pk.conrelid = t.oid AND pk.contype = 'p'),
+  'foreign_keys', (SELECT coalesce(json_agg(json_build_object(
+      'name', fk.conname,
+      'columns', (SELECT json_agg(a.attname ORDER BY k.ord)
+                  FROM unnest(fk.conkey) WITH ORDINALITY k(attnum, ord)
+                  JOIN pg_attribute a ON a.attrelid = fk.conrelid AND a.attnum = k.attnum),
+      'references', json_build_object(
+         'table', fk.confrelid::regclass::text,
+         'columns', (SELECT json_agg(a.attname ORDER BY k.ord)
+                     FROM unnest(fk.confkey) WITH ORDINALITY k(attnum, ord)
+                     JOIN pg_attribute a ON a.attrelid = fk.confrelid AND a.attnum = k.attnum)),
+      'definition', pg_get_constraintdef(fk.oid)) ORDER BY fk.conname), '[]')
+    FROM pg_constraint fk WHERE fk.conrelid = t.oid AND fk.contype = 'f'),
+  'indexes', (SELECT coalesce(json_agg(json_build_object(
+      'name', ic.relname,
+      'columns', (SELECT json_agg(coalesce(a.attname::text, pg_get_indexdef(i.indexrelid, k.ord::int, true)) ORDER BY k.ord)
+                  FROM unnest(i.indkey::int2[]) WITH ORDINALITY k(attnum, ord)
+                  LEFT JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum),
+      'unique', i.indisunique, 'primary', i.indisprimary,
+      'definition', pg_get_indexdef(i.indexrelid)) ORDER BY ic.relname), '[]')
+    FROM pg_index i JOIN pg_class ic ON ic.oid = i.indexrelid WHERE i.indrelid = t.oid)
+) FROM t";
+
+impl Postgres {
+    /// Where the server is expected, for error messages: `host:port` or a socket dir.
+    fn at(&self) -> String {
+        let ports = self.config.get_ports();
+        let hosts: Vec<String> = self
+            .config
+            .get_hosts()
+            .iter()
+            .enumerate()
+            .map(|(i, h)| {
+                let port = ports.get(i).or(ports.first()).copied().unwrap_or(5432);
+                match h {
+                    Host::Tcp(host) => format!("{host}:{port}"),
+                    Host::Unix(dir) => format!("{}/.s.PGSQL.{port}", dir.display()),
+                }
+            })
+            .collect();
+        if hosts.is_empty() {
+            "the default socket".into()
+        } else {
+            hosts.join(",")
+        }
+    }
+
+    fn scrub(&self, text: String) -> String {
+        match &self.password {
+            Some(p) if !p.is_empty() => text.replace(p.as_str(), "***"),
+            _ => text,
+        }
+    }
+
+    fn connect_error(&self, e: &tokio_postgres::Error) -> PgError {
+        let name = self.name.clone();
+        if let Some(db) = e.as_db_error() {
+            return PgError::Connect {
+                name,
+                reason: self.scrub(db.message().to_owned()),
+            };
+        }
+        let mut source = e.source();
+        while let Some(s) = source {
+            if let Some(io) = s.downcast_ref::<std::io::Error>() {
+                let reason = match io.kind() {
+                    std::io::ErrorKind::ConnectionRefused => "connection refused".to_owned(),
+                    std::io::ErrorKind::TimedOut => "connection timed out".to_owned(),
+                    std::io::ErrorKind::NotFound => "no such host or socket".to_owned(),
+                    _ => self.scrub(io.to_string()),
+                };
+                return PgError::Unreachable {
+                    name,
+                    reason,
+                    at: self.at(),
+                };
+            }
+            source = s.source();
+        }
+        PgError::Unreachable {
+            name,
+            reason: self.scrub(e.to_string()),
+            at: self.at(),
+        }
+    }
+
+    /// A statement error, classified; `timeout_ms` names the budget when PostgreSQL
+    /// cancelled the statement.
+    fn sql_error(&self, e: &tokio_postgres::Error, timeout_ms: u64) -> PgError {
+        if let Some(db) = e.as_db_error() {
+            let mut text = db.message().to_owned();
+            if let Some(detail) = db.detail() {
+                text.push_str(&format!(" (detail: {detail})"));
+            }
+            if let Some(hint) = db.hint() {
+                text.push_str(&format!(" (hint: {hint})"));
+            }
+            let text = self.scrub(text);
+            return match *db.code() {
+                SqlState::READ_ONLY_SQL_TRANSACTION => PgError::EngineRefused(text),
+                SqlState::QUERY_CANCELED => PgError::Timeout(timeout_ms),
+                _ => PgError::Sql(text),
+            };
+        }
+        if e.is_closed() {
+            return PgError::Unreachable {
+                name: self.name.clone(),
+                reason: "the connection was closed".into(),
+                at: self.at(),
+            };
+        }
+        PgError::Sql(self.scrub(e.to_string()))
+    }
+
+    async fn get(&self, limits: &Limits) -> Result<Pooled<'_>, PgError> {
+        let permit = tokio::select! {
+            p = Arc::clone(&self.permits).acquire_owned() => p.map_err(|e| PgError::Sql(e.to_string()))?,
+            () = limits.cancel.cancelled() => return Err(PgError::Cancelled),
+            () = tokio::time::sleep_until(limits.deadline.into()) => return Err(PgError::Timeout(limits.budget_ms())),
+        };
+        let reused = match self.idle.lock() {
+            Ok(mut idle) => {
+                idle.retain(|c| !c.is_closed());
+                idle.pop()
+            }
+            Err(_) => None,
+        };
+        if let Some(client) = reused {
+            return Ok(Pooled {
+                client,
+                pool: self,
+                _permit: permit,
+            });
+        }
+        let connect = self.config.connect(NoTls);
+        let (client, connection) = tokio::select! {
+            r = connect => r.map_err(|e| self.connect_error(&e))?,
+            () = limits.cancel.cancelled() => return Err(PgError::Cancelled),
+            () = tokio::time::sleep_until(limits.deadline.into()) => return Err(PgError::Unreachable {
+                name: self.name.clone(),
+                reason: "connecting took longer than the call's deadline".into(),
+                at: self.at(),
+            }),
+        };
+        let name = self.name.clone();
+        tokio::spawn(async move {
+            if let Err(e) = connection.await {
+                tracing::debug!(database = %name, error = %e, "postgres connection ended");
+            }
+        });
+        Ok(Pooled {
+            client,
+            pool: self,
+            _permit: permit,
+        })
+    }
+
+    /// Runs one statement in one transaction and returns its rows (at most `max_rows`,
+    /// about `max_bytes`). `read_only` selects the engine layer; `write` reports rows
+    /// affected and commits.
+    async fn run(
+        &self,
+        sql: &str,
+        params: Vec<TextParam>,
+        limits: &Limits,
+        read_only: bool,
+        write: bool,
+    ) -> Result<Output, PgError> {
+        let mut pooled = self.get(limits).await?;
+        let cancel_token = pooled.client.cancel_token();
+        let budget = limits.budget_ms();
+        let (max_rows, max_bytes) = (limits.max_rows, limits.max_bytes);
+        let work = async {
+            let tx = if read_only {
+                pooled
+                    .client
+                    .build_transaction()
+                    .read_only(true)
+                    .start()
+                    .await
+            } else {
+                pooled.client.transaction().await
+            }
+            .map_err(|e| self.sql_error(&e, budget))?;
+            let ms = limits.remaining_ms().max(1);
+            // `SELECT 1` takes the transaction's first snapshot: from here on, nothing in
+            // the user's statement can make a read-only transaction read-write.
+            tx.batch_execute(&format!("SET LOCAL statement_timeout = {ms}; SELECT 1"))
+                .await
+                .map_err(|e| self.sql_error(&e, budget))?;
+            let out = statement(self, &tx, sql, &params, max_rows, max_bytes, write, budget).await?;
+            if write || !read_only {
+                tx.commit().await
+            } else {
+                tx.rollback().await
+            }
+            .map_err(|e| self.sql_error(&e, budget))?;
+            Ok::<_, PgError>(out)
+        };
+        let result = tokio::select! {
+            r = work => r,
+            () = limits.cancel.cancelled() => Err(PgError::Cancelled),
+            () = tokio::time::sleep_until(limits.deadline.into()) => Err(PgError::Timeout(budget)),
+        };
+        match result {
+            Ok(out) => {
+                // Reset the session (advisory locks, prepared statements, settings).
+                match pooled.client.batch_execute("DISCARD ALL").await {
+                    Ok(()) => pooled.release(),
+                    Err(e) => tracing::debug!(database = %self.name, error = %e, "discard failed; dropping connection"),
+                }
+                Ok(out)
+            }
+            Err(e) => {
+                if matches!(e, PgError::Cancelled | PgError::Timeout(_)) {
+                    // Stop the statement on the server too; the connection is dropped.
+                    let _ = tokio::time::timeout(
+                        Duration::from_secs(2),
+                        cancel_token.cancel_query(NoTls),
+                    )
+                    .await;
+                }
+                Err(e)
+            }
+        }
+    }
+
+    pub async fn ping(&self, limits: &Limits) -> Result<(), PgError> {
+        self.run("SELECT 1", Vec::new(), limits, true, false)
+            .await
+            .map(|_| ())
+    }
+
+    pub async fn query(
+        &self,
+        sql: String,
+        params: Vec<Value>,
+        limits: &Limits,
+    ) -> Result<Output, PgError> {
+        if !self.skip_parser {
+            readonly::check_read_only(&sql, Engine::Postgres)?;
+        }
+        let params = pg_params(&params)?;
+        self.run(&sql, params, limits, !self.skip_engine, false)
+            .await
+    }
+
+    pub async fn execute(
+        &self,
+        sql: String,
+        params: Vec<Value>,
+        limits: &Limits,
+    ) -> Result<Output, PgError> {
+        readonly::check_single_statement(&sql, Engine::Postgres)?;
+        let params = pg_params(&params)?;
+        self.run(&sql, params, limits, false, true).await
+    }
+
+    async fn metadata(
+        &self,
+        sql: &str,
+        params: Vec<TextParam>,
+        limits: &Limits,
+    ) -> Result<Option<Value>, PgError> {
+        let limits = Limits {
+            max_rows: 1,
+            max_bytes: usize::MAX,
+            ..limits.clone()
+        };
+        let out = self.run(sql, params, &limits, true, false).await?;
+        Ok(out
+            .rows
+            .into_iter()
+            .next()
+            .and_then(|r| r.into_iter().next()))
+    }
+
+    pub async fn list_tables(&self, limits: &Limits) -> Result<Value, PgError> {
+        let tables = self
+            .metadata(LIST_TABLES, Vec::new(), limits)
+            .await?
+            .unwrap_or(Value::Array(Vec::new()));
+        Ok(serde_json::json!({ "tables": tables }))
+    }
+
+    pub async fn describe(&self, table: String, limits: &Limits) -> Result<Value, PgError> {
+        match self
+            .metadata(DESCRIBE, vec![TextParam::Text(table.clone())], limits)
+            .await?
+        {
+            Some(v) if !v.is_null() => Ok(v),
+            _ => Err(PgError::NoTable(table)),
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments, reason = "one call site, all plain values")]
+async fn statement(
+    pg: &Postgres,
+    tx: &Transaction<'_>,
+    sql: &str,
+    params: &[TextParam],
+    max_rows: u64,
+    max_bytes: usize,
+    write: bool,
+    budget: u64,
+) -> Result<Output, PgError> {
+    let stmt = tx.prepare(sql).await.map_err(|e| pg.sql_error(&e, budget))?;
+    if stmt.params().len() != params.len() {
+        return Err(PgError::ParamCount {
+            expected: stmt.params().len(),
+            given: params.len(),
+        });
+    }
+    let mut out = Output {
+        columns: stmt
+            .columns()
+            .iter()
+            .map(|c| (c.name().to_owned(), c.type_().name().to_owned()))
+            .collect(),
+        ..Output::default()
+    };
+    let args = params.iter().map(|p| p as &(dyn ToSql + Sync));
+    let mut bytes = 0usize;
+    if write {
+        let stream = tx
+            .query_raw(&stmt, args)
+            .await
+            .map_err(|e| pg.sql_error(&e, budget))?;
+        futures::pin_mut!(stream);
+        while let Some(row) = stream
+            .try_next()
+            .await
+            .map_err(|e| pg.sql_error(&e, budget))?
+        {
+            if out.rows.len() as u64 >= max_rows || bytes > max_bytes {
+                out.truncated = true;
+                continue;
+            }
+            out.rows.push(convert(pg, &row, &mut bytes, budget)?);
+        }
+        out.rows_affected = stream.rows_affected();
+    } else {
+        let portal = tx
+            .bind_raw(&stmt, args)
+            .await
+            .map_err(|e| pg.sql_error(&e, budget))?;
+        let fetch = i32::try_from(max_rows.saturating_add(1)).unwrap_or(i32::MAX);
+        let stream = tx
+            .query_portal_raw(&portal, fetch)
+            .await
+            .map_err(|e| pg.sql_error(&e, budget))?;
+        futures::pin_mut!(stream);
+        while let Some(row) = stream
+            .try_next()
+            .await
+            .map_err(|e| pg.sql_error(&e, budget))?
+        {
+            if out.truncated {
+                continue;
+            }
+            if out.rows.len() as u64 >= max_rows || bytes > max_bytes {
+                out.truncated = true;
+                continue;
+            }
+            out.rows.push(convert(pg, &row, &mut bytes, budget)?);
+        }
+    }
+    Ok(out)
+}
+
+fn convert(
+    pg: &Postgres,
+    row: &tokio_postgres::Row,
+    bytes: &mut usize,
+    budget: u64,
+) -> Result<Vec<Value>, PgError> {
+    (0..row.len())
+        .map(|i| {
+            let v = row
+                .try_get::<_, PgJson>(i)
+                .map_err(|e| pg.sql_error(&e, budget))?
+                .0;
+            *bytes += approx_len(&v);
+            Ok(v)
+        })
+        .collect()
+}

@@ -1,0 +1,511 @@
+//! SQLite: a connection per call on a blocking thread.
+//!
+//! The engine layer of read-only for `query_database`: the file is opened with
+//! `SQLITE_OPEN_READ_ONLY`, `PRAGMA query_only=ON` is set, an authorizer allows only
+//! reads (no writes, `ATTACH`/`DETACH`, transaction control, state-changing pragmas or
+//! denied functions such as `load_extension`), and a prepared statement that SQLite
+//! itself does not call read-only (`VACUUM INTO`, for example) is refused before it runs.
+//! Every connection also runs with `SQLITE_DBCONFIG_DEFENSIVE` on and untrusted schema.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+use rusqlite::hooks::{AuthAction, AuthContext, Authorization};
+use rusqlite::{Connection, OpenFlags, TransactionBehavior};
+use serde_json::{Map, Value, json};
+
+use crate::config::Engine;
+use crate::readonly::{self, ReadOnlyError, denied_function, sqlite_pragma_reads};
+use crate::tools::{Limits, Output};
+use crate::values::{ValueError, sqlite_params, sqlite_storage_class, sqlite_value};
+
+/// Failures of a SQLite call, worded for the model.
+#[derive(Debug, thiserror::Error)]
+pub enum SqliteError {
+    #[error("database {name:?} is unreachable: {reason}; check the sqlite path in the configuration")]
+    Unreachable { name: String, reason: String },
+    #[error(transparent)]
+    Refused(#[from] ReadOnlyError),
+    #[error(
+        "refused by the read-only SQLite connection ({0}); query_database only reads; to change data use execute_sql"
+    )]
+    EngineRefused(String),
+    #[error("refused ({0}); execute_sql does not allow ATTACH, transaction control, pragma changes or extension loading")]
+    WriteRefused(String),
+    #[error(
+        "the statement was stopped after {0} ms (statement timeout or call deadline); make it cheaper, e.g. with WHERE and LIMIT"
+    )]
+    Timeout(u64),
+    #[error("the call was cancelled")]
+    Cancelled,
+    #[error(transparent)]
+    Param(#[from] ValueError),
+    #[error("SQLite error: {0}")]
+    Sql(String),
+    #[error("table or view {0:?} not found; call list_tables to see what exists")]
+    NoTable(String),
+    #[error("the SQLite call failed unexpectedly: {0}")]
+    Join(String),
+}
+
+/// One configured SQLite database.
+pub(crate) struct Sqlite {
+    pub name: String,
+    pub path: PathBuf,
+    pub skip_parser: bool,
+    pub skip_engine: bool,
+    pub permits: Arc<tokio::sync::Semaphore>,
+}
+
+/// What a blocking call needs to stop in time.
+#[derive(Clone)]
+struct Stop {
+    deadline: Instant,
+    cancelled: Arc<AtomicBool>,
+    budget_ms: u64,
+}
+
+impl Stop {
+    fn now(&self) -> bool {
+        self.cancelled.load(Ordering::Relaxed) || Instant::now() >= self.deadline
+    }
+}
+
+impl Sqlite {
+    /// Runs `f` on a blocking thread with a fresh connection, honouring the deadline and
+    /// cancellation of `limits`.
+    async fn run<T, F>(&self, limits: &Limits, f: F) -> Result<T, SqliteError>
+    where
+        T: Send + 'static,
+        F: FnOnce(&SqliteCall) -> Result<T, SqliteError> + Send + 'static,
+    {
+        let _permit = tokio::select! {
+            p = Arc::clone(&self.permits).acquire_owned() => p.map_err(|e| SqliteError::Join(e.to_string()))?,
+            () = limits.cancel.cancelled() => return Err(SqliteError::Cancelled),
+            () = tokio::time::sleep_until(limits.deadline.into()) => return Err(SqliteError::Timeout(limits.budget_ms())),
+        };
+        let stop = Stop {
+            deadline: limits.deadline,
+            cancelled: Arc::new(AtomicBool::new(false)),
+            budget_ms: limits.budget_ms(),
+        };
+        let call = SqliteCall {
+            name: self.name.clone(),
+            path: self.path.clone(),
+            stop: stop.clone(),
+        };
+        let flag = Arc::clone(&stop.cancelled);
+        let cancel = limits.cancel.clone();
+        let watcher = tokio::spawn(async move {
+            cancel.cancelled().await;
+            flag.store(true, Ordering::Relaxed);
+        });
+        let joined = tokio::task::spawn_blocking(move || f(&call)).await;
+        watcher.abort();
+        joined.map_err(|e| SqliteError::Join(e.to_string()))?
+    }
+
+    pub async fn ping(&self, limits: &Limits) -> Result<(), SqliteError> {
+        self.run(limits, |c| {
+            let conn = c.open(Mode::ReadOnly)?;
+            conn.query_row("SELECT count(*) FROM sqlite_schema", [], |r| {
+                r.get::<_, i64>(0)
+            })
+            .map_err(|e| c.error(e))?;
+            Ok(())
+        })
+        .await
+    }
+
+    pub async fn query(
+        &self,
+        sql: String,
+        params: Vec<Value>,
+        limits: &Limits,
+    ) -> Result<Output, SqliteError> {
+        if !self.skip_parser {
+            readonly::check_read_only(&sql, Engine::Sqlite)?;
+        }
+        let engine = !self.skip_engine;
+        let (max_rows, max_bytes) = (limits.max_rows, limits.max_bytes);
+        self.run(limits, move |c| {
+            let params = sqlite_params(&params)?;
+            let conn = c.open(if engine { Mode::ReadOnly } else { Mode::ReadWrite })?;
+            if engine {
+                conn.pragma_update(None, "query_only", true)
+                    .map_err(|e| c.error(e))?;
+                conn.authorizer(Some(read_only_authorizer))
+                    .map_err(|e| c.error(e))?;
+            }
+            c.watch(&conn)?;
+            let mut stmt = conn.prepare(&sql).map_err(|e| c.error(e))?;
+            if engine && !stmt.readonly() {
+                return Err(SqliteError::EngineRefused(
+                    "SQLite reports that the statement writes".into(),
+                ));
+            }
+            collect(c, &mut stmt, &params, max_rows, max_bytes, None)
+        })
+        .await
+    }
+
+    pub async fn execute(
+        &self,
+        sql: String,
+        params: Vec<Value>,
+        limits: &Limits,
+    ) -> Result<Output, SqliteError> {
+        readonly::check_single_statement(&sql, Engine::Sqlite)?;
+        let (max_rows, max_bytes) = (limits.max_rows, limits.max_bytes);
+        self.run(limits, move |c| {
+            let params = sqlite_params(&params)?;
+            let mut conn = c.open(Mode::ReadWrite)?;
+            c.watch(&conn)?;
+            let tx = conn
+                .transaction_with_behavior(TransactionBehavior::Immediate)
+                .map_err(|e| c.error(e))?;
+            tx.authorizer(Some(write_authorizer))
+                .map_err(|e| c.error(e))?;
+            let out = {
+                let mut stmt = tx.prepare(&sql).map_err(|e| c.error(e))?;
+                collect(c, &mut stmt, &params, max_rows, max_bytes, Some(&tx))?
+            };
+            tx.authorizer(None::<fn(AuthContext<'_>) -> Authorization>)
+                .map_err(|e| c.error(e))?;
+            tx.commit().map_err(|e| c.error(e))?;
+            Ok(out)
+        })
+        .await
+    }
+
+    pub async fn list_tables(&self, limits: &Limits) -> Result<Value, SqliteError> {
+        self.run(limits, |c| {
+            let conn = c.open(Mode::ReadOnly)?;
+            let mut stmt = conn
+                .prepare(
+                    "SELECT name, type FROM sqlite_schema WHERE type IN ('table', 'view') \
+                     AND name NOT LIKE 'sqlite\\_%' ESCAPE '\\' ORDER BY name",
+                )
+                .map_err(|e| c.error(e))?;
+            let tables = stmt
+                .query_map([], |r| {
+                    Ok(json!({"name": r.get::<_, String>(0)?, "type": r.get::<_, String>(1)?}))
+                })
+                .and_then(Iterator::collect::<Result<Vec<_>, _>>)
+                .map_err(|e| c.error(e))?;
+            Ok(json!({ "tables": tables }))
+        })
+        .await
+    }
+
+    pub async fn describe(&self, table: String, limits: &Limits) -> Result<Value, SqliteError> {
+        self.run(limits, move |c| {
+            let conn = c.open(Mode::ReadOnly)?;
+            describe(c, &conn, &table)
+        })
+        .await
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    ReadOnly,
+    ReadWrite,
+}
+
+/// One call's view of the database, on the blocking thread.
+struct SqliteCall {
+    name: String,
+    path: PathBuf,
+    stop: Stop,
+}
+
+impl SqliteCall {
+    fn open(&self, mode: Mode) -> Result<Connection, SqliteError> {
+        if !self.path.is_file() {
+            return Err(SqliteError::Unreachable {
+                name: self.name.clone(),
+                reason: format!("the file {} does not exist", self.path.display()),
+            });
+        }
+        let flags = match mode {
+            Mode::ReadOnly => OpenFlags::SQLITE_OPEN_READ_ONLY,
+            Mode::ReadWrite => OpenFlags::SQLITE_OPEN_READ_WRITE,
+        } | OpenFlags::SQLITE_OPEN_NO_MUTEX;
+        let conn = Connection::open_with_flags(&self.path, flags).map_err(|e| {
+            SqliteError::Unreachable {
+                name: self.name.clone(),
+                reason: e.to_string(),
+            }
+        })?;
+        use rusqlite::config::DbConfig;
+        conn.set_db_config(DbConfig::SQLITE_DBCONFIG_DEFENSIVE, true)
+            .map_err(|e| self.error(e))?;
+        conn.set_db_config(DbConfig::SQLITE_DBCONFIG_TRUSTED_SCHEMA, false)
+            .map_err(|e| self.error(e))?;
+        let wait = self.stop.deadline.saturating_duration_since(Instant::now());
+        conn.busy_timeout(wait).map_err(|e| self.error(e))?;
+        Ok(conn)
+    }
+
+    /// Interrupts the running statement at the deadline or on cancellation.
+    fn watch(&self, conn: &Connection) -> Result<(), SqliteError> {
+        let stop = self.stop.clone();
+        conn.progress_handler(1000, Some(move || stop.now()))
+            .map_err(|e| self.error(e))
+    }
+
+    fn error(&self, e: rusqlite::Error) -> SqliteError {
+        use rusqlite::ffi::ErrorCode;
+        if let rusqlite::Error::SqliteFailure(f, msg) = &e {
+            let text = msg.clone().unwrap_or_else(|| f.to_string());
+            match f.code {
+                ErrorCode::OperationInterrupted => {
+                    return if self.stop.cancelled.load(Ordering::Relaxed) {
+                        SqliteError::Cancelled
+                    } else {
+                        SqliteError::Timeout(self.stop.budget_ms)
+                    };
+                }
+                ErrorCode::ReadOnly | ErrorCode::AuthorizationForStatementDenied => {
+                    return SqliteError::EngineRefused(text);
+                }
+                _ => return SqliteError::Sql(text),
+            }
+        }
+        if matches!(e, rusqlite::Error::MultipleStatement) {
+            return SqliteError::Sql(
+                "found more than one statement; send exactly one statement per call".into(),
+            );
+        }
+        SqliteError::Sql(e.to_string())
+    }
+}
+
+/// Authorizer for `query_database`: reads only.
+fn read_only_authorizer(ctx: AuthContext<'_>) -> Authorization {
+    match ctx.action {
+        AuthAction::Select | AuthAction::Read { .. } | AuthAction::Recursive => {
+            Authorization::Allow
+        }
+        AuthAction::Function { function_name } if !denied_function(function_name) => {
+            Authorization::Allow
+        }
+        AuthAction::Pragma {
+            pragma_name,
+            pragma_value,
+        } if sqlite_pragma_reads(pragma_name, pragma_value.is_some()) => Authorization::Allow,
+        _ => Authorization::Deny,
+    }
+}
+
+/// Authorizer for `execute_sql`: no ATTACH/DETACH, transaction control, pragma changes
+/// or denied functions; ordinary DML and DDL pass.
+fn write_authorizer(ctx: AuthContext<'_>) -> Authorization {
+    match ctx.action {
+        AuthAction::Attach { .. }
+        | AuthAction::Detach { .. }
+        | AuthAction::Transaction { .. }
+        | AuthAction::Savepoint { .. } => Authorization::Deny,
+        AuthAction::Function { function_name } if denied_function(function_name) => {
+            Authorization::Deny
+        }
+        AuthAction::Pragma {
+            pragma_name,
+            pragma_value,
+        } if !sqlite_pragma_reads(pragma_name, pragma_value.is_some()) => Authorization::Deny,
+        _ => Authorization::Allow,
+    }
+}
+
+/// Steps `stmt` to the end, keeping at most `max_rows` rows and about `max_bytes` of
+/// values. With `changes_from`, also reports rows affected (execute_sql).
+fn collect(
+    c: &SqliteCall,
+    stmt: &mut rusqlite::Statement<'_>,
+    params: &[rusqlite::types::Value],
+    max_rows: u64,
+    max_bytes: usize,
+    changes_from: Option<&Connection>,
+) -> Result<Output, SqliteError> {
+    let decls: Vec<String> = stmt
+        .columns()
+        .iter()
+        .map(|col| col.decl_type().unwrap_or_default().to_owned())
+        .collect();
+    let names: Vec<String> = stmt
+        .column_names()
+        .into_iter()
+        .map(str::to_owned)
+        .collect();
+    let mut types: Vec<Option<String>> = decls
+        .iter()
+        .map(|d| (!d.is_empty()).then(|| d.to_ascii_lowercase()))
+        .collect();
+    let mut out = Output::default();
+    let mut rows = stmt
+        .query(rusqlite::params_from_iter(params.iter()))
+        .map_err(|e| c.error(e))?;
+    let mut bytes = 0usize;
+    let writing = changes_from.is_some();
+    while let Some(row) = rows.next().map_err(|e| c.error(e))? {
+        if out.truncated {
+            if writing {
+                continue; // run a write to the end, but keep no more rows
+            }
+            break;
+        }
+        if out.rows.len() as u64 >= max_rows || bytes > max_bytes {
+            out.truncated = true;
+            if writing {
+                continue;
+            }
+            break;
+        }
+        let mut values = Vec::with_capacity(names.len());
+        for (i, decl) in decls.iter().enumerate() {
+            let v = row.get_ref(i).map_err(|e| c.error(e))?;
+            if let Some(slot) = types.get_mut(i)
+                && slot.is_none()
+                && !matches!(v, rusqlite::types::ValueRef::Null)
+            {
+                *slot = Some(sqlite_storage_class(v).to_owned());
+            }
+            let json = sqlite_value(v, decl);
+            bytes += approx_len(&json);
+            values.push(json);
+        }
+        out.rows.push(values);
+    }
+    drop(rows);
+    out.columns = names
+        .into_iter()
+        .zip(types)
+        .map(|(name, ty)| (name, ty.unwrap_or_else(|| "null".into())))
+        .collect();
+    if let Some(conn) = changes_from {
+        out.rows_affected = Some(conn.changes());
+    }
+    Ok(out)
+}
+
+pub(crate) fn approx_len(v: &Value) -> usize {
+    match v {
+        Value::String(s) => s.len() + 2,
+        Value::Array(a) => a.iter().map(approx_len).sum::<usize>() + 2,
+        Value::Object(o) => o.iter().map(|(k, v)| k.len() + approx_len(v) + 4).sum(),
+        _ => 8,
+    }
+}
+
+fn describe(c: &SqliteCall, conn: &Connection, table: &str) -> Result<Value, SqliteError> {
+    let found: Option<(String, String)> = conn
+        .query_row(
+            "SELECT name, type FROM sqlite_schema WHERE type IN ('table', 'view') \
+             AND name = ?1 COLLATE NOCASE ORDER BY name = ?1 DESC LIMIT 1",
+            [table],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .map(Some)
+        .or_else(|e| match e {
+            rusqlite::Error::QueryReturnedNoRows => Ok(None),
+            e => Err(c.error(e)),
+        })?;
+    let Some((name, kind)) = found else {
+        return Err(SqliteError::NoTable(table.to_owned()));
+    };
+    let q = |sql: &str, arg: &str| -> Result<Vec<Map<String, Value>>, SqliteError> {
+        let mut stmt = conn.prepare(sql).map_err(|e| c.error(e))?;
+        let cols: Vec<String> = stmt.column_names().into_iter().map(str::to_owned).collect();
+        let mut rows = stmt.query([arg]).map_err(|e| c.error(e))?;
+        let mut out = Vec::new();
+        while let Some(row) = rows.next().map_err(|e| c.error(e))? {
+            let mut m = Map::new();
+            for (i, col) in cols.iter().enumerate() {
+                let v = row.get_ref(i).map_err(|e| c.error(e))?;
+                m.insert(col.clone(), sqlite_value(v, ""));
+            }
+            out.push(m);
+        }
+        Ok(out)
+    };
+    let mut pk: Vec<(i64, String)> = Vec::new();
+    let columns: Vec<Value> = q(
+        "SELECT name, type, \"notnull\", dflt_value, pk FROM pragma_table_xinfo(?1) WHERE hidden IN (0, 2, 3) ORDER BY cid",
+        &name,
+    )?
+    .into_iter()
+    .map(|m| {
+        let col = m.get("name").and_then(Value::as_str).unwrap_or_default().to_owned();
+        let pk_pos = m.get("pk").and_then(Value::as_i64).unwrap_or(0);
+        if pk_pos > 0 {
+            pk.push((pk_pos, col.clone()));
+        }
+        json!({
+            "name": col,
+            "type": m.get("type").cloned().unwrap_or(Value::Null),
+            "nullable": m.get("notnull").and_then(Value::as_i64) == Some(0) && pk_pos == 0,
+            "default": m.get("dflt_value").cloned().unwrap_or(Value::Null),
+            "primary_key": pk_pos > 0,
+        })
+    })
+    .collect();
+    pk.sort();
+    let mut fks: Vec<(i64, Value)> = Vec::new();
+    for m in q(
+        "SELECT id, seq, \"table\", \"from\", \"to\", on_update, on_delete FROM pragma_foreign_key_list(?1) ORDER BY id, seq",
+        &name,
+    )? {
+        let id = m.get("id").and_then(Value::as_i64).unwrap_or(0);
+        if fks.last().map(|(i, _)| *i) != Some(id) {
+            fks.push((
+                id,
+                json!({
+                    "columns": [],
+                    "references": {"table": m.get("table").cloned().unwrap_or(Value::Null), "columns": []},
+                    "on_update": m.get("on_update").cloned().unwrap_or(Value::Null),
+                    "on_delete": m.get("on_delete").cloned().unwrap_or(Value::Null),
+                }),
+            ));
+        }
+        if let Some((_, fk)) = fks.last_mut() {
+            if let Some(a) = fk["columns"].as_array_mut() {
+                a.push(m.get("from").cloned().unwrap_or(Value::Null));
+            }
+            if let Some(a) = fk["references"]["columns"].as_array_mut() {
+                a.push(m.get("to").cloned().unwrap_or(Value::Null));
+            }
+        }
+    }
+    let mut indexes = Vec::new();
+    for m in q(
+        "SELECT name, \"unique\", origin, partial FROM pragma_index_list(?1) ORDER BY name",
+        &name,
+    )? {
+        let index = m.get("name").and_then(Value::as_str).unwrap_or_default().to_owned();
+        let cols: Vec<Value> = q(
+            "SELECT name FROM pragma_index_info(?1) ORDER BY seqno",
+            &index,
+        )?
+        .into_iter()
+        .map(|c| c.get("name").cloned().unwrap_or(Value::Null))
+        .collect();
+        indexes.push(json!({
+            "name": index,
+            "columns": cols,
+            "unique": m.get("unique").and_then(Value::as_i64) == Some(1),
+            "primary": m.get("origin").and_then(Value::as_str) == Some("pk"),
+            "partial": m.get("partial").and_then(Value::as_i64) == Some(1),
+        }));
+    }
+    Ok(json!({
+        "table": name,
+        "type": kind,
+        "columns": columns,
+        "primary_key": pk.into_iter().map(|(_, c)| c).collect::<Vec<_>>(),
+        "foreign_keys": fks.into_iter().map(|(_, v)| v).collect::<Vec<_>>(),
+        "indexes": indexes,
+    }))
+}

@@ -1,0 +1,85 @@
+//! The `[sandbox]` section of `airlock.toml`.
+
+use std::path::PathBuf;
+
+use airlock_policy::IsolationLevel;
+use airlock_sandbox::SandboxConfig;
+use serde::Deserialize;
+
+/// Sandbox limits and shell defaults. Every key has the default DESIGN.md pins.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ShellConfig {
+    /// Root of the workspaces; set by the binary from the data dir.
+    #[serde(skip)]
+    pub workspaces_root: PathBuf,
+    /// `strict` (every layer) or `standard` (no namespaces, for unprivileged containers).
+    pub min_isolation: IsolationLevel,
+    pub memory_bytes: u64,
+    pub pids: u64,
+    /// CPUs (1.0 = one CPU).
+    pub cpu: f64,
+    pub tmp_bytes: u64,
+    pub fsize_bytes: u64,
+    pub nofile: u64,
+    /// Captured output per stream.
+    pub output_bytes: usize,
+    /// Output per stream the model sees in the result (the rest is flagged truncated).
+    pub model_output_bytes: usize,
+    /// Default and maximum `timeout_seconds`.
+    pub timeout_seconds: u64,
+    pub max_timeout_seconds: u64,
+    /// Give sandboxes the worker's network (default: none, only their own loopback).
+    pub network: bool,
+    /// Environment variable names a call may set.
+    pub allowed_env: Vec<String>,
+    /// Name of the parent cgroup of the sandboxes.
+    pub cgroup_parent: String,
+    /// Run at exactly this level instead of the strongest the host offers (set by
+    /// `airlock sandbox run --profile`).
+    #[serde(skip)]
+    pub force_level: Option<IsolationLevel>,
+}
+
+impl Default for ShellConfig {
+    fn default() -> Self {
+        Self {
+            workspaces_root: PathBuf::from("/var/lib/airlock/workspaces"),
+            min_isolation: IsolationLevel::Strict,
+            memory_bytes: 512 << 20,
+            pids: 256,
+            cpu: 1.0,
+            tmp_bytes: 64 << 20,
+            fsize_bytes: 1 << 30,
+            nofile: 1024,
+            output_bytes: 1 << 20,
+            model_output_bytes: 64 << 10,
+            timeout_seconds: 30,
+            max_timeout_seconds: 600,
+            network: false,
+            allowed_env: ["LANG", "LC_ALL", "LC_CTYPE", "TZ", "TERM", "NO_COLOR", "CI"]
+                .map(String::from)
+                .to_vec(),
+            cgroup_parent: "airlock".to_owned(),
+            force_level: None,
+        }
+    }
+}
+
+impl ShellConfig {
+    pub fn sandbox_config(&self) -> SandboxConfig {
+        SandboxConfig {
+            min_isolation: self.min_isolation,
+            force_level: self.force_level,
+            memory_bytes: self.memory_bytes,
+            pids: self.pids,
+            cpu_millis: (self.cpu * 1000.0).round().max(1.0) as u64,
+            tmp_bytes: self.tmp_bytes,
+            fsize_bytes: self.fsize_bytes,
+            nofile: self.nofile,
+            output_cap_bytes: self.output_bytes,
+            network: self.network,
+            cgroup_parent: self.cgroup_parent.clone(),
+        }
+    }
+}

@@ -1,0 +1,223 @@
+//! The `execute_shell` tool.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use airlock_policy::{ToolAnnotations, ToolDefinition, ToolOutcome};
+use airlock_sandbox::{Cancel, CommandSpec, RunOutcome, Sandbox, Stream};
+use airlock_worker::{CallContext, OutputStream, Tool};
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use crate::config::ShellConfig;
+use crate::workspace;
+
+pub struct ExecuteShell {
+    config: ShellConfig,
+    sandbox: Arc<Sandbox>,
+}
+
+impl ExecuteShell {
+    pub fn new(config: ShellConfig, sandbox: Arc<Sandbox>) -> Self {
+        Self { config, sandbox }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Arguments {
+    command: Option<String>,
+    argv: Option<Vec<String>>,
+    cwd: Option<String>,
+    stdin: Option<String>,
+    #[serde(default)]
+    env: BTreeMap<String, String>,
+    timeout_seconds: Option<f64>,
+}
+
+/// Sets the sandbox's cancel flag when dropped, so a call whose future is dropped (the
+/// caller went away, the deadline passed) still kills its sandbox.
+struct CancelOnDrop(Cancel);
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        self.0.cancel();
+    }
+}
+
+#[airlock_worker::async_trait]
+impl Tool for ExecuteShell {
+    fn definition(&self) -> ToolDefinition {
+        let max = self.config.max_timeout_seconds;
+        ToolDefinition {
+            name: "execute_shell".into(),
+            title: "Run a shell command".into(),
+            description: format!(
+                "Run a command in a fresh, isolated Linux sandbox. The session's workspace is \
+                 the working directory, at /workspace; /tmp is small and private; there is no \
+                 network. Give either `command` (run by /bin/sh -c) or `argv`. Returns JSON with \
+                 exit_code, signal, stdout, stderr, truncation flags, timed_out, duration_ms, \
+                 usage and the isolation report. Output beyond {} KiB per stream is cut.",
+                self.config.model_output_bytes / 1024
+            ),
+            input_schema: json!({
+                "type": "object",
+                "additionalProperties": false,
+                "properties": {
+                    "command": {"type": "string", "minLength": 1, "maxLength": 131072,
+                        "description": "Shell command line, run as /bin/sh -c '<command>'."},
+                    "argv": {"type": "array", "minItems": 1, "maxItems": 4096,
+                        "items": {"type": "string", "maxLength": 131072},
+                        "description": "Program and arguments, run without a shell."},
+                    "cwd": {"type": "string", "maxLength": 4096,
+                        "description": "Working directory relative to the workspace (default: its root)."},
+                    "stdin": {"type": "string", "maxLength": 1048576, "description": "Text fed to standard input."},
+                    "env": {"type": "object", "maxProperties": 64,
+                        "additionalProperties": {"type": "string", "maxLength": 4096},
+                        "description": format!("Environment variables to set; allowed names: {}.", self.config.allowed_env.join(", "))},
+                    "timeout_seconds": {"type": "number", "exclusiveMinimum": 0, "maximum": max,
+                        "description": format!("Wall-clock limit (default {}, at most {max}).", self.config.timeout_seconds)}
+                },
+                "oneOf": [{"required": ["command"]}, {"required": ["argv"]}]
+            }),
+            annotations: ToolAnnotations { destructive: true, open_world: false, ..Default::default() },
+        }
+    }
+
+    async fn execute(&self, arguments: Value, ctx: CallContext) -> ToolOutcome {
+        let args: Arguments = match serde_json::from_value(arguments) {
+            Ok(a) => a,
+            Err(e) => return ToolOutcome::error(format!("invalid arguments: {e}")),
+        };
+        let spec = match self.spec(args, &ctx) {
+            Ok(spec) => spec,
+            Err(message) => return ToolOutcome::error(message),
+        };
+        let cancel = Cancel::new();
+        let guard = CancelOnDrop(cancel.clone());
+        let watcher = {
+            let token = ctx.cancel.clone();
+            let cancel = cancel.clone();
+            tokio::spawn(async move {
+                token.cancelled().await;
+                cancel.cancel();
+            })
+        };
+        let sandbox = self.sandbox.clone();
+        let stream_ctx = ctx.clone();
+        let run = tokio::task::spawn_blocking(move || {
+            let mut sink = |stream: Stream, data: &[u8]| {
+                let stream = match stream {
+                    Stream::Stdout => OutputStream::Stdout,
+                    Stream::Stderr => OutputStream::Stderr,
+                };
+                stream_ctx.output_blocking(stream, data.to_vec());
+            };
+            sandbox.run(&spec, &mut sink, &cancel)
+        })
+        .await;
+        watcher.abort();
+        drop(guard);
+        match run {
+            Ok(Ok(outcome)) => self.render(outcome),
+            Ok(Err(e)) => ToolOutcome::error(format!("the sandbox could not run the command: {e}")),
+            Err(e) => ToolOutcome::error(format!("the sandbox thread failed: {e}")),
+        }
+    }
+}
+
+impl ExecuteShell {
+    fn spec(&self, args: Arguments, ctx: &CallContext) -> Result<CommandSpec, String> {
+        let argv = match (args.command, args.argv) {
+            (Some(command), None) => vec!["/bin/sh".to_owned(), "-c".to_owned(), command],
+            (None, Some(argv)) if !argv.is_empty() => argv,
+            (Some(_), Some(_)) => return Err("give either command or argv, not both".into()),
+            _ => return Err("give command (a shell command line) or argv (a program and its arguments)".into()),
+        };
+        if argv.iter().any(|a| a.contains('\0')) {
+            return Err("arguments may not contain NUL bytes".into());
+        }
+        let cwd = match &args.cwd {
+            Some(cwd) => workspace::checked_cwd(cwd)?,
+            None => None,
+        };
+        for name in args.env.keys() {
+            if !self.config.allowed_env.iter().any(|allowed| allowed == name) {
+                return Err(format!(
+                    "environment variable {name:?} is not allowed; allowed names: {}",
+                    self.config.allowed_env.join(", ")
+                ));
+            }
+        }
+        let requested = args.timeout_seconds.unwrap_or(self.config.timeout_seconds as f64);
+        if !(requested.is_finite() && requested > 0.0) {
+            return Err("timeout_seconds must be a positive number".into());
+        }
+        let mut timeout = Duration::from_secs_f64(requested.min(self.config.max_timeout_seconds as f64));
+        // Never outlive the worker's own deadline for the call.
+        let remaining = ctx.deadline.saturating_duration_since(std::time::Instant::now());
+        timeout = timeout.min(remaining);
+        let workspace = workspace::prepare(&self.config.workspaces_root, &ctx.principal, ctx.session_id.as_str())
+            .map_err(|e| e.to_string())?;
+        Ok(CommandSpec {
+            argv,
+            workspace,
+            cwd,
+            stdin: args.stdin.unwrap_or_default().into_bytes(),
+            env: args.env.into_iter().collect(),
+            timeout,
+        })
+    }
+
+    fn render(&self, outcome: RunOutcome) -> ToolOutcome {
+        let cap = self.config.model_output_bytes;
+        let (stdout, stdout_cut) = clip(&outcome.stdout, cap);
+        let (stderr, stderr_cut) = clip(&outcome.stderr, cap);
+        let isolation = serde_json::to_value(&outcome.isolation).unwrap_or(Value::Null);
+        let body = json!({
+            "exit_code": outcome.exit_code,
+            "signal": outcome.signal,
+            "stdout": stdout,
+            "stderr": stderr,
+            "stdout_truncated": outcome.stdout_truncated || stdout_cut,
+            "stderr_truncated": outcome.stderr_truncated || stderr_cut,
+            "timed_out": outcome.timed_out,
+            "duration_ms": outcome.duration.as_millis() as u64,
+            "usage": outcome.usage,
+            "isolation": isolation,
+        });
+        ToolOutcome {
+            is_error: outcome.exit_code != Some(0),
+            content: vec![body.to_string()],
+            isolation: Some(isolation),
+            timed_out: outcome.timed_out,
+        }
+    }
+}
+
+/// The first `cap` bytes as text (never cutting a UTF-8 sequence in half), and whether
+/// it was cut.
+fn clip(bytes: &[u8], cap: usize) -> (String, bool) {
+    let cut = bytes.len() > cap;
+    let mut end = bytes.len().min(cap);
+    // Step back over continuation bytes so the cut falls on a character boundary.
+    while cut && end > 0 && bytes.get(end).is_some_and(|b| b & 0xC0 == 0x80) {
+        end -= 1;
+    }
+    (String::from_utf8_lossy(&bytes[..end]).into_owned(), cut)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::clip;
+
+    #[test]
+    fn clip_respects_char_boundaries() {
+        assert_eq!(clip(b"hello", 10), ("hello".to_owned(), false));
+        assert_eq!(clip(b"hello", 3), ("hel".to_owned(), true));
+        let text = "é".repeat(3); // 6 bytes
+        assert_eq!(clip(text.as_bytes(), 3), ("é".to_owned(), true));
+        assert_eq!(clip(&[0xff, 0x41], 10).0, "\u{fffd}A");
+    }
+}

@@ -1,0 +1,24 @@
+//! `execute_shell`: every call runs in a fresh sandbox (see `airlock-sandbox`), in the
+//! call's workspace mounted at `/workspace`, with an empty environment plus the
+//! variables the call names and the configuration allows.
+#![forbid(unsafe_code)]
+
+mod config;
+mod execute;
+mod workspace;
+
+pub use config::ShellConfig;
+pub use execute::ExecuteShell;
+
+use std::sync::Arc;
+
+use airlock_sandbox::{Sandbox, SandboxError};
+use airlock_worker::ToolSet;
+
+/// Probes the host and builds the shell tool set; fails closed (naming the missing layer
+/// and the fix) when the host cannot give `[sandbox] min_isolation`.
+pub fn tools(config: ShellConfig) -> Result<(ToolSet, Arc<Sandbox>), SandboxError> {
+    let sandbox = Arc::new(Sandbox::new(config.sandbox_config())?);
+    let tool = ExecuteShell::new(config, sandbox.clone());
+    Ok((ToolSet::new("shell").with(tool), sandbox))
+}
