@@ -118,6 +118,7 @@ impl Gate {
             session_id: session.as_str().to_owned(),
             timeout_ms,
             trace_context: Default::default(),
+            detached: false,
         };
         match dispatch::execute(&group, request, events, cancel).await {
             Ok(done) => {

@@ -16,7 +16,7 @@ use airlock_policy::{SessionId, ToolOutcome, validate_segment};
 use airlock_proto::v1 as pb;
 use airlock_proto::v1::tool_worker_server::{ToolWorker, ToolWorkerServer};
 use futures::Stream;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream, UnixListenerStream};
 use tokio_util::sync::{CancellationToken, DropGuard};
 use tokio_util::task::TaskTracker;
@@ -161,6 +161,7 @@ impl WorkerServer {
             settings: self.settings.clone(),
             all_calls: all_calls.clone(),
             in_flight: in_flight.clone(),
+            ledger: Ledger::default(),
         };
         let router = tonic::transport::Server::builder()
             .add_service(health_service)
@@ -232,6 +233,7 @@ struct WorkerService {
     settings: WorkerSettings,
     all_calls: CancellationToken,
     in_flight: TaskTracker,
+    ledger: Ledger,
 }
 
 impl WorkerService {
@@ -293,6 +295,18 @@ impl ToolWorker for WorkerService {
                 .map_err(|e| Status::invalid_argument(e.to_string()))?
         };
 
+        let ledger = if request.call_id.is_empty() {
+            watch::channel(None).0
+        } else {
+            match self.ledger.register(&request.call_id) {
+                Ok(ledger) => ledger,
+                Err(existing) => {
+                    tracing::info!(call_id = %request.call_id, "repeated call id: joining the original run");
+                    return Ok(Response::new(replay(existing)));
+                }
+            }
+        };
+        let detached = request.detached;
         let timeout = self.call_timeout(request.timeout_ms, grpc_timeout);
         let deadline = Instant::now() + timeout;
         let cancel = self.all_calls.child_token();
@@ -308,30 +322,43 @@ impl ToolWorker for WorkerService {
         );
         tracing::debug!(call_id = %request.call_id, tool = %request.tool, "execute");
         let call = async move { tool.execute(arguments, ctx).await };
-        self.in_flight
-            .spawn(run_call(call, event_rx, out_tx, cancel.clone(), timeout));
-
-        let stream = CancelOnDrop {
-            inner: ReceiverStream::new(out_rx),
-            _guard: cancel.drop_guard(),
-        };
-        Ok(Response::new(Box::pin(stream)))
+        self.in_flight.spawn(run_call(
+            call,
+            event_rx,
+            out_tx,
+            cancel.clone(),
+            timeout,
+            detached,
+            ledger,
+        ));
+        let stream = ReceiverStream::new(out_rx);
+        if detached {
+            return Ok(Response::new(Box::pin(stream)));
+        }
+        Ok(Response::new(Box::pin(CancelOnDrop { inner: stream, _guard: cancel.drop_guard() })))
     }
 }
 
-/// Drives one call: forwards its events, then its result; ends it at the deadline; stops
-/// when the caller has gone away.
+/// The final answer of a call: its result, or the status that ended it.
+type Final = Result<pb::ToolResult, Status>;
+
+/// Drives one call: forwards its events, then its result; ends it at the deadline;
+/// cancels it when the caller goes away (unless detached). The final answer is also
+/// published to `ledger`, for a caller that asks again with the same call id.
 async fn run_call(
     call: impl Future<Output = ToolOutcome> + Send,
     mut events: mpsc::Receiver<ToolEvent>,
     out: mpsc::Sender<Result<pb::ExecuteEvent, Status>>,
     cancel: CancellationToken,
     timeout: Duration,
+    detached: bool,
+    ledger: watch::Sender<Option<Final>>,
 ) {
     tokio::pin!(call);
     let expiry = tokio::time::sleep(timeout);
     tokio::pin!(expiry);
-    loop {
+    let mut caller_gone = false;
+    let answer: Final = loop {
         tokio::select! {
             biased;
             _ = cancel.cancelled() => {
@@ -339,30 +366,90 @@ async fn run_call(
                 // token and gets a moment to clean up; then its future is dropped, and
                 // tools release what they hold (a sandbox is killed) in Drop.
                 let _ = tokio::time::timeout(CANCEL_GRACE, &mut call).await;
-                return;
+                break Err(Status::cancelled("the call was cancelled"));
             }
             outcome = &mut call => {
                 while let Ok(event) = events.try_recv() {
-                    let _ = out.send(Ok(wire_event(event))).await;
+                    if !caller_gone {
+                        let _ = out.send(Ok(wire_event(event))).await;
+                    }
                 }
-                let result = pb::execute_event::Event::Result((&outcome).into());
-                let _ = out.send(Ok(pb::ExecuteEvent { event: Some(result) })).await;
-                return;
+                break Ok((&outcome).into());
             }
             Some(event) = events.recv() => {
-                if out.send(Ok(wire_event(event))).await.is_err() {
-                    return;
+                if !caller_gone && out.send(Ok(wire_event(event))).await.is_err() {
+                    caller_gone = true;
+                    if !detached {
+                        cancel.cancel();
+                    }
                 }
             }
             _ = &mut expiry => {
                 cancel.cancel();
                 let _ = tokio::time::timeout(CANCEL_GRACE, &mut call).await;
                 let message = format!("the call did not finish within {} ms and was stopped", timeout.as_millis());
-                let _ = out.send(Err(Status::deadline_exceeded(message))).await;
-                return;
+                break Err(Status::deadline_exceeded(message));
             }
         }
+    };
+    ledger.send_replace(Some(answer.clone()));
+    let _ = out.send(answer.map(result_event)).await;
+}
+
+fn result_event(result: pb::ToolResult) -> pb::ExecuteEvent {
+    pb::ExecuteEvent { event: Some(pb::execute_event::Event::Result(result)) }
+}
+
+/// Recent calls by id, so a repeated Execute (a restarted orchestrator resuming an
+/// approved call) joins the original run instead of starting a second one.
+#[derive(Default)]
+struct Ledger {
+    calls: std::sync::Mutex<std::collections::HashMap<String, (Instant, watch::Receiver<Option<Final>>)>>,
+}
+
+/// How long a call's answer stays available to a repeated Execute.
+const LEDGER_TTL: Duration = Duration::from_secs(3600);
+const LEDGER_CAPACITY: usize = 10_000;
+
+impl Ledger {
+    /// Registers `call_id`; `Err` carries the existing call's answer receiver.
+    fn register(
+        &self,
+        call_id: &str,
+    ) -> Result<watch::Sender<Option<Final>>, watch::Receiver<Option<Final>>> {
+        let mut calls = match self.calls.lock() {
+            Ok(guard) => guard,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        if let Some((_, existing)) = calls.get(call_id) {
+            return Err(existing.clone());
+        }
+        if calls.len() >= LEDGER_CAPACITY {
+            calls.retain(|_, (at, _)| at.elapsed() < LEDGER_TTL);
+        }
+        let (tx, rx) = watch::channel(None);
+        if calls.len() < LEDGER_CAPACITY {
+            calls.insert(call_id.to_owned(), (Instant::now(), rx));
+        }
+        Ok(tx)
     }
+}
+
+/// The stream for a repeated Execute: the original call's answer, once it has one.
+fn replay(mut answer: watch::Receiver<Option<Final>>) -> EventStream {
+    let (tx, rx) = mpsc::channel(1);
+    tokio::spawn(async move {
+        let result = match answer.wait_for(Option::is_some).await {
+            Ok(final_answer) => final_answer.clone(),
+            Err(_) => None,
+        };
+        let event = match result {
+            Some(answer) => answer.map(result_event),
+            None => Err(Status::aborted("the original call ended without an answer")),
+        };
+        let _ = tx.send(event).await;
+    });
+    Box::pin(ReceiverStream::new(rx))
 }
 
 fn wire_event(event: ToolEvent) -> pb::ExecuteEvent {

@@ -118,6 +118,7 @@ fn request(millis: u64, timeout_ms: u64) -> pb::ExecuteRequest {
         session_id: "s1".into(),
         timeout_ms,
         trace_context: Default::default(),
+        detached: false,
     }
 }
 
@@ -279,4 +280,41 @@ async fn unknown_tools_and_bad_requests_are_refused() {
         .into_inner();
     assert_eq!(listed.group, "test");
     assert_eq!(listed.tools[0].name, "sleep");
+}
+
+#[tokio::test]
+async fn a_repeated_call_id_joins_the_original_run() {
+    let h = start(WorkerSettings::default()).await;
+    let mut c = client(&h.socket).await;
+    let mut first = request(300, 0);
+    first.call_id = "same".into();
+    let mut second = first.clone();
+    second.arguments_json = "{\"millis\": 1}".into();
+    let a = tokio::spawn({
+        let mut c = c.clone();
+        async move { result_of(&mut c, first).await }
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let b = result_of(&mut c, second).await.unwrap();
+    assert_eq!(b.content, vec!["slept 300 ms".to_owned()], "the second request got the first run's answer");
+    assert_eq!(a.await.unwrap().unwrap().content, b.content);
+    assert_eq!(h.finished.load(Ordering::SeqCst), 1, "the tool ran once");
+}
+
+#[tokio::test]
+async fn a_detached_call_survives_its_caller_and_can_be_fetched_again() {
+    let h = start(WorkerSettings::default()).await;
+    let mut c = client(&h.socket).await;
+    let mut req = request(400, 0);
+    req.call_id = "durable".into();
+    req.detached = true;
+    let stream = c.execute(req.clone()).await.unwrap().into_inner();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    drop(stream);
+    drop(c);
+    let mut c = client(&h.socket).await;
+    let result = result_of(&mut c, req).await.unwrap();
+    assert_eq!(result.content, vec!["slept 400 ms".to_owned()]);
+    assert!(!h.cancelled.load(Ordering::SeqCst), "a detached call is not cancelled by a disconnect");
+    assert_eq!(h.finished.load(Ordering::SeqCst), 1);
 }
