@@ -6,7 +6,9 @@
     reason = "test code: a failed expectation is a failed test"
 )]
 
+mod adversarial;
 mod fs_tools;
+mod gate;
 mod grpc_api;
 mod http_api;
 mod shell;

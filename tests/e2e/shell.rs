@@ -14,7 +14,11 @@ fn parse(text: &str) -> Value {
 async fn execute_shell_runs_in_the_workspace_with_an_isolation_report() {
     let airlock = Airlock::start().await;
     let (err, text, call) = airlock
-        .call_in("sh", "execute_shell", json!({"command": "echo hi > made.txt; pwd; echo oops >&2; exit 3"}))
+        .call_in(
+            "sh",
+            "execute_shell",
+            json!({"command": "echo hi > made.txt; pwd; echo oops >&2; exit 3"}),
+        )
         .await;
     assert!(err, "a non-zero exit is an error result");
     let result = parse(&text);
@@ -23,41 +27,87 @@ async fn execute_shell_runs_in_the_workspace_with_an_isolation_report() {
     assert_eq!(result["stderr"], "oops\n");
     assert_eq!(result["timed_out"], false);
     assert_eq!(call["status"], "error");
-    for key in ["stdout_truncated", "stderr_truncated", "duration_ms", "usage", "signal"] {
+    for key in [
+        "stdout_truncated",
+        "stderr_truncated",
+        "duration_ms",
+        "usage",
+        "signal",
+    ] {
         assert!(result.get(key).is_some(), "{key} missing");
     }
     let isolation = &call["isolation"];
-    assert_eq!(isolation, &result["isolation"], "calls[].isolation repeats the report");
+    assert_eq!(
+        isolation, &result["isolation"],
+        "calls[].isolation repeats the report"
+    );
     assert_eq!(isolation["level"], "strict");
     assert_eq!(isolation["seccomp"], "filter");
     assert_eq!(isolation["no_new_privs"], true);
     assert_eq!(isolation["network"], "none");
-    assert!(isolation["namespaces"].as_array().expect("namespaces").len() >= 7, "{isolation}");
-    assert_eq!(std::fs::read_to_string(airlock.workspace("sh").join("made.txt")).expect("file"), "hi\n");
+    assert!(
+        isolation["namespaces"]
+            .as_array()
+            .expect("namespaces")
+            .len()
+            >= 7,
+        "{isolation}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(airlock.workspace("sh").join("made.txt")).expect("file"),
+        "hi\n"
+    );
 
     let (err, text, call) = airlock
-        .call_in("sh", "execute_shell", json!({"argv": ["cat"], "stdin": "piped", "env": {"LANG": "C.UTF-8"}}))
+        .call_in(
+            "sh",
+            "execute_shell",
+            json!({"argv": ["cat"], "stdin": "piped", "env": {"LANG": "C.UTF-8"}}),
+        )
         .await;
     assert!(!err, "{text}");
     assert_eq!(parse(&text)["stdout"], "piped");
     assert_eq!(call["status"], "ok");
 
-    let (err, text, _) = airlock.call("execute_shell", json!({"command": "env", "env": {"LD_PRELOAD": "/x.so"}})).await;
+    let (err, text, _) = airlock
+        .call(
+            "execute_shell",
+            json!({"command": "env", "env": {"LD_PRELOAD": "/x.so"}}),
+        )
+        .await;
     assert!(err && text.contains("not allowed"), "{text}");
-    let (err, text, _) = airlock.call("execute_shell", json!({"command": "true", "argv": ["true"]})).await;
+    let (err, text, _) = airlock
+        .call(
+            "execute_shell",
+            json!({"command": "true", "argv": ["true"]}),
+        )
+        .await;
     assert!(err, "command and argv together are refused: {text}");
-    let (err, text, _) = airlock.call("execute_shell", json!({"command": "pwd", "cwd": "../.."})).await;
+    let (err, text, _) = airlock
+        .call("execute_shell", json!({"command": "pwd", "cwd": "../.."}))
+        .await;
     assert!(err && text.contains(".."), "{text}");
 }
 
 #[tokio::test]
 async fn the_sandbox_environment_holds_no_secrets() {
     let airlock = Airlock::start().await;
-    let (_, text, _) = airlock.call("execute_shell", json!({"command": "env; cat /proc/1/environ | tr '\\0' '\\n'"})).await;
+    let (_, text, _) = airlock
+        .call(
+            "execute_shell",
+            json!({"command": "env; cat /proc/1/environ | tr '\\0' '\\n'"}),
+        )
+        .await;
     let result = parse(&text);
     let stdout = result["stdout"].as_str().expect("stdout");
-    assert!(!stdout.contains(&airlock.token), "the token reached the sandbox");
-    assert!(!stdout.contains("AIRLOCK_"), "airlock variables reached the sandbox: {stdout}");
+    assert!(
+        !stdout.contains(&airlock.token),
+        "the token reached the sandbox"
+    );
+    assert!(
+        !stdout.contains("AIRLOCK_"),
+        "airlock variables reached the sandbox: {stdout}"
+    );
     assert!(!stdout.contains("RUST_LOG"), "{stdout}");
 }
 
@@ -66,7 +116,10 @@ async fn a_command_that_outlives_its_timeout_is_killed() {
     let airlock = Airlock::start().await;
     let started = Instant::now();
     let (err, text, call) = airlock
-        .call("execute_shell", json!({"command": "echo start; sleep 30; echo never", "timeout_seconds": 1}))
+        .call(
+            "execute_shell",
+            json!({"command": "echo start; sleep 30; echo never", "timeout_seconds": 1}),
+        )
         .await;
     assert!(err);
     let result = parse(&text);
@@ -85,21 +138,43 @@ async fn cancelling_a_call_kills_its_sandbox() {
     let (status, response) = airlock.post("/v1/tool_calls", &body).await;
     assert_eq!(status, 200);
     assert_eq!(response["calls"][0]["status"], "running", "{response}");
-    assert!(response["tool_results"].as_array().expect("array").is_empty());
-    let call_id = response["calls"][0]["call_id"].as_str().expect("call_id").to_owned();
+    assert!(
+        response["tool_results"]
+            .as_array()
+            .expect("array")
+            .is_empty()
+    );
+    let call_id = response["calls"][0]["call_id"]
+        .as_str()
+        .expect("call_id")
+        .to_owned();
 
     // Wait until the sandboxed sleep is running somewhere below the launcher.
     let deadline = Instant::now() + Duration::from_secs(20);
-    while !descendants(airlock.pid()).iter().any(|p| cmdline(*p).contains(&marker)) {
-        assert!(Instant::now() < deadline, "the sandboxed command never started");
+    while !descendants(airlock.pid())
+        .iter()
+        .any(|p| cmdline(*p).contains(&marker))
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the sandboxed command never started"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let (status, cancelled) = airlock.post(&format!("/v1/calls/{call_id}/cancel"), &json!({})).await;
+    let (status, cancelled) = airlock
+        .post(&format!("/v1/calls/{call_id}/cancel"), &json!({}))
+        .await;
     assert_eq!(status, 200);
     assert_eq!(cancelled["status"], "cancelled", "{cancelled}");
     let deadline = Instant::now() + Duration::from_secs(10);
-    while descendants(airlock.pid()).iter().any(|p| cmdline(*p).contains(&marker)) {
-        assert!(Instant::now() < deadline, "the sandbox survived the cancellation");
+    while descendants(airlock.pid())
+        .iter()
+        .any(|p| cmdline(*p).contains(&marker))
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the sandbox survived the cancellation"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
@@ -123,8 +198,17 @@ async fn output_streams_over_grpc_while_the_command_runs() {
             input_json: json!({"command": "echo first; sleep 2; echo second"}).to_string(),
         }),
     });
-    request.metadata_mut().insert("authorization", format!("Bearer {}", airlock.token).parse().expect("metadata"));
-    let mut stream = client.call_tool_stream(request).await.expect("stream").into_inner();
+    request.metadata_mut().insert(
+        "authorization",
+        format!("Bearer {}", airlock.token)
+            .parse()
+            .expect("metadata"),
+    );
+    let mut stream = client
+        .call_tool_stream(request)
+        .await
+        .expect("stream")
+        .into_inner();
     let started = Instant::now();
     let mut first_at = None;
     let mut completed_at = None;
@@ -145,18 +229,29 @@ async fn output_streams_over_grpc_while_the_command_runs() {
     let completed_at = completed_at.expect("completed");
     // "first" was delivered before the command finished (it sleeps in between): an
     // ordering check, not a timing threshold.
-    assert!(first_at < completed_at, "first output {first_at:?} came with completion {completed_at:?}");
+    assert!(
+        first_at < completed_at,
+        "first output {first_at:?} came with completion {completed_at:?}"
+    );
 }
 
 #[tokio::test]
 async fn every_long_running_component_is_confined() {
     let airlock = Airlock::start().await;
-    let processes: Vec<(u32, String)> = descendants(airlock.pid()).into_iter().map(|p| (p, cmdline(p))).collect();
+    let processes: Vec<(u32, String)> = descendants(airlock.pid())
+        .into_iter()
+        .map(|p| (p, cmdline(p)))
+        .collect();
     let mut checked = 0;
     for (pid, cmd) in &processes {
         let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
         let field = |name: &str| {
-            status.lines().find_map(|l| l.strip_prefix(name)).map(str::trim).unwrap_or_default().to_owned()
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix(name))
+                .map(str::trim)
+                .unwrap_or_default()
+                .to_owned()
         };
         if cmd.contains("serve orchestrator") || cmd.contains("serve worker fs") {
             assert_eq!(field("NoNewPrivs:"), "1", "{cmd}");
@@ -175,5 +270,8 @@ async fn every_long_running_component_is_confined() {
             checked += 1;
         }
     }
-    assert_eq!(checked, 3, "orchestrator, fs and shell workers: {processes:?}");
+    assert_eq!(
+        checked, 3,
+        "orchestrator, fs and shell workers: {processes:?}"
+    );
 }

@@ -23,7 +23,18 @@ impl Airlock {
         Self::start_with("").await
     }
 
+    /// Starts `airlock up` with extra config. Unless the snippet has its own
+    /// `[approvals]` (or `[budgets]`) section, approvals and the rate limit are off, so
+    /// tests about other things are not held up by them.
     pub async fn start_with(extra_config: &str) -> Self {
+        let mut extra = extra_config.to_owned();
+        if !extra.contains("[approvals]") {
+            extra.push_str("\n[approvals]\ntools = []\n");
+        }
+        if !extra.contains("[budgets]") {
+            extra.push_str("\n[budgets]\nrate_per_minute = 0\n");
+        }
+        let extra_config = extra.as_str();
         let dir = tempfile::tempdir().expect("temp dir");
         let config = dir.path().join("airlock.toml");
         std::fs::write(
@@ -65,11 +76,13 @@ impl Airlock {
             .as_str()
             .expect("grpc endpoint")
             .to_owned();
-        let token_file = endpoints["token_file"].as_str().expect("token_file");
-        airlock.token = std::fs::read_to_string(token_file)
-            .expect("token")
-            .trim()
-            .to_owned();
+        // With configured principals there is no generated token; tests bring their own.
+        if let Some(token_file) = endpoints["token_file"].as_str() {
+            airlock.token = std::fs::read_to_string(token_file)
+                .expect("token")
+                .trim()
+                .to_owned();
+        }
         airlock.wait_ready().await;
         airlock
     }

@@ -283,11 +283,15 @@ impl Airlock {
     async fn start(scratch: &Path) -> Result<Self> {
         let data_dir = scratch.join("data");
         let config = scratch.join("airlock.toml");
+        // Ephemeral ports; a read cap that lets the 1 MiB file through whole; and no
+        // per-principal rate limit (600 calls a minute by default), which a benchmark that
+        // sends thousands of calls a minute would otherwise hit.
         std::fs::write(
             &config,
             format!(
                 "[orchestrator]\nhttp_listen = \"127.0.0.1:0\"\ngrpc_listen = \"127.0.0.1:0\"\n\n\
-                 [fs]\nmax_read_bytes = {MAX_READ_BYTES}\n"
+                 [fs]\nmax_read_bytes = {MAX_READ_BYTES}\n\n\
+                 [budgets]\nrate_per_minute = 0\n"
             ),
         )?;
         let mut command = Command::new(AIRLOCK_BIN);
@@ -369,6 +373,7 @@ impl Airlock {
             kind: Kind::Airlock {
                 auth: format!("Bearer {}", self.token),
             },
+            pid: self.process.child.id(),
         }
     }
 }
@@ -405,6 +410,7 @@ impl Peer {
             name: "fastapi peer",
             url: format!("{}/tool-call", self.url),
             kind: Kind::Peer,
+            pid: self.process.child.id(),
         }
     }
 }
@@ -463,6 +469,8 @@ struct Target {
     name: &'static str,
     url: String,
     kind: Kind,
+    /// The server's process; its CPU time (with its descendants') is measured per run.
+    pid: u32,
 }
 
 impl Target {
@@ -541,6 +549,8 @@ impl Target {
 struct RunResult {
     latencies: Vec<Duration>,
     wall: Duration,
+    /// CPU time the server's processes spent during the run.
+    cpu: Duration,
 }
 
 /// Sends up to `count` requests with `concurrency` workers (each with its own keep-alive
@@ -563,6 +573,7 @@ async fn run_requests(
         clients.push(client);
     }
     let next = AtomicUsize::new(0);
+    let cpu_before = process_tree_cpu(target.pid)?;
     let started = Instant::now();
     let deadline = started + cap;
     let workers = clients.iter().map(|client| {
@@ -589,34 +600,95 @@ async fn run_requests(
     });
     let per_worker = futures::future::try_join_all(workers).await?;
     let wall = started.elapsed();
+    let cpu = process_tree_cpu(target.pid)?.saturating_sub(cpu_before);
     Ok(RunResult {
         latencies: per_worker.into_iter().flatten().collect(),
         wall,
+        cpu,
     })
+}
+
+/// User plus system CPU time of `root` and its descendants, from `/proc/<pid>/stat`
+/// (clock ticks of 10 ms: the kernel's fixed USER_HZ of 100).
+fn process_tree_cpu(root: u32) -> Result<Duration> {
+    const TICK: Duration = Duration::from_millis(10);
+    // (pid, ppid, ticks) of every process.
+    let mut procs = Vec::new();
+    for entry in std::fs::read_dir("/proc").context("cannot read /proc")? {
+        let entry = entry?;
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        // The process may have exited since the listing.
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+            continue;
+        };
+        // Fields after the command name, which is in parentheses and may hold spaces.
+        let Some((_, rest)) = stat.rsplit_once(')') else {
+            continue;
+        };
+        let fields: Vec<&str> = rest.split_whitespace().collect();
+        let field = |i: usize| fields.get(i).and_then(|f| f.parse::<u64>().ok());
+        // rest[0] is the state (field 3); ppid is field 4, utime 14, stime 15.
+        if let (Some(ppid), Some(utime), Some(stime)) = (field(1), field(11), field(12)) {
+            procs.push((pid, ppid, utime + stime));
+        }
+    }
+    let mut tree = vec![root];
+    // Each pass adds one generation; process trees here are two levels deep.
+    for _ in 0..8 {
+        let before = tree.len();
+        for &(pid, ppid, _) in &procs {
+            if tree.contains(&u32::try_from(ppid).unwrap_or(0)) && !tree.contains(&pid) {
+                tree.push(pid);
+            }
+        }
+        if tree.len() == before {
+            break;
+        }
+    }
+    ensure!(
+        procs.iter().any(|&(pid, _, _)| pid == root),
+        "process {root} is gone"
+    );
+    let ticks: u64 = procs
+        .iter()
+        .filter(|(pid, _, _)| tree.contains(pid))
+        .map(|&(_, _, t)| t)
+        .sum();
+    Ok(TICK * u32::try_from(ticks).unwrap_or(u32::MAX))
 }
 
 #[derive(Default)]
 struct Stats {
     latencies: Vec<Duration>,
     wall: Duration,
+    cpu: Duration,
 }
 
 impl Stats {
     fn add(&mut self, run: RunResult) {
         self.latencies.extend(run.latencies);
         self.wall += run.wall;
+        self.cpu += run.cpu;
     }
 
     fn summary(&self) -> Summary {
         let mut sorted = self.latencies.clone();
         sorted.sort_unstable();
         let ms = |q: f64| percentile(&sorted, q).map_or(f64::NAN, |d| d.as_secs_f64() * 1e3);
+        let n = sorted.len().max(1) as f64;
         let throughput = sorted.len() as f64 / self.wall.as_secs_f64().max(f64::MIN_POSITIVE);
         Summary {
             n: sorted.len(),
             p50: ms(0.50),
             p99: ms(0.99),
             throughput,
+            cpu_ms: self.cpu.as_secs_f64() * 1e3 / n,
         }
     }
 }
@@ -635,6 +707,8 @@ struct Summary {
     p50: f64,
     p99: f64,
     throughput: f64,
+    /// Server CPU time per request.
+    cpu_ms: f64,
 }
 
 struct Row {
@@ -662,14 +736,17 @@ fn render(rows: &[Row], targets: &[Target], load: &str) -> String {
         "{cores} CPUs, loopback, keep-alive client per worker; per server and row up to \
          {SMALL_REQUESTS} (small) / {LARGE_REQUESTS} (1 MiB) requests in {ROUNDS} alternating \
          rounds, capped at {} s; every response verified. Ratios are airlock / peer: p50 below 1 \
-         and throughput above 1 favour airlock. Load average (1/5/15 min): {load}.\n",
+         and throughput above 1 favour airlock. Server CPU is the user+system time of the \
+         server's processes (airlock: launcher, orchestrator and fs worker; peer: uvicorn) per \
+         request. Load average (1/5/15 min): {load}.\n",
         ROW_TIME_CAP.as_secs()
     );
     let _ = writeln!(
         out,
-        "| row | server | n | p50 ms | p99 ms | throughput req/s | p50 ratio vs peer | throughput ratio vs peer |"
+        "| row | server | n | p50 ms | p99 ms | throughput req/s | p50 ratio vs peer | \
+         throughput ratio vs peer | server CPU ms/req |"
     );
-    let _ = writeln!(out, "|---|---|---:|---:|---:|---:|---:|---:|");
+    let _ = writeln!(out, "|---|---|---:|---:|---:|---:|---:|---:|---:|");
     let peer = targets.iter().position(|t| matches!(t.kind, Kind::Peer));
     for row in rows {
         let summaries: Vec<Summary> = row.stats.iter().map(Stats::summary).collect();
@@ -684,8 +761,8 @@ fn render(rows: &[Row], targets: &[Target], load: &str) -> String {
             };
             let _ = writeln!(
                 out,
-                "| {} | {} | {} | {:.3} | {:.3} | {:.0} | {p50_ratio} | {tp_ratio} |",
-                row.label, target.name, s.n, s.p50, s.p99, s.throughput
+                "| {} | {} | {} | {:.3} | {:.3} | {:.0} | {p50_ratio} | {tp_ratio} | {:.2} |",
+                row.label, target.name, s.n, s.p50, s.p99, s.throughput, s.cpu_ms
             );
         }
     }

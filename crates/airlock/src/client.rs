@@ -134,9 +134,13 @@ pub fn call(
         println!("{}", serde_json::to_string_pretty(&body)?);
     }
     let Some(result) = body["tool_results"].get(0) else {
-        let status = body["calls"][0]["status"].as_str().unwrap_or("unknown");
-        let call_id = body["calls"][0]["call_id"].as_str().unwrap_or("?");
+        let call = &body["calls"][0];
+        let status = call["status"].as_str().unwrap_or("unknown");
+        let call_id = call["call_id"].as_str().unwrap_or("?");
         eprintln!("call {call_id} is {status}; fetch it later with GET /v1/calls/{call_id}");
+        if let Some(approval) = call["approval_id"].as_str() {
+            eprintln!("it waits for a human: airlock approvals approve {approval}");
+        }
         return Ok(ExitCode::from(2));
     };
     if !raw {
@@ -149,4 +153,107 @@ pub fn call(
     } else {
         ExitCode::SUCCESS
     })
+}
+
+/// `airlock approvals list|approve|deny`.
+pub fn approvals(
+    connection: &Connection,
+    action: &crate::ApprovalAction,
+) -> anyhow::Result<ExitCode> {
+    use crate::ApprovalAction;
+    let target = Target::resolve(connection)?;
+    let runtime = Target::runtime()?;
+    let client = reqwest::Client::new();
+    match action {
+        ApprovalAction::List { all, json } => {
+            let query = if *all { "" } else { "?status=pending" };
+            let body = runtime
+                .block_on(target.send(client.get(format!("{}/v1/approvals{query}", target.url))))?;
+            if *json {
+                println!("{}", serde_json::to_string_pretty(&body)?);
+                return Ok(ExitCode::SUCCESS);
+            }
+            let approvals = body["approvals"].as_array().cloned().unwrap_or_default();
+            if approvals.is_empty() {
+                println!("no {}approvals", if *all { "" } else { "pending " });
+            }
+            for a in approvals {
+                println!(
+                    "{}  {:<8} {:<14} by {:<12} session {:<10} expires {}\n    {}",
+                    a["approval_id"].as_str().unwrap_or("?"),
+                    a["status"].as_str().unwrap_or("?"),
+                    a["tool"].as_str().unwrap_or("?"),
+                    a["principal"].as_str().unwrap_or("?"),
+                    a["session_id"].as_str().unwrap_or("-"),
+                    a["expires_at"].as_str().unwrap_or("?"),
+                    a["input"],
+                );
+            }
+        }
+        ApprovalAction::Approve { id, reason } | ApprovalAction::Deny { id, reason } => {
+            let verb = if matches!(action, ApprovalAction::Approve { .. }) {
+                "approve"
+            } else {
+                "deny"
+            };
+            let body = json!({"reason": reason});
+            let url = format!("{}/v1/approvals/{id}/{verb}", target.url);
+            let decided = runtime.block_on(target.send(client.post(url).json(&body)))?;
+            println!(
+                "{} {} (call {})",
+                decided["approval_id"].as_str().unwrap_or(id),
+                decided["status"].as_str().unwrap_or("?"),
+                decided["call_id"].as_str().unwrap_or("?")
+            );
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `airlock audit tail|verify`.
+pub fn audit(connection: &Connection, action: &crate::AuditAction) -> anyhow::Result<ExitCode> {
+    use crate::AuditAction;
+    let target = Target::resolve(connection)?;
+    let runtime = Target::runtime()?;
+    let client = reqwest::Client::new();
+    match action {
+        AuditAction::Tail { limit, session } => {
+            let mut url = format!("{}/v1/audit?latest=true&limit={limit}", target.url);
+            if let Some(session) = session {
+                url.push_str(&format!("&session_id={session}"));
+            }
+            let body = runtime.block_on(target.send(client.get(url)))?;
+            for event in body["events"].as_array().into_iter().flatten() {
+                println!(
+                    "{:>6} {} {:<18} {:<10} {} {}",
+                    event["seq"],
+                    event["ts"].as_str().unwrap_or("?"),
+                    event["kind"].as_str().unwrap_or("?"),
+                    event["principal"].as_str().unwrap_or("-"),
+                    event["call_id"].as_str().unwrap_or("-"),
+                    event["data"],
+                );
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        AuditAction::Verify => {
+            let report = runtime
+                .block_on(target.send(client.get(format!("{}/v1/audit/verify", target.url))))?;
+            let ok = report["ok"].as_bool().unwrap_or(false);
+            if ok {
+                println!(
+                    "audit log intact: {} records, hash chain valid",
+                    report["records"]
+                );
+                Ok(ExitCode::SUCCESS)
+            } else {
+                println!(
+                    "audit log TAMPERED: first bad record {} ({})",
+                    report["first_bad_seq"],
+                    report["reason"].as_str().unwrap_or("no reason given")
+                );
+                Ok(ExitCode::FAILURE)
+            }
+        }
+    }
 }

@@ -5,15 +5,20 @@
 
 use std::path::{Path, PathBuf};
 
-use airlock_orchestrator::{OrchestratorConfig, PrincipalConfig, WorkerGroupConfig};
+use airlock_orchestrator::{
+    ApprovalsConfig, AuditConfig, BudgetConfig, CacheConfig, OrchestratorConfig, PrincipalConfig,
+    WorkerGroupConfig,
+};
 use airlock_policy::Limits;
+use airlock_worker_db::DatabaseConfig;
 use airlock_worker_fs::FsConfig;
+use airlock_worker_http::HttpConfig;
 use airlock_worker_shell::ShellConfig;
 use anyhow::Context;
 use serde::Deserialize;
 
 /// The tool groups `airlock up` starts, in start order.
-pub const LOCAL_GROUPS: &[&str] = &["fs", "shell"];
+pub const LOCAL_GROUPS: &[&str] = &["fs", "shell", "http", "db"];
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -22,9 +27,18 @@ pub struct AirlockConfig {
     pub workers: Vec<WorkerGroupConfig>,
     pub principals: Vec<PrincipalConfig>,
     pub limits: Limits,
+    pub policy: PolicySection,
+    pub approvals: ApprovalsConfig,
+    pub budgets: BudgetConfig,
+    pub audit: AuditConfig,
+    pub cache: CacheConfig,
     pub fs: FsConfig,
     /// The shell sandbox: isolation level, limits, timeouts, network.
     pub sandbox: ShellConfig,
+    /// Egress policy and limits of the http tools.
+    pub http: HttpConfig,
+    /// Databases of the db tools; without any, `airlock up` serves a demo SQLite database.
+    pub databases: Vec<DatabaseConfig>,
     /// Root of the per-principal, per-session workspaces; `<data_dir>/workspaces` by
     /// default. In Kubernetes, a volume the shell and fs workers both mount.
     pub workspaces_root: Option<PathBuf>,
@@ -36,6 +50,11 @@ pub struct OrchestratorSection {
     pub http_listen: String,
     pub grpc_listen: String,
     pub data_dir: Option<PathBuf>,
+    /// `sqlite` (`<data_dir>/airlock.db`) or `postgres://user@host:port/db`.
+    pub store: String,
+    /// Where the PostgreSQL password comes from (never in the URL of a shared config).
+    pub store_password_env: Option<String>,
+    pub store_password_file: Option<PathBuf>,
 }
 
 impl Default for OrchestratorSection {
@@ -44,8 +63,19 @@ impl Default for OrchestratorSection {
             http_listen: "127.0.0.1:7070".to_owned(),
             grpc_listen: "127.0.0.1:7071".to_owned(),
             data_dir: None,
+            store: "sqlite".to_owned(),
+            store_password_env: None,
+            store_password_file: None,
         }
     }
+}
+
+/// `[policy]`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PolicySection {
+    /// Cedar policy file (relative to the config file); the embedded default when unset.
+    pub file: Option<PathBuf>,
 }
 
 /// The configuration a command runs with: the file (if any) and the data dir.
@@ -98,7 +128,40 @@ impl Loaded {
 
     /// The orchestrator's view; with no `[[workers]]`, the local Unix sockets of
     /// `airlock up`.
-    pub fn orchestrator(&self) -> OrchestratorConfig {
+    /// A path from the config file, relative to the file's directory.
+    pub fn relative(&self, path: &Path) -> PathBuf {
+        match (path.is_absolute(), self.config_dir()) {
+            (false, Some(dir)) => dir.join(path),
+            _ => path.to_path_buf(),
+        }
+    }
+
+    pub fn policy_file(&self) -> Option<PathBuf> {
+        self.config.policy.file.as_deref().map(|p| self.relative(p))
+    }
+
+    fn store_password(&self) -> anyhow::Result<Option<String>> {
+        let section = &self.config.orchestrator;
+        if let Some(var) = &section.store_password_env {
+            let value = std::env::var(var).with_context(|| {
+                format!("[orchestrator] store_password_env names {var}, which is not set")
+            })?;
+            return Ok(Some(value));
+        }
+        if let Some(file) = &section.store_password_file {
+            let file = self.relative(file);
+            let value = std::fs::read_to_string(&file).with_context(|| {
+                format!(
+                    "cannot read [orchestrator] store_password_file {}",
+                    file.display()
+                )
+            })?;
+            return Ok(Some(value.trim_end_matches(['\n', '\r']).to_owned()));
+        }
+        Ok(None)
+    }
+
+    pub fn orchestrator(&self) -> anyhow::Result<OrchestratorConfig> {
         let workers = if self.config.workers.is_empty() {
             LOCAL_GROUPS
                 .iter()
@@ -110,14 +173,22 @@ impl Loaded {
         } else {
             self.config.workers.clone()
         };
-        OrchestratorConfig {
+        Ok(OrchestratorConfig {
             http_listen: self.config.orchestrator.http_listen.clone(),
             grpc_listen: self.config.orchestrator.grpc_listen.clone(),
             data_dir: self.data_dir.clone(),
+            workspaces_root: Some(self.workspaces_root()),
+            store: self.config.orchestrator.store.clone(),
+            store_password: self.store_password()?,
             workers,
             principals: self.config.principals.clone(),
             limits: self.config.limits.clone(),
-        }
+            policy_file: self.policy_file(),
+            approvals: self.config.approvals.clone(),
+            budgets: self.config.budgets.clone(),
+            audit: self.config.audit.clone(),
+            cache: self.config.cache.clone(),
+        })
     }
 
     pub fn shell(&self) -> ShellConfig {
@@ -128,7 +199,34 @@ impl Loaded {
 
     /// The directory of the config file, which confined components may still read.
     pub fn config_dir(&self) -> Option<PathBuf> {
-        self.file.as_ref().and_then(|f| f.parent().map(Path::to_path_buf))
+        self.file
+            .as_ref()
+            .and_then(|f| f.parent().map(Path::to_path_buf))
+    }
+
+    /// `[[databases]]` with relative paths resolved; the demo database when none.
+    pub fn databases(&self) -> Vec<DatabaseConfig> {
+        if self.config.databases.is_empty() {
+            let path = self.demo_database_path();
+            let mut demo = DatabaseConfig::new("demo", format!("sqlite://{}", path.display()));
+            // Writable, so execute_sql (behind an approval) can be tried out.
+            demo.read_only = false;
+            return vec![demo];
+        }
+        let base = self.config_dir().unwrap_or_else(|| PathBuf::from("."));
+        self.config
+            .databases
+            .iter()
+            .cloned()
+            .map(|mut db| {
+                db.resolve_relative(&base);
+                db
+            })
+            .collect()
+    }
+
+    pub fn demo_database_path(&self) -> PathBuf {
+        self.data_dir.join("demo").join("demo.db")
     }
 
     pub fn fs(&self) -> FsConfig {

@@ -119,9 +119,20 @@ async fn supervise(loaded: Loaded) -> anyhow::Result<ExitCode> {
             restarts: 0,
         })
         .collect();
+    // A restarted orchestrator must come back on the same ports, so port 0 ("any free
+    // port") is settled here, once.
+    let http = settle_port(&loaded.config.orchestrator.http_listen)?;
+    let grpc = settle_port(&loaded.config.orchestrator.grpc_listen)?;
+    let mut orchestrator_args = component_args(&loaded, &["orchestrator"]);
+    orchestrator_args.extend([
+        "--http-listen".to_owned(),
+        http,
+        "--grpc-listen".to_owned(),
+        grpc,
+    ]);
     components.push(Component {
         name: "orchestrator".into(),
-        args: component_args(&loaded, &["orchestrator"]),
+        args: orchestrator_args,
         full_env: true,
         child: None,
         started: Instant::now(),
@@ -171,6 +182,19 @@ async fn supervise(loaded: Loaded) -> anyhow::Result<ExitCode> {
     stop_all(&mut components).await;
     let _ = std::fs::remove_file(loaded.data_dir.join("endpoints.json"));
     Ok(ExitCode::SUCCESS)
+}
+
+/// `host:0` becomes `host:<a free port>`; anything else stays as it is.
+fn settle_port(addr: &str) -> anyhow::Result<String> {
+    let Ok(parsed) = addr.parse::<std::net::SocketAddr>() else {
+        return Ok(addr.to_owned());
+    };
+    if parsed.port() != 0 {
+        return Ok(addr.to_owned());
+    }
+    let probe =
+        std::net::TcpListener::bind(parsed).with_context(|| format!("cannot bind {addr}"))?;
+    Ok(probe.local_addr()?.to_string())
 }
 
 fn spawn(exe: &Path, component: &mut Component) -> anyhow::Result<()> {

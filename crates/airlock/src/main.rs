@@ -3,6 +3,7 @@
 
 mod client;
 mod config;
+mod demo;
 mod launcher;
 mod logging;
 mod sandbox_cli;
@@ -42,10 +43,10 @@ struct Connection {
     #[command(flatten)]
     location: Location,
     /// Base URL of the orchestrator's HTTP API (default: from <data_dir>/endpoints.json).
-    #[arg(long, env = "AIRLOCK_URL")]
+    #[arg(long, env = "AIRLOCK_URL", global = true)]
     url: Option<String>,
     /// Bearer token (default: the token file named in <data_dir>/endpoints.json).
-    #[arg(long, env = "AIRLOCK_TOKEN", hide_env_values = true)]
+    #[arg(long, env = "AIRLOCK_TOKEN", hide_env_values = true, global = true)]
     token: Option<String>,
 }
 
@@ -79,6 +80,20 @@ enum Command {
         #[command(subcommand)]
         action: SandboxAction,
     },
+    /// Human decisions on calls that wait for approval.
+    Approvals {
+        #[command(subcommand)]
+        action: ApprovalAction,
+        #[command(flatten)]
+        connection: Connection,
+    },
+    /// Read and check the audit log.
+    Audit {
+        #[command(subcommand)]
+        action: AuditAction,
+        #[command(flatten)]
+        connection: Connection,
+    },
     /// Call one tool: airlock call read_file '{"path": "notes.txt"}'
     Call {
         tool: String,
@@ -94,6 +109,42 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ApprovalAction {
+    /// Pending approvals (all with --all).
+    List {
+        #[arg(long)]
+        all: bool,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Approve a pending call; it then runs exactly once.
+    Approve {
+        id: String,
+        #[arg(long)]
+        reason: Option<String>,
+    },
+    /// Deny a pending call.
+    Deny {
+        id: String,
+        #[arg(long)]
+        reason: Option<String>,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum AuditAction {
+    /// The latest audit events.
+    Tail {
+        #[arg(long, default_value_t = 20)]
+        limit: u32,
+        #[arg(long)]
+        session: Option<String>,
+    },
+    /// Check the hash chain; exits 1 when a record was edited, deleted, inserted or moved.
+    Verify,
 }
 
 #[derive(Debug, Subcommand)]
@@ -127,6 +178,8 @@ fn main() -> ExitCode {
                     command,
                 },
         } => sandbox_cli::run(&location, profile.as_deref(), &command),
+        Command::Approvals { action, connection } => client::approvals(&connection, &action),
+        Command::Audit { action, connection } => client::audit(&connection, &action),
         Command::Tools {
             connection,
             json,

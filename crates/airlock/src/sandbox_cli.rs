@@ -14,7 +14,11 @@ use serde_json::{Value, json};
 use crate::Location;
 use crate::config::Loaded;
 
-pub fn run(location: &Location, profile: Option<&str>, command: &[String]) -> anyhow::Result<ExitCode> {
+pub fn run(
+    location: &Location,
+    profile: Option<&str>,
+    command: &[String],
+) -> anyhow::Result<ExitCode> {
     if command.is_empty() {
         bail!("give the command after --, e.g. airlock sandbox run -- id");
     }
@@ -33,9 +37,13 @@ pub fn run(location: &Location, profile: Option<&str>, command: &[String]) -> an
         .with_context(|| format!("cannot create {}", shell.workspaces_root.display()))?;
     let timeout = Duration::from_secs(shell.max_timeout_seconds);
     let (tools, _sandbox) = airlock_worker_shell::tools(shell)?;
-    let tool = tools.get("execute_shell").context("execute_shell is missing")?;
+    let tool = tools
+        .get("execute_shell")
+        .context("execute_shell is missing")?;
 
-    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
     let outcome = runtime.block_on(async {
         let (events, mut receiver) = tokio::sync::mpsc::channel(256);
         let ctx = CallContext::new(
@@ -53,7 +61,9 @@ pub fn run(location: &Location, profile: Option<&str>, command: &[String]) -> an
         anyhow::Ok(outcome)
     })?;
 
-    let Some(text) = outcome.content.first() else { bail!("the sandbox returned no result") };
+    let Some(text) = outcome.content.first() else {
+        bail!("the sandbox returned no result")
+    };
     let Ok(result) = serde_json::from_str::<Value>(text) else {
         bail!("{text}");
     };
@@ -70,6 +80,8 @@ pub fn run(location: &Location, profile: Option<&str>, command: &[String]) -> an
     });
     eprintln!("--- airlock sandbox report ---");
     eprintln!("{}", serde_json::to_string_pretty(&summary)?);
-    let code = result["exit_code"].as_i64().unwrap_or(128 + result["signal"].as_i64().unwrap_or(0));
+    let code = result["exit_code"]
+        .as_i64()
+        .unwrap_or(128 + result["signal"].as_i64().unwrap_or(0));
     Ok(ExitCode::from(u8::try_from(code).unwrap_or(1)))
 }

@@ -20,7 +20,14 @@ use crate::signals;
 #[derive(Debug, clap::Subcommand)]
 pub enum Component {
     /// The orchestrator: front doors and the gate.
-    Orchestrator,
+    Orchestrator {
+        /// Overrides [orchestrator] http_listen.
+        #[arg(long, env = "AIRLOCK_HTTP_LISTEN")]
+        http_listen: Option<String>,
+        /// Overrides [orchestrator] grpc_listen.
+        #[arg(long, env = "AIRLOCK_GRPC_LISTEN")]
+        grpc_listen: Option<String>,
+    },
     /// A tool worker.
     Worker {
         #[command(subcommand)]
@@ -42,15 +49,49 @@ pub enum WorkerGroup {
         #[arg(long, env = "AIRLOCK_LISTEN")]
         listen: Option<String>,
     },
+    /// http_request and fetch_url under the egress policy.
+    Http {
+        /// Listen address: unix:/path.sock or host:port (default: <data_dir>/sockets/http.sock).
+        #[arg(long, env = "AIRLOCK_LISTEN")]
+        listen: Option<String>,
+    },
+    /// Database tools over SQLite and PostgreSQL.
+    Db {
+        /// Listen address: unix:/path.sock or host:port (default: <data_dir>/sockets/db.sock).
+        #[arg(long, env = "AIRLOCK_LISTEN")]
+        listen: Option<String>,
+    },
 }
 
 pub fn run(component: Component, location: &Location) -> anyhow::Result<ExitCode> {
     signals::follow_launcher()?;
     let loaded = Loaded::load(location.config.as_deref(), location.data_dir.as_deref())?;
     match component {
-        Component::Orchestrator => orchestrator(&loaded),
-        Component::Worker { group: WorkerGroup::Fs { listen } } => fs_worker(&loaded, listen),
-        Component::Worker { group: WorkerGroup::Shell { listen } } => shell_worker(&loaded, listen),
+        Component::Orchestrator {
+            http_listen,
+            grpc_listen,
+        } => {
+            let mut loaded = loaded;
+            if let Some(addr) = http_listen {
+                loaded.config.orchestrator.http_listen = addr;
+            }
+            if let Some(addr) = grpc_listen {
+                loaded.config.orchestrator.grpc_listen = addr;
+            }
+            orchestrator(&loaded)
+        }
+        Component::Worker {
+            group: WorkerGroup::Fs { listen },
+        } => fs_worker(&loaded, listen),
+        Component::Worker {
+            group: WorkerGroup::Shell { listen },
+        } => shell_worker(&loaded, listen),
+        Component::Worker {
+            group: WorkerGroup::Http { listen },
+        } => http_worker(&loaded, listen),
+        Component::Worker {
+            group: WorkerGroup::Db { listen },
+        } => db_worker(&loaded, listen),
     }
 }
 
@@ -77,7 +118,7 @@ fn confine(component: &str, spec: SelfConfinement) -> anyhow::Result<()> {
 }
 
 fn orchestrator(loaded: &Loaded) -> anyhow::Result<ExitCode> {
-    let config = loaded.orchestrator();
+    let config = loaded.orchestrator()?;
     std::fs::create_dir_all(&config.data_dir)
         .with_context(|| format!("cannot create data dir {}", config.data_dir.display()))?;
     let listeners = BoundListeners::bind(&config)?;
@@ -85,13 +126,26 @@ fn orchestrator(loaded: &Loaded) -> anyhow::Result<ExitCode> {
     confine(
         "orchestrator",
         SelfConfinement {
-            read_paths: loaded.config_dir().into_iter().collect(),
+            // The config's and the policy's directories stay readable for SIGHUP reloads.
+            read_paths: loaded
+                .config_dir()
+                .into_iter()
+                .chain(
+                    config
+                        .policy_file
+                        .as_ref()
+                        .and_then(|p| p.parent().map(PathBuf::from)),
+                )
+                .collect(),
             write_paths: vec![config.data_dir.clone()],
             allow_exec: false,
             allow_namespaces: false,
         },
     )?;
-    runtime()?.block_on(Orchestrator::serve(config, prepared, listeners, signals::shutdown()))?;
+    runtime()?.block_on(async {
+        let reload = signals::reloads();
+        Orchestrator::serve(config, prepared, listeners, signals::shutdown(), reload).await
+    })?;
     Ok(ExitCode::SUCCESS)
 }
 
@@ -150,6 +204,49 @@ fn shell_worker(loaded: &Loaded, listen: Option<String>) -> anyhow::Result<ExitC
             write_paths: vec![shell.workspaces_root.clone()],
             allow_exec: true,
             allow_namespaces: true,
+        },
+    )?;
+    serve_worker(loaded, listener, tools)
+}
+
+fn http_worker(loaded: &Loaded, listen: Option<String>) -> anyhow::Result<ExitCode> {
+    let tools = airlock_worker_http::tools(loaded.config.http.clone())
+        .context("invalid [http] configuration")?;
+    let listener = BoundListener::bind(&listen_addr(loaded, "http", listen)?)?;
+    tracing::info!(listen = %listener.local_addr(), "http worker starting");
+    confine(
+        "http worker",
+        SelfConfinement {
+            read_paths: Vec::new(),
+            write_paths: Vec::new(),
+            allow_exec: false,
+            allow_namespaces: false,
+        },
+    )?;
+    serve_worker(loaded, listener, tools)
+}
+
+fn db_worker(loaded: &Loaded, listen: Option<String>) -> anyhow::Result<ExitCode> {
+    let databases = loaded.databases();
+    if loaded.config.databases.is_empty() {
+        crate::demo::ensure_demo_database(&loaded.demo_database_path())?;
+    }
+    // SQLite writes journal, WAL and shm files beside each database file.
+    let write_paths: Vec<PathBuf> = airlock_worker_db::sqlite_paths(&databases)
+        .iter()
+        .filter_map(|p| p.parent().map(PathBuf::from))
+        .collect();
+    let tools =
+        airlock_worker_db::tools(databases).context("invalid [[databases]] configuration")?;
+    let listener = BoundListener::bind(&listen_addr(loaded, "db", listen)?)?;
+    tracing::info!(listen = %listener.local_addr(), "db worker starting");
+    confine(
+        "db worker",
+        SelfConfinement {
+            read_paths: Vec::new(),
+            write_paths,
+            allow_exec: false,
+            allow_namespaces: false,
         },
     )?;
     serve_worker(loaded, listener, tools)

@@ -16,6 +16,24 @@ pub async fn shutdown() {
     }
 }
 
+/// A message per SIGHUP: reload the policy.
+pub fn reloads() -> tokio::sync::mpsc::Receiver<()> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (tx, rx) = tokio::sync::mpsc::channel(1);
+    match signal(SignalKind::hangup()) {
+        Ok(mut hangups) => {
+            tokio::spawn(async move {
+                while hangups.recv().await.is_some() {
+                    tracing::info!("SIGHUP received: reloading the policy");
+                    let _ = tx.try_send(());
+                }
+            });
+        }
+        Err(e) => tracing::error!(error = %e, "cannot watch SIGHUP; policy reload is unavailable"),
+    }
+    rx
+}
+
 /// For a child of `airlock up`: asks the kernel to send SIGTERM when the launcher dies,
 /// so no component outlives it, even after a `kill -9` of the launcher.
 pub fn follow_launcher() -> anyhow::Result<()> {

@@ -522,10 +522,7 @@ fn redact_value(value: &Value, schemas: &[&Value], extra: &[String]) -> Value {
 }
 
 /// `{"name": "Authorization", "value": "…"}` (also `key`/`header`) → value redacted.
-fn redact_name_value_pair(
-    map: &serde_json::Map<String, Value>,
-    extra: &[String],
-) -> Option<Value> {
+fn redact_name_value_pair(map: &serde_json::Map<String, Value>, extra: &[String]) -> Option<Value> {
     let name = ["name", "key", "header"]
         .iter()
         .find_map(|k| map.get(*k).and_then(Value::as_str))?;
@@ -590,19 +587,55 @@ mod tests {
     #[test]
     fn chain_hash_is_stable_and_field_sensitive() {
         let data = json!({"tool": "read_file"});
-        let h = chain_hash(GENESIS_HASH, 1, "t", "requested", Some("c"), None, None, &data);
+        let h = chain_hash(
+            GENESIS_HASH,
+            1,
+            "t",
+            "requested",
+            Some("c"),
+            None,
+            None,
+            &data,
+        );
         assert_eq!(h.len(), 64);
         assert_eq!(
             h,
-            chain_hash(GENESIS_HASH, 1, "t", "requested", Some("c"), None, None, &data)
+            chain_hash(
+                GENESIS_HASH,
+                1,
+                "t",
+                "requested",
+                Some("c"),
+                None,
+                None,
+                &data
+            )
         );
         assert_ne!(
             h,
-            chain_hash(GENESIS_HASH, 2, "t", "requested", Some("c"), None, None, &data)
+            chain_hash(
+                GENESIS_HASH,
+                2,
+                "t",
+                "requested",
+                Some("c"),
+                None,
+                None,
+                &data
+            )
         );
         assert_ne!(
             h,
-            chain_hash(GENESIS_HASH, 1, "t", "requested", None, Some("c"), None, &data)
+            chain_hash(
+                GENESIS_HASH,
+                1,
+                "t",
+                "requested",
+                None,
+                Some("c"),
+                None,
+                &data
+            )
         );
     }
 

@@ -28,6 +28,21 @@ pub struct CallRecord {
 }
 
 impl CallRecord {
+    /// A call that has just started.
+    pub fn running(call_id: &str, tool_use_id: &str, tool: &str, principal: &str) -> Self {
+        Self {
+            call_id: call_id.to_owned(),
+            tool_use_id: tool_use_id.to_owned(),
+            tool: tool.to_owned(),
+            principal: principal.to_owned(),
+            status: CallStatus::Running,
+            approval_id: None,
+            duration_ms: None,
+            replica: None,
+            result: None,
+        }
+    }
+
     pub fn isolation(&self) -> Option<&serde_json::Value> {
         self.result.as_ref().and_then(|r| r.isolation.as_ref())
     }

@@ -1,12 +1,15 @@
 //! The orchestrator's part of `airlock.toml`.
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use airlock_policy::Limits;
+use airlock_policy::authz::ApprovalKnob;
 use serde::Deserialize;
 
 /// `[orchestrator]` plus the sections the orchestrator reads (`[[workers]]`,
-/// `[[principals]]`, `[limits]`), assembled by the binary.
+/// `[[principals]]`, `[limits]`, `[policy]`, `[approvals]`, `[budgets]`, `[audit]`,
+/// `[cache]`), assembled by the binary.
 #[derive(Debug, Clone)]
 pub struct OrchestratorConfig {
     /// HTTP listen address (`/v1`, `/healthz`, `/readyz`, `/openapi.json`).
@@ -14,9 +17,22 @@ pub struct OrchestratorConfig {
     /// gRPC listen address (`airlock.v1.Orchestrator`, health, reflection).
     pub grpc_listen: String,
     pub data_dir: PathBuf,
+    /// Where the workers keep workspaces, when this host knows it (`airlock up`): lets
+    /// policies see host-absolute paths as workspace-relative ones.
+    pub workspaces_root: Option<PathBuf>,
+    /// `sqlite` (the file `<data_dir>/airlock.db`) or a `postgres://` URL.
+    pub store: String,
+    /// The PostgreSQL password (from `store_password_env`/`store_password_file`).
+    pub store_password: Option<String>,
     pub workers: Vec<WorkerGroupConfig>,
     pub principals: Vec<PrincipalConfig>,
     pub limits: Limits,
+    /// Cedar policy file; the embedded default policy when absent.
+    pub policy_file: Option<PathBuf>,
+    pub approvals: ApprovalsConfig,
+    pub budgets: BudgetConfig,
+    pub audit: AuditConfig,
+    pub cache: CacheConfig,
 }
 
 /// `[[workers]]`: where the replicas of one tool group listen.
@@ -40,4 +56,86 @@ pub struct PrincipalConfig {
     pub token_sha256: Option<String>,
     #[serde(default)]
     pub roles: Vec<String>,
+}
+
+/// `[approvals]`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ApprovalsConfig {
+    /// Tools whose calls need approval (DESIGN §3 defaults; `[]` turns the knob off).
+    pub tools: Vec<String>,
+    /// How long a pending approval waits before it expires.
+    pub timeout_seconds: u64,
+    /// Forbid approving one's own request.
+    pub distinct_approver: bool,
+}
+
+impl Default for ApprovalsConfig {
+    fn default() -> Self {
+        Self {
+            tools: ApprovalKnob::default().tools,
+            timeout_seconds: 3600,
+            distinct_approver: false,
+        }
+    }
+}
+
+impl ApprovalsConfig {
+    pub fn knob(&self) -> ApprovalKnob {
+        ApprovalKnob {
+            tools: self.tools.clone(),
+        }
+    }
+}
+
+/// `[budgets]`: per session (calls that name a `session_id`) and per principal.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct BudgetConfig {
+    /// Calls per session.
+    pub max_calls_per_session: u64,
+    /// Wall time of a session, from its first call.
+    pub session_wall_time_seconds: u64,
+    /// The same failing call (tool + arguments) refused after this many failures in a row.
+    pub max_repeated_failures: u32,
+    /// Calls per principal per minute (every call counts); 0 turns the limit off.
+    pub rate_per_minute: u32,
+}
+
+impl Default for BudgetConfig {
+    fn default() -> Self {
+        Self {
+            max_calls_per_session: 100,
+            session_wall_time_seconds: 3600,
+            max_repeated_failures: 5,
+            rate_per_minute: 600,
+        }
+    }
+}
+
+/// `[audit]`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AuditConfig {
+    /// Argument names whose values are redacted in audit records (besides the ones the
+    /// tool schemas mark `writeOnly` or `x-airlock-secret`).
+    pub secret_fields: Vec<String>,
+}
+
+impl Default for AuditConfig {
+    fn default() -> Self {
+        Self {
+            secret_fields: ["password", "token", "api_key", "secret", "authorization"]
+                .map(String::from)
+                .to_vec(),
+        }
+    }
+}
+
+/// `[cache]`: result cache, off by default. `ttl_seconds = { list_tables = 60 }`; only
+/// tools annotated read-only and idempotent may be listed.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CacheConfig {
+    pub ttl_seconds: BTreeMap<String, u64>,
 }

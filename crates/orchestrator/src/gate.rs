@@ -1,152 +1,709 @@
 //! The gate: what happens to one tool call between a front door and a worker.
 //!
-//! resolve → size cap → schema validation → dispatch, each step recorded on the call.
-//! Later steps (policy, approval, budgets, audit) slot in between validation and
-//! dispatch without changing the front doors.
+//! resolve → size cap → schema → budget → policy → approval → cache → claim → dispatch,
+//! each step an event in the hash-chained audit log and a state of the durable call
+//! record. A call that waits for approval survives an orchestrator restart: any replica
+//! resumes it after the decision, and it runs exactly once (claims are compare-and-set
+//! in the store, and workers join a repeated call id to the original run).
 
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
+use airlock_policy::authz::{Authorizer, CallRequest, Decision, PrincipalRef};
 use airlock_policy::{CallStatus, Limits, SessionId, ToolOutcome};
 use airlock_proto::v1 as pb;
-use tokio::sync::{mpsc, watch};
+use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
+use tokio::sync::{Notify, mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
-use crate::auth::Principal;
+use crate::audit::{NewAuditEvent, redact};
+use crate::auth::{Principal, Role};
+use crate::budget::Budgets;
+use crate::cache::ResultCache;
 use crate::calls::{CallRecord, CallRegistry};
 use crate::catalog::{Catalog, CatalogTool};
+use crate::config::{ApprovalsConfig, AuditConfig};
 use crate::dispatch::{self, DispatchError, WorkerEvent};
+use crate::store::{
+    ApprovalStatus, CallOutcome, CallState, NewApproval, NewCall, Store, StoredCall, now_millis,
+};
 
 /// How many schema violations are listed in one error result.
 const MAX_REPORTED_VIOLATIONS: usize = 5;
+/// How long a dispatch claim holds before another replica may take the call over; the
+/// dispatching task renews it every third of that.
+const LEASE: Duration = Duration::from_secs(15);
+/// How often waiting calls look at the store (decisions made on other replicas).
+const POLL: Duration = Duration::from_millis(250);
+/// A call this young is left to its own task by the resume loop.
+const RESUME_AFTER: Duration = Duration::from_secs(5);
 
 /// One proposed call, already in domain form.
 #[derive(Debug, Clone)]
 pub struct ToolUse {
     pub id: String,
     pub name: String,
-    pub input: serde_json::Value,
+    pub input: Value,
 }
 
 pub struct Gate {
     pub catalog: Arc<Catalog>,
     pub calls: CallRegistry,
     pub limits: Limits,
+    pub store: Arc<dyn Store>,
+    pub approvals: ApprovalsConfig,
+    pub budgets: Budgets,
+    pub cache: ResultCache,
+    pub audit_config: AuditConfig,
+    /// This replica's name in dispatch claims.
+    pub replica_id: String,
+    pub workspaces_root: Option<std::path::PathBuf>,
+    authorizer: RwLock<Arc<Authorizer>>,
+    /// Woken when an approval is decided through this replica.
+    decided: Notify,
+}
+
+/// How a call ended, before it is recorded.
+struct Ending {
+    status: CallStatus,
+    outcome: ToolOutcome,
+    replica: Option<String>,
+}
+
+impl Ending {
+    fn error(status: CallStatus, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            outcome: ToolOutcome::error(message),
+            replica: None,
+        }
+    }
+}
+
+pub fn role_names(principal: &Principal) -> Vec<String> {
+    principal
+        .roles
+        .iter()
+        .map(|r| match r {
+            Role::Agent => "agent",
+            Role::Approver => "approver",
+            Role::Admin => "admin",
+        })
+        .map(String::from)
+        .collect()
 }
 
 impl Gate {
+    #[allow(clippy::too_many_arguments, reason = "assembled once, at start-up")]
+    pub fn new(
+        catalog: Arc<Catalog>,
+        limits: Limits,
+        store: Arc<dyn Store>,
+        authorizer: Authorizer,
+        approvals: ApprovalsConfig,
+        budgets: Budgets,
+        cache: ResultCache,
+        audit_config: AuditConfig,
+    ) -> Self {
+        Self {
+            catalog,
+            calls: CallRegistry::default(),
+            limits,
+            store,
+            approvals,
+            budgets,
+            cache,
+            audit_config,
+            replica_id: format!("orchestrator-{}", uuid::Uuid::new_v4().simple()),
+            workspaces_root: None,
+            authorizer: RwLock::new(Arc::new(authorizer)),
+            decided: Notify::new(),
+        }
+    }
+
+    pub fn authorizer(&self) -> Arc<Authorizer> {
+        match self.authorizer.read() {
+            Ok(a) => a.clone(),
+            Err(poisoned) => poisoned.into_inner().clone(),
+        }
+    }
+
+    pub fn replace_authorizer(&self, authorizer: Authorizer) {
+        match self.authorizer.write() {
+            Ok(mut a) => *a = Arc::new(authorizer),
+            Err(poisoned) => *poisoned.into_inner() = Arc::new(authorizer),
+        }
+    }
+
+    /// Wakes calls waiting for an approval decision.
+    pub fn notify_decided(&self) {
+        self.decided.notify_waiters();
+    }
+
+    /// The tools `principal` may see: the same answer for hidden and unknown tools.
+    pub fn visible_tools(&self, principal: &Principal) -> Vec<Arc<CatalogTool>> {
+        let authorizer = self.authorizer();
+        let roles = role_names(principal);
+        let who = PrincipalRef {
+            name: &principal.name,
+            roles: &roles,
+        };
+        self.catalog
+            .tools()
+            .into_iter()
+            .filter(|t| authorizer.visible(&who, &t.definition))
+            .collect()
+    }
+
+    fn visible_tool(&self, principal: &Principal, name: &str) -> Option<Arc<CatalogTool>> {
+        let tool = self.catalog.get(name)?;
+        let roles = role_names(principal);
+        let who = PrincipalRef {
+            name: &principal.name,
+            roles: &roles,
+        };
+        self.authorizer()
+            .visible(&who, &tool.definition)
+            .then_some(tool)
+    }
+
+    /// Appends an audit event; a store that cannot record is logged loudly (the call's
+    /// own outcome is still recorded with the call).
+    pub async fn audit(&self, event: NewAuditEvent) {
+        if let Err(e) = self.store.append(event).await {
+            tracing::error!(error = %e, "cannot append to the audit log");
+        }
+    }
+
+    fn redacted(&self, tool: Option<&CatalogTool>, input: &Value) -> Value {
+        let schema = tool
+            .map(|t| t.definition.input_schema.clone())
+            .unwrap_or(Value::Null);
+        redact(input, &schema, &self.audit_config.secret_fields)
+    }
+
     /// Starts a call; it runs to completion even if the caller stops waiting.
+    /// `session_named` says whether the request named its session (only those count
+    /// against session budgets).
     pub fn submit(
         self: &Arc<Self>,
         principal: &Principal,
         session: &SessionId,
+        session_named: bool,
         tool_use: ToolUse,
         events: Option<mpsc::Sender<WorkerEvent>>,
     ) -> watch::Receiver<CallRecord> {
         let call_id = format!("call_{}", uuid::Uuid::new_v4().simple());
         let cancel = CancellationToken::new();
-        let record = CallRecord {
-            call_id: call_id.clone(),
-            tool_use_id: tool_use.id.clone(),
-            tool: tool_use.name.clone(),
-            principal: principal.name.clone(),
-            status: CallStatus::Running,
-            approval_id: None,
-            duration_ms: None,
-            replica: None,
-            result: None,
-        };
-        let rx = self.calls.insert(record, cancel.clone());
+        let rx = self.calls.insert(
+            CallRecord::running(&call_id, &tool_use.id, &tool_use.name, &principal.name),
+            cancel.clone(),
+        );
         let gate = self.clone();
         let principal = principal.clone();
         let session = session.clone();
         tokio::spawn(async move {
             let started = Instant::now();
-            let (status, outcome, replica) = gate
-                .run(&call_id, &principal, &session, tool_use, events, &cancel)
+            let ending = gate
+                .run(
+                    &call_id,
+                    &principal,
+                    &session,
+                    session_named,
+                    &tool_use,
+                    events,
+                    &cancel,
+                )
                 .await;
-            let duration_ms = started.elapsed().as_millis() as u64;
-            tracing::info!(call_id, principal = %principal.name, status = status.as_str(), duration_ms, "call finished");
-            gate.calls.update(&call_id, |r| {
-                r.status = status;
-                r.duration_ms = Some(duration_ms);
-                r.replica = replica;
-                r.result = Some(outcome);
-            });
+            gate.conclude(
+                &call_id,
+                &principal.name,
+                Some(session.as_str()),
+                started,
+                ending,
+            )
+            .await;
         });
         rx
     }
 
+    /// Records a call that failed before it could enter the gate (arguments that are not
+    /// a JSON object); it is final at once.
+    pub fn reject(
+        &self,
+        principal: &Principal,
+        tool_use_id: String,
+        tool: String,
+        message: String,
+    ) -> watch::Receiver<CallRecord> {
+        let call_id = format!("call_{}", uuid::Uuid::new_v4().simple());
+        let mut record = CallRecord::running(&call_id, &tool_use_id, &tool, &principal.name);
+        record.status = CallStatus::Error;
+        record.duration_ms = Some(0);
+        record.result = Some(ToolOutcome::error(message));
+        self.calls.insert(record, CancellationToken::new())
+    }
+
+    /// Records the end of a call: memory, store (once), audit.
+    async fn conclude(
+        &self,
+        call_id: &str,
+        principal: &str,
+        session: Option<&str>,
+        started: Instant,
+        ending: Ending,
+    ) {
+        let duration_ms = started.elapsed().as_millis() as u64;
+        let status = ending.status;
+        let digest = hex::encode(Sha256::digest(ending.outcome.content.join("\n").as_bytes()));
+        let stored = CallOutcome {
+            status: status.as_str().to_owned(),
+            result: serde_json::to_value(&ending.outcome).unwrap_or(Value::Null),
+            duration_ms: Some(duration_ms),
+            replica: ending.replica.clone(),
+            finished_at: now_millis(),
+        };
+        match self.store.finish_call(call_id, &stored).await {
+            Ok(_) => {}
+            Err(crate::store::StoreError::NotFound { .. }) => {}
+            Err(e) => tracing::error!(call_id, error = %e, "cannot record the call's outcome"),
+        }
+        self.audit(
+            NewAuditEvent::new(
+                "completed",
+                json!({
+                    "status": status.as_str(),
+                    "is_error": ending.outcome.is_error,
+                    "duration_ms": duration_ms,
+                    "replica": ending.replica,
+                    "result_sha256": digest,
+                    "isolation": ending.outcome.isolation,
+                }),
+            )
+            .call_id(call_id)
+            .principal(principal)
+            .session_id(session.map(str::to_owned)),
+        )
+        .await;
+        tracing::info!(
+            call_id,
+            principal,
+            status = status.as_str(),
+            duration_ms,
+            "call finished"
+        );
+        self.calls.update(call_id, |r| {
+            r.status = status;
+            r.duration_ms = Some(duration_ms);
+            r.replica = ending.replica;
+            r.result = Some(ending.outcome);
+        });
+    }
+
+    #[allow(clippy::too_many_arguments, reason = "the call's whole context")]
     async fn run(
         &self,
         call_id: &str,
         principal: &Principal,
         session: &SessionId,
-        tool_use: ToolUse,
+        session_named: bool,
+        tool_use: &ToolUse,
         events: Option<mpsc::Sender<WorkerEvent>>,
         cancel: &CancellationToken,
-    ) -> (CallStatus, ToolOutcome, Option<String>) {
-        // Resolve: unknown and (later) hidden tools get the same answer.
-        let Some(tool) = self.catalog.get(&tool_use.name) else {
-            return error(format!(
-                "unknown tool {:?}; list the available tools with GET /v1/tools",
-                tool_use.name
-            ));
+    ) -> Ending {
+        let event = |kind: &str, data: Value| {
+            NewAuditEvent::new(kind, data)
+                .call_id(call_id)
+                .principal(&principal.name)
+                .session_id(Some(session.as_str().to_owned()))
+        };
+        // Resolve: unknown and hidden tools get the same answer (no catalog probing).
+        let tool = self.visible_tool(principal, &tool_use.name);
+        self.audit(event(
+            "requested",
+            json!({"tool": tool_use.name, "tool_use_id": tool_use.id, "arguments": self.redacted(tool.as_deref(), &tool_use.input)}),
+        ))
+        .await;
+        let Some(tool) = tool else {
+            self.audit(event("rejected", json!({"reason": "unknown_tool"})))
+                .await;
+            return Ending::error(
+                CallStatus::Error,
+                format!(
+                    "unknown tool {:?}; list the available tools with GET /v1/tools",
+                    tool_use.name
+                ),
+            );
         };
         // Size cap before the schema, so a huge argument is never walked.
         let size = serde_json::to_vec(&tool_use.input)
             .map(|v| v.len())
             .unwrap_or(usize::MAX);
         if size as u64 > self.limits.max_argument_bytes {
-            return error(format!(
-                "arguments of {} are {size} bytes, over the limit of {} bytes; send less data per call",
-                tool_use.name, self.limits.max_argument_bytes
+            self.audit(event(
+                "rejected",
+                json!({"reason": "arguments_too_large", "bytes": size}),
+            ))
+            .await;
+            return Ending::error(
+                CallStatus::Error,
+                format!(
+                    "arguments of {} are {size} bytes, over the limit of {} bytes; send less data per call",
+                    tool_use.name, self.limits.max_argument_bytes
+                ),
+            );
+        }
+        if let Err(violations) = validate(&tool, &tool_use.input) {
+            self.audit(event("rejected_schema", json!({"violations": violations})))
+                .await;
+            return Ending::error(
+                CallStatus::Error,
+                format!(
+                    "invalid arguments for {}: {}. Fix the arguments to match the tool's input_schema and call again",
+                    tool.definition.name,
+                    violations.join("; ")
+                ),
+            );
+        }
+        // Budgets.
+        let repeat_key = format!(
+            "{}\u{0}{}\u{0}{}\u{0}{}",
+            principal.name, session, tool_use.name, tool_use.input
+        );
+        let budget = async {
+            if session_named {
+                let usage = self
+                    .store
+                    .session_usage(&principal.name, session.as_str())
+                    .await
+                    .map_err(|e| format!("the store cannot count this session's calls: {e}"))?;
+                self.budgets
+                    .check_session(usage.calls, usage.first_at, now_millis())
+                    .map_err(|e| e.to_string())?;
+            }
+            self.budgets
+                .check_repeat(&repeat_key)
+                .map_err(|e| e.to_string())
+        };
+        if let Err(message) = budget.await {
+            self.audit(event("budget_exceeded", json!({"reason": message})))
+                .await;
+            return Ending::error(CallStatus::Error, message);
+        }
+        // Policy.
+        let roles = role_names(principal);
+        let workspace = self
+            .workspaces_root
+            .as_ref()
+            .map(|root| root.join(&principal.name).join(session.as_str()));
+        let decision = self.authorizer().decide(&CallRequest {
+            principal: &principal.name,
+            roles: &roles,
+            tool: &tool.definition,
+            arguments: &tool_use.input,
+            session_id: session.as_str(),
+            workspace: workspace.as_deref(),
+        });
+        if let Decision::Deny { reasons } = &decision {
+            self.audit(event("denied", json!({"reasons": reasons})))
+                .await;
+            return Ending::error(
+                CallStatus::Denied,
+                format!("denied by policy: {}", reasons.join("; ")),
+            );
+        }
+        // Cache (read-only, idempotent tools only).
+        let cache_key = self.cache.key(
+            &tool.definition,
+            &principal.name,
+            session.as_str(),
+            &tool_use.input,
+        );
+        let new_call = |state| NewCall {
+            call_id: call_id.to_owned(),
+            tool_use_id: tool_use.id.clone(),
+            tool: tool_use.name.clone(),
+            input: tool_use.input.clone(),
+            principal: principal.name.clone(),
+            session_id: Some(session.as_str().to_owned()),
+            state,
+            created_at: now_millis(),
+        };
+        if let Some(hit) = cache_key
+            .as_ref()
+            .and_then(|k| self.cache.get(&tool.definition.name, k))
+        {
+            // Recorded like any call: it counts against the session and can be fetched.
+            if let Err(e) = self.store.insert_call(new_call(CallState::Approved)).await {
+                return Ending::error(
+                    CallStatus::Error,
+                    format!("the store cannot record the call: {e}"),
+                );
+            }
+            self.audit(event("cache_hit", json!({}))).await;
+            return Ending {
+                status: CallStatus::Ok,
+                outcome: hit,
+                replica: None,
+            };
+        }
+        // Approval.
+        let approved = if let Decision::RequireApproval { reasons } = &decision {
+            match self
+                .await_approval(
+                    call_id,
+                    new_call(CallState::PendingApproval),
+                    reasons,
+                    cancel,
+                )
+                .await
+            {
+                Ok(()) => true,
+                Err(ending) => return ending,
+            }
+        } else {
+            if let Err(e) = self.store.insert_call(new_call(CallState::Approved)).await {
+                return Ending::error(
+                    CallStatus::Error,
+                    format!("the store cannot record the call: {e}"),
+                );
+            }
+            false
+        };
+        let ending = self
+            .dispatch_claimed(
+                call_id,
+                &tool,
+                principal,
+                session.as_str(),
+                &tool_use.input,
+                events,
+                cancel,
+                approved,
+            )
+            .await;
+        self.budgets.record(&repeat_key, ending.outcome.is_error);
+        if let (Some(key), CallStatus::Ok) = (cache_key, ending.status) {
+            self.cache.put(key, &ending.outcome);
+        }
+        ending
+    }
+
+    /// Creates the durable pending approval and waits for its decision (taken on any
+    /// replica), its expiry, or the caller's cancellation.
+    async fn await_approval(
+        &self,
+        call_id: &str,
+        call: NewCall,
+        reasons: &[String],
+        cancel: &CancellationToken,
+    ) -> Result<(), Ending> {
+        let approval_id = format!("apr_{}", uuid::Uuid::new_v4().simple());
+        let now = now_millis();
+        let expires_at = now
+            + i64::try_from(self.approvals.timeout_seconds.saturating_mul(1000))
+                .unwrap_or(i64::MAX);
+        let principal = call.principal.clone();
+        let session = call.session_id.clone();
+        let created = self
+            .store
+            .create_approval(NewApproval {
+                approval_id: approval_id.clone(),
+                call,
+                created_at: now,
+                expires_at,
+            })
+            .await;
+        if let Err(e) = created {
+            return Err(Ending::error(
+                CallStatus::Error,
+                format!("the store cannot record the pending approval: {e}"),
             ));
         }
-        if let Err(message) = validate(&tool, &tool_use.input) {
-            return error(message);
+        self.calls.update(call_id, |r| {
+            r.status = CallStatus::PendingApproval;
+            r.approval_id = Some(approval_id.clone());
+        });
+        self.audit(
+            NewAuditEvent::new("pending_approval", json!({"approval_id": approval_id, "reasons": reasons, "expires_at": crate::store::rfc3339(expires_at)}))
+                .call_id(call_id)
+                .principal(&principal)
+                .session_id(session),
+        )
+        .await;
+        loop {
+            match self.store.get_approval(&approval_id).await {
+                Ok(Some(a)) => match a.status {
+                    ApprovalStatus::Pending if a.expires_at <= now_millis() => {
+                        let _ = self.expire_sweep().await;
+                    }
+                    ApprovalStatus::Pending => {}
+                    ApprovalStatus::Approved => {
+                        self.calls
+                            .update(call_id, |r| r.status = CallStatus::Running);
+                        return Ok(());
+                    }
+                    ApprovalStatus::Denied => {
+                        let by = a.decided_by.unwrap_or_default();
+                        let reason = a.reason.map(|r| format!(": {r}")).unwrap_or_default();
+                        return Err(Ending::error(
+                            CallStatus::Denied,
+                            format!("the approval was denied by {by}{reason}"),
+                        ));
+                    }
+                    ApprovalStatus::Expired => {
+                        return Err(Ending::error(
+                            CallStatus::Denied,
+                            "the approval expired before anyone decided; ask an approver and call again",
+                        ));
+                    }
+                },
+                Ok(None) => {
+                    return Err(Ending::error(
+                        CallStatus::Error,
+                        "the pending approval disappeared from the store",
+                    ));
+                }
+                Err(e) => tracing::warn!(error = %e, "cannot read the approval; retrying"),
+            }
+            tokio::select! {
+                _ = cancel.cancelled() => {
+                    // Withdraw the request so that a later approval cannot run it.
+                    let _ = self.store.decide_approval(&approval_id, false, "system:cancelled", Some("the caller cancelled the call"), now_millis()).await;
+                    self.audit(NewAuditEvent::new("approval_withdrawn", json!({"approval_id": approval_id})).call_id(call_id)).await;
+                    return Err(Ending::error(CallStatus::Cancelled, "the call was cancelled while it waited for approval"));
+                }
+                _ = self.decided.notified() => {}
+                _ = tokio::time::sleep(POLL) => {}
+            }
+        }
+    }
+
+    /// Claims the call (exactly one replica wins) and runs it on a worker; a loser waits
+    /// for the winner's outcome in the store.
+    #[allow(clippy::too_many_arguments, reason = "the call's whole context")]
+    async fn dispatch_claimed(
+        &self,
+        call_id: &str,
+        tool: &CatalogTool,
+        principal: &Principal,
+        session: &str,
+        input: &Value,
+        events: Option<mpsc::Sender<WorkerEvent>>,
+        cancel: &CancellationToken,
+        durable: bool,
+    ) -> Ending {
+        let lease_until = || now_millis() + LEASE.as_millis() as i64;
+        match self
+            .store
+            .claim_for_dispatch(call_id, &self.replica_id, now_millis(), lease_until())
+            .await
+        {
+            Ok(true) => {}
+            Ok(false) => return self.await_stored_outcome(call_id, cancel).await,
+            Err(e) => {
+                return Ending::error(
+                    CallStatus::Error,
+                    format!("the store cannot claim the call: {e}"),
+                );
+            }
         }
         let Some(group) = self.catalog.group(&tool.group) else {
-            return error(format!("no worker group serves {}", tool_use.name));
+            return Ending::error(
+                CallStatus::Error,
+                format!("no worker group serves {}", tool.definition.name),
+            );
         };
-        let timeout_ms = self.call_timeout_ms(&tool_use.input);
+        self.audit(
+            NewAuditEvent::new(
+                "dispatched",
+                json!({"group": tool.group, "claimant": self.replica_id, "durable": durable}),
+            )
+            .call_id(call_id)
+            .principal(&principal.name)
+            .session_id(Some(session.to_owned())),
+        )
+        .await;
+        let timeout_ms = self.call_timeout_ms(input);
         let request = pb::ExecuteRequest {
             call_id: call_id.to_owned(),
-            tool: tool_use.name.clone(),
-            arguments_json: tool_use.input.to_string(),
+            tool: tool.definition.name.clone(),
+            arguments_json: input.to_string(),
             principal: principal.name.clone(),
-            session_id: session.as_str().to_owned(),
+            session_id: session.to_owned(),
             timeout_ms,
             trace_context: Default::default(),
-            detached: false,
+            // An approved call must not be lost with this replica: the worker keeps
+            // running it, and a replica that resumes it joins the same run.
+            detached: durable,
         };
-        match dispatch::execute(&group, request, events, cancel).await {
+        let renewing = CancellationToken::new();
+        let renew = {
+            let store = self.store.clone();
+            let (call_id, me, stop) = (
+                call_id.to_owned(),
+                self.replica_id.clone(),
+                renewing.clone(),
+            );
+            tokio::spawn(async move {
+                loop {
+                    tokio::select! {
+                        _ = stop.cancelled() => return,
+                        _ = tokio::time::sleep(LEASE / 3) => {
+                            let _ = store.renew_lease(&call_id, &me, now_millis() + LEASE.as_millis() as i64).await;
+                        }
+                    }
+                }
+            })
+        };
+        let result = dispatch::execute(&group, request, events, cancel).await;
+        renewing.cancel();
+        let _ = renew.await;
+        match result {
             Ok(done) => {
                 let status = match (done.outcome.timed_out, done.outcome.is_error) {
                     (true, _) => CallStatus::Timeout,
                     (false, true) => CallStatus::Error,
                     (false, false) => CallStatus::Ok,
                 };
-                (status, done.outcome, Some(done.replica))
+                Ending {
+                    status,
+                    outcome: done.outcome,
+                    replica: Some(done.replica),
+                }
             }
             Err(e @ DispatchError::DeadlineExceeded { .. }) => {
-                (CallStatus::Timeout, ToolOutcome::error(e.to_string()), None)
+                Ending::error(CallStatus::Timeout, e.to_string())
             }
-            Err(e @ DispatchError::Cancelled) => (
-                CallStatus::Cancelled,
-                ToolOutcome::error(e.to_string()),
-                None,
-            ),
-            Err(e) => (CallStatus::Error, ToolOutcome::error(e.to_string()), None),
+            Err(e @ DispatchError::Cancelled) => {
+                Ending::error(CallStatus::Cancelled, e.to_string())
+            }
+            Err(e) => Ending::error(CallStatus::Error, e.to_string()),
+        }
+    }
+
+    /// Waits until another replica records the call's outcome.
+    async fn await_stored_outcome(&self, call_id: &str, cancel: &CancellationToken) -> Ending {
+        loop {
+            if let Ok(Some(stored)) = self.store.get_call(call_id).await {
+                if let Some(ending) = stored_ending(&stored) {
+                    return ending;
+                }
+            }
+            tokio::select! {
+                _ = cancel.cancelled() => return Ending::error(CallStatus::Cancelled, "the call was cancelled"),
+                _ = tokio::time::sleep(POLL) => {}
+            }
         }
     }
 
     /// The deadline the worker enforces: the call's own `timeout_seconds` when the tool
     /// takes one (plus a second for set-up), else the default; never above the maximum.
-    fn call_timeout_ms(&self, input: &serde_json::Value) -> u64 {
+    fn call_timeout_ms(&self, input: &Value) -> u64 {
         let requested = input
             .get("timeout_seconds")
-            .and_then(serde_json::Value::as_f64)
+            .and_then(Value::as_f64)
             .filter(|s| s.is_finite() && *s > 0.0)
             .map(|s| (s * 1000.0) as u64 + 1000);
         requested
@@ -157,20 +714,166 @@ impl Gate {
     pub fn default_wait(&self) -> Duration {
         Duration::from_millis(self.limits.default_wait_ms)
     }
+
+    /// Marks overdue approvals expired and audits each (once, across replicas).
+    pub async fn expire_sweep(&self) -> Result<(), crate::store::StoreError> {
+        for approval in self.store.expire_approvals(now_millis()).await? {
+            self.audit(
+                NewAuditEvent::new("expired", json!({"approval_id": approval.approval_id}))
+                    .call_id(approval.call_id.clone())
+                    .principal(approval.principal.clone())
+                    .session_id(approval.session_id.clone()),
+            )
+            .await;
+        }
+        self.notify_decided();
+        Ok(())
+    }
+
+    /// Resumes calls that no live task will finish: approved while their orchestrator
+    /// was down, or dispatched by a replica whose lease ran out.
+    pub async fn resume_forever(self: Arc<Self>, stop: CancellationToken) {
+        loop {
+            if let Err(e) = self.expire_sweep().await {
+                tracing::warn!(error = %e, "cannot expire approvals");
+            }
+            match self.store.resumable_calls(now_millis()).await {
+                Ok(calls) => {
+                    let cutoff = now_millis() - RESUME_AFTER.as_millis() as i64;
+                    for call in calls.into_iter().filter(|c| c.created_at < cutoff) {
+                        if self
+                            .calls
+                            .watch(&call.call_id)
+                            .is_some_and(|r| !r.borrow().status.is_final())
+                        {
+                            continue; // a task of this replica is on it
+                        }
+                        let gate = self.clone();
+                        tokio::spawn(async move { gate.resume(call).await });
+                    }
+                }
+                Err(e) => tracing::warn!(error = %e, "cannot list resumable calls"),
+            }
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tokio::time::sleep(Duration::from_secs(2)) => {}
+            }
+        }
+    }
+
+    async fn resume(self: Arc<Self>, call: StoredCall) {
+        let Some(tool) = self.catalog.get(&call.tool) else {
+            return;
+        };
+        let principal = Principal {
+            name: call.principal.clone(),
+            roles: Vec::new(),
+        };
+        let cancel = CancellationToken::new();
+        let mut record = CallRecord::running(
+            &call.call_id,
+            &call.tool_use_id,
+            &call.tool,
+            &call.principal,
+        );
+        record.approval_id = call.approval_id.clone();
+        self.calls.insert(record, cancel.clone());
+        self.audit(
+            NewAuditEvent::new("resumed", json!({"state": call.state.as_str()}))
+                .call_id(call.call_id.clone()),
+        )
+        .await;
+        let session = call
+            .session_id
+            .clone()
+            .unwrap_or_else(|| SessionId::DEFAULT.to_owned());
+        let started = Instant::now();
+        let ending = self
+            .dispatch_claimed(
+                &call.call_id,
+                &tool,
+                &principal,
+                &session,
+                &call.input,
+                None,
+                &cancel,
+                true,
+            )
+            .await;
+        self.conclude(
+            &call.call_id,
+            &call.principal,
+            Some(&session),
+            started,
+            ending,
+        )
+        .await;
+    }
+
+    /// A call known only to the store (another replica's, or from before a restart).
+    pub async fn stored_record(&self, call_id: &str) -> Option<CallRecord> {
+        let stored = self.store.get_call(call_id).await.ok()??;
+        let mut record = CallRecord::running(
+            &stored.call_id,
+            &stored.tool_use_id,
+            &stored.tool,
+            &stored.principal,
+        );
+        record.approval_id = stored.approval_id.clone();
+        record.duration_ms = stored.duration_ms;
+        record.replica = stored.replica.clone();
+        match stored_ending(&stored) {
+            Some(ending) => {
+                record.status = ending.status;
+                record.result = Some(ending.outcome);
+            }
+            None if stored.state == CallState::PendingApproval => {
+                record.status = CallStatus::PendingApproval
+            }
+            None => {}
+        }
+        Some(record)
+    }
 }
 
-fn error(message: String) -> (CallStatus, ToolOutcome, Option<String>) {
-    (CallStatus::Error, ToolOutcome::error(message), None)
+/// The final outcome a stored call holds, if it is finished or rejected.
+fn stored_ending(stored: &StoredCall) -> Option<Ending> {
+    match stored.state {
+        CallState::Finished => {
+            let outcome: ToolOutcome = stored
+                .result
+                .clone()
+                .and_then(|v| serde_json::from_value(v).ok())
+                .unwrap_or_else(|| ToolOutcome::error("the stored result is unreadable"));
+            let status = match stored.status.as_deref() {
+                Some("ok") => CallStatus::Ok,
+                Some("denied") => CallStatus::Denied,
+                Some("timeout") => CallStatus::Timeout,
+                Some("cancelled") => CallStatus::Cancelled,
+                _ => CallStatus::Error,
+            };
+            Some(Ending {
+                status,
+                outcome,
+                replica: stored.replica.clone(),
+            })
+        }
+        CallState::Rejected => Some(Ending::error(
+            CallStatus::Denied,
+            "the call was denied or its approval expired",
+        )),
+        _ => None,
+    }
 }
 
-/// Checks `input` against the tool's schema; the error names each field and rule so the
-/// model can correct itself.
-fn validate(tool: &CatalogTool, input: &serde_json::Value) -> Result<(), String> {
+/// Checks `input` against the tool's schema; each violation names the field and rule so
+/// the model can correct itself.
+fn validate(tool: &CatalogTool, input: &Value) -> Result<(), Vec<String>> {
     if !input.is_object() {
-        return Err(format!(
+        return Err(vec![format!(
             "input of {} must be a JSON object",
             tool.definition.name
-        ));
+        )]);
     }
     let violations: Vec<String> = tool
         .validator
@@ -193,36 +896,8 @@ fn validate(tool: &CatalogTool, input: &serde_json::Value) -> Result<(), String>
         })
         .collect();
     if violations.is_empty() {
-        return Ok(());
-    }
-    Err(format!(
-        "invalid arguments for {}: {}. Fix the arguments to match the tool's input_schema and call again",
-        tool.definition.name,
-        violations.join("; ")
-    ))
-}
-
-impl Gate {
-    /// Records a call that failed before it could enter the gate (arguments that are not
-    /// a JSON object); it is final at once.
-    pub fn reject(
-        &self,
-        principal: &Principal,
-        tool_use_id: String,
-        tool: String,
-        message: String,
-    ) -> watch::Receiver<CallRecord> {
-        let record = CallRecord {
-            call_id: format!("call_{}", uuid::Uuid::new_v4().simple()),
-            tool_use_id,
-            tool,
-            principal: principal.name.clone(),
-            status: CallStatus::Error,
-            approval_id: None,
-            duration_ms: Some(0),
-            replica: None,
-            result: Some(ToolOutcome::error(message)),
-        };
-        self.calls.insert(record, CancellationToken::new())
+        Ok(())
+    } else {
+        Err(violations)
     }
 }

@@ -11,10 +11,12 @@ use futures::Stream;
 use tokio::sync::mpsc;
 use tonic::{Request, Response, Status};
 
+use crate::approvals::DecideError;
 use crate::auth::{Principal, Principals, Role, bearer_token};
 use crate::calls::{CallRecord, wait_final};
 use crate::dispatch::WorkerEvent;
 use crate::gate::{Gate, ToolUse};
+use crate::store::ApprovalStatus;
 use crate::wire::MAX_WAIT_MS;
 
 pub struct GrpcFrontDoor {
@@ -125,11 +127,10 @@ impl Orchestrator for GrpcFrontDoor {
         &self,
         request: Request<pb::OrchestratorListToolsRequest>,
     ) -> Result<Response<pb::OrchestratorListToolsResponse>, Status> {
-        self.authenticate(&request)?;
+        let principal = self.authenticate(&request)?;
         let tools = self
             .gate
-            .catalog
-            .tools()
+            .visible_tools(&principal)
             .iter()
             .map(|t| {
                 let d = &t.definition;
@@ -154,6 +155,7 @@ impl Orchestrator for GrpcFrontDoor {
     ) -> Result<Response<pb::CallToolsResponse>, Status> {
         let principal = self.authorize_agent(&request)?;
         let request = request.into_inner();
+        let session_named = !request.session_id.is_empty();
         let session = session(&request.session_id)?;
         if request.tool_uses.is_empty() {
             return Err(Status::invalid_argument("tool_uses must not be empty"));
@@ -174,6 +176,10 @@ impl Orchestrator for GrpcFrontDoor {
             }
             uses.push(tool_use(index, wire)?);
         }
+        let wanted = u32::try_from(uses.len()).unwrap_or(u32::MAX);
+        if let Err(e) = self.gate.budgets.take(&principal.name, wanted) {
+            return Err(Status::resource_exhausted(e.to_string()));
+        }
         let wait = match request.wait_ms {
             0 => self.gate.default_wait(),
             ms => Duration::from_millis(ms.min(MAX_WAIT_MS)),
@@ -181,7 +187,10 @@ impl Orchestrator for GrpcFrontDoor {
         let receivers: Vec<_> = uses
             .into_iter()
             .map(|u| match u {
-                Ok(tool_use) => self.gate.submit(&principal, &session, tool_use, None),
+                Ok(tool_use) => {
+                    self.gate
+                        .submit(&principal, &session, session_named, tool_use, None)
+                }
                 Err((id, name, message)) => self.gate.reject(&principal, id, name, message),
             })
             .collect();
@@ -202,13 +211,16 @@ impl Orchestrator for GrpcFrontDoor {
         use pb::call_event::Event;
         let principal = self.authorize_agent(&request)?;
         let request = request.into_inner();
+        let session_named = !request.session_id.is_empty();
         let session = session(&request.session_id)?;
         let wire = request
             .tool_use
             .ok_or_else(|| Status::invalid_argument("tool_use is required"))?;
         let (events_tx, mut events_rx) = mpsc::channel(256);
         let mut rx = match tool_use(0, wire)? {
-            Ok(u) => self.gate.submit(&principal, &session, u, Some(events_tx)),
+            Ok(u) => self
+                .gate
+                .submit(&principal, &session, session_named, u, Some(events_tx)),
             Err((id, name, message)) => self.gate.reject(&principal, id, name, message),
         };
         let gate = self.gate.clone();
@@ -258,5 +270,76 @@ impl Orchestrator for GrpcFrontDoor {
         Ok(Response::new(Box::pin(
             tokio_stream::wrappers::ReceiverStream::new(out_rx),
         )))
+    }
+
+    async fn list_approvals(
+        &self,
+        request: Request<pb::ListApprovalsRequest>,
+    ) -> Result<Response<pb::ListApprovalsResponse>, Status> {
+        let principal = self.authenticate(&request)?;
+        if !principal.has(Role::Approver) {
+            return Err(Status::permission_denied(
+                "listing approvals needs the approver role",
+            ));
+        }
+        let status = match request.get_ref().status.as_str() {
+            "" | "all" => None,
+            s => Some(s.parse::<ApprovalStatus>().map_err(|_| {
+                Status::invalid_argument("status must be one of pending, approved, denied, expired")
+            })?),
+        };
+        let approvals = crate::approvals::list(&self.gate, status)
+            .await
+            .map_err(|e| Status::unavailable(format!("the store is unavailable: {e}")))?;
+        Ok(Response::new(pb::ListApprovalsResponse {
+            approvals: approvals.iter().map(approval_info).collect(),
+        }))
+    }
+
+    async fn decide_approval(
+        &self,
+        request: Request<pb::DecideApprovalRequest>,
+    ) -> Result<Response<pb::ApprovalInfo>, Status> {
+        let principal = self.authenticate(&request)?;
+        if !principal.has(Role::Approver) {
+            return Err(Status::permission_denied(
+                "deciding approvals needs the approver role",
+            ));
+        }
+        let request = request.into_inner();
+        let reason = (!request.reason.is_empty()).then_some(request.reason.as_str());
+        let approval = crate::approvals::decide(
+            &self.gate,
+            &principal,
+            &request.approval_id,
+            request.approve,
+            reason,
+        )
+        .await
+        .map_err(|e| match e {
+            DecideError::NotFound => {
+                Status::not_found(format!("no approval {:?}", request.approval_id))
+            }
+            DecideError::SelfApproval => Status::permission_denied(e.to_string()),
+            DecideError::Conflict(_) => Status::failed_precondition(e.to_string()),
+            DecideError::Store(_) => Status::unavailable(e.to_string()),
+        })?;
+        Ok(Response::new(approval_info(&approval)))
+    }
+}
+
+fn approval_info(a: &crate::store::Approval) -> pb::ApprovalInfo {
+    pb::ApprovalInfo {
+        approval_id: a.approval_id.clone(),
+        call_id: a.call_id.clone(),
+        tool: a.tool.clone(),
+        input_json: a.input.to_string(),
+        principal: a.principal.clone(),
+        session_id: a.session_id.clone().unwrap_or_default(),
+        status: a.status.as_str().to_owned(),
+        created_at: crate::store::rfc3339(a.created_at),
+        expires_at: crate::store::rfc3339(a.expires_at),
+        decided_by: a.decided_by.clone().unwrap_or_default(),
+        reason: a.reason.clone().unwrap_or_default(),
     }
 }

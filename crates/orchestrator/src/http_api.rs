@@ -17,9 +17,13 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use serde_json::{Value, json};
 
+use crate::approvals::{self, DecideError};
+use crate::audit::AuditQuery;
 use crate::auth::{Principal, Principals, Role, bearer_token};
+use crate::budget::BudgetError;
 use crate::calls::wait_final;
 use crate::gate::Gate;
+use crate::store::ApprovalStatus;
 use crate::wire::{self, BadRequest, CatalogFormat};
 
 #[derive(Clone)]
@@ -77,6 +81,13 @@ pub fn router(state: HttpState) -> Router {
         .route("/v1/tool_calls", post(tool_calls))
         .route("/v1/calls/{call_id}", get(get_call))
         .route("/v1/calls/{call_id}/cancel", post(cancel_call))
+        .route("/v1/approvals", get(list_approvals))
+        .route(
+            "/v1/approvals/{approval_id}/{decision}",
+            post(decide_approval),
+        )
+        .route("/v1/audit", get(read_audit))
+        .route("/v1/audit/verify", get(verify_audit))
         .route("/openapi.json", get(openapi))
         .route_layer(middleware::from_fn_with_state(state.clone(), authenticate));
     Router::new()
@@ -174,14 +185,14 @@ fn query(
 
 async fn list_tools(
     State(state): State<HttpState>,
+    axum::Extension(principal): axum::Extension<Principal>,
     q: Result<Query<HashMap<String, String>>, QueryRejection>,
 ) -> Result<axum::Json<Value>, ApiError> {
     let q = query(q)?;
     let format = CatalogFormat::parse(q.get("format").map(String::as_str))?;
     let tools: Vec<Value> = state
         .gate
-        .catalog
-        .tools()
+        .visible_tools(&principal)
         .iter()
         .map(|t| wire::catalog_entry(t, format))
         .collect();
@@ -232,11 +243,24 @@ async fn tool_calls(
     axum::Extension(principal): axum::Extension<Principal>,
     headers: HeaderMap,
     body: Body,
-) -> Result<axum::Json<Value>, ApiError> {
+) -> Result<axum::Json<Value>, Rejection> {
     require_role(&principal, Role::Agent)?;
     let gate = &state.gate;
     let body = read_json(&headers, body, gate.limits.max_request_bytes).await?;
     let request = wire::parse_tool_calls(&body, gate.limits.max_tool_uses_per_request)?;
+    let wanted = u32::try_from(request.calls.len()).unwrap_or(u32::MAX);
+    if let Err(e @ BudgetError::RateLimited { retry_after_s, .. }) =
+        gate.budgets.take(&principal.name, wanted)
+    {
+        let mut response =
+            ApiError::new(StatusCode::TOO_MANY_REQUESTS, "rate_limited", e.to_string())
+                .into_response();
+        if let Ok(value) = HeaderValue::from_str(&retry_after_s.to_string()) {
+            response.headers_mut().insert(header::RETRY_AFTER, value);
+        }
+        return Err(Rejection::Response(response));
+    }
+    let session_named = request.session_id.is_some();
     let session = request
         .session_id
         .clone()
@@ -250,7 +274,7 @@ async fn tool_calls(
         .calls
         .into_iter()
         .map(|call| match call.into_tool_use() {
-            Ok(tool_use) => gate.submit(&principal, &session, tool_use, None),
+            Ok(tool_use) => gate.submit(&principal, &session, session_named, tool_use, None),
             Err((id, name, message)) => gate.reject(&principal, id, name, message),
         })
         .collect();
@@ -260,6 +284,34 @@ async fn tool_calls(
         request.shape,
         &records,
     )))
+}
+
+/// An error that is either the usual JSON error or a prepared response (429 with
+/// `Retry-After`).
+pub enum Rejection {
+    Api(ApiError),
+    Response(Response),
+}
+
+impl From<ApiError> for Rejection {
+    fn from(e: ApiError) -> Self {
+        Rejection::Api(e)
+    }
+}
+
+impl From<BadRequest> for Rejection {
+    fn from(e: BadRequest) -> Self {
+        Rejection::Api(e.into())
+    }
+}
+
+impl IntoResponse for Rejection {
+    fn into_response(self) -> Response {
+        match self {
+            Rejection::Api(e) => e.into_response(),
+            Rejection::Response(r) => r,
+        }
+    }
 }
 
 fn require_role(principal: &Principal, role: Role) -> Result<(), ApiError> {
@@ -287,9 +339,35 @@ async fn get_call(
         })?,
     }
     .min(wire::MAX_WAIT_MS);
-    let rx = visible_call(&state, &principal, &call_id)?;
-    let record = wait_final(rx, Duration::from_millis(wait_ms)).await;
-    Ok(axum::Json(wire::call_detail(&record)))
+    if let Some(rx) = visible_call(&state, &principal, &call_id)? {
+        let record = wait_final(rx, Duration::from_millis(wait_ms)).await;
+        return Ok(axum::Json(wire::call_detail(&record)));
+    }
+    // Not in this replica's memory: another replica's call, or one from before a restart.
+    let deadline = tokio::time::Instant::now() + Duration::from_millis(wait_ms);
+    loop {
+        let record = stored_call(&state, &principal, &call_id).await?;
+        if record.status.is_final() || tokio::time::Instant::now() >= deadline {
+            return Ok(axum::Json(wire::call_detail(&record)));
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+async fn stored_call(
+    state: &HttpState,
+    principal: &Principal,
+    call_id: &str,
+) -> Result<crate::calls::CallRecord, ApiError> {
+    let record = state
+        .gate
+        .stored_record(call_id)
+        .await
+        .ok_or_else(|| ApiError::not_found(format!("no call {call_id:?}")))?;
+    if record.principal != principal.name && !principal.roles.contains(&Role::Admin) {
+        return Err(ApiError::not_found(format!("no call {call_id:?}")));
+    }
+    Ok(record)
 }
 
 async fn cancel_call(
@@ -297,7 +375,10 @@ async fn cancel_call(
     axum::Extension(principal): axum::Extension<Principal>,
     Path(call_id): Path<String>,
 ) -> Result<axum::Json<Value>, ApiError> {
-    let rx = visible_call(&state, &principal, &call_id)?;
+    let Some(rx) = visible_call(&state, &principal, &call_id)? else {
+        let record = stored_call(&state, &principal, &call_id).await?;
+        return Ok(axum::Json(wire::call_detail(&record)));
+    };
     state.gate.calls.cancel(&call_id);
     let record = wait_final(rx, Duration::from_secs(5)).await;
     Ok(axum::Json(wire::call_detail(&record)))
@@ -309,12 +390,145 @@ fn visible_call(
     state: &HttpState,
     principal: &Principal,
     call_id: &str,
-) -> Result<tokio::sync::watch::Receiver<crate::calls::CallRecord>, ApiError> {
-    let unknown = || ApiError::not_found(format!("no call {call_id:?}"));
-    let rx = state.gate.calls.watch(call_id).ok_or_else(unknown)?;
+) -> Result<Option<tokio::sync::watch::Receiver<crate::calls::CallRecord>>, ApiError> {
+    let Some(rx) = state.gate.calls.watch(call_id) else {
+        return Ok(None);
+    };
     let owner = rx.borrow().principal.clone();
     if owner != principal.name && !principal.roles.contains(&Role::Admin) {
-        return Err(unknown());
+        return Err(ApiError::not_found(format!("no call {call_id:?}")));
     }
-    Ok(rx)
+    Ok(Some(rx))
+}
+
+async fn list_approvals(
+    State(state): State<HttpState>,
+    axum::Extension(principal): axum::Extension<Principal>,
+    q: Result<Query<HashMap<String, String>>, QueryRejection>,
+) -> Result<axum::Json<Value>, ApiError> {
+    require_role(&principal, Role::Approver)?;
+    let q = query(q)?;
+    let status = match q.get("status").map(String::as_str) {
+        None | Some("") | Some("all") => None,
+        Some(s) => Some(s.parse::<ApprovalStatus>().map_err(|_| {
+            ApiError::bad_request("status must be one of pending, approved, denied, expired")
+        })?),
+    };
+    let approvals = approvals::list(&state.gate, status)
+        .await
+        .map_err(store_error)?;
+    Ok(axum::Json(json!({"approvals": approvals})))
+}
+
+async fn decide_approval(
+    State(state): State<HttpState>,
+    axum::Extension(principal): axum::Extension<Principal>,
+    Path((approval_id, decision)): Path<(String, String)>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<axum::Json<Value>, ApiError> {
+    let approve = match decision.as_str() {
+        "approve" => true,
+        "deny" => false,
+        _ => {
+            return Err(ApiError::not_found(
+                "no such endpoint; use /approve or /deny",
+            ));
+        }
+    };
+    require_role(&principal, Role::Approver)?;
+    // The body is optional: `{"reason": "..."}`.
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("0")
+        != "0";
+    let reason = if declared || headers.contains_key(header::TRANSFER_ENCODING) {
+        let body = read_json(&headers, body, 64 * 1024).await?;
+        match body.get("reason") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(r)) if r.len() <= 4096 => Some(r.clone()),
+            Some(_) => {
+                return Err(ApiError::bad_request(
+                    "reason must be a string of at most 4096 bytes",
+                ));
+            }
+        }
+    } else {
+        None
+    };
+    let approval = approvals::decide(
+        &state.gate,
+        &principal,
+        &approval_id,
+        approve,
+        reason.as_deref(),
+    )
+    .await
+    .map_err(|e| match e {
+        DecideError::NotFound => ApiError::not_found(format!("no approval {approval_id:?}")),
+        DecideError::SelfApproval => {
+            ApiError::new(StatusCode::FORBIDDEN, "forbidden", e.to_string())
+        }
+        DecideError::Conflict(_) => ApiError::new(StatusCode::CONFLICT, "conflict", e.to_string()),
+        DecideError::Store(_) => ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "unavailable",
+            e.to_string(),
+        ),
+    })?;
+    Ok(axum::Json(
+        serde_json::to_value(approval).unwrap_or(Value::Null),
+    ))
+}
+
+fn store_error(e: crate::store::StoreError) -> ApiError {
+    ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "unavailable",
+        format!("the store is unavailable: {e}"),
+    )
+}
+
+async fn read_audit(
+    State(state): State<HttpState>,
+    axum::Extension(principal): axum::Extension<Principal>,
+    q: Result<Query<HashMap<String, String>>, QueryRejection>,
+) -> Result<axum::Json<Value>, ApiError> {
+    require_role(&principal, Role::Admin)?;
+    let q = query(q)?;
+    let number = |key: &str| -> Result<Option<u64>, ApiError> {
+        q.get(key)
+            .map(|v| {
+                v.parse::<u64>().map_err(|_| {
+                    ApiError::bad_request(format!("{key} must be a non-negative integer"))
+                })
+            })
+            .transpose()
+    };
+    let audit_query = AuditQuery {
+        session_id: q.get("session_id").cloned(),
+        call_id: q.get("call_id").cloned(),
+        after: number("after")?,
+        limit: number("limit")?.unwrap_or(0) as usize,
+        latest: q.get("latest").is_some_and(|v| v == "true" || v == "1"),
+    };
+    let events = state
+        .gate
+        .store
+        .audit(audit_query)
+        .await
+        .map_err(store_error)?;
+    Ok(axum::Json(json!({"events": events})))
+}
+
+async fn verify_audit(
+    State(state): State<HttpState>,
+    axum::Extension(principal): axum::Extension<Principal>,
+) -> Result<axum::Json<Value>, ApiError> {
+    require_role(&principal, Role::Admin)?;
+    let report = state.gate.store.verify().await.map_err(store_error)?;
+    Ok(axum::Json(
+        serde_json::to_value(report).unwrap_or(Value::Null),
+    ))
 }

@@ -5,8 +5,11 @@
 //! worker that it reaches over gRPC.
 #![forbid(unsafe_code)]
 
+mod approvals;
 pub mod audit;
 pub mod auth;
+mod budget;
+mod cache;
 mod calls;
 pub mod catalog;
 pub mod config;
@@ -20,5 +23,8 @@ pub mod store;
 mod wire;
 
 pub use auth::{AuthError, Principal, Principals, Role};
-pub use config::{OrchestratorConfig, PrincipalConfig, WorkerGroupConfig};
+pub use config::{
+    ApprovalsConfig, AuditConfig, BudgetConfig, CacheConfig, OrchestratorConfig, PrincipalConfig,
+    WorkerGroupConfig,
+};
 pub use server::{BoundListeners, Orchestrator, Prepared, ServeError};

@@ -8,13 +8,16 @@ use std::sync::Arc;
 use airlock_proto::v1::orchestrator_server::OrchestratorServer;
 use tokio_util::sync::CancellationToken;
 
+use crate::audit::NewAuditEvent;
 use crate::auth::{AuthError, Principals};
-use crate::calls::CallRegistry;
+use crate::budget::Budgets;
+use crate::cache::ResultCache;
 use crate::catalog::{Catalog, CatalogError};
 use crate::config::OrchestratorConfig;
 use crate::gate::Gate;
 use crate::grpc_api::GrpcFrontDoor;
 use crate::http_api::{self, HttpState};
+use airlock_policy::authz::{Authorizer, PolicyError};
 
 const MAX_GRPC_MESSAGE_BYTES: usize = 32 * 1024 * 1024;
 
@@ -30,6 +33,12 @@ pub enum ServeError {
     Auth(#[from] AuthError),
     #[error(transparent)]
     Catalog(#[from] CatalogError),
+    #[error("policy: {0}")]
+    Policy(#[from] PolicyError),
+    #[error("store: {0}")]
+    Store(#[from] crate::store::StoreError),
+    #[error(transparent)]
+    Cache(#[from] crate::cache::CacheError),
     #[error("cannot write {path}: {source}")]
     RunFile {
         path: String,
@@ -92,8 +101,13 @@ impl Orchestrator {
     pub fn prepare(config: &OrchestratorConfig) -> Result<Prepared, ServeError> {
         let principals = Principals::load(&config.principals, &config.data_dir)?;
         Catalog::check(&config.workers)?;
+        let authorizer = load_policy(config)?;
+        for warning in authorizer.warnings() {
+            tracing::warn!(%warning, "policy warning");
+        }
         Ok(Prepared {
             principals: Arc::new(principals),
+            authorizer,
         })
     }
 
@@ -104,21 +118,48 @@ impl Orchestrator {
         prepared: Prepared,
         listeners: BoundListeners,
         shutdown: impl Future<Output = ()> + Send + 'static,
+        mut reload: tokio::sync::mpsc::Receiver<()>,
     ) -> Result<(), ServeError> {
         // Channels need the runtime, so the catalog is built here, not in `prepare`.
         let catalog = Arc::new(Catalog::new(&config.workers)?);
-        let gate = Arc::new(Gate {
-            catalog: catalog.clone(),
-            calls: CallRegistry::default(),
-            limits: config.limits.clone(),
-        });
+        let store = crate::store::open(
+            &config.store,
+            &config.data_dir,
+            config.store_password.clone(),
+        )
+        .await?;
+        let mut gate = Gate::new(
+            catalog.clone(),
+            config.limits.clone(),
+            store,
+            prepared.authorizer,
+            config.approvals.clone(),
+            Budgets::new(config.budgets.clone()),
+            ResultCache::new(&config.cache),
+            config.audit.clone(),
+        );
+        gate.workspaces_root = config.workspaces_root.clone();
+        let gate = Arc::new(gate);
         let stop = CancellationToken::new();
         // Probe every worker group once before serving, so a ready launcher means a
         // populated catalog.
         for group in gate.catalog.groups() {
             gate.catalog.refresh_group(group).await;
         }
+        for tool in catalog.tools() {
+            gate.cache.check(&tool.definition)?;
+        }
         tokio::spawn(catalog.refresh_forever(stop.clone()));
+        tokio::spawn(gate.clone().resume_forever(stop.clone()));
+        {
+            let gate = gate.clone();
+            let config = config.clone();
+            tokio::spawn(async move {
+                while reload.recv().await.is_some() {
+                    reload_policy(&gate, &config).await;
+                }
+            });
+        }
 
         let (health, health_service) = tonic_health::server::health_reporter();
         health
@@ -189,6 +230,38 @@ impl Orchestrator {
 /// What [`Orchestrator::prepare`] loaded.
 pub struct Prepared {
     principals: Arc<Principals>,
+    authorizer: Authorizer,
+}
+
+fn load_policy(config: &OrchestratorConfig) -> Result<Authorizer, PolicyError> {
+    match &config.policy_file {
+        Some(path) => Authorizer::load_file(path, config.approvals.knob()),
+        None => Authorizer::default_policy(config.approvals.knob()),
+    }
+}
+
+/// SIGHUP: load the policy file again; a broken file keeps the old policy in force.
+async fn reload_policy(gate: &Gate, config: &OrchestratorConfig) {
+    match load_policy(config) {
+        Ok(authorizer) => {
+            let file = authorizer.file().to_owned();
+            gate.replace_authorizer(authorizer);
+            tracing::info!(%file, "policy reloaded");
+            gate.audit(NewAuditEvent::new(
+                "policy_reloaded",
+                serde_json::json!({"file": file}),
+            ))
+            .await;
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "policy reload failed; the previous policy stays in force");
+            gate.audit(NewAuditEvent::new(
+                "policy_reload_failed",
+                serde_json::json!({"error": e.to_string()}),
+            ))
+            .await;
+        }
+    }
 }
 
 fn write_run_file(data_dir: &Path, endpoints: &serde_json::Value) -> Result<(), ServeError> {

@@ -22,8 +22,6 @@ pub struct Limits {
     pub max_call_timeout_ms: u64,
     /// How long `POST /v1/tool_calls` waits for results when `wait_ms` is absent.
     pub default_wait_ms: u64,
-    /// Calls per session (counted for calls that name a `session_id`).
-    pub max_calls_per_session: u64,
 }
 
 impl Default for Limits {
@@ -35,7 +33,6 @@ impl Default for Limits {
             default_call_timeout_ms: 30_000,
             max_call_timeout_ms: 600_000,
             default_wait_ms: 60_000,
-            max_calls_per_session: 100,
         }
     }
 }

@@ -56,7 +56,12 @@ struct Call<'a> {
     workspace: Option<&'a Path>,
 }
 
-fn call<'a>(principal: &'a str, role_names: &[&str], tool_name: &str, arguments: Value) -> Call<'a> {
+fn call<'a>(
+    principal: &'a str,
+    role_names: &[&str],
+    tool_name: &str,
+    arguments: Value,
+) -> Call<'a> {
     Call {
         principal,
         roles: roles(role_names),
@@ -132,7 +137,10 @@ fn forbid_wins_over_permit() {
         &decide(&authorizer, &agent("read_file", json!({"path": "a"}))),
         "forbidden by policy `no-read`",
     );
-    assert_allow(&decide(&authorizer, &agent("list_directory", json!({"path": "."}))));
+    assert_allow(&decide(
+        &authorizer,
+        &agent("list_directory", json!({"path": "."})),
+    ));
 }
 
 #[test]
@@ -148,7 +156,10 @@ fn forbid_wins_over_an_approval_permit() {
     );
     let decision = decide(
         &authorizer,
-        &agent("execute_sql", json!({"database": "main", "sql": "delete from t"})),
+        &agent(
+            "execute_sql",
+            json!({"database": "main", "sql": "delete from t"}),
+        ),
     );
     assert_deny(&decision, "forbidden by policy `no-sql`: no sql today");
     assert_eq!(decision.reasons().len(), 1, "{decision:?}");
@@ -164,7 +175,10 @@ fn no_permit_means_deny() {
         &authorizer,
         &call("bob", &["approver"], "read_file", json!({"path": "a"})),
     );
-    assert_deny(&decision, "no policy permits principal `bob` to call `read_file`");
+    assert_deny(
+        &decision,
+        "no policy permits principal `bob` to call `read_file`",
+    );
     let empty = load("// nothing\n", ApprovalKnob::off());
     assert_deny(
         &decide(&empty, &agent("read_file", json!({"path": "a"}))),
@@ -176,21 +190,34 @@ fn no_permit_means_deny() {
 fn default_policy_permits_agents_and_admins_but_not_bare_approvers() {
     let authorizer = Authorizer::default_policy(ApprovalKnob::off()).unwrap();
     let read = json!({"path": "src/main.rs"});
-    assert_allow(&decide(&authorizer, &call("a", &["agent"], "read_file", read.clone())));
-    assert_allow(&decide(&authorizer, &call("b", &["admin"], "read_file", read.clone())));
+    assert_allow(&decide(
+        &authorizer,
+        &call("a", &["agent"], "read_file", read.clone()),
+    ));
+    assert_allow(&decide(
+        &authorizer,
+        &call("b", &["admin"], "read_file", read.clone()),
+    ));
     assert_allow(&decide(
         &authorizer,
         &call("c", &["approver", "agent"], "read_file", read.clone()),
     ));
     assert_deny(
-        &decide(&authorizer, &call("d", &["approver"], "read_file", read.clone())),
+        &decide(
+            &authorizer,
+            &call("d", &["approver"], "read_file", read.clone()),
+        ),
         "no policy permits principal `d`",
     );
     assert_deny(
         &decide(&authorizer, &call("e", &[], "read_file", read)),
         "no policy permits",
     );
-    assert!(authorizer.warnings().is_empty(), "{:?}", authorizer.warnings());
+    assert!(
+        authorizer.warnings().is_empty(),
+        "{:?}",
+        authorizer.warnings()
+    );
 }
 
 #[test]
@@ -203,7 +230,12 @@ fn role_and_principal_rules() {
     );
     assert_allow(&decide(
         &authorizer,
-        &call("root", &["agent", "admin"], "delete_path", json!({"path": "src/x"})),
+        &call(
+            "root",
+            &["agent", "admin"],
+            "delete_path",
+            json!({"path": "src/x"}),
+        ),
     ));
     // a bare approver may read, not write
     assert_allow(&decide(
@@ -213,19 +245,34 @@ fn role_and_principal_rules() {
     assert_deny(
         &decide(
             &authorizer,
-            &call("ann", &["approver"], "write_file", json!({"path": "x", "content": ""})),
+            &call(
+                "ann",
+                &["approver"],
+                "write_file",
+                json!({"path": "x", "content": ""}),
+            ),
         ),
         "no policy permits",
     );
     // a named principal limited to read-only tools
     assert_allow(&decide(
         &authorizer,
-        &call("reviewer", &["agent"], "query_database", json!({"database": "m", "sql": "select 1"})),
+        &call(
+            "reviewer",
+            &["agent"],
+            "query_database",
+            json!({"database": "m", "sql": "select 1"}),
+        ),
     ));
     assert_deny(
         &decide(
             &authorizer,
-            &call("reviewer", &["agent"], "execute_sql", json!({"database": "m", "sql": "x"})),
+            &call(
+                "reviewer",
+                &["agent"],
+                "execute_sql",
+                json!({"database": "m", "sql": "x"}),
+            ),
         ),
         "reviewer-read-only",
     );
@@ -233,21 +280,32 @@ fn role_and_principal_rules() {
     assert_deny(
         &decide(
             &authorizer,
-            &call("ci-bot", &["agent"], "create_directory", json!({"path": "x"})),
+            &call(
+                "ci-bot",
+                &["agent"],
+                "create_directory",
+                json!({"path": "x"}),
+            ),
         ),
         "ci-bot-read-only",
     );
     // session rule
     let mut scratch = agent("write_file", json!({"path": "src/a", "content": ""}));
     scratch.session = "sandbox-7";
-    assert_deny(&decide(&authorizer, &scratch), "sandbox-sessions-scratch-only");
+    assert_deny(
+        &decide(&authorizer, &scratch),
+        "sandbox-sessions-scratch-only",
+    );
     scratch.arguments = json!({"path": "scratch/a", "content": ""});
     assert_allow(&decide(&authorizer, &scratch));
 }
 
 #[test]
 fn path_prefix_rules_on_fs_arguments() {
-    let authorizer = load(&with_default(&example("fs-paths.cedar")), ApprovalKnob::off());
+    let authorizer = load(
+        &with_default(&example("fs-paths.cedar")),
+        ApprovalKnob::off(),
+    );
     let write = |path: &str| agent("write_file", json!({"path": path, "content": "x"}));
     assert_allow(&decide(&authorizer, &write("src/lib.rs")));
     assert_allow(&decide(&authorizer, &write("./src//deep/../lib.rs")));
@@ -255,8 +313,14 @@ fn path_prefix_rules_on_fs_arguments() {
         &decide(&authorizer, &write("README.md")),
         "forbidden by policy `fs-writes-only-under-src`: files may only be changed under src/",
     );
-    assert_deny(&decide(&authorizer, &write("src/../Cargo.toml")), "fs-writes-only-under-src");
-    assert_deny(&decide(&authorizer, &write("/etc/passwd")), "fs-writes-only-under-src");
+    assert_deny(
+        &decide(&authorizer, &write("src/../Cargo.toml")),
+        "fs-writes-only-under-src",
+    );
+    assert_deny(
+        &decide(&authorizer, &write("/etc/passwd")),
+        "fs-writes-only-under-src",
+    );
     // an absolute path inside the workspace counts as relative to it
     let workspace = Path::new("/data/workspaces/alice/s1");
     let mut absolute = write("/data/workspaces/alice/s1/src/lib.rs");
@@ -268,7 +332,10 @@ fn path_prefix_rules_on_fs_arguments() {
     // moves: both ends
     assert_allow(&decide(
         &authorizer,
-        &agent("move_path", json!({"source": "src/a", "destination": "src/b"})),
+        &agent(
+            "move_path",
+            json!({"source": "src/a", "destination": "src/b"}),
+        ),
     ));
     assert_deny(
         &decide(
@@ -286,12 +353,18 @@ fn path_prefix_rules_on_fs_arguments() {
     }
     assert_allow(&read("src/env.rs"));
     assert_deny(
-        &decide(&authorizer, &agent("list_directory", json!({"path": ".git/objects"}))),
+        &decide(
+            &authorizer,
+            &agent("list_directory", json!({"path": ".git/objects"})),
+        ),
         "fs-no-git-internals",
     );
 
     // recursive deletion needs approval even with the knob off
-    assert_allow(&decide(&authorizer, &agent("delete_path", json!({"path": "src/a"}))));
+    assert_allow(&decide(
+        &authorizer,
+        &agent("delete_path", json!({"path": "src/a"})),
+    ));
     assert_approval(
         &decide(
             &authorizer,
@@ -314,42 +387,78 @@ fn host_rules_on_http_urls() {
         ApprovalKnob::default(),
     );
     let request = |method: &str, url: &str| {
-        decide(&authorizer, &agent("http_request", json!({"method": method, "url": url})))
+        decide(
+            &authorizer,
+            &agent("http_request", json!({"method": method, "url": url})),
+        )
     };
     assert_allow(&request("GET", "https://api.example.com/v1/items"));
     assert_deny(&request("GET", "https://evil.test/"), "api-only");
-    assert_deny(&request("GET", "https://api.example.com.evil.test/"), "api-only");
+    assert_deny(
+        &request("GET", "https://api.example.com.evil.test/"),
+        "api-only",
+    );
     assert_approval(&request("POST", "https://api.example.com/v1/items"), "POST");
 
     // the parsed-host form of the example
-    let authorizer = load(&with_default(&example("http-hosts.cedar")), ApprovalKnob::default());
+    let authorizer = load(
+        &with_default(&example("http-hosts.cedar")),
+        ApprovalKnob::default(),
+    );
     let request = |method: &str, url: &str| {
-        decide(&authorizer, &agent("http_request", json!({"method": method, "url": url})))
+        decide(
+            &authorizer,
+            &agent("http_request", json!({"method": method, "url": url})),
+        )
     };
     assert_allow(&request("GET", "https://api.example.com/v1/x"));
     assert_allow(&request("get", "https://WWW.Example.COM/"));
-    assert_deny(&request("GET", "https://api.example.com@evil.test/"), "http-only-company-api");
-    assert_deny(&request("GET", "http://www.example.com/"), "http-only-company-api");
-    assert_deny(&request("GET", "https://api.example.com/v2/x"), "http-api-prefix");
-    assert_deny(&request("post", "https://payments.example.com/charge"), "http-payments-read-only");
+    assert_deny(
+        &request("GET", "https://api.example.com@evil.test/"),
+        "http-only-company-api",
+    );
+    assert_deny(
+        &request("GET", "http://www.example.com/"),
+        "http-only-company-api",
+    );
+    assert_deny(
+        &request("GET", "https://api.example.com/v2/x"),
+        "http-api-prefix",
+    );
+    assert_deny(
+        &request("post", "https://payments.example.com/charge"),
+        "http-payments-read-only",
+    );
     assert_allow(&request("GET", "https://payments.example.com/charges"));
-    assert_approval(&request("GET", "https://www.example.com:8443/"), "http-odd-port-needs-approval");
+    assert_approval(
+        &request("GET", "https://www.example.com:8443/"),
+        "http-odd-port-needs-approval",
+    );
     assert_deny(&request("GET", "not a url"), "not a valid absolute url");
     assert_allow(&decide(
         &authorizer,
         &agent("fetch_url", json!({"url": "https://docs.example.com/a"})),
     ));
     assert_deny(
-        &decide(&authorizer, &agent("fetch_url", json!({"url": "https://example.org/"}))),
+        &decide(
+            &authorizer,
+            &agent("fetch_url", json!({"url": "https://example.org/"})),
+        ),
         "http-only-company-api",
     );
 }
 
 #[test]
 fn database_rules() {
-    let authorizer = load(&with_default(&example("databases.cedar")), ApprovalKnob::off());
+    let authorizer = load(
+        &with_default(&example("databases.cedar")),
+        ApprovalKnob::off(),
+    );
     let sql = |tool_name: &str, database: &str, sql: &str| {
-        decide(&authorizer, &agent(tool_name, json!({"database": database, "sql": sql})))
+        decide(
+            &authorizer,
+            &agent(tool_name, json!({"database": database, "sql": sql})),
+        )
     };
     assert_deny(
         &sql("execute_sql", "prod", "insert into t values (1)"),
@@ -359,11 +468,17 @@ fn database_rules() {
     assert_allow(&sql("query_database", "prod", "select 1"));
     assert_deny(&sql("query_database", "hr", "select 1"), "db-no-hr");
     assert_deny(
-        &decide(&authorizer, &agent("list_tables", json!({"database": "hr"}))),
+        &decide(
+            &authorizer,
+            &agent("list_tables", json!({"database": "hr"})),
+        ),
         "db-no-hr",
     );
     assert_allow(&decide(&authorizer, &agent("list_databases", json!({}))));
-    assert_approval(&sql("execute_sql", "main", "DROP TABLE t"), "db-ddl-needs-approval");
+    assert_approval(
+        &sql("execute_sql", "main", "DROP TABLE t"),
+        "db-ddl-needs-approval",
+    );
 }
 
 #[test]
@@ -378,13 +493,21 @@ fn shell_program_rules() {
 
     // agents must use argv; admins may use shell strings, still without downloaders
     assert_deny(
-        &decide(&authorizer, &agent("execute_shell", json!({"command": "ls -l"}))),
+        &decide(
+            &authorizer,
+            &agent("execute_shell", json!({"command": "ls -l"})),
+        ),
         "shell-argv-only",
     );
     let admin = |command: &str| {
         decide(
             &authorizer,
-            &call("root", &["agent", "admin"], "execute_shell", json!({"command": command})),
+            &call(
+                "root",
+                &["agent", "admin"],
+                "execute_shell",
+                json!({"command": command}),
+            ),
         )
     };
     assert_allow(&admin("ls -l | wc -l"));
@@ -395,16 +518,25 @@ fn shell_program_rules() {
     assert_deny(
         &decide(
             &authorizer,
-            &agent("execute_shell", json!({"argv": ["ls"], "env": {"GITHUB_TOKEN": "x"}})),
+            &agent(
+                "execute_shell",
+                json!({"argv": ["ls"], "env": {"GITHUB_TOKEN": "x"}}),
+            ),
         ),
         "shell-no-token-env",
     );
     assert_allow(&decide(
         &authorizer,
-        &agent("execute_shell", json!({"argv": ["ls"], "env": {"LANG": "C"}, "cwd": "./src/a/"})),
+        &agent(
+            "execute_shell",
+            json!({"argv": ["ls"], "env": {"LANG": "C"}, "cwd": "./src/a/"}),
+        ),
     ));
     assert_deny(
-        &decide(&authorizer, &agent("execute_shell", json!({"argv": ["ls"], "cwd": "src/../.."}))),
+        &decide(
+            &authorizer,
+            &agent("execute_shell", json!({"argv": ["ls"], "cwd": "src/../.."})),
+        ),
         "shell-cwd-in-src",
     );
 }
@@ -415,14 +547,23 @@ fn shell_program_rules() {
 fn approval_knob_defaults() {
     let authorizer = Authorizer::default_policy(ApprovalKnob::default()).unwrap();
     assert_approval(
-        &decide(&authorizer, &agent("write_file", json!({"path": "a", "content": ""}))),
+        &decide(
+            &authorizer,
+            &agent("write_file", json!({"path": "a", "content": ""})),
+        ),
         "[approvals] tools lists `write_file`",
     );
-    assert_allow(&decide(&authorizer, &agent("read_file", json!({"path": "a"}))));
+    assert_allow(&decide(
+        &authorizer,
+        &agent("read_file", json!({"path": "a"})),
+    ));
     let http = |method: &str| {
         decide(
             &authorizer,
-            &agent("http_request", json!({"method": method, "url": "https://x.test/"})),
+            &agent(
+                "http_request",
+                json!({"method": method, "url": "https://x.test/"}),
+            ),
         )
     };
     assert_allow(&http("GET"));
@@ -431,18 +572,30 @@ fn approval_knob_defaults() {
     assert_approval(&http("POST"), "method is POST");
     assert_approval(&http("delete"), "method is DELETE");
     for (tool_name, arguments) in [
-        ("edit_file", json!({"path": "a", "edits": [{"old_text": "a", "new_text": "b"}]})),
+        (
+            "edit_file",
+            json!({"path": "a", "edits": [{"old_text": "a", "new_text": "b"}]}),
+        ),
         ("move_path", json!({"source": "a", "destination": "b"})),
         ("delete_path", json!({"path": "a"})),
-        ("execute_sql", json!({"database": "main", "sql": "delete from t"})),
+        (
+            "execute_sql",
+            json!({"database": "main", "sql": "delete from t"}),
+        ),
         ("execute_shell", json!({"command": "true"})),
     ] {
-        assert_approval(&decide(&authorizer, &agent(tool_name, arguments)), tool_name);
+        assert_approval(
+            &decide(&authorizer, &agent(tool_name, arguments)),
+            tool_name,
+        );
     }
     for (tool_name, arguments) in [
         ("create_directory", json!({"path": "a"})),
         ("fetch_url", json!({"url": "https://x.test/"})),
-        ("query_database", json!({"database": "main", "sql": "select 1"})),
+        (
+            "query_database",
+            json!({"database": "main", "sql": "select 1"}),
+        ),
     ] {
         assert_allow(&decide(&authorizer, &agent(tool_name, arguments)));
     }
@@ -451,10 +604,16 @@ fn approval_knob_defaults() {
 #[test]
 fn an_empty_knob_turns_approvals_off_but_cedar_can_still_require_them() {
     let off = Authorizer::default_policy(ApprovalKnob::off()).unwrap();
-    assert_allow(&decide(&off, &agent("write_file", json!({"path": "a", "content": ""}))));
     assert_allow(&decide(
         &off,
-        &agent("http_request", json!({"method": "POST", "url": "https://x.test/"})),
+        &agent("write_file", json!({"path": "a", "content": ""})),
+    ));
+    assert_allow(&decide(
+        &off,
+        &agent(
+            "http_request",
+            json!({"method": "POST", "url": "https://x.test/"}),
+        ),
     ));
 
     let policy = with_default(
@@ -466,14 +625,23 @@ fn an_empty_knob_turns_approvals_off_but_cedar_can_still_require_them() {
     );
     let authorizer = load(&policy, ApprovalKnob::off());
     assert_approval(
-        &decide(&authorizer, &agent("write_file", json!({"path": "a", "content": ""}))),
+        &decide(
+            &authorizer,
+            &agent("write_file", json!({"path": "a", "content": ""})),
+        ),
         "approval required by policy `writes-need-a-human`: someone reviews every write",
     );
-    assert_allow(&decide(&authorizer, &agent("read_file", json!({"path": "a"}))));
+    assert_allow(&decide(
+        &authorizer,
+        &agent("read_file", json!({"path": "a"})),
+    ));
 
     // with the knob on, both reasons are given
     let both = load(&policy, ApprovalKnob::default());
-    let decision = decide(&both, &agent("write_file", json!({"path": "a", "content": ""})));
+    let decision = decide(
+        &both,
+        &agent("write_file", json!({"path": "a", "content": ""})),
+    );
     assert_approval(&decision, "[approvals] tools");
     assert_approval(&decision, "writes-need-a-human");
 
@@ -500,7 +668,10 @@ fn an_approval_permit_alone_grants_the_call_with_approval() {
         ApprovalKnob::off(),
     );
     assert_approval(
-        &decide(&authorizer, &call("ann", &["approver"], "read_file", json!({"path": "a"}))),
+        &decide(
+            &authorizer,
+            &call("ann", &["approver"], "read_file", json!({"path": "a"})),
+        ),
         "ask-first",
     );
 }
@@ -530,7 +701,10 @@ fn visibility_follows_unconditional_denials_only() {
         roles: &agent_roles,
     };
     assert!(!authorizer.visible(&alice, &tool("delete_path")));
-    assert!(authorizer.visible(&alice, &tool("write_file")), "argument-dependent forbid");
+    assert!(
+        authorizer.visible(&alice, &tool("write_file")),
+        "argument-dependent forbid"
+    );
     assert!(authorizer.visible(&alice, &tool("read_file")));
     assert!(!authorizer.visible(&alice, &tool("execute_sql")));
     assert!(!authorizer.visible(&alice, &tool("list_databases")));
@@ -564,7 +738,10 @@ fn visibility_follows_unconditional_denials_only() {
     // tools the schema does not declare are neither visible nor allowed
     assert!(!authorizer.visible(&root, &tool("launch_missiles")));
     assert_deny(
-        &decide(&authorizer, &call("root", &["admin"], "launch_missiles", json!({}))),
+        &decide(
+            &authorizer,
+            &call("root", &["admin"], "launch_missiles", json!({})),
+        ),
         "not declared in the policy schema",
     );
 }
@@ -585,7 +762,10 @@ fn a_syntax_error_names_file_line_and_cause() {
     std::fs::write(&path, text).unwrap();
     let error = Authorizer::load_file(&path, ApprovalKnob::default()).unwrap_err();
     let PolicyError::Parse {
-        file, line, message, ..
+        file,
+        line,
+        message,
+        ..
     } = &error
     else {
         panic!("expected a parse error, got {error:?}");
@@ -598,8 +778,8 @@ fn a_syntax_error_names_file_line_and_cause() {
     assert!(shown.contains("syntax error"), "{shown}");
     assert_eq!(error.location().map(|(_, line, _)| line), Some(7));
 
-    let missing = Authorizer::load_file(&dir.join("nope.cedar"), ApprovalKnob::default())
-        .unwrap_err();
+    let missing =
+        Authorizer::load_file(&dir.join("nope.cedar"), ApprovalKnob::default()).unwrap_err();
     assert!(matches!(missing, PolicyError::Read { .. }), "{missing:?}");
     assert!(missing.to_string().contains("nope.cedar"), "{missing}");
     std::fs::remove_dir_all(dir).unwrap();
@@ -640,49 +820,67 @@ fn unknown_attributes_and_entity_types_fail_validation() {
     assert!(error.to_string().contains("typo.cedar:5:"), "{error}");
 
     let entity = "@id(\"users\") permit (principal in Airlock::User::\"x\", action, resource);\n";
-    let error = Authorizer::from_sources(entity, "entity.cedar", ApprovalKnob::default())
-        .unwrap_err();
-    assert!(matches!(error, PolicyError::Validation { line: 1, .. }), "{error:?}");
+    let error =
+        Authorizer::from_sources(entity, "entity.cedar", ApprovalKnob::default()).unwrap_err();
+    assert!(
+        matches!(error, PolicyError::Validation { line: 1, .. }),
+        "{error:?}"
+    );
     assert!(error.to_string().contains("Airlock::User"), "{error}");
 
     let action = "permit (principal, action == Airlock::Action::\"rm_rf\", resource);\n";
-    let error = Authorizer::from_sources(action, "action.cedar", ApprovalKnob::default())
-        .unwrap_err();
+    let error =
+        Authorizer::from_sources(action, "action.cedar", ApprovalKnob::default()).unwrap_err();
     assert!(matches!(error, PolicyError::Validation { .. }), "{error:?}");
     assert!(error.to_string().contains("rm_rf"), "{error}");
 
     // an argument of another tool
     let wrong_tool = "forbid (principal, action == Airlock::Action::\"read_file\", resource)\n\
                       when { context.arguments.database == \"prod\" };\n";
-    let error = Authorizer::from_sources(wrong_tool, "w.cedar", ApprovalKnob::default())
-        .unwrap_err();
-    assert!(matches!(error, PolicyError::Validation { line: 2, .. }), "{error:?}");
+    let error =
+        Authorizer::from_sources(wrong_tool, "w.cedar", ApprovalKnob::default()).unwrap_err();
+    assert!(
+        matches!(error, PolicyError::Validation { line: 2, .. }),
+        "{error:?}"
+    );
 
     // an optional argument read without `has`
     let unsafe_access = "forbid (principal, action == Airlock::Action::\"delete_path\", resource)\n\
                          when { context.arguments.recursive };\n";
-    let error = Authorizer::from_sources(unsafe_access, "u.cedar", ApprovalKnob::default())
-        .unwrap_err();
-    assert!(matches!(error, PolicyError::Validation { line: 2, .. }), "{error:?}");
+    let error =
+        Authorizer::from_sources(unsafe_access, "u.cedar", ApprovalKnob::default()).unwrap_err();
+    assert!(
+        matches!(error, PolicyError::Validation { line: 2, .. }),
+        "{error:?}"
+    );
 }
 
 #[test]
 fn bad_annotations_are_refused() {
     let duplicate = "@id(\"x\") permit (principal, action, resource);\n\
                      @id(\"x\") forbid (principal, action, resource);\n";
-    let error = Authorizer::from_sources(duplicate, "d.cedar", ApprovalKnob::default()).unwrap_err();
+    let error =
+        Authorizer::from_sources(duplicate, "d.cedar", ApprovalKnob::default()).unwrap_err();
     assert!(
         matches!(&error, PolicyError::Annotation { line: 2, policy_id, .. } if policy_id == "x"),
         "{error:?}"
     );
 
     let bad_value = "\n\n@approval(\"yes\") permit (principal, action, resource);\n";
-    let error = Authorizer::from_sources(bad_value, "b.cedar", ApprovalKnob::default()).unwrap_err();
-    assert!(matches!(error, PolicyError::Annotation { line: 3, .. }), "{error:?}");
-    assert!(error.to_string().contains("@approval must be \"required\""), "{error}");
+    let error =
+        Authorizer::from_sources(bad_value, "b.cedar", ApprovalKnob::default()).unwrap_err();
+    assert!(
+        matches!(error, PolicyError::Annotation { line: 3, .. }),
+        "{error:?}"
+    );
+    assert!(
+        error.to_string().contains("@approval must be \"required\""),
+        "{error}"
+    );
 
     let on_forbid = "@approval(\"required\") forbid (principal, action, resource);\n";
-    let error = Authorizer::from_sources(on_forbid, "f.cedar", ApprovalKnob::default()).unwrap_err();
+    let error =
+        Authorizer::from_sources(on_forbid, "f.cedar", ApprovalKnob::default()).unwrap_err();
     assert!(matches!(error, PolicyError::Annotation { .. }), "{error:?}");
 
     let template = "permit (principal == ?principal, action, resource);\n";
@@ -703,11 +901,19 @@ fn every_example_parses_and_validates_alone_and_after_the_default_policy() {
             .unwrap_or_else(|error| panic!("{error}"));
         assert!(!authorizer.policy_ids().is_empty(), "{}", path.display());
         for id in authorizer.policy_ids() {
-            assert!(!id.starts_with("policy"), "{}: policy without @id", path.display());
+            assert!(
+                !id.starts_with("policy"),
+                "{}: policy without @id",
+                path.display()
+            );
         }
         let text = std::fs::read_to_string(&path).unwrap();
-        Authorizer::from_sources(&with_default(&text), "combined.cedar", ApprovalKnob::default())
-            .unwrap_or_else(|error| panic!("{} after the default: {error}", path.display()));
+        Authorizer::from_sources(
+            &with_default(&text),
+            "combined.cedar",
+            ApprovalKnob::default(),
+        )
+        .unwrap_or_else(|error| panic!("{} after the default: {error}", path.display()));
     }
     assert!(seen >= 5, "only {seen} examples");
 }
@@ -731,7 +937,8 @@ fn wrongly_typed_arguments_are_denied_not_skipped() {
 
 #[test]
 fn authorizer_is_cheap_to_share() {
-    let authorizer = std::sync::Arc::new(Authorizer::default_policy(ApprovalKnob::default()).unwrap());
+    let authorizer =
+        std::sync::Arc::new(Authorizer::default_policy(ApprovalKnob::default()).unwrap());
     let handles: Vec<_> = (0..2)
         .map(|_| {
             let authorizer = std::sync::Arc::clone(&authorizer);
@@ -748,4 +955,48 @@ fn authorizer_is_cheap_to_share() {
     for handle in handles {
         assert!(handle.join().unwrap());
     }
+}
+
+#[test]
+fn a_forbid_that_fails_to_evaluate_denies() {
+    let authorizer = load(
+        &with_default(
+            r#"
+            @id("overflowing")
+            forbid (principal, action == Airlock::Action::"read_file", resource)
+            when { context.arguments has limit && context.arguments.limit + 9223372036854775807 < 0 };
+            "#,
+        ),
+        ApprovalKnob::off(),
+    );
+    assert_allow(&decide(
+        &authorizer,
+        &agent("read_file", json!({"path": "a", "limit": 0})),
+    ));
+    assert_deny(
+        &decide(
+            &authorizer,
+            &agent("read_file", json!({"path": "a", "limit": 5})),
+        ),
+        "forbid policy `overflowing` failed to evaluate",
+    );
+}
+
+#[test]
+fn decisions_are_fast_enough_for_the_gate() {
+    let authorizer = load(
+        &with_default(&example("fs-paths.cedar")),
+        ApprovalKnob::default(),
+    );
+    let call = agent("write_file", json!({"path": "src/lib.rs", "content": "x"}));
+    let started = std::time::Instant::now();
+    for _ in 0..200 {
+        assert!(!decide(&authorizer, &call).is_deny());
+    }
+    let per_call = started.elapsed() / 200;
+    eprintln!("decide: {per_call:?} per call");
+    assert!(
+        per_call < std::time::Duration::from_millis(50),
+        "{per_call:?}"
+    );
 }

@@ -46,7 +46,10 @@ fn run_checked(command: &mut Command) -> Result<()> {
     Ok(())
 }
 
-fn sandbox(level: IsolationLevel, workspace: &std::path::Path) -> Result<impl FnMut() -> Result<()>> {
+fn sandbox(
+    level: IsolationLevel,
+    workspace: &std::path::Path,
+) -> Result<impl FnMut() -> Result<()>> {
     let config = SandboxConfig {
         min_isolation: IsolationLevel::Standard,
         force_level: Some(level),
@@ -71,7 +74,13 @@ fn main() -> Result<()> {
     }
     let workspace = tempfile::tempdir()?;
     let mut bwrap = Command::new("/usr/bin/bwrap");
-    bwrap.args(["--unshare-all", "--die-with-parent", "--ro-bind", "/usr", "/usr"]);
+    bwrap.args([
+        "--unshare-all",
+        "--die-with-parent",
+        "--ro-bind",
+        "/usr",
+        "/usr",
+    ]);
     for link in ["bin", "lib", "lib64", "sbin"] {
         let target = format!("usr/{link}");
         if std::fs::symlink_metadata(format!("/{link}")).is_ok_and(|m| m.file_type().is_symlink()) {
@@ -80,13 +89,30 @@ fn main() -> Result<()> {
             bwrap.args(["--ro-bind", &format!("/{link}"), &format!("/{link}")]);
         }
     }
-    bwrap.args(["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "/bin/true"]);
+    bwrap.args([
+        "--proc",
+        "/proc",
+        "--dev",
+        "/dev",
+        "--tmpfs",
+        "/tmp",
+        "/bin/true",
+    ]);
 
     let rows: Vec<(&str, Vec<Duration>)> = vec![
-        ("bare fork+exec", measure(|| run_checked(&mut Command::new("/bin/true")))?),
+        (
+            "bare fork+exec",
+            measure(|| run_checked(&mut Command::new("/bin/true")))?,
+        ),
         ("bwrap --unshare-all", measure(|| run_checked(&mut bwrap))?),
-        ("airlock sandbox, strict", measure(sandbox(IsolationLevel::Strict, workspace.path())?)?),
-        ("airlock sandbox, standard", measure(sandbox(IsolationLevel::Standard, workspace.path())?)?),
+        (
+            "airlock sandbox, strict",
+            measure(sandbox(IsolationLevel::Strict, workspace.path())?)?,
+        ),
+        (
+            "airlock sandbox, standard",
+            measure(sandbox(IsolationLevel::Standard, workspace.path())?)?,
+        ),
     ];
     let bare = percentile(&rows[0].1, 0.5).as_secs_f64();
     let bwrap_median = percentile(&rows[1].1, 0.5).as_secs_f64();

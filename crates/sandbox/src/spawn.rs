@@ -164,7 +164,10 @@ fn inherited_string_regions() -> [(usize, usize); 2] {
     let Some(rest) = stat.rsplit_once(')').map(|(_, rest)| rest) else {
         return [(0, 0); 2];
     };
-    let fields: Vec<usize> = rest.split_whitespace().map(|f| f.parse().unwrap_or(0)).collect();
+    let fields: Vec<usize> = rest
+        .split_whitespace()
+        .map(|f| f.parse().unwrap_or(0))
+        .collect();
     // Fields 48..=51 of the proc(5) list (1-based) are arg_start, arg_end, env_start, env_end.
     let field = |n: usize| fields.get(n - 3).copied().unwrap_or(0);
     [(field(48), field(49)), (field(50), field(51))]
@@ -254,6 +257,15 @@ fn confine_and_exec(plan: &ChildPlan<'_>, report_fd: &mut RawFd) -> Result<Infal
     //    also required by Landlock and seccomp without CAP_SYS_ADMIN.
     // SAFETY: prctl with integer arguments only.
     sys::check_int(unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) })
+        .at(Step::NoNewPrivs)?;
+    // 7b. Not dumpable (after the handshake: the parent no longer opens our /proc
+    //     files). In strict mode this process stays as pid 1, a fork of the worker
+    //     holding a copy of its memory and the status pipe; same uid and empty
+    //     capabilities would otherwise let the command read /proc/1/mem and write a
+    //     forged exit status to /proc/1/fd/4. The command's own exec makes it dumpable
+    //     again (its credentials do not change).
+    // SAFETY: prctl with integer arguments only.
+    sys::check_int(unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) })
         .at(Step::NoNewPrivs)?;
 
     // 8. Capabilities: bounding, ambient, inheritable, permitted, effective — all empty.

@@ -938,4 +938,3 @@ fn confine_self_refuses_a_multithreaded_process() {
     let err = confine_self(&SelfConfinement::default()).expect_err("must refuse");
     assert!(err.to_string().contains("single thread"), "{err}");
 }
-

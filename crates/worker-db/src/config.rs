@@ -314,7 +314,10 @@ mod tests {
     #[test]
     fn sqlite_relative_paths_resolve_against_base() {
         let mut c = DatabaseConfig::new("d", "sqlite://data/demo.db");
-        assert!(matches!(c.target(), Err(DbError::RelativeSqlitePath { .. })));
+        assert!(matches!(
+            c.target(),
+            Err(DbError::RelativeSqlitePath { .. })
+        ));
         c.resolve_relative(Path::new("/etc/airlock"));
         assert_eq!(c.url, "sqlite:///etc/airlock/data/demo.db");
         assert_eq!(

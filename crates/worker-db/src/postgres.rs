@@ -320,7 +320,8 @@ impl Postgres {
             tx.batch_execute(&format!("SET LOCAL statement_timeout = {ms}; SELECT 1"))
                 .await
                 .map_err(|e| self.sql_error(&e, budget))?;
-            let out = statement(self, &tx, sql, &params, max_rows, max_bytes, write, budget).await?;
+            let out =
+                statement(self, &tx, sql, &params, max_rows, max_bytes, write, budget).await?;
             if write || !read_only {
                 tx.commit().await
             } else {
@@ -339,7 +340,9 @@ impl Postgres {
                 // Reset the session (advisory locks, prepared statements, settings).
                 match pooled.client.batch_execute("DISCARD ALL").await {
                     Ok(()) => pooled.release(),
-                    Err(e) => tracing::debug!(database = %self.name, error = %e, "discard failed; dropping connection"),
+                    Err(e) => {
+                        tracing::debug!(database = %self.name, error = %e, "discard failed; dropping connection")
+                    }
                 }
                 Ok(out)
             }
@@ -437,7 +440,10 @@ async fn statement(
     write: bool,
     budget: u64,
 ) -> Result<Output, PgError> {
-    let stmt = tx.prepare(sql).await.map_err(|e| pg.sql_error(&e, budget))?;
+    let stmt = tx
+        .prepare(sql)
+        .await
+        .map_err(|e| pg.sql_error(&e, budget))?;
     if stmt.params().len() != params.len() {
         return Err(PgError::ParamCount {
             expected: stmt.params().len(),

@@ -191,9 +191,7 @@ pub fn check_single_statement(sql: &str, engine: Engine) -> Result<(), ReadOnlyE
             | Statement::ReleaseSavepoint { .. }
             | Statement::AttachDatabase { .. }
             | Statement::AttachDuckDBDatabase { .. }
-            | Statement::DetachDuckDBDatabase { .. } => {
-                Err(ReadOnlyError::NotInExecute(kind(one)))
-            }
+            | Statement::DetachDuckDBDatabase { .. } => Err(ReadOnlyError::NotInExecute(kind(one))),
             _ => Ok(()),
         },
         many => Err(ReadOnlyError::Several(many.len())),
@@ -246,9 +244,7 @@ impl ReadChecker {
                 }
                 ControlFlow::Continue(())
             }
-            SetExpr::Query(_) | SetExpr::Values(_) | SetExpr::Table(_) => {
-                ControlFlow::Continue(())
-            }
+            SetExpr::Query(_) | SetExpr::Values(_) | SetExpr::Table(_) => ControlFlow::Continue(()),
             SetExpr::SetOperation { left, right, .. } => {
                 self.check_set_expr(left)?;
                 self.check_set_expr(right)
@@ -369,7 +365,7 @@ mod tests {
         }
         for sql in [
             "SELECT * FROM t WHERE a = ?1",
-            "PRAGMA table_info(t)",
+            "PRAGMA table_info('t')",
             "PRAGMA user_version",
             "SELECT * FROM pragma_table_info('t')",
         ] {

@@ -24,7 +24,9 @@ use crate::values::{ValueError, sqlite_params, sqlite_storage_class, sqlite_valu
 /// Failures of a SQLite call, worded for the model.
 #[derive(Debug, thiserror::Error)]
 pub enum SqliteError {
-    #[error("database {name:?} is unreachable: {reason}; check the sqlite path in the configuration")]
+    #[error(
+        "database {name:?} is unreachable: {reason}; check the sqlite path in the configuration"
+    )]
     Unreachable { name: String, reason: String },
     #[error(transparent)]
     Refused(#[from] ReadOnlyError),
@@ -32,7 +34,9 @@ pub enum SqliteError {
         "refused by the read-only SQLite connection ({0}); query_database only reads; to change data use execute_sql"
     )]
     EngineRefused(String),
-    #[error("refused ({0}); execute_sql does not allow ATTACH, transaction control, pragma changes or extension loading")]
+    #[error(
+        "refused ({0}); execute_sql does not allow ATTACH, transaction control, pragma changes or extension loading"
+    )]
     WriteRefused(String),
     #[error(
         "the statement was stopped after {0} ms (statement timeout or call deadline); make it cheaper, e.g. with WHERE and LIMIT"
@@ -132,7 +136,11 @@ impl Sqlite {
         let (max_rows, max_bytes) = (limits.max_rows, limits.max_bytes);
         self.run(limits, move |c| {
             let params = sqlite_params(&params)?;
-            let conn = c.open(if engine { Mode::ReadOnly } else { Mode::ReadWrite })?;
+            let conn = c.open(if engine {
+                Mode::ReadOnly
+            } else {
+                Mode::ReadWrite
+            })?;
             if engine {
                 conn.pragma_update(None, "query_only", true)
                     .map_err(|e| c.error(e))?;
@@ -335,11 +343,7 @@ fn collect(
         .iter()
         .map(|col| col.decl_type().unwrap_or_default().to_owned())
         .collect();
-    let names: Vec<String> = stmt
-        .column_names()
-        .into_iter()
-        .map(str::to_owned)
-        .collect();
+    let names: Vec<String> = stmt.column_names().into_iter().map(str::to_owned).collect();
     let mut types: Vec<Option<String>> = decls
         .iter()
         .map(|d| (!d.is_empty()).then(|| d.to_ascii_lowercase()))
@@ -484,7 +488,11 @@ fn describe(c: &SqliteCall, conn: &Connection, table: &str) -> Result<Value, Sql
         "SELECT name, \"unique\", origin, partial FROM pragma_index_list(?1) ORDER BY name",
         &name,
     )? {
-        let index = m.get("name").and_then(Value::as_str).unwrap_or_default().to_owned();
+        let index = m
+            .get("name")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_owned();
         let cols: Vec<Value> = q(
             "SELECT name FROM pragma_index_info(?1) ORDER BY seqno",
             &index,

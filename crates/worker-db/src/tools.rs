@@ -99,7 +99,7 @@ impl Output {
 
 enum Backend {
     Sqlite(Sqlite),
-    Postgres(Postgres),
+    Postgres(Box<Postgres>),
 }
 
 struct Db {
@@ -135,7 +135,7 @@ pub fn tools(databases: Vec<DatabaseConfig>) -> Result<ToolSet, DbError> {
             ),
             Target::Postgres(pg) => (
                 Engine::Postgres,
-                Backend::Postgres(Postgres {
+                Backend::Postgres(Box::new(Postgres {
                     name: config.name.clone(),
                     password: pg
                         .get_password()
@@ -145,7 +145,7 @@ pub fn tools(databases: Vec<DatabaseConfig>) -> Result<ToolSet, DbError> {
                     skip_engine: config.unsafe_skip_engine_read_only_for_tests,
                     permits,
                     idle: Mutex::new(Vec::new()),
-                }),
+                })),
             ),
         };
         dbs.insert(
@@ -289,7 +289,11 @@ impl DbTool {
                     "{} ({}{})",
                     d.config.name,
                     d.engine.as_str(),
-                    if d.config.read_only { ", read-only" } else { "" }
+                    if d.config.read_only {
+                        ", read-only"
+                    } else {
+                        ""
+                    }
                 )
             })
             .collect();
@@ -425,9 +429,7 @@ impl DbTool {
                 let limits = db.limits(ctx, 1);
                 match &db.backend {
                     Backend::Sqlite(s) => s.list_tables(&limits).await.map_err(|e| e.to_string()),
-                    Backend::Postgres(p) => {
-                        p.list_tables(&limits).await.map_err(|e| e.to_string())
-                    }
+                    Backend::Postgres(p) => p.list_tables(&limits).await.map_err(|e| e.to_string()),
                 }
             }
             Kind::DescribeTable => {
@@ -561,7 +563,10 @@ mod tests {
         assert!(exec.annotations.destructive && !exec.annotations.read_only);
         let q = set.get("query_database").unwrap().definition();
         assert!(q.annotations.read_only && q.annotations.idempotent);
-        assert_eq!(q.input_schema["properties"]["database"]["enum"], json!(["demo"]));
+        assert_eq!(
+            q.input_schema["properties"]["database"]["enum"],
+            json!(["demo"])
+        );
     }
 
     #[test]

@@ -173,7 +173,10 @@ fn uuid_string(b: &[u8]) -> String {
 pub(crate) struct PgJson(pub Value);
 
 impl<'a> FromSql<'a> for PgJson {
-    fn from_sql(ty: &Type, raw: &'a [u8]) -> Result<Self, Box<dyn std::error::Error + Sync + Send>> {
+    fn from_sql(
+        ty: &Type,
+        raw: &'a [u8],
+    ) -> Result<Self, Box<dyn std::error::Error + Sync + Send>> {
         Ok(PgJson(decode(ty, raw)?))
     }
 
@@ -370,7 +373,10 @@ fn interval(months: i32, days: i32, us: i64) -> String {
 }
 
 fn inet(raw: &[u8], cidr: bool) -> Result<String, ValueError> {
-    let mut r = Reader { buf: raw, what: "inet" };
+    let mut r = Reader {
+        buf: raw,
+        what: "inet",
+    };
     let [family, bits, _is_cidr, len] = r.array::<4>()?;
     let addr = r.take(usize::from(len))?;
     let ip = match (family, addr.len()) {
@@ -391,7 +397,10 @@ fn inet(raw: &[u8], cidr: bool) -> Result<String, ValueError> {
 }
 
 fn array(elem: &Type, raw: &[u8]) -> Result<Value, ValueError> {
-    let mut r = Reader { buf: raw, what: "array" };
+    let mut r = Reader {
+        buf: raw,
+        what: "array",
+    };
     let ndim = usize::try_from(r.i32()?).map_err(|_| ValueError::Malformed("array"))?;
     let _has_null = r.i32()?;
     let _elem_oid = r.u32()?;
@@ -410,7 +419,8 @@ fn array(elem: &Type, raw: &[u8]) -> Result<Value, ValueError> {
         if len < 0 {
             flat.push(Value::Null);
         } else {
-            let bytes = r.take(usize::try_from(len).map_err(|_| ValueError::Malformed("array"))?)?;
+            let bytes =
+                r.take(usize::try_from(len).map_err(|_| ValueError::Malformed("array"))?)?;
             flat.push(decode(elem, bytes)?);
         }
     }

@@ -20,7 +20,7 @@ use tokio::net::TcpStream;
 use url::{Host, Url};
 
 use crate::config::Settings;
-use crate::resolve::{self, ResolveError, Target};
+use crate::resolve::{self, Lookup, ResolveError, Target};
 
 /// Why a request produced no response.
 #[derive(Debug, thiserror::Error)]
@@ -94,6 +94,7 @@ impl Drop for AbortOnDrop {
 pub struct Client {
     settings: Arc<Settings>,
     tls: tokio_rustls::TlsConnector,
+    lookup: Option<Lookup>,
 }
 
 /// Builds the TLS configuration: rustls with the Mozilla roots compiled in (no files to
@@ -122,10 +123,14 @@ fn origin(url: &Url) -> (String, Option<String>, Option<u16>) {
 }
 
 impl Client {
-    pub(crate) fn new(settings: Arc<Settings>) -> Result<Self, rustls::Error> {
+    pub(crate) fn new(
+        settings: Arc<Settings>,
+        lookup: Option<Lookup>,
+    ) -> Result<Self, rustls::Error> {
         Ok(Self {
             settings,
             tls: tokio_rustls::TlsConnector::from(Arc::new(tls_config()?)),
+            lookup,
         })
     }
 
@@ -143,7 +148,7 @@ impl Client {
             max_bytes,
         } = req;
         let policy = &self.settings.policy;
-        let mut target = resolve::check(policy, &url).await?;
+        let mut target = resolve::check(policy, &url, self.lookup.as_ref()).await?;
         let mut redirects = 0u32;
         loop {
             let resp = self
@@ -189,15 +194,14 @@ impl Client {
                     headers.remove(h);
                 }
             }
-            target =
-                resolve::check(policy, &next)
-                    .await
-                    .map_err(|source| ClientError::Redirect {
-                        hop: redirects,
-                        from,
-                        to: next.to_string(),
-                        source,
-                    })?;
+            target = resolve::check(policy, &next, self.lookup.as_ref())
+                .await
+                .map_err(|source| ClientError::Redirect {
+                    hop: redirects,
+                    from,
+                    to: next.to_string(),
+                    source,
+                })?;
             url = next;
         }
     }

@@ -59,7 +59,7 @@ pub enum Refusal {
     SpecialPurpose {
         addr: IpAddr,
         via: String,
-        kind: &'static str,
+        kind: String,
         target: String,
     },
 }
@@ -330,9 +330,9 @@ const SPECIAL_V6: &[((Ipv6Addr, u8), &str)] = &[
 
 /// What kind of special-purpose address `addr` is, or `None` for an ordinary public
 /// address.
-pub fn special_purpose(addr: IpAddr) -> Option<&'static str> {
+pub fn special_purpose(addr: IpAddr) -> Option<String> {
     match addr {
-        IpAddr::V4(ip) => special_v4(ip),
+        IpAddr::V4(ip) => special_v4(ip).map(str::to_owned),
         IpAddr::V6(ip) => special_v6(ip),
     }
 }
@@ -346,29 +346,30 @@ fn special_v4(ip: Ipv4Addr) -> Option<&'static str> {
     })
 }
 
-fn special_v6(ip: Ipv6Addr) -> Option<&'static str> {
+fn special_v6(ip: Ipv6Addr) -> Option<String> {
     let s = ip.segments();
     let embedded = |hi: u16, lo: u16| {
         let [a, b] = hi.to_be_bytes();
         let [c, d] = lo.to_be_bytes();
         Ipv4Addr::new(a, b, c, d)
     };
+    let form = |what: &str, v4: Ipv4Addr| {
+        special_v4(v4).map(|kind| format!("{what} form of {v4}, {kind}"))
+    };
     if let Some(v4) = ip.to_ipv4_mapped() {
-        return special_v4(v4).map(|_| "an IPv4-mapped address of a special-purpose IPv4 address");
+        return form("an IPv4-mapped", v4);
     }
     if s[..6] == [0x64, 0xff9b, 0, 0, 0, 0] {
-        return special_v4(embedded(s[6], s[7]))
-            .map(|_| "a NAT64 address of a special-purpose IPv4 address");
+        return form("a NAT64", embedded(s[6], s[7]));
     }
     if s[0] == 0x2002 {
-        return special_v4(embedded(s[1], s[2]))
-            .map(|_| "a 6to4 address of a special-purpose IPv4 address");
+        return form("a 6to4", embedded(s[1], s[2]));
     }
     SPECIAL_V6.iter().find_map(|&((net, len), kind)| {
         Ipv6Net::new(net, len)
             .ok()
             .filter(|n| n.contains(&ip))
-            .map(|_| kind)
+            .map(|_| kind.to_owned())
     })
 }
 
@@ -445,15 +446,14 @@ impl EgressPolicy {
         addrs: &[IpAddr],
         verdict: NameVerdict,
     ) -> Result<(), Refusal> {
-        let via = |addr: IpAddr| match host {
+        let via = match host {
             Host::Domain(d) => format!(" (address of {d})"),
-            _ if canonical(addr) != addr => format!(" (= {})", canonical(addr)),
             _ => String::new(),
         };
         for &addr in addrs {
             if let Some(p) = self.deny.iter().find(|p| p.matches_addr(addr, port)) {
                 return Err(Refusal::Denied {
-                    subject: format!("address {}{}", addr_port(addr, port), via(addr)),
+                    subject: format!("address {}{}", addr_port(addr, port), via),
                     pattern: p.as_str().to_owned(),
                 });
             }
@@ -463,7 +463,7 @@ impl EgressPolicy {
             {
                 return Err(Refusal::SpecialPurpose {
                     addr,
-                    via: via(addr),
+                    via: via.clone(),
                     kind,
                     target: host_port(host, port),
                 });
@@ -752,6 +752,9 @@ mod tests {
             .check_addrs(&h, 80, &[ip("::ffff:127.0.0.1")], NameVerdict::Allowed)
             .unwrap_err()
             .to_string();
-        assert!(e.contains("(= 127.0.0.1)"), "{e}");
+        assert!(
+            e.contains("is an IPv4-mapped form of 127.0.0.1, a loopback address"),
+            "{e}"
+        );
     }
 }

@@ -108,10 +108,10 @@ pub fn detect_encoding(body: &[u8], content_type: Option<&str>) -> &'static Enco
     if let Some(enc) = content_type.and_then(charset_param) {
         return enc;
     }
-    if is_html(media_type(content_type).as_deref()) || content_type.is_none() {
-        if let Some(enc) = meta_charset(body) {
-            return enc;
-        }
+    if (is_html(media_type(content_type).as_deref()) || content_type.is_none())
+        && let Some(enc) = meta_charset(body)
+    {
+        return enc;
     }
     UTF_8
 }

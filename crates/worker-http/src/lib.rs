@@ -30,7 +30,7 @@ mod tools;
 
 pub use config::{ConfigError, HttpConfig, PrivateAddresses};
 pub use egress::{PatternError, Refusal};
-pub use tools::tools;
+pub use tools::{tools, tools_with_resolver};
 
 /// The egress decision alone, without any network access: what the http tools would do
 /// with `url` if its host resolved to `addrs` (ignored for an IP-literal host). `Ok`

@@ -7,6 +7,7 @@
 //! DNS rebinding answer could change.
 
 use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
 
 use url::{Host, Url};
 
@@ -63,31 +64,49 @@ fn url_parts(url: &Url) -> Result<(Host<String>, u16), Refusal> {
     Ok((host, port))
 }
 
-/// Looks a name up through the system resolver (`/etc/hosts`, then DNS).
-async fn lookup(host: &str, port: u16) -> Result<Vec<IpAddr>, ResolveError> {
-    let found = tokio::net::lookup_host((host, port))
-        .await
-        .map_err(|e| ResolveError::Lookup {
-            host: host.to_owned(),
-            reason: e.to_string(),
-        })?;
+/// A name lookup to use instead of the system resolver (tests, or a deployment that
+/// brings its own resolver). Called once per hop.
+pub type Lookup = Arc<dyn Fn(&str) -> std::io::Result<Vec<IpAddr>> + Send + Sync>;
+
+/// Looks a name up through `custom` or the system resolver (`/etc/hosts`, then DNS).
+async fn lookup(
+    host: &str,
+    port: u16,
+    custom: Option<&Lookup>,
+) -> Result<Vec<IpAddr>, ResolveError> {
+    let lookup_err = |e: std::io::Error| ResolveError::Lookup {
+        host: host.to_owned(),
+        reason: e.to_string(),
+    };
+    let found: Vec<IpAddr> = match custom {
+        Some(f) => f(host).map_err(lookup_err)?,
+        None => tokio::net::lookup_host((host, port))
+            .await
+            .map_err(lookup_err)?
+            .map(|a| a.ip())
+            .collect(),
+    };
     let mut addrs: Vec<IpAddr> = Vec::new();
     for a in found {
-        if !addrs.contains(&a.ip()) {
-            addrs.push(a.ip());
+        if !addrs.contains(&a) {
+            addrs.push(a);
         }
     }
     Ok(addrs)
 }
 
 /// Checks `url` against `policy`, resolves it and checks every address.
-pub async fn check(policy: &EgressPolicy, url: &Url) -> Result<Target, ResolveError> {
+pub async fn check(
+    policy: &EgressPolicy,
+    url: &Url,
+    custom: Option<&Lookup>,
+) -> Result<Target, ResolveError> {
     let (host, port) = url_parts(url)?;
     let verdict = policy.check_name(&host, port)?;
     let ips = match &host {
         Host::Ipv4(ip) => vec![IpAddr::V4(*ip)],
         Host::Ipv6(ip) => vec![IpAddr::V6(*ip)],
-        Host::Domain(d) => lookup(d, port).await?,
+        Host::Domain(d) => lookup(d, port, custom).await?,
     };
     check_resolved(policy, url, ips, verdict, host, port)
 }

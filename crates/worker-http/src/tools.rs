@@ -2,6 +2,7 @@
 //! checks, and the JSON results.
 
 use std::collections::BTreeMap;
+use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -15,7 +16,7 @@ use serde_json::{Value, json};
 use crate::client::{self, Client, Request, Response};
 use crate::config::{ConfigError, HttpConfig};
 use crate::html::{self, Flavor};
-use crate::resolve;
+use crate::resolve::{self, Lookup};
 
 /// Calls give up this long before the call's deadline so their own answer gets back.
 const DEADLINE_MARGIN: Duration = Duration::from_millis(200);
@@ -35,8 +36,22 @@ const EGRESS: &str = "Only http and https URLs are fetched. The worker's egress 
 
 /// The http tools, `http_request` and `fetch_url`, sharing one validated `config`.
 pub fn tools(config: HttpConfig) -> Result<ToolSet, ConfigError> {
+    build(config, None)
+}
+
+/// [`tools`] with `lookup` answering name lookups instead of the system resolver. Every
+/// answer goes through the same checks; it is called once per request hop, and the
+/// connection goes to the checked answer.
+pub fn tools_with_resolver(
+    config: HttpConfig,
+    lookup: impl Fn(&str) -> std::io::Result<Vec<IpAddr>> + Send + Sync + 'static,
+) -> Result<ToolSet, ConfigError> {
+    build(config, Some(Arc::new(lookup)))
+}
+
+fn build(config: HttpConfig, lookup: Option<Lookup>) -> Result<ToolSet, ConfigError> {
     let settings = Arc::new(config.validate()?);
-    let client = Client::new(settings).map_err(|e| ConfigError::Tls(e.to_string()))?;
+    let client = Client::new(settings, lookup).map_err(|e| ConfigError::Tls(e.to_string()))?;
     Ok(ToolSet::new("http")
         .with(HttpTool {
             kind: Kind::Request,

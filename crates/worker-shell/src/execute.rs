@@ -81,7 +81,11 @@ impl Tool for ExecuteShell {
                 },
                 "oneOf": [{"required": ["command"]}, {"required": ["argv"]}]
             }),
-            annotations: ToolAnnotations { destructive: true, open_world: false, ..Default::default() },
+            annotations: ToolAnnotations {
+                destructive: true,
+                open_world: false,
+                ..Default::default()
+            },
         }
     }
 
@@ -133,7 +137,12 @@ impl ExecuteShell {
             (Some(command), None) => vec!["/bin/sh".to_owned(), "-c".to_owned(), command],
             (None, Some(argv)) if !argv.is_empty() => argv,
             (Some(_), Some(_)) => return Err("give either command or argv, not both".into()),
-            _ => return Err("give command (a shell command line) or argv (a program and its arguments)".into()),
+            _ => {
+                return Err(
+                    "give command (a shell command line) or argv (a program and its arguments)"
+                        .into(),
+                );
+            }
         };
         if argv.iter().any(|a| a.contains('\0')) {
             return Err("arguments may not contain NUL bytes".into());
@@ -143,23 +152,37 @@ impl ExecuteShell {
             None => None,
         };
         for name in args.env.keys() {
-            if !self.config.allowed_env.iter().any(|allowed| allowed == name) {
+            if !self
+                .config
+                .allowed_env
+                .iter()
+                .any(|allowed| allowed == name)
+            {
                 return Err(format!(
                     "environment variable {name:?} is not allowed; allowed names: {}",
                     self.config.allowed_env.join(", ")
                 ));
             }
         }
-        let requested = args.timeout_seconds.unwrap_or(self.config.timeout_seconds as f64);
+        let requested = args
+            .timeout_seconds
+            .unwrap_or(self.config.timeout_seconds as f64);
         if !(requested.is_finite() && requested > 0.0) {
             return Err("timeout_seconds must be a positive number".into());
         }
-        let mut timeout = Duration::from_secs_f64(requested.min(self.config.max_timeout_seconds as f64));
+        let mut timeout =
+            Duration::from_secs_f64(requested.min(self.config.max_timeout_seconds as f64));
         // Never outlive the worker's own deadline for the call.
-        let remaining = ctx.deadline.saturating_duration_since(std::time::Instant::now());
+        let remaining = ctx
+            .deadline
+            .saturating_duration_since(std::time::Instant::now());
         timeout = timeout.min(remaining);
-        let workspace = workspace::prepare(&self.config.workspaces_root, &ctx.principal, ctx.session_id.as_str())
-            .map_err(|e| e.to_string())?;
+        let workspace = workspace::prepare(
+            &self.config.workspaces_root,
+            &ctx.principal,
+            ctx.session_id.as_str(),
+        )
+        .map_err(|e| e.to_string())?;
         Ok(CommandSpec {
             argv,
             workspace,

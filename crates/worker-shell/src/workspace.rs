@@ -15,7 +15,11 @@ pub enum WorkspaceError {
 /// are validated path segments; the result must be a real directory, not a symlink.
 pub fn prepare(root: &Path, principal: &str, session: &str) -> Result<PathBuf, WorkspaceError> {
     let path = root.join(principal).join(session);
-    std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&path).map_err(WorkspaceError::Create)?;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(&path)
+        .map_err(WorkspaceError::Create)?;
     for dir in [root.join(principal), path.clone()] {
         let meta = std::fs::symlink_metadata(&dir).map_err(WorkspaceError::Create)?;
         if !meta.file_type().is_dir() {
@@ -32,7 +36,9 @@ pub fn checked_cwd(cwd: &str) -> Result<Option<String>, String> {
     } else if let Some(rest) = cwd.strip_prefix("/workspace/") {
         rest
     } else if cwd.starts_with('/') {
-        return Err(format!("cwd {cwd:?} is outside the workspace; use a path relative to it"));
+        return Err(format!(
+            "cwd {cwd:?} is outside the workspace; use a path relative to it"
+        ));
     } else {
         cwd
     };
@@ -41,7 +47,11 @@ pub fn checked_cwd(cwd: &str) -> Result<Option<String>, String> {
         match part {
             std::path::Component::Normal(p) => clean.push(p.to_string_lossy().into_owned()),
             std::path::Component::CurDir => {}
-            _ => return Err(format!("cwd {cwd:?} may not contain \"..\"; use a path inside the workspace")),
+            _ => {
+                return Err(format!(
+                    "cwd {cwd:?} may not contain \"..\"; use a path inside the workspace"
+                ));
+            }
         }
     }
     Ok((!clean.is_empty()).then(|| clean.join("/")))
@@ -54,7 +64,10 @@ mod tests {
     #[test]
     fn cwd_stays_inside() {
         assert_eq!(checked_cwd("src").unwrap(), Some("src".into()));
-        assert_eq!(checked_cwd("/workspace/src/./a").unwrap(), Some("src/a".into()));
+        assert_eq!(
+            checked_cwd("/workspace/src/./a").unwrap(),
+            Some("src/a".into())
+        );
         assert_eq!(checked_cwd(".").unwrap(), None);
         assert_eq!(checked_cwd("/workspace").unwrap(), None);
         assert!(checked_cwd("../x").is_err());

@@ -335,7 +335,10 @@ impl ToolWorker for WorkerService {
         if detached {
             return Ok(Response::new(Box::pin(stream)));
         }
-        Ok(Response::new(Box::pin(CancelOnDrop { inner: stream, _guard: cancel.drop_guard() })))
+        Ok(Response::new(Box::pin(CancelOnDrop {
+            inner: stream,
+            _guard: cancel.drop_guard(),
+        })))
     }
 }
 
@@ -397,14 +400,18 @@ async fn run_call(
 }
 
 fn result_event(result: pb::ToolResult) -> pb::ExecuteEvent {
-    pb::ExecuteEvent { event: Some(pb::execute_event::Event::Result(result)) }
+    pb::ExecuteEvent {
+        event: Some(pb::execute_event::Event::Result(result)),
+    }
 }
 
 /// Recent calls by id, so a repeated Execute (a restarted orchestrator resuming an
 /// approved call) joins the original run instead of starting a second one.
 #[derive(Default)]
 struct Ledger {
-    calls: std::sync::Mutex<std::collections::HashMap<String, (Instant, watch::Receiver<Option<Final>>)>>,
+    calls: std::sync::Mutex<
+        std::collections::HashMap<String, (Instant, watch::Receiver<Option<Final>>)>,
+    >,
 }
 
 /// How long a call's answer stays available to a repeated Execute.

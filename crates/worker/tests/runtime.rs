@@ -296,7 +296,11 @@ async fn a_repeated_call_id_joins_the_original_run() {
     });
     tokio::time::sleep(Duration::from_millis(50)).await;
     let b = result_of(&mut c, second).await.unwrap();
-    assert_eq!(b.content, vec!["slept 300 ms".to_owned()], "the second request got the first run's answer");
+    assert_eq!(
+        b.content,
+        vec!["slept 300 ms".to_owned()],
+        "the second request got the first run's answer"
+    );
     assert_eq!(a.await.unwrap().unwrap().content, b.content);
     assert_eq!(h.finished.load(Ordering::SeqCst), 1, "the tool ran once");
 }
@@ -315,6 +319,9 @@ async fn a_detached_call_survives_its_caller_and_can_be_fetched_again() {
     let mut c = client(&h.socket).await;
     let result = result_of(&mut c, req).await.unwrap();
     assert_eq!(result.content, vec!["slept 400 ms".to_owned()]);
-    assert!(!h.cancelled.load(Ordering::SeqCst), "a detached call is not cancelled by a disconnect");
+    assert!(
+        !h.cancelled.load(Ordering::SeqCst),
+        "a detached call is not cancelled by a disconnect"
+    );
     assert_eq!(h.finished.load(Ordering::SeqCst), 1);
 }

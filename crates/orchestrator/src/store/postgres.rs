@@ -10,16 +10,16 @@
 use std::time::Duration;
 
 use async_trait::async_trait;
+use deadpool_postgres::GenericClient;
 use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod, Runtime};
 use tokio_postgres::config::Host;
 use tokio_postgres::error::SqlState;
-use deadpool_postgres::GenericClient;
 use tokio_postgres::{IsolationLevel, NoTls, Row};
 
 use super::{
     Approval, ApprovalStatus, AuditQuery, AuditRecord, CallOutcome, CallState, NewApproval,
-    NewAuditEvent, NewCall, SCHEMA_VERSION, SessionUsage, Store, StoreError, StoredCall,
-    Timestamp, VerifyReport, from_json_text, now_millis, rfc3339, to_i64, to_json_text, to_u64,
+    NewAuditEvent, NewCall, SCHEMA_VERSION, SessionUsage, Store, StoreError, StoredCall, Timestamp,
+    VerifyReport, from_json_text, now_millis, rfc3339, to_i64, to_json_text, to_u64,
 };
 use crate::audit::{ChainVerifier, GENESIS_HASH, chain_hash};
 
@@ -242,8 +242,12 @@ fn audit_from_row(row: &Row) -> Result<AuditRecord, (u64, String)> {
     let seq_u = u64::try_from(seq).map_err(|_| (0, format!("record {seq} has a negative seq")))?;
     let bad = |e: tokio_postgres::Error| (seq_u, format!("record {seq_u} is unreadable: {e}"));
     let data: String = row.try_get(6).map_err(bad)?;
-    let data = serde_json::from_str(&data)
-        .map_err(|_| (seq_u, format!("record {seq_u} holds data that is not valid json")))?;
+    let data = serde_json::from_str(&data).map_err(|_| {
+        (
+            seq_u,
+            format!("record {seq_u} holds data that is not valid json"),
+        )
+    })?;
     Ok(AuditRecord {
         seq: seq_u,
         ts: row.try_get(1).map_err(bad)?,
@@ -558,7 +562,12 @@ impl Store for PostgresStore {
         tx.execute(
             "INSERT INTO approvals (approval_id, call_id, status, created_at, expires_at) \
              VALUES ($1, $2, 'pending', $3, $4)",
-            &[&id, &call.call_id, &approval.created_at, &approval.expires_at],
+            &[
+                &id,
+                &call.call_id,
+                &approval.created_at,
+                &approval.expires_at,
+            ],
         )
         .await
         .map_err(|e| {
@@ -675,12 +684,13 @@ impl Store for PostgresStore {
             &[&call_id, &new_state.as_str()],
         )
         .await?;
-        let decided = select_approval(&tx, approval_id)
-            .await?
-            .ok_or_else(|| StoreError::NotFound {
-                what: "approval",
-                id: approval_id.to_owned(),
-            })?;
+        let decided =
+            select_approval(&tx, approval_id)
+                .await?
+                .ok_or_else(|| StoreError::NotFound {
+                    what: "approval",
+                    id: approval_id.to_owned(),
+                })?;
         tx.commit().await?;
         Ok(decided)
     }

@@ -16,8 +16,8 @@ use rusqlite::{
 
 use super::{
     Approval, ApprovalStatus, AuditQuery, AuditRecord, CallOutcome, CallState, NewApproval,
-    NewAuditEvent, NewCall, SCHEMA_VERSION, SessionUsage, Store, StoreError, StoredCall,
-    Timestamp, VerifyReport, from_json_text, now_millis, rfc3339, to_i64, to_json_text, to_u64,
+    NewAuditEvent, NewCall, SCHEMA_VERSION, SessionUsage, Store, StoreError, StoredCall, Timestamp,
+    VerifyReport, from_json_text, now_millis, rfc3339, to_i64, to_json_text, to_u64,
 };
 use crate::audit::{ChainVerifier, GENESIS_HASH, chain_hash};
 
@@ -224,9 +224,14 @@ struct RawAudit {
 
 impl RawAudit {
     fn into_record(self, seq: i64) -> Result<AuditRecord, (u64, String)> {
-        let seq_u = u64::try_from(seq).map_err(|_| (0, format!("record {seq} has a negative seq")))?;
-        let data = serde_json::from_str(&self.data)
-            .map_err(|_| (seq_u, format!("record {seq_u} holds data that is not valid json")))?;
+        let seq_u =
+            u64::try_from(seq).map_err(|_| (0, format!("record {seq} has a negative seq")))?;
+        let data = serde_json::from_str(&self.data).map_err(|_| {
+            (
+                seq_u,
+                format!("record {seq_u} holds data that is not valid json"),
+            )
+        })?;
         Ok(AuditRecord {
             seq: seq_u,
             ts: self.ts,
@@ -307,7 +312,11 @@ fn call_exists(conn: &Connection, call_id: &str) -> Result<bool, StoreError> {
         .is_some())
 }
 
-fn insert_call_row(tx: &Transaction<'_>, call: &NewCall, approval_id: Option<&str>) -> Result<(), StoreError> {
+fn insert_call_row(
+    tx: &Transaction<'_>,
+    call: &NewCall,
+    approval_id: Option<&str>,
+) -> Result<(), StoreError> {
     tx.execute(
         "INSERT INTO calls (call_id, tool_use_id, tool, input, principal, session_id, state, \
          approval_id, created_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
@@ -439,7 +448,9 @@ impl Store for SqliteStore {
                 })
                 .optional()?;
             let head = head
-                .map(|(seq, hash)| Ok::<_, StoreError>((to_u64(seq, "the audit head's seq")?, hash)))
+                .map(|(seq, hash)| {
+                    Ok::<_, StoreError>((to_u64(seq, "the audit head's seq")?, hash))
+                })
                 .transpose()?;
             let mut verifier = ChainVerifier::default();
             {
@@ -471,8 +482,9 @@ impl Store for SqliteStore {
     async fn get_call(&self, call_id: &str) -> Result<Option<StoredCall>, StoreError> {
         let call_id = call_id.to_owned();
         self.run(move |conn| {
-            let mut stmt =
-                conn.prepare_cached(&format!("SELECT {CALL_COLUMNS} FROM calls WHERE call_id = ?1"))?;
+            let mut stmt = conn.prepare_cached(&format!(
+                "SELECT {CALL_COLUMNS} FROM calls WHERE call_id = ?1"
+            ))?;
             let mut rows = stmt.query([call_id])?;
             match rows.next()? {
                 Some(row) => Ok(Some(call_from_row(row)?)),

@@ -31,7 +31,10 @@ pub struct ApprovalKnob {
 impl Default for ApprovalKnob {
     fn default() -> Self {
         Self {
-            tools: DEFAULT_APPROVAL_TOOLS.iter().map(|&t| t.to_owned()).collect(),
+            tools: DEFAULT_APPROVAL_TOOLS
+                .iter()
+                .map(|&t| t.to_owned())
+                .collect(),
         }
     }
 }
@@ -90,7 +93,12 @@ mod tests {
         ] {
             assert!(knob.requires(tool, &json!({})).is_some(), "{tool}");
         }
-        for tool in ["read_file", "fetch_url", "query_database", "create_directory"] {
+        for tool in [
+            "read_file",
+            "fetch_url",
+            "query_database",
+            "create_directory",
+        ] {
             assert!(knob.requires(tool, &json!({})).is_none(), "{tool}");
         }
         for method in ["GET", "get", "Head", "OPTIONS"] {
@@ -102,6 +110,10 @@ mod tests {
             assert!(knob.requires("http_request", &args).is_some(), "{method}");
         }
         assert!(knob.requires("http_request", &json!({})).is_some());
-        assert!(ApprovalKnob::off().requires("write_file", &json!({})).is_none());
+        assert!(
+            ApprovalKnob::off()
+                .requires("write_file", &json!({}))
+                .is_none()
+        );
     }
 }

@@ -189,11 +189,7 @@ pub(crate) static TOOLS: &[ToolSpec] = &[
     ToolSpec {
         name: "query_database",
         group: "db",
-        fields: &[
-            req("database", Str),
-            req("sql", Str),
-            opt("max_rows", Long),
-        ],
+        fields: &[req("database", Str), req("sql", Str), opt("max_rows", Long)],
         extra: Extra::None,
     },
     ToolSpec {
@@ -270,7 +266,10 @@ pub(crate) fn context_json(
         Extra::None => {}
         Extra::Shell => shell_facts(spec.name, object, &mut context)?,
         Extra::Url => {
-            let raw = object.get("url").and_then(Value::as_str).unwrap_or_default();
+            let raw = object
+                .get("url")
+                .and_then(Value::as_str)
+                .unwrap_or_default();
             context.insert("url".to_owned(), parse_url(spec.name, raw)?);
         }
     }
@@ -421,7 +420,9 @@ pub(crate) fn normalize_path(raw: &str, workspace: Option<&str>) -> String {
         }
     }
     if absolute {
-        if let Some(root) = workspace {
+        // The host path of the workspace, and `/workspace`, where the shell sandbox and
+        // the fs tools also accept it.
+        for root in workspace.into_iter().chain(["/workspace"]) {
             let root: Vec<&str> = root
                 .split('/')
                 .filter(|part| !part.is_empty() && *part != ".")
@@ -477,7 +478,11 @@ mod tests {
             ("/../etc", None, "/etc"),
             ("/ws/alice/s1/src/a.rs", Some("/ws/alice/s1"), "src/a.rs"),
             ("/ws/alice/s1", Some("/ws/alice/s1/"), "."),
-            ("/ws/alice/s1/../s2/x", Some("/ws/alice/s1"), "/ws/alice/s2/x"),
+            (
+                "/ws/alice/s1/../s2/x",
+                Some("/ws/alice/s1"),
+                "/ws/alice/s2/x",
+            ),
             ("/ws/alice/s10/x", Some("/ws/alice/s1"), "/ws/alice/s10/x"),
         ];
         for (raw, workspace, expected) in cases {

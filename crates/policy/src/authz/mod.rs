@@ -79,7 +79,9 @@ pub enum PolicyError {
         column: usize,
         message: String,
     },
-    #[error("{file}:{line}:{column}: policy `{policy_id}` does not validate against the schema: {message}")]
+    #[error(
+        "{file}:{line}:{column}: policy `{policy_id}` does not validate against the schema: {message}"
+    )]
     Validation {
         file: String,
         line: usize,
@@ -288,7 +290,12 @@ impl Authorizer {
         errors.sort_by_key(|(offset, _)| *offset);
         if let Some((offset, error)) = errors.first() {
             let (line, column) = at(*offset);
+            let policy_id = error.policy_id().to_string();
             let mut message = source::message(*error);
+            // Cedar starts with "for policy `x`, ", which the error already says.
+            if let Some(rest) = message.strip_prefix(&format!("for policy `{policy_id}`, ")) {
+                message = rest.to_owned();
+            }
             if errors.len() > 1 {
                 message.push_str(&format!(
                     " (and {} more validation errors)",
@@ -299,7 +306,7 @@ impl Authorizer {
                 file: file.to_owned(),
                 line,
                 column,
-                policy_id: error.policy_id().to_string(),
+                policy_id,
                 message,
             });
         }
@@ -390,18 +397,15 @@ impl Authorizer {
                 ));
             }
         };
-        let cedar_request = match cedar::Request::new(
-            principal,
-            action,
-            resource,
-            context,
-            Some(&self.schema),
-        ) {
-            Ok(request) => request,
-            Err(error) => {
-                return Decision::deny(format!("the call cannot be checked by policy: {error}"));
-            }
-        };
+        let cedar_request =
+            match cedar::Request::new(principal, action, resource, context, Some(&self.schema)) {
+                Ok(request) => request,
+                Err(error) => {
+                    return Decision::deny(format!(
+                        "the call cannot be checked by policy: {error}"
+                    ));
+                }
+            };
         let entities = match self.entities(&request.principal_ref(), request.tool) {
             Ok(entities) => entities,
             Err(error) => return Decision::deny(error),
@@ -603,7 +607,7 @@ fn rename_policies(
         let id = match policy.annotation("id") {
             Some(id) if id.trim().is_empty() => {
                 return Err(fail(
-                    &policy.id().to_string(),
+                    policy.id().as_ref(),
                     "@id must not be empty".to_owned(),
                 ));
             }
@@ -692,8 +696,7 @@ mod tests {
             for field in spec.fields.iter().filter(|field| field.required) {
                 minimal.insert(field.name.to_owned(), full[field.name].clone());
             }
-            let context =
-                catalog::context_json(spec, &Value::Object(minimal), "s", None).unwrap();
+            let context = catalog::context_json(spec, &Value::Object(minimal), "s", None).unwrap();
             cedar::Context::from_json_value(context, Some((&schema, &action)))
                 .unwrap_or_else(|error| panic!("{} (minimal): {error}", spec.name));
         }

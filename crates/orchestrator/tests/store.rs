@@ -1,0 +1,1404 @@
+//! The store against real backends: SQLite files in a temp dir, and a real PostgreSQL
+//! cluster that this test binary starts itself (initdb + postgres on a free loopback
+//! port, as the unprivileged user `nobody` when run as root) and tears down when the
+//! binary exits. Every suite case runs against both backends.
+//!
+//! PostgreSQL's server binaries must be installed (Debian: `apt-get install
+//! postgresql`); the PostgreSQL tests fail, naming that fix, when they are not.
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code")]
+
+use std::collections::HashSet;
+use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use airlock_orchestrator::audit::{GENESIS_HASH, chain_hash};
+use airlock_orchestrator::store::{
+    self, ApprovalStatus, AuditQuery, CallOutcome, CallState, NewApproval, NewAuditEvent, NewCall,
+    Store, StoreError, Timestamp, now_millis,
+};
+use serde_json::json;
+
+// ---------------------------------------------------------------------------------
+// PostgreSQL cluster, one per test binary
+// ---------------------------------------------------------------------------------
+
+struct Cluster {
+    port: u16,
+    /// Closing this pipe (when the test binary exits, however it exits) makes the
+    /// watchdog shell stop postgres and delete the cluster's directory.
+    _watchdog_stdin: Mutex<ChildStdin>,
+    _watchdog: Mutex<Child>,
+}
+
+static CLUSTER: OnceLock<Result<Cluster, String>> = OnceLock::new();
+
+const PG_MISSING: &str = "PostgreSQL server binaries (initdb, postgres) were not found on PATH \
+     or under /usr/lib/postgresql/*/bin: install them (Debian/Ubuntu: `apt-get install -y \
+     postgresql`; .ci/run must do this) or point AIRLOCK_PG_BIN at their directory";
+
+fn pg_bin_dir() -> Result<PathBuf, String> {
+    let has_bins = |dir: &Path| dir.join("initdb").is_file() && dir.join("postgres").is_file();
+    if let Some(dir) = std::env::var_os("AIRLOCK_PG_BIN").map(PathBuf::from) {
+        return if has_bins(&dir) {
+            Ok(dir)
+        } else {
+            Err(format!(
+                "AIRLOCK_PG_BIN={} has no initdb and postgres",
+                dir.display()
+            ))
+        };
+    }
+    if let Some(path) = std::env::var_os("PATH") {
+        for dir in std::env::split_paths(&path) {
+            let initdb = dir.join("initdb");
+            if initdb.is_file() {
+                // Debian links /usr/bin/… wrappers or /usr/local/bin/… to the real dir.
+                let real = std::fs::canonicalize(&initdb).unwrap_or(initdb);
+                if let Some(real_dir) = real.parent()
+                    && has_bins(real_dir)
+                {
+                    return Ok(real_dir.to_owned());
+                }
+                if has_bins(&dir) {
+                    return Ok(dir);
+                }
+            }
+        }
+    }
+    let mut versions: Vec<(u32, PathBuf)> = std::fs::read_dir("/usr/lib/postgresql")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|entry| {
+            let version = entry.file_name().to_str()?.parse::<u32>().ok()?;
+            let bin = entry.path().join("bin");
+            has_bins(&bin).then_some((version, bin))
+        })
+        .collect();
+    versions.sort();
+    versions
+        .pop()
+        .map(|(_, dir)| dir)
+        .ok_or_else(|| PG_MISSING.to_owned())
+}
+
+fn running_as_root() -> bool {
+    std::fs::metadata("/proc/self")
+        .map(|m| m.uid() == 0)
+        .unwrap_or(false)
+}
+
+fn id_of(flag: &str, user: &str) -> Result<u32, String> {
+    let out = Command::new("id")
+        .args([flag, user])
+        .output()
+        .map_err(|e| format!("cannot run `id`: {e}"))?;
+    String::from_utf8_lossy(&out.stdout)
+        .trim()
+        .parse()
+        .map_err(|_| format!("user `{user}` does not exist (needed to run PostgreSQL as non-root)"))
+}
+
+/// The command prefix that runs a program as `nobody` (initdb refuses root).
+fn as_nobody() -> Result<Vec<String>, String> {
+    if !running_as_root() {
+        return Ok(Vec::new());
+    }
+    for dir in ["/usr/sbin", "/sbin", "/usr/bin", "/bin"] {
+        let runuser = Path::new(dir).join("runuser");
+        if runuser.is_file() {
+            return Ok(vec![
+                runuser.display().to_string(),
+                "-u".into(),
+                "nobody".into(),
+                "--".into(),
+            ]);
+        }
+    }
+    for dir in ["/usr/bin", "/bin"] {
+        let setpriv = Path::new(dir).join("setpriv");
+        if setpriv.is_file() {
+            return Ok(vec![
+                setpriv.display().to_string(),
+                "--reuid=nobody".into(),
+                "--regid=nogroup".into(),
+                "--clear-groups".into(),
+            ]);
+        }
+    }
+    Err("running as root, and neither runuser nor setpriv (util-linux) is installed to drop to `nobody` for PostgreSQL".into())
+}
+
+fn free_port() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.local_addr().unwrap().port()
+}
+
+fn start_cluster() -> Result<Cluster, String> {
+    let bin = pg_bin_dir()?;
+    let prefix = as_nobody()?;
+    let stamp = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    let base = std::env::temp_dir().join(format!("airlock-pg-{}-{stamp}", std::process::id()));
+    std::fs::create_dir(&base).map_err(|e| format!("create {}: {e}", base.display()))?;
+    std::fs::set_permissions(&base, std::fs::Permissions::from_mode(0o700)).unwrap();
+    if running_as_root() {
+        let uid = id_of("-u", "nobody")?;
+        let gid = id_of("-g", "nobody")?;
+        std::os::unix::fs::chown(&base, Some(uid), Some(gid))
+            .map_err(|e| format!("chown {} to nobody: {e}", base.display()))?;
+    }
+    let data = base.join("data");
+    let run = |program: &Path, args: &[&str]| {
+        let mut cmd = if prefix.is_empty() {
+            Command::new(program)
+        } else {
+            let mut cmd = Command::new(&prefix[0]);
+            cmd.args(&prefix[1..]).arg(program);
+            cmd
+        };
+        cmd.args(args).current_dir(&base);
+        cmd
+    };
+    let out = run(
+        &bin.join("initdb"),
+        &[
+            "-D",
+            data.to_str().unwrap(),
+            "-U",
+            "airlock",
+            "-A",
+            "trust",
+            "-E",
+            "UTF8",
+            "--locale=C",
+            "--no-sync",
+        ],
+    )
+    .output()
+    .map_err(|e| format!("cannot run initdb: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "initdb failed: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    let port = free_port();
+    let script = r#"
+"$1" -D "$2/data" -p "$3" -k "$2" -c listen_addresses=127.0.0.1 -c fsync=off \
+  -c synchronous_commit=off -c full_page_writes=off -c max_connections=400 \
+  >"$2/postgres.log" 2>&1 &
+pid=$!
+read -r _ignored || true
+kill -INT "$pid" 2>/dev/null
+wait "$pid"
+rm -rf "$2"
+"#;
+    let postgres = bin.join("postgres");
+    let mut child = run(
+        Path::new("/bin/sh"),
+        &[
+            "-c",
+            script,
+            "sh",
+            postgres.to_str().unwrap(),
+            base.to_str().unwrap(),
+            &port.to_string(),
+        ],
+    )
+    .stdin(Stdio::piped())
+    .stdout(Stdio::null())
+    .stderr(Stdio::null())
+    .spawn()
+    .map_err(|e| format!("cannot start postgres: {e}"))?;
+    let stdin = child.stdin.take().unwrap();
+    // postmaster.pid's 8th line says `ready` once connections are accepted.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let ready = std::fs::read_to_string(data.join("postmaster.pid"))
+            .ok()
+            .and_then(|pid| pid.lines().nth(7).map(|l| l.trim() == "ready"))
+            .unwrap_or(false);
+        if ready {
+            break;
+        }
+        if Instant::now() > deadline || child.try_wait().ok().flatten().is_some() {
+            let log = std::fs::read_to_string(base.join("postgres.log")).unwrap_or_default();
+            return Err(format!(
+                "postgres did not become ready on port {port}: {log}"
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(Cluster {
+        port,
+        _watchdog_stdin: Mutex::new(stdin),
+        _watchdog: Mutex::new(child),
+    })
+}
+
+async fn cluster_port() -> u16 {
+    tokio::task::spawn_blocking(|| match CLUSTER.get_or_init(start_cluster) {
+        Ok(cluster) => cluster.port,
+        Err(message) => panic!("cannot start the test PostgreSQL: {message}"),
+    })
+    .await
+    .unwrap()
+}
+
+async fn pg_connect(url: &str) -> tokio_postgres::Client {
+    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+        .await
+        .unwrap_or_else(|e| panic!("connect {url}: {e}"));
+    tokio::spawn(connection);
+    client
+}
+
+// ---------------------------------------------------------------------------------
+// Backends
+// ---------------------------------------------------------------------------------
+
+enum Backend {
+    Sqlite { dir: tempfile::TempDir },
+    Postgres { url: String },
+}
+
+static DB_COUNTER: AtomicU32 = AtomicU32::new(0);
+
+impl Backend {
+    async fn sqlite() -> Self {
+        Backend::Sqlite {
+            dir: tempfile::tempdir().unwrap(),
+        }
+    }
+
+    /// A fresh database on the shared cluster.
+    async fn postgres() -> Self {
+        let port = cluster_port().await;
+        let name = format!(
+            "airlock_t{}_{}",
+            std::process::id(),
+            DB_COUNTER.fetch_add(1, Ordering::SeqCst)
+        );
+        let admin = pg_connect(&format!("postgres://airlock@127.0.0.1:{port}/postgres")).await;
+        admin
+            .batch_execute(&format!("CREATE DATABASE {name}"))
+            .await
+            .unwrap();
+        Backend::Postgres {
+            url: format!("postgres://airlock@127.0.0.1:{port}/{name}"),
+        }
+    }
+
+    /// `open()` as the orchestrator does: "sqlite" + data dir, or the URL.
+    async fn open(&self) -> Arc<dyn Store> {
+        match self {
+            Backend::Sqlite { dir } => store::open("sqlite", dir.path(), None).await.unwrap(),
+            Backend::Postgres { url } => store::open(url, Path::new("/nonexistent"), None)
+                .await
+                .unwrap(),
+        }
+    }
+
+    /// Runs SQL directly against the database, bypassing the store (tampering).
+    async fn exec(&self, sql: &str) {
+        match self {
+            Backend::Sqlite { dir } => {
+                let path = dir.path().join("airlock.db");
+                let sql = sql.to_owned();
+                tokio::task::spawn_blocking(move || {
+                    let conn = rusqlite::Connection::open(path).unwrap();
+                    conn.busy_timeout(Duration::from_secs(10)).unwrap();
+                    conn.execute_batch(&sql).unwrap();
+                })
+                .await
+                .unwrap();
+            }
+            Backend::Postgres { url } => {
+                pg_connect(url).await.batch_execute(sql).await.unwrap();
+            }
+        }
+    }
+}
+
+fn quote(text: &str) -> String {
+    format!("'{}'", text.replace('\'', "''"))
+}
+
+macro_rules! both_backends {
+    ($($case:ident),* $(,)?) => {
+        mod sqlite {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $case() {
+                    super::$case(super::Backend::sqlite().await).await;
+                }
+            )*
+        }
+        mod postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $case() {
+                    super::$case(super::Backend::postgres().await).await;
+                }
+            )*
+        }
+    };
+}
+
+both_backends!(
+    append_query_and_verify,
+    tamper_modified_record,
+    tamper_deleted_record,
+    tamper_inserted_record_with_bad_hash,
+    tamper_inserted_record_with_recomputed_hash,
+    tamper_reordered_records,
+    tamper_truncated_tail_and_forged_append,
+    concurrent_appends_keep_the_chain_dense,
+    approvals_decide_once,
+    approvals_expire,
+    claim_for_dispatch_exactly_once_under_concurrency,
+    resumable_calls_after_restart,
+    calls_and_session_usage,
+);
+
+// ---------------------------------------------------------------------------------
+// Helpers
+// ---------------------------------------------------------------------------------
+
+fn event(i: usize) -> NewAuditEvent {
+    NewAuditEvent::new(
+        "requested",
+        json!({"i": i, "tool": "read_file", "input": {"path": "a.txt"}}),
+    )
+    .call_id(format!("call-{i}"))
+    .principal("alice")
+    .session_id(Some(
+        if i.is_multiple_of(2) { "even" } else { "odd" }.to_owned(),
+    ))
+}
+
+async fn append_n(store: &Arc<dyn Store>, n: usize) {
+    for i in 1..=n {
+        store.append(event(i)).await.unwrap();
+    }
+}
+
+fn new_call(call_id: &str, state: CallState) -> NewCall {
+    NewCall {
+        call_id: call_id.to_owned(),
+        tool_use_id: format!("toolu_{call_id}"),
+        tool: "write_file".to_owned(),
+        input: json!({"path": "notes.txt", "content": "hello", "token": "s3cret"}),
+        principal: "alice".to_owned(),
+        session_id: Some("s1".to_owned()),
+        state,
+        created_at: now_millis(),
+    }
+}
+
+fn new_approval(approval_id: &str, call_id: &str, expires_in_ms: i64) -> NewApproval {
+    let now = now_millis();
+    NewApproval {
+        approval_id: approval_id.to_owned(),
+        call: new_call(call_id, CallState::PendingApproval),
+        created_at: now,
+        expires_at: now + expires_in_ms,
+    }
+}
+
+fn outcome(status: &str) -> CallOutcome {
+    CallOutcome {
+        status: status.to_owned(),
+        result: json!({"is_error": false, "content": ["done"]}),
+        duration_ms: Some(12),
+        replica: Some("unix:/tmp/fs.sock".to_owned()),
+        finished_at: now_millis(),
+    }
+}
+
+async fn assert_bad(store: &Arc<dyn Store>, first_bad_seq: u64) {
+    let report = store.verify().await.unwrap();
+    assert!(!report.ok, "verify should fail: {report:?}");
+    assert_eq!(report.first_bad_seq, Some(first_bad_seq), "{report:?}");
+    assert!(
+        report.reason.as_deref().is_some_and(|r| !r.is_empty()),
+        "{report:?}"
+    );
+}
+
+// ---------------------------------------------------------------------------------
+// Audit
+// ---------------------------------------------------------------------------------
+
+async fn append_query_and_verify(backend: Backend) {
+    let store = backend.open().await;
+    let empty = store.verify().await.unwrap();
+    assert!(empty.ok && empty.records == 0, "{empty:?}");
+
+    let mut prev = GENESIS_HASH.to_owned();
+    for i in 1..=10 {
+        let record = store.append(event(i)).await.unwrap();
+        assert_eq!(record.seq, i as u64);
+        assert_eq!(record.prev_hash, prev);
+        assert!(record.hash_is_valid());
+        assert!(
+            record.ts.ends_with('Z') && record.ts.len() == 24,
+            "{}",
+            record.ts
+        );
+        prev = record.hash;
+    }
+    let report = store.verify().await.unwrap();
+    assert!(report.ok, "{report:?}");
+    assert_eq!(report.records, 10);
+    assert_eq!(
+        serde_json::to_value(&report).unwrap(),
+        json!({"ok": true, "records": 10})
+    );
+
+    let all = store.audit(AuditQuery::default()).await.unwrap();
+    assert_eq!(
+        all.iter().map(|r| r.seq).collect::<Vec<_>>(),
+        (1..=10).collect::<Vec<_>>()
+    );
+    assert_eq!(all[0].data["input"]["path"], "a.txt");
+    let even = store
+        .audit(AuditQuery {
+            session_id: Some("even".into()),
+            ..AuditQuery::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        even.iter().map(|r| r.seq).collect::<Vec<_>>(),
+        vec![2, 4, 6, 8, 10]
+    );
+    let page = store
+        .audit(AuditQuery {
+            after: Some(3),
+            limit: 2,
+            ..AuditQuery::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(page.iter().map(|r| r.seq).collect::<Vec<_>>(), vec![4, 5]);
+    let tail = store
+        .audit(AuditQuery {
+            limit: 3,
+            latest: true,
+            ..AuditQuery::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        tail.iter().map(|r| r.seq).collect::<Vec<_>>(),
+        vec![8, 9, 10]
+    );
+    let one_call = store
+        .audit(AuditQuery {
+            call_id: Some("call-7".into()),
+            ..AuditQuery::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(one_call.len(), 1);
+    assert_eq!(one_call[0].seq, 7);
+    let json = serde_json::to_value(&one_call[0]).unwrap();
+    for key in [
+        "seq",
+        "ts",
+        "kind",
+        "call_id",
+        "principal",
+        "session_id",
+        "data",
+        "prev_hash",
+        "hash",
+    ] {
+        assert!(json.get(key).is_some(), "missing {key} in {json}");
+    }
+
+    // A record without optional fields, and the chain across a reopen.
+    drop(store);
+    let store = backend.open().await;
+    let bare = store
+        .append(NewAuditEvent::new(
+            "config_loaded",
+            json!({"n": 1.5, "z": [true, null]}),
+        ))
+        .await
+        .unwrap();
+    assert_eq!(bare.seq, 11);
+    assert_eq!(bare.prev_hash, prev);
+    let report = store.verify().await.unwrap();
+    assert!(report.ok && report.records == 11, "{report:?}");
+}
+
+async fn tamper_modified_record(backend: Backend) {
+    let store = backend.open().await;
+    append_n(&store, 10).await;
+    backend
+        .exec(r#"UPDATE audit_events SET data = '{"i":5,"tool":"delete_path"}' WHERE seq = 5"#)
+        .await;
+    assert_bad(&store, 5).await;
+    // A change to a single column that is not `data` is caught too.
+    backend
+        .exec(r#"UPDATE audit_events SET data = (SELECT data FROM audit_events WHERE seq = 4) WHERE seq = 5"#)
+        .await;
+    backend
+        .exec("UPDATE audit_events SET principal = 'mallory' WHERE seq = 3")
+        .await;
+    assert_bad(&store, 3).await;
+}
+
+async fn tamper_deleted_record(backend: Backend) {
+    let store = backend.open().await;
+    append_n(&store, 10).await;
+    backend.exec("DELETE FROM audit_events WHERE seq = 4").await;
+    assert_bad(&store, 4).await;
+    // Renumbering the rest to close the gap does not hide it.
+    backend
+        .exec("UPDATE audit_events SET seq = -seq WHERE seq > 4; UPDATE audit_events SET seq = -seq - 1 WHERE seq < 0;")
+        .await;
+    assert_bad(&store, 4).await;
+}
+
+/// Makes room for a record at `seq` by moving every later record up one.
+async fn shift_up_from(backend: &Backend, seq: u64) {
+    backend
+        .exec(&format!(
+            "UPDATE audit_events SET seq = -seq WHERE seq >= {seq}; \
+             UPDATE audit_events SET seq = -seq + 1 WHERE seq < 0;"
+        ))
+        .await;
+}
+
+async fn tamper_inserted_record_with_bad_hash(backend: Backend) {
+    let store = backend.open().await;
+    append_n(&store, 10).await;
+    let fifth = store
+        .audit(AuditQuery {
+            after: Some(4),
+            limit: 1,
+            ..AuditQuery::default()
+        })
+        .await
+        .unwrap()
+        .remove(0);
+    shift_up_from(&backend, 6).await;
+    backend
+        .exec(&format!(
+            "INSERT INTO audit_events (seq, ts, kind, call_id, principal, session_id, data, prev_hash, hash) \
+             VALUES (6, {ts}, 'approved', 'call-5', 'mallory', NULL, '{{\"forged\":true}}', {prev}, {hash})",
+            ts = quote(&fifth.ts),
+            prev = quote(&fifth.hash),
+            hash = quote(&"ab".repeat(32)),
+        ))
+        .await;
+    assert_bad(&store, 6).await;
+}
+
+async fn tamper_inserted_record_with_recomputed_hash(backend: Backend) {
+    let store = backend.open().await;
+    append_n(&store, 10).await;
+    let fifth = store
+        .audit(AuditQuery {
+            after: Some(4),
+            limit: 1,
+            ..AuditQuery::default()
+        })
+        .await
+        .unwrap()
+        .remove(0);
+    let data = json!({"forged": true});
+    let hash = chain_hash(
+        &fifth.hash,
+        6,
+        &fifth.ts,
+        "approved",
+        Some("call-5"),
+        Some("mallory"),
+        None,
+        &data,
+    );
+    shift_up_from(&backend, 6).await;
+    backend
+        .exec(&format!(
+            "INSERT INTO audit_events (seq, ts, kind, call_id, principal, session_id, data, prev_hash, hash) \
+             VALUES (6, {ts}, 'approved', 'call-5', 'mallory', NULL, '{{\"forged\":true}}', {prev}, {hash})",
+            ts = quote(&fifth.ts),
+            prev = quote(&fifth.hash),
+            hash = quote(&hash),
+        ))
+        .await;
+    // The forgery itself chains correctly; the genuine record after it does not.
+    assert_bad(&store, 7).await;
+}
+
+async fn tamper_reordered_records(backend: Backend) {
+    let store = backend.open().await;
+    append_n(&store, 10).await;
+    backend
+        .exec(
+            "UPDATE audit_events SET seq = -3 WHERE seq = 3; \
+             UPDATE audit_events SET seq = 3 WHERE seq = 4; \
+             UPDATE audit_events SET seq = 4 WHERE seq = -3;",
+        )
+        .await;
+    assert_bad(&store, 3).await;
+}
+
+async fn tamper_truncated_tail_and_forged_append(backend: Backend) {
+    let store = backend.open().await;
+    append_n(&store, 10).await;
+    let tenth = store
+        .audit(AuditQuery {
+            latest: true,
+            limit: 1,
+            ..AuditQuery::default()
+        })
+        .await
+        .unwrap()
+        .remove(0);
+    backend
+        .exec("DELETE FROM audit_events WHERE seq = 10")
+        .await;
+    let report = store.verify().await.unwrap();
+    assert_eq!(report.first_bad_seq, Some(10), "{report:?}");
+    assert!(report.reason.unwrap().contains("deleted from the end"));
+
+    // Put it back: whole again.
+    backend
+        .exec(&format!(
+            "INSERT INTO audit_events (seq, ts, kind, call_id, principal, session_id, data, prev_hash, hash) \
+             VALUES (10, {}, {}, {}, {}, {}, {}, {}, {})",
+            quote(&tenth.ts),
+            quote(&tenth.kind),
+            quote(tenth.call_id.as_deref().unwrap()),
+            quote(tenth.principal.as_deref().unwrap()),
+            quote(tenth.session_id.as_deref().unwrap()),
+            quote(&airlock_orchestrator::audit::canonical_json(&tenth.data)),
+            quote(&tenth.prev_hash),
+            quote(&tenth.hash),
+        ))
+        .await;
+    assert!(store.verify().await.unwrap().ok);
+
+    // A correctly chained record appended behind the store's back.
+    let data = json!({"forged": true});
+    let hash = chain_hash(
+        &tenth.hash,
+        11,
+        &tenth.ts,
+        "completed",
+        None,
+        None,
+        None,
+        &data,
+    );
+    backend
+        .exec(&format!(
+            "INSERT INTO audit_events (seq, ts, kind, call_id, principal, session_id, data, prev_hash, hash) \
+             VALUES (11, {}, 'completed', NULL, NULL, NULL, '{{\"forged\":true}}', {}, {})",
+            quote(&tenth.ts),
+            quote(&tenth.hash),
+            quote(&hash),
+        ))
+        .await;
+    assert_bad(&store, 11).await;
+}
+
+async fn concurrent_appends_keep_the_chain_dense(backend: Backend) {
+    let store = backend.open().await;
+    let mut tasks = Vec::new();
+    for t in 0..8 {
+        let store = Arc::clone(&store);
+        tasks.push(tokio::spawn(async move {
+            for i in 0..25 {
+                store.append(event(t * 100 + i)).await.unwrap();
+            }
+        }));
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    let report = store.verify().await.unwrap();
+    assert!(report.ok, "{report:?}");
+    assert_eq!(report.records, 200);
+    let seqs: Vec<u64> = store
+        .audit(AuditQuery {
+            limit: 1000,
+            ..AuditQuery::default()
+        })
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.seq)
+        .collect();
+    assert_eq!(seqs, (1..=200).collect::<Vec<_>>());
+}
+
+// ---------------------------------------------------------------------------------
+// Approvals and calls
+// ---------------------------------------------------------------------------------
+
+async fn approvals_decide_once(backend: Backend) {
+    let store = backend.open().await;
+    let created = store
+        .create_approval(new_approval("ap-1", "call-1", 60_000))
+        .await
+        .unwrap();
+    assert_eq!(created.status, ApprovalStatus::Pending);
+    assert_eq!(
+        created.input["token"], "s3cret",
+        "the real input is kept to run the call"
+    );
+    let shown = serde_json::to_value(&created).unwrap();
+    for key in [
+        "approval_id",
+        "call_id",
+        "tool",
+        "input",
+        "principal",
+        "session_id",
+        "status",
+        "created_at",
+        "expires_at",
+    ] {
+        assert!(shown.get(key).is_some(), "missing {key} in {shown}");
+    }
+    assert_eq!(shown["status"], "pending");
+    assert!(shown["created_at"].as_str().unwrap().ends_with('Z'));
+    assert!(shown.get("decided_by").is_none());
+
+    store
+        .create_approval(new_approval("ap-2", "call-2", 60_000))
+        .await
+        .unwrap();
+    assert!(matches!(
+        store
+            .create_approval(new_approval("ap-1", "call-3", 60_000))
+            .await,
+        Err(StoreError::AlreadyExists { .. })
+    ));
+
+    let pending = store
+        .list_approvals(Some(ApprovalStatus::Pending))
+        .await
+        .unwrap();
+    assert_eq!(
+        pending
+            .iter()
+            .map(|a| a.approval_id.as_str())
+            .collect::<Vec<_>>(),
+        ["ap-1", "ap-2"]
+    );
+    assert_eq!(
+        store.get_call("call-1").await.unwrap().unwrap().state,
+        CallState::PendingApproval
+    );
+
+    let now = now_millis();
+    let decided = store
+        .decide_approval("ap-1", true, "bob", Some("looks fine"), now)
+        .await
+        .unwrap();
+    assert_eq!(decided.status, ApprovalStatus::Approved);
+    assert_eq!(decided.decided_by.as_deref(), Some("bob"));
+    assert_eq!(decided.reason.as_deref(), Some("looks fine"));
+    assert_eq!(decided.decided_at, Some(now));
+    let again = store
+        .decide_approval("ap-1", false, "carol", None, now)
+        .await;
+    assert!(
+        matches!(
+            again,
+            Err(StoreError::AlreadyDecided {
+                status: ApprovalStatus::Approved,
+                ..
+            })
+        ),
+        "{again:?}"
+    );
+    let call = store.get_call("call-1").await.unwrap().unwrap();
+    assert_eq!(call.state, CallState::Approved);
+    assert_eq!(call.approval_id.as_deref(), Some("ap-1"));
+
+    let denied = store
+        .decide_approval("ap-2", false, "bob", None, now)
+        .await
+        .unwrap();
+    assert_eq!(denied.status, ApprovalStatus::Denied);
+    assert_eq!(
+        store.get_call("call-2").await.unwrap().unwrap().state,
+        CallState::Rejected
+    );
+    assert!(matches!(
+        store
+            .claim_for_dispatch("call-2", "r1", now, now + 60_000)
+            .await,
+        Ok(false)
+    ));
+
+    assert!(matches!(
+        store.decide_approval("nope", true, "bob", None, now).await,
+        Err(StoreError::NotFound { .. })
+    ));
+    assert!(
+        store
+            .list_approvals(Some(ApprovalStatus::Pending))
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert_eq!(store.list_approvals(None).await.unwrap().len(), 2);
+    assert_eq!(
+        store.get_approval("ap-2").await.unwrap().unwrap().status,
+        ApprovalStatus::Denied
+    );
+    assert!(store.get_approval("nope").await.unwrap().is_none());
+
+    // Concurrent deciders: exactly one wins.
+    store
+        .create_approval(new_approval("ap-race", "call-race", 60_000))
+        .await
+        .unwrap();
+    let mut tasks = Vec::new();
+    for i in 0..10 {
+        let store = Arc::clone(&store);
+        tasks.push(tokio::spawn(async move {
+            store
+                .decide_approval(
+                    "ap-race",
+                    i % 2 == 0,
+                    &format!("approver-{i}"),
+                    None,
+                    now_millis(),
+                )
+                .await
+        }));
+    }
+    let mut wins = 0;
+    for task in tasks {
+        match task.await.unwrap() {
+            Ok(_) => wins += 1,
+            Err(StoreError::AlreadyDecided { .. }) => {}
+            Err(other) => panic!("unexpected {other}"),
+        }
+    }
+    assert_eq!(wins, 1);
+}
+
+async fn approvals_expire(backend: Backend) {
+    let store = backend.open().await;
+    let a = store
+        .create_approval(new_approval("ap-a", "call-a", 1_000))
+        .await
+        .unwrap();
+    let b = store
+        .create_approval(new_approval("ap-b", "call-b", 1_000))
+        .await
+        .unwrap();
+    store
+        .create_approval(new_approval("ap-late", "call-late", 3_600_000))
+        .await
+        .unwrap();
+
+    // Deciding after the deadline fails and marks it expired.
+    let late = a.expires_at.max(b.expires_at) + 1;
+    assert!(matches!(
+        store.decide_approval("ap-a", true, "bob", None, late).await,
+        Err(StoreError::Expired { .. })
+    ));
+    assert_eq!(
+        store.get_approval("ap-a").await.unwrap().unwrap().status,
+        ApprovalStatus::Expired
+    );
+    assert_eq!(
+        store.get_call("call-a").await.unwrap().unwrap().state,
+        CallState::Rejected
+    );
+    assert!(matches!(
+        store.decide_approval("ap-a", true, "bob", None, late).await,
+        Err(StoreError::AlreadyDecided {
+            status: ApprovalStatus::Expired,
+            ..
+        })
+    ));
+
+    // The sweep hands each expired approval to exactly one caller.
+    let mut tasks = Vec::new();
+    for _ in 0..6 {
+        let store = Arc::clone(&store);
+        tasks.push(tokio::spawn(async move {
+            store.expire_approvals(late).await.unwrap()
+        }));
+    }
+    let mut expired = Vec::new();
+    for task in tasks {
+        expired.extend(task.await.unwrap());
+    }
+    assert_eq!(
+        expired
+            .iter()
+            .map(|a| a.approval_id.as_str())
+            .collect::<Vec<_>>(),
+        ["ap-b"]
+    );
+    assert_eq!(expired[0].status, ApprovalStatus::Expired);
+    assert_eq!(
+        store.get_call("call-b").await.unwrap().unwrap().state,
+        CallState::Rejected
+    );
+    assert_eq!(
+        store
+            .list_approvals(Some(ApprovalStatus::Pending))
+            .await
+            .unwrap()
+            .len(),
+        1,
+        "the later one is still pending"
+    );
+    assert!(store.expire_approvals(late).await.unwrap().is_empty());
+}
+
+async fn claim_for_dispatch_exactly_once_under_concurrency(backend: Backend) {
+    let store = backend.open().await;
+    store
+        .insert_call(new_call("call-1", CallState::Approved))
+        .await
+        .unwrap();
+    let now = now_millis();
+    let lease = now + 60_000;
+    let mut tasks = Vec::new();
+    for i in 0..16 {
+        let store = Arc::clone(&store);
+        tasks.push(tokio::spawn(async move {
+            store
+                .claim_for_dispatch("call-1", &format!("replica-{i}"), now, lease)
+                .await
+                .unwrap()
+        }));
+    }
+    let mut winners = 0;
+    for task in tasks {
+        if task.await.unwrap() {
+            winners += 1;
+        }
+    }
+    assert_eq!(winners, 1);
+    let call = store.get_call("call-1").await.unwrap().unwrap();
+    assert_eq!(call.state, CallState::Dispatched);
+    let holder = call.claimed_by.unwrap();
+    assert_eq!(call.lease_until, Some(lease));
+
+    // A live lease cannot be taken; renewal only by its holder.
+    assert!(
+        !store
+            .claim_for_dispatch("call-1", "other", now + 1, lease + 1)
+            .await
+            .unwrap()
+    );
+    assert!(
+        !store
+            .renew_lease("call-1", "other", lease + 10)
+            .await
+            .unwrap()
+    );
+    assert!(
+        store
+            .renew_lease("call-1", &holder, lease + 10)
+            .await
+            .unwrap()
+    );
+    // Once it lapses, exactly one other claimant takes over.
+    let later = lease + 10;
+    let mut tasks = Vec::new();
+    for i in 0..8 {
+        let store = Arc::clone(&store);
+        tasks.push(tokio::spawn(async move {
+            store
+                .claim_for_dispatch("call-1", &format!("takeover-{i}"), later, later + 60_000)
+                .await
+                .unwrap()
+        }));
+    }
+    let mut winners = 0;
+    for task in tasks {
+        if task.await.unwrap() {
+            winners += 1;
+        }
+    }
+    assert_eq!(winners, 1);
+
+    assert!(store.finish_call("call-1", &outcome("ok")).await.unwrap());
+    assert!(
+        !store
+            .finish_call("call-1", &outcome("error"))
+            .await
+            .unwrap(),
+        "finished once"
+    );
+    let done = store.get_call("call-1").await.unwrap().unwrap();
+    assert_eq!(done.state, CallState::Finished);
+    assert_eq!(done.status.as_deref(), Some("ok"));
+    assert_eq!(done.duration_ms, Some(12));
+    assert_eq!(done.result.unwrap()["content"][0], "done");
+    assert!(
+        !store
+            .claim_for_dispatch("call-1", "late", i64::MAX, i64::MAX)
+            .await
+            .unwrap()
+    );
+    assert!(matches!(
+        store.claim_for_dispatch("missing", "r", now, lease).await,
+        Err(StoreError::NotFound { .. })
+    ));
+}
+
+async fn resumable_calls_after_restart(backend: Backend) {
+    let store = backend.open().await;
+    store
+        .create_approval(new_approval("ap-1", "call-1", 60_000))
+        .await
+        .unwrap();
+    store
+        .create_approval(new_approval("ap-2", "call-2", 60_000))
+        .await
+        .unwrap();
+    store
+        .insert_call(new_call("call-done", CallState::Approved))
+        .await
+        .unwrap();
+    let now = now_millis();
+    assert!(
+        store
+            .claim_for_dispatch("call-done", "r0", now, now + 1000)
+            .await
+            .unwrap()
+    );
+    store
+        .finish_call("call-done", &outcome("ok"))
+        .await
+        .unwrap();
+    assert!(
+        store.resumable_calls(now).await.unwrap().is_empty(),
+        "pending calls are not resumable"
+    );
+    store
+        .decide_approval("ap-1", true, "bob", None, now)
+        .await
+        .unwrap();
+    drop(store);
+
+    // "Restart": a new store on the same file / database.
+    let store = backend.open().await;
+    let resumable = store.resumable_calls(now_millis()).await.unwrap();
+    assert_eq!(resumable.len(), 1, "{resumable:?}");
+    let call = &resumable[0];
+    assert_eq!(call.call_id, "call-1");
+    assert_eq!(call.state, CallState::Approved);
+    assert_eq!(call.input["content"], "hello");
+    assert_eq!(call.tool, "write_file");
+    assert_eq!(call.principal, "alice");
+    let now = now_millis();
+    let lease = now + 30_000;
+    assert!(
+        store
+            .claim_for_dispatch("call-1", "replica-a", now, lease)
+            .await
+            .unwrap()
+    );
+    drop(store);
+
+    // Crash between dispatched and finished: not resumable while the lease runs…
+    let store = backend.open().await;
+    assert!(store.resumable_calls(now + 1).await.unwrap().is_empty());
+    // …and resumable (same call_id) once it has lapsed, claimed by exactly one.
+    let resumable = store.resumable_calls(lease).await.unwrap();
+    assert_eq!(resumable.len(), 1);
+    assert_eq!(resumable[0].state, CallState::Dispatched);
+    assert_eq!(resumable[0].claimed_by.as_deref(), Some("replica-a"));
+    assert!(
+        store
+            .claim_for_dispatch("call-1", "replica-b", lease, lease + 30_000)
+            .await
+            .unwrap()
+    );
+    assert!(
+        !store
+            .claim_for_dispatch("call-1", "replica-c", lease, lease + 30_000)
+            .await
+            .unwrap()
+    );
+    assert!(store.finish_call("call-1", &outcome("ok")).await.unwrap());
+    assert!(
+        store
+            .resumable_calls(Timestamp::MAX)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert_eq!(
+        store
+            .list_approvals(Some(ApprovalStatus::Pending))
+            .await
+            .unwrap()[0]
+            .approval_id,
+        "ap-2",
+        "the other approval is still pending after the restarts"
+    );
+}
+
+async fn calls_and_session_usage(backend: Backend) {
+    let store = backend.open().await;
+    let usage = store.session_usage("alice", "s1").await.unwrap();
+    assert_eq!((usage.calls, usage.first_at), (0, None));
+    let mut first = None;
+    for i in 0..5 {
+        let call = new_call(&format!("c{i}"), CallState::Approved);
+        first.get_or_insert(call.created_at);
+        store.insert_call(call).await.unwrap();
+    }
+    let mut other = new_call("c-other", CallState::Approved);
+    other.principal = "bob".into();
+    store.insert_call(other).await.unwrap();
+    let mut no_session = new_call("c-none", CallState::Approved);
+    no_session.session_id = None;
+    store.insert_call(no_session).await.unwrap();
+    assert!(matches!(
+        store.insert_call(new_call("c0", CallState::Approved)).await,
+        Err(StoreError::AlreadyExists { .. })
+    ));
+    let usage = store.session_usage("alice", "s1").await.unwrap();
+    assert_eq!(usage.calls, 5);
+    assert!(usage.first_at.unwrap() <= first.unwrap() + 1);
+    assert_eq!(store.session_usage("bob", "s1").await.unwrap().calls, 1);
+    let none = store.get_call("c-none").await.unwrap().unwrap();
+    assert_eq!(none.session_id, None);
+    assert_eq!(none.status, None);
+    assert!(store.get_call("missing").await.unwrap().is_none());
+    assert!(matches!(
+        store.finish_call("missing", &outcome("ok")).await,
+        Err(StoreError::NotFound { .. })
+    ));
+}
+
+// ---------------------------------------------------------------------------------
+// PostgreSQL: two orchestrator replicas on one database
+// ---------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_two_replicas_append_concurrently() {
+    let backend = Backend::postgres().await;
+    let a = backend.open().await;
+    let b = backend.open().await;
+    let mut tasks = Vec::new();
+    for (r, store) in [a.clone(), b.clone()].into_iter().enumerate() {
+        for t in 0..10 {
+            let store = Arc::clone(&store);
+            tasks.push(tokio::spawn(async move {
+                for i in 0..10 {
+                    let ev =
+                        NewAuditEvent::new("dispatched", json!({"replica": r, "task": t, "i": i}));
+                    store.append(ev).await.unwrap();
+                }
+            }));
+        }
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    for store in [&a, &b] {
+        let report = store.verify().await.unwrap();
+        assert!(report.ok, "{report:?}");
+        assert_eq!(report.records, 200);
+    }
+    let records = a
+        .audit(AuditQuery {
+            limit: 1000,
+            ..AuditQuery::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        records.iter().map(|r| r.seq).collect::<Vec<_>>(),
+        (1..=200).collect::<Vec<_>>()
+    );
+    let per_replica: HashSet<(u64, u64, u64)> = records
+        .iter()
+        .map(|r| {
+            (
+                r.data["replica"].as_u64().unwrap(),
+                r.data["task"].as_u64().unwrap(),
+                r.data["i"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(per_replica.len(), 200, "every event recorded once");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_pending_on_one_replica_approved_on_the_other_runs_once() {
+    let backend = Backend::postgres().await;
+    let a = backend.open().await;
+    let b = backend.open().await;
+    a.create_approval(new_approval("ap-x", "call-x", 60_000))
+        .await
+        .unwrap();
+    let seen = b
+        .list_approvals(Some(ApprovalStatus::Pending))
+        .await
+        .unwrap();
+    assert_eq!(seen.len(), 1);
+    assert_eq!(seen[0].call_id, "call-x");
+    b.decide_approval("ap-x", true, "bob", None, now_millis())
+        .await
+        .unwrap();
+    assert!(matches!(
+        a.decide_approval("ap-x", false, "carol", None, now_millis())
+            .await,
+        Err(StoreError::AlreadyDecided { .. })
+    ));
+    // Both replicas see it approved and race to run it: exactly one claim wins.
+    let now = now_millis();
+    let mut tasks = Vec::new();
+    for (name, store) in [("a", a.clone()), ("b", b.clone())] {
+        for i in 0..8 {
+            let store = Arc::clone(&store);
+            tasks.push(tokio::spawn(async move {
+                store
+                    .claim_for_dispatch("call-x", &format!("{name}-{i}"), now, now + 60_000)
+                    .await
+                    .unwrap()
+            }));
+        }
+    }
+    let mut winners = 0;
+    for task in tasks {
+        if task.await.unwrap() {
+            winners += 1;
+        }
+    }
+    assert_eq!(winners, 1);
+    assert!(a.finish_call("call-x", &outcome("ok")).await.unwrap());
+    assert!(!b.finish_call("call-x", &outcome("ok")).await.unwrap());
+    assert_eq!(
+        b.get_call("call-x").await.unwrap().unwrap().state,
+        CallState::Finished
+    );
+}
+
+#[tokio::test]
+async fn postgres_unreachable_names_host_and_port_without_the_password() {
+    let port = free_port();
+    let url = format!("postgres://airlock:sekret-pw@127.0.0.1:{port}/airlock");
+    let err = match store::open(&url, Path::new("/nonexistent"), Some("other-secret".into())).await
+    {
+        Ok(_) => panic!("nothing listens on {port}"),
+        Err(err) => err,
+    };
+    let text = err.to_string();
+    assert!(matches!(err, StoreError::Unreachable { .. }), "{text}");
+    assert!(text.contains(&format!("127.0.0.1:{port}")), "{text}");
+    assert!(text.contains("fix `store`"), "{text}");
+    assert!(
+        !text.contains("sekret-pw") && !text.contains("other-secret"),
+        "{text}"
+    );
+}
+
+#[tokio::test]
+async fn postgres_password_parameter_and_bad_database_are_reported() {
+    let port = cluster_port().await;
+    // trust auth: the password is accepted and ignored; a missing database is named.
+    let url = format!("postgres://airlock:pw-in-url@127.0.0.1:{port}/no_such_db");
+    let err = match store::open(&url, Path::new("/nonexistent"), Some("pw-param".into())).await {
+        Ok(_) => panic!("the database does not exist"),
+        Err(err) => err.to_string(),
+    };
+    assert!(
+        err.contains("no_such_db") && err.contains(&format!("127.0.0.1:{port}")),
+        "{err}"
+    );
+    assert!(
+        !err.contains("pw-in-url") && !err.contains("pw-param"),
+        "{err}"
+    );
+}
+
+// ---------------------------------------------------------------------------------
+// SQLite specifics
+// ---------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn sqlite_file_is_airlock_db_in_the_data_dir() {
+    let dir = tempfile::tempdir().unwrap();
+    let data_dir = dir.path().join("nested/data");
+    let store = store::open("sqlite", &data_dir, None).await.unwrap();
+    assert_eq!(store.kind(), "sqlite");
+    store
+        .append(NewAuditEvent::new("started", json!({})))
+        .await
+        .unwrap();
+    let path = data_dir.join("airlock.db");
+    let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600, "the store holds call arguments");
+    let conn = rusqlite::Connection::open(&path).unwrap();
+    let journal: String = conn
+        .query_row("PRAGMA journal_mode", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(journal, "wal");
+    let n: i64 = conn
+        .query_row("SELECT COUNT(*) FROM audit_events", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(n, 1);
+    let version: i64 = conn
+        .query_row("SELECT version FROM schema_version", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(version, store::SCHEMA_VERSION);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sqlite_two_stores_on_one_file_keep_one_chain() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = store::open("sqlite", dir.path(), None).await.unwrap();
+    let b = store::open("sqlite", dir.path(), None).await.unwrap();
+    let mut tasks = Vec::new();
+    for store in [a.clone(), b.clone()] {
+        for t in 0..4 {
+            let store = Arc::clone(&store);
+            tasks.push(tokio::spawn(async move {
+                for i in 0..25 {
+                    store.append(event(t * 100 + i)).await.unwrap();
+                }
+            }));
+        }
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    let report = b.verify().await.unwrap();
+    assert!(report.ok && report.records == 200, "{report:?}");
+}
+
+#[tokio::test]
+async fn unknown_store_kind_does_not_echo_credentials() {
+    let dir = tempfile::tempdir().unwrap();
+    let err = match store::open("mysql://root:hunter2@db/x", dir.path(), None).await {
+        Ok(_) => panic!("mysql is not a store"),
+        Err(err) => err.to_string(),
+    };
+    assert!(
+        err.contains("mysql://") && !err.contains("hunter2"),
+        "{err}"
+    );
+}

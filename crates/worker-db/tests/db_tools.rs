@@ -1,0 +1,1277 @@
+//! The db tools against a real PostgreSQL (started here with `initdb` + `postgres` on a
+//! free port, shared by all tests of this binary, stopped when the binary exits) and
+//! against SQLite files in temp dirs.
+//!
+//! PostgreSQL must be installed (`apt-get install postgresql`); the tests fail — never
+//! skip — when it is not. Run as root, the server runs as `nobody` (initdb refuses
+//! root), through `setpriv`, with `--pdeathsig` so it dies with the test binary.
+#![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code")]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use airlock_worker::{CallContext, CancellationToken, SessionId, ToolOutcome, ToolSet};
+use airlock_worker_db::{DatabaseConfig, sqlite_paths, tools};
+use serde_json::{Value, json};
+
+// ---------------------------------------------------------------------------------------
+// The PostgreSQL server
+// ---------------------------------------------------------------------------------------
+
+struct PgServer {
+    port: u16,
+    base: PathBuf,
+    superuser_password: String,
+}
+
+static PG: OnceLock<Result<PgServer, String>> = OnceLock::new();
+
+const RO_PASSWORD: &str = "Ro-Secret-Canary-7c1e";
+const RW_PASSWORD: &str = "Rw-Secret-Canary-93ab";
+
+fn pg() -> &'static PgServer {
+    match PG.get_or_init(start_pg) {
+        Ok(s) => s,
+        Err(e) => panic!("{e}"),
+    }
+}
+
+fn find_pg_bin(name: &str) -> Result<PathBuf, String> {
+    let mut candidates = vec![PathBuf::from("/usr/local/bin").join(name)];
+    if let Ok(dirs) = std::fs::read_dir("/usr/lib/postgresql") {
+        let mut versions: Vec<PathBuf> = dirs.filter_map(|d| d.ok().map(|d| d.path())).collect();
+        versions.sort_by_key(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .and_then(|n| n.parse::<u32>().ok())
+                .unwrap_or(0)
+        });
+        for v in versions.into_iter().rev() {
+            candidates.push(v.join("bin").join(name));
+        }
+    }
+    if let Some(path) = std::env::var_os("PATH") {
+        for dir in std::env::split_paths(&path) {
+            candidates.push(dir.join(name));
+        }
+    }
+    candidates.into_iter().find(|p| p.is_file()).ok_or_else(|| {
+        format!(
+            "PostgreSQL's `{name}` was not found in /usr/local/bin, /usr/lib/postgresql/*/bin or PATH; \
+             install postgresql (apt-get install postgresql)"
+        )
+    })
+}
+
+fn is_root() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("Uid:"))
+                .map(|l| l.split_whitespace().nth(2) == Some("0"))
+        })
+        .unwrap_or(false)
+}
+
+/// A command that runs as `nobody` when we are root, and dies with this process.
+fn unprivileged(bin: &Path, pdeathsig: bool) -> Command {
+    let mut c = if is_root() {
+        let mut c = Command::new("setpriv");
+        c.args(["--reuid=65534", "--regid=65534", "--clear-groups"]);
+        c
+    } else {
+        Command::new("setpriv")
+    };
+    if pdeathsig {
+        c.arg("--pdeathsig=QUIT");
+    }
+    c.arg("--").arg(bin);
+    c
+}
+
+fn remove_stale_dirs(tmp: &Path) {
+    let Ok(entries) = std::fs::read_dir(tmp) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if let Some(pid) = name.strip_prefix("airlock-worker-db-pg-")
+            && !Path::new("/proc").join(pid).exists()
+        {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
+}
+
+fn start_pg() -> Result<PgServer, String> {
+    use std::os::unix::fs::PermissionsExt;
+    let initdb = find_pg_bin("initdb")?;
+    let postgres = find_pg_bin("postgres")?;
+    if Command::new("setpriv").arg("--version").output().is_err() {
+        return Err("setpriv (util-linux) is needed to run PostgreSQL for the tests".into());
+    }
+    let tmp = std::env::temp_dir();
+    remove_stale_dirs(&tmp);
+    let base = tmp.join(format!("airlock-worker-db-pg-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    let data = base.join("data");
+    let sock = base.join("sock");
+    for d in [&base, &data, &sock] {
+        std::fs::create_dir_all(d).map_err(|e| format!("create {}: {e}", d.display()))?;
+    }
+    std::fs::set_permissions(&base, std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::set_permissions(&data, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let superuser_password = format!("su-{}", std::process::id());
+    let pwfile = base.join("superuser.pw");
+    std::fs::write(&pwfile, &superuser_password).unwrap();
+    std::fs::set_permissions(&pwfile, std::fs::Permissions::from_mode(0o644)).unwrap();
+    if is_root() {
+        for d in [&data, &sock] {
+            std::os::unix::fs::chown(d, Some(65534), Some(65534)).unwrap();
+        }
+    }
+    let out = unprivileged(&initdb, false)
+        .args(["-D"])
+        .arg(&data)
+        .args([
+            "-U",
+            "postgres",
+            "--auth-local=trust",
+            "--auth-host=scram-sha-256",
+            "--no-sync",
+            "-E",
+            "UTF8",
+            "--locale=C",
+        ])
+        .arg(format!("--pwfile={}", pwfile.display()))
+        .output()
+        .map_err(|e| format!("running initdb: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "initdb failed: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map_err(|e| format!("no free port: {e}"))?
+        .port();
+    let log = std::fs::File::create(base.join("postgres.log")).unwrap();
+    let mut cmd = unprivileged(&postgres, true);
+    cmd.arg("-D")
+        .arg(&data)
+        .args(["-p", &port.to_string(), "-k"])
+        .arg(&sock)
+        .args([
+            "-c",
+            "listen_addresses=127.0.0.1",
+            "-c",
+            "fsync=off",
+            "-c",
+            "max_connections=60",
+            "-c",
+            "shared_buffers=16MB",
+        ])
+        .stdin(Stdio::null())
+        .stdout(log.try_clone().unwrap())
+        .stderr(log);
+    // The server is spawned by a thread that lives as long as the process, so that
+    // PR_SET_PDEATHSIG (tied to the spawning thread) fires only when the binary exits.
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || match cmd.spawn() {
+        Ok(mut child) => {
+            let _ = tx.send(Ok(()));
+            let _ = child.wait();
+        }
+        Err(e) => {
+            let _ = tx.send(Err(format!("starting postgres: {e}")));
+        }
+    });
+    rx.recv().map_err(|e| e.to_string())??;
+    let started = Instant::now();
+    loop {
+        let ready = std::fs::read_to_string(data.join("postmaster.pid"))
+            .map(|s| s.contains("ready"))
+            .unwrap_or(false);
+        if ready && std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            break;
+        }
+        if started.elapsed() > Duration::from_secs(30) {
+            return Err(format!(
+                "postgres did not start: {}",
+                std::fs::read_to_string(base.join("postgres.log")).unwrap_or_default()
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    for (file, pw) in [("ro.pw", RO_PASSWORD), ("rw.pw", RW_PASSWORD)] {
+        std::fs::write(base.join(file), format!("{pw}\n")).unwrap();
+    }
+    std::fs::write(base.join("wrong.pw"), "Wrong-Password-Canary-55\n").unwrap();
+    let server = PgServer {
+        port,
+        base,
+        superuser_password,
+    };
+    let (p, pw) = (server.port, server.superuser_password.clone());
+    std::thread::spawn(move || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(setup_pg(p, pw))
+    })
+    .join()
+    .map_err(|_| "setting up the test database panicked".to_owned())??;
+    Ok(server)
+}
+
+async fn superuser(port: u16, password: &str, db: &str) -> tokio_postgres::Client {
+    let (client, conn) = tokio_postgres::Config::new()
+        .host("127.0.0.1")
+        .port(port)
+        .user("postgres")
+        .password(password)
+        .dbname(db)
+        .connect(tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    client
+}
+
+async fn setup_pg(port: u16, password: String) -> Result<(), String> {
+    let admin = superuser(port, &password, "postgres").await;
+    admin
+        .batch_execute(&format!(
+            "CREATE ROLE airlock_ro LOGIN PASSWORD '{RO_PASSWORD}';
+             CREATE ROLE airlock_rw LOGIN PASSWORD '{RW_PASSWORD}';"
+        ))
+        .await
+        .map_err(|e| {
+            format!(
+                "setup: {}",
+                e.as_db_error()
+                    .map_or(e.to_string(), |d| d.message().to_owned())
+            )
+        })?;
+    admin
+        .batch_execute("CREATE DATABASE airlock_test")
+        .await
+        .map_err(|e| format!("setup: {e}"))?;
+    let db = superuser(port, &password, "airlock_test").await;
+    db.batch_execute(
+        r#"
+        CREATE EXTENSION IF NOT EXISTS dblink;
+        CREATE TABLE t (id int PRIMARY KEY, name text NOT NULL, amount numeric(12,2));
+        INSERT INTO t VALUES (1, 'alpha', 1.50), (2, 'beta', 2.25), (3, 'gamma', NULL);
+        CREATE SEQUENCE s;
+        CREATE VIEW v AS SELECT id, name FROM t;
+        CREATE TABLE big AS SELECT g AS n FROM generate_series(1, 5000) g;
+        CREATE TABLE parent (id int PRIMARY KEY, label text);
+        CREATE TABLE child (
+            id serial PRIMARY KEY,
+            parent_id int NOT NULL REFERENCES parent(id) ON DELETE CASCADE,
+            note text DEFAULT 'none',
+            code text UNIQUE
+        );
+        CREATE INDEX child_note_idx ON child (note);
+        CREATE TABLE w (id serial PRIMARY KEY, v text);
+        CREATE TABLE types (
+            i int, bi bigint, num numeric(30,10), f float8, r real, txt text, b bytea,
+            flag bool, d date, ts timestamp, tstz timestamptz, j json, jb jsonb, u uuid,
+            n int, arr int[], iv interval, tarr text[]
+        );
+        INSERT INTO types VALUES (
+            42, 9007199254740993, 12345678901234567890.0123456789, 1.5, 2.5, 'héllo',
+            '\x00ff10', true, '2024-02-29', '2024-02-29 13:14:15.123456',
+            '2024-02-29 13:14:15+02', '{"a": [1, 2]}', '{"b": null}',
+            'a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11', NULL, '{1,2,NULL}', '1 day 02:00:00',
+            '{{"x","y"},{"z",NULL}}'
+        );
+        CREATE PROCEDURE p() LANGUAGE sql AS $$ DELETE FROM t $$;
+        GRANT SELECT ON ALL TABLES IN SCHEMA public TO airlock_ro;
+        -- airlock_rw may write: the read-only transaction alone must stop it.
+        GRANT ALL ON ALL TABLES IN SCHEMA public TO airlock_rw;
+        GRANT ALL ON ALL SEQUENCES IN SCHEMA public TO airlock_rw;
+        GRANT CREATE ON SCHEMA public TO airlock_rw;
+        GRANT EXECUTE ON PROCEDURE p() TO airlock_rw;
+        "#,
+    )
+    .await
+    .map_err(|e| {
+        format!(
+            "setup: {}",
+            e.as_db_error()
+                .map_or(e.to_string(), |d| d.message().to_owned())
+        )
+    })?;
+    Ok(())
+}
+
+/// A `[[databases]]` entry for the test PostgreSQL, as `user` (`airlock_ro` or
+/// `airlock_rw`) with that user's password file.
+fn pg_db(name: &str, user: &str) -> DatabaseConfig {
+    let server = pg();
+    let mut c = DatabaseConfig::new(
+        name,
+        format!("postgres://{user}@127.0.0.1:{}/airlock_test", server.port),
+    );
+    let file = if user == "airlock_ro" {
+        "ro.pw"
+    } else {
+        "rw.pw"
+    };
+    c.password_file = Some(server.base.join(file));
+    c
+}
+
+/// The superuser's view of the test data: a checksum of everything an attack could touch.
+async fn pg_state() -> String {
+    let server = pg();
+    let db = superuser(server.port, &server.superuser_password, "airlock_test").await;
+    let row = db
+        .query_one(
+            "SELECT concat_ws(' | ',
+                (SELECT md5(string_agg(t::text, ',' ORDER BY id)) FROM t),
+                (SELECT last_value::text || is_called::text FROM s),
+                (SELECT string_agg(relname, ',' ORDER BY relname) FROM pg_class
+                   WHERE relnamespace = 'public'::regnamespace),
+                (SELECT count(*)::text FROM pg_largeobject_metadata),
+                (SELECT count(*)::text FROM pg_locks WHERE locktype = 'advisory'),
+                (SELECT count(*)::text FROM w))",
+            &[],
+        )
+        .await
+        .unwrap();
+    row.get(0)
+}
+
+// ---------------------------------------------------------------------------------------
+// Calling tools
+// ---------------------------------------------------------------------------------------
+
+async fn call_with(set: &ToolSet, tool: &str, args: Value, deadline: Duration) -> ToolOutcome {
+    let (tx, _rx) = tokio::sync::mpsc::channel(16);
+    let ctx = CallContext::new(
+        "call-1".into(),
+        "alice".into(),
+        SessionId::parse("s1").unwrap(),
+        Instant::now() + deadline,
+        CancellationToken::new(),
+        tx,
+    );
+    set.get(tool)
+        .unwrap_or_else(|| panic!("no tool {tool}"))
+        .execute(args, ctx)
+        .await
+}
+
+async fn call(set: &ToolSet, tool: &str, args: Value) -> ToolOutcome {
+    call_with(set, tool, args, Duration::from_secs(30)).await
+}
+
+async fn ok(set: &ToolSet, tool: &str, args: Value) -> Value {
+    let out = call(set, tool, args.clone()).await;
+    assert!(
+        !out.is_error,
+        "{tool} {args} failed: {}",
+        out.content.join("\n")
+    );
+    assert_eq!(out.content.len(), 1, "one text block");
+    serde_json::from_str(&out.content[0]).unwrap()
+}
+
+async fn err(set: &ToolSet, tool: &str, args: Value) -> String {
+    let out = call(set, tool, args.clone()).await;
+    assert!(
+        out.is_error,
+        "{tool} {args} should fail but gave: {}",
+        out.content.join("\n")
+    );
+    out.content.join("\n")
+}
+
+async fn query(set: &ToolSet, db: &str, sql: &str) -> Value {
+    ok(set, "query_database", json!({"database": db, "sql": sql})).await
+}
+
+// ---------------------------------------------------------------------------------------
+// SQLite fixtures
+// ---------------------------------------------------------------------------------------
+
+struct Lite {
+    dir: tempfile::TempDir,
+}
+
+impl Lite {
+    fn new() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let conn = rusqlite::Connection::open(dir.path().join("test.db")).unwrap();
+        conn.execute_batch(
+            r#"
+            CREATE TABLE t (id INTEGER PRIMARY KEY, name TEXT NOT NULL);
+            INSERT INTO t VALUES (1, 'alpha'), (2, 'beta'), (3, 'gamma');
+            CREATE VIEW v AS SELECT id, name FROM t;
+            CREATE TABLE parent (id INTEGER PRIMARY KEY, label TEXT);
+            CREATE TABLE child (
+                id INTEGER PRIMARY KEY,
+                parent_id INTEGER NOT NULL REFERENCES parent(id) ON DELETE CASCADE,
+                note TEXT DEFAULT 'none',
+                code TEXT UNIQUE
+            );
+            CREATE INDEX child_note_idx ON child (note);
+            CREATE TABLE w (id INTEGER PRIMARY KEY, v TEXT);
+            CREATE TABLE types (
+                i INTEGER, bi BIGINT, num NUMERIC(30,10), f REAL, txt TEXT, b BLOB,
+                flag BOOLEAN, d DATE, ts TIMESTAMP, tstz TIMESTAMPTZ, j JSON, u UUID, n INTEGER
+            );
+            INSERT INTO types VALUES (
+                42, 9007199254740993, 12.5, 1.5, 'héllo', x'00ff10', 1, '2024-02-29',
+                '2024-02-29T13:14:15.123456', '2024-02-29T11:14:15Z', '{"a": [1, 2]}',
+                x'a0eebc999c0b4ef8bb6d6bb9bd380a11', NULL
+            );
+            WITH RECURSIVE g(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM g WHERE n < 5000)
+            INSERT INTO w (v) SELECT 'row ' || n FROM g;
+            "#,
+        )
+        .unwrap();
+        Self { dir }
+    }
+
+    fn path(&self) -> PathBuf {
+        self.dir.path().join("test.db")
+    }
+
+    fn db(&self, name: &str) -> DatabaseConfig {
+        DatabaseConfig::new(name, format!("sqlite://{}", self.path().display()))
+    }
+
+    /// Content, schema and the files in the directory.
+    fn state(&self) -> String {
+        let conn = rusqlite::Connection::open_with_flags(
+            self.path(),
+            rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY,
+        )
+        .unwrap();
+        let data: String = conn
+            .query_row(
+                "SELECT (SELECT group_concat(id || ':' || name, ',') FROM t) || ' | ' ||
+                        (SELECT group_concat(type || ':' || name || ':' || coalesce(sql, ''), ';')
+                           FROM sqlite_schema) || ' | ' ||
+                        (SELECT count(*) FROM w) || ' | ' ||
+                        (SELECT user_version FROM pragma_user_version)",
+                [],
+                |r| r.get(0),
+            )
+            .unwrap();
+        let mut files: Vec<String> = std::fs::read_dir(self.dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|f| !f.ends_with("-journal") && !f.ends_with("-wal") && !f.ends_with("-shm"))
+            .collect();
+        files.sort();
+        format!("{data} | files: {}", files.join(","))
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Types, limits, metadata
+// ---------------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn postgres_types_round_trip() {
+    let set = tools(vec![pg_db("pg", "airlock_ro")]).unwrap();
+    let out = query(&set, "pg", "SELECT * FROM types").await;
+    let row = &out["rows"][0];
+    let col = |name: &str| -> &Value {
+        let i = out["columns"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .position(|c| c["name"] == name)
+            .unwrap();
+        &row[i]
+    };
+    assert_eq!(col("i"), &json!(42));
+    assert_eq!(col("bi").as_i64(), Some(9_007_199_254_740_993));
+    assert_eq!(col("num"), &json!("12345678901234567890.0123456789"));
+    assert_eq!(col("f"), &json!(1.5));
+    assert_eq!(col("r"), &json!(2.5));
+    assert_eq!(col("txt"), &json!("héllo"));
+    assert_eq!(col("b"), &json!("AP8Q"));
+    assert_eq!(col("flag"), &json!(true));
+    assert_eq!(col("d"), &json!("2024-02-29"));
+    assert_eq!(col("ts"), &json!("2024-02-29T13:14:15.123456"));
+    assert_eq!(col("tstz"), &json!("2024-02-29T11:14:15Z"));
+    assert_eq!(col("j"), &json!({"a": [1, 2]}));
+    assert_eq!(col("jb"), &json!({"b": null}));
+    assert_eq!(col("u"), &json!("a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11"));
+    assert_eq!(col("n"), &Value::Null);
+    assert_eq!(col("arr"), &json!([1, 2, null]));
+    assert_eq!(col("iv"), &json!("P1DT2H"));
+    assert_eq!(col("tarr"), &json!([["x", "y"], ["z", null]]));
+    let types: Vec<&str> = out["columns"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["type"].as_str().unwrap())
+        .collect();
+    assert_eq!(&types[..4], &["int4", "int8", "numeric", "float8"]);
+    // The exact big integer is in the text, not rounded through a float.
+    let raw = call(
+        &set,
+        "query_database",
+        json!({"database": "pg", "sql": "SELECT bi FROM types"}),
+    )
+    .await;
+    assert!(
+        raw.content[0].contains("9007199254740993"),
+        "{}",
+        raw.content[0]
+    );
+
+    // Parameters are bound by the server's inferred types.
+    let out = ok(
+        &set,
+        "query_database",
+        json!({"database": "pg", "sql": "SELECT name, $2::bool AS b, $3::text IS NULL AS n FROM t WHERE id = $1",
+               "params": [2, true, null]}),
+    )
+    .await;
+    assert_eq!(out["rows"], json!([["beta", true, true]]));
+    let e = err(
+        &set,
+        "query_database",
+        json!({"database": "pg", "sql": "SELECT $1::int", "params": []}),
+    )
+    .await;
+    assert!(e.contains("parameter"), "{e}");
+    let e = err(
+        &set,
+        "query_database",
+        json!({"database": "pg", "sql": "SELECT $1::int", "params": [[1]]}),
+    )
+    .await;
+    assert!(e.contains("params[0]"), "{e}");
+}
+
+#[tokio::test]
+async fn sqlite_types_round_trip() {
+    let lite = Lite::new();
+    let set = tools(vec![lite.db("lite")]).unwrap();
+    let out = query(&set, "lite", "SELECT * FROM types").await;
+    assert_eq!(
+        out["rows"][0],
+        json!([
+            42,
+            9_007_199_254_740_993_i64,
+            "12.5",
+            1.5,
+            "héllo",
+            "AP8Q",
+            true,
+            "2024-02-29",
+            "2024-02-29T13:14:15.123456",
+            "2024-02-29T11:14:15Z",
+            {"a": [1, 2]},
+            "a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11",
+            null
+        ])
+    );
+    assert_eq!(out["columns"][0], json!({"name": "i", "type": "integer"}));
+    assert_eq!(
+        out["columns"][6],
+        json!({"name": "flag", "type": "boolean"})
+    );
+    let out = ok(
+        &set,
+        "query_database",
+        json!({"database": "lite", "sql": "SELECT name, ?2 AS x, 1.25 AS f FROM t WHERE id = ?1", "params": [3, "p"]}),
+    )
+    .await;
+    assert_eq!(out["rows"], json!([["gamma", "p", 1.25]]));
+    assert_eq!(out["columns"][2]["type"], "real");
+}
+
+#[tokio::test]
+async fn max_rows_truncates_on_both_engines() {
+    let lite = Lite::new();
+    let mut pgc = pg_db("pg", "airlock_ro");
+    pgc.max_rows = 100;
+    let mut litec = lite.db("lite");
+    litec.max_rows = 100;
+    let set = tools(vec![pgc, litec]).unwrap();
+    for (db, sql) in [
+        ("pg", "SELECT n FROM big ORDER BY n"),
+        ("lite", "SELECT id FROM w ORDER BY id"),
+    ] {
+        let out = ok(
+            &set,
+            "query_database",
+            json!({"database": db, "sql": sql, "max_rows": 10}),
+        )
+        .await;
+        assert_eq!(out["row_count"], 10, "{db}");
+        assert_eq!(out["truncated"], true, "{db}");
+        assert_eq!(out["rows"][9], json!([10]), "{db}");
+        assert!(out["note"].as_str().unwrap().contains("more rows"));
+        // Without max_rows, and with a larger one, the database's limit applies.
+        for args in [
+            json!({"database": db, "sql": sql}),
+            json!({"database": db, "sql": sql, "max_rows": 100000}),
+        ] {
+            let out = ok(&set, "query_database", args).await;
+            assert_eq!(out["row_count"], 100, "{db}");
+            assert_eq!(out["truncated"], true, "{db}");
+        }
+        let out = ok(
+            &set,
+            "query_database",
+            json!({"database": db, "sql": format!("{sql} LIMIT 5")}),
+        )
+        .await;
+        assert_eq!(out["row_count"], 5);
+        assert_eq!(out["truncated"], false);
+    }
+}
+
+#[tokio::test]
+async fn list_tables_includes_views_and_describe_shows_keys() {
+    let lite = Lite::new();
+    let set = tools(vec![pg_db("pg", "airlock_ro"), lite.db("lite")]).unwrap();
+    for db in ["pg", "lite"] {
+        let tables = ok(&set, "list_tables", json!({"database": db})).await;
+        let list = tables["tables"].as_array().unwrap();
+        let find = |n: &str| list.iter().find(|t| t["name"] == n).cloned();
+        assert_eq!(find("v").unwrap()["type"], "view", "{db}: {tables}");
+        assert_eq!(find("t").unwrap()["type"], "table", "{db}: {tables}");
+        assert!(find("child").is_some());
+
+        let d = ok(
+            &set,
+            "describe_table",
+            json!({"database": db, "table": "child"}),
+        )
+        .await;
+        assert_eq!(d["primary_key"], json!(["id"]), "{db}: {d}");
+        let cols = d["columns"].as_array().unwrap();
+        let parent_id = cols.iter().find(|c| c["name"] == "parent_id").unwrap();
+        assert_eq!(parent_id["nullable"], false, "{db}: {d}");
+        let note = cols.iter().find(|c| c["name"] == "note").unwrap();
+        assert_eq!(note["nullable"], true);
+        assert!(
+            note["default"].as_str().unwrap().contains("none"),
+            "{db}: {d}"
+        );
+        assert_eq!(cols[0]["primary_key"], true);
+        let fk = &d["foreign_keys"][0];
+        assert_eq!(fk["columns"], json!(["parent_id"]), "{db}: {d}");
+        assert_eq!(fk["references"]["table"], "parent");
+        assert_eq!(fk["references"]["columns"], json!(["id"]));
+        let idx = d["indexes"].as_array().unwrap();
+        let note_idx = idx.iter().find(|i| i["name"] == "child_note_idx").unwrap();
+        assert_eq!(note_idx["columns"], json!(["note"]));
+        assert_eq!(note_idx["unique"], false);
+        assert!(
+            idx.iter()
+                .any(|i| i["unique"] == true && i["columns"] == json!(["code"])),
+            "{db}: {d}"
+        );
+
+        let view = ok(
+            &set,
+            "describe_table",
+            json!({"database": db, "table": "v"}),
+        )
+        .await;
+        assert_eq!(view["type"], "view");
+        assert_eq!(view["columns"].as_array().unwrap().len(), 2);
+
+        let e = err(
+            &set,
+            "describe_table",
+            json!({"database": db, "table": "nope"}),
+        )
+        .await;
+        assert!(e.contains("not found") && e.contains("list_tables"), "{e}");
+    }
+    let d = ok(
+        &set,
+        "describe_table",
+        json!({"database": "pg", "table": "public.t"}),
+    )
+    .await;
+    assert_eq!(d["primary_key"], json!(["id"]));
+    let e = err(&set, "list_tables", json!({"database": "nope"})).await;
+    assert!(e.contains("unknown database") && e.contains("lite"), "{e}");
+}
+
+// ---------------------------------------------------------------------------------------
+// Timeouts, outages, passwords
+// ---------------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn statement_timeouts_stop_slow_queries() {
+    let lite = Lite::new();
+    let mut pgc = pg_db("pg", "airlock_ro");
+    pgc.statement_timeout_ms = 500;
+    let mut litec = lite.db("lite");
+    litec.statement_timeout_ms = 500;
+    let set = tools(vec![pgc, litec]).unwrap();
+    let forever =
+        "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT count(*) FROM c";
+    for (db, sql) in [
+        ("pg", "SELECT pg_sleep(10)"),
+        ("pg", forever),
+        ("lite", forever),
+    ] {
+        let started = Instant::now();
+        let e = err(&set, "query_database", json!({"database": db, "sql": sql})).await;
+        assert!(
+            started.elapsed() < Duration::from_secs(4),
+            "{db}: {sql} took {:?}",
+            started.elapsed()
+        );
+        assert!(e.contains("stopped after"), "{db}: {e}");
+    }
+    // The call's deadline also stops it, when it comes before the statement timeout.
+    let set = tools(vec![pg_db("pg", "airlock_ro"), lite.db("lite")]).unwrap();
+    for (db, sql) in [("pg", "SELECT pg_sleep(10)"), ("lite", forever)] {
+        let started = Instant::now();
+        let out = call_with(
+            &set,
+            "query_database",
+            json!({"database": db, "sql": sql}),
+            Duration::from_millis(700),
+        )
+        .await;
+        assert!(out.is_error, "{db}");
+        assert!(
+            started.elapsed() < Duration::from_secs(4),
+            "{db}: took {:?}",
+            started.elapsed()
+        );
+    }
+    // And the databases still answer afterwards.
+    assert_eq!(
+        query(&set, "pg", "SELECT 1 AS x").await["rows"],
+        json!([[1]])
+    );
+    assert_eq!(
+        query(&set, "lite", "SELECT 1 AS x").await["rows"],
+        json!([[1]])
+    );
+}
+
+#[tokio::test]
+async fn a_database_that_is_down_does_not_stop_the_others() {
+    let lite = Lite::new();
+    let closed_port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut down = DatabaseConfig::new(
+        "down",
+        format!("postgres://airlock_ro@127.0.0.1:{closed_port}/airlock_test"),
+    );
+    down.password_file = Some(pg().base.join("ro.pw"));
+    let missing = DatabaseConfig::new(
+        "missing",
+        format!("sqlite://{}", lite.dir.path().join("nope.db").display()),
+    );
+    // Start-up does not connect, so it succeeds.
+    let set = tools(vec![
+        down,
+        missing,
+        pg_db("pg", "airlock_ro"),
+        lite.db("lite"),
+    ])
+    .unwrap();
+    let e = err(
+        &set,
+        "query_database",
+        json!({"database": "down", "sql": "SELECT 1"}),
+    )
+    .await;
+    assert!(
+        e.contains("database \"down\" is unreachable: connection refused; check that PostgreSQL is running at 127.0.0.1:"),
+        "{e}"
+    );
+    let e = err(
+        &set,
+        "query_database",
+        json!({"database": "missing", "sql": "SELECT 1"}),
+    )
+    .await;
+    assert!(
+        e.contains("unreachable") && e.contains("does not exist"),
+        "{e}"
+    );
+    let list = ok(&set, "list_databases", json!({})).await;
+    let dbs = list["databases"].as_array().unwrap();
+    let by = |n: &str| dbs.iter().find(|d| d["name"] == n).unwrap().clone();
+    assert_eq!(by("down")["reachable"], false);
+    assert!(
+        by("down")["error"]
+            .as_str()
+            .unwrap()
+            .contains("connection refused")
+    );
+    assert_eq!(by("missing")["reachable"], false);
+    assert_eq!(by("pg")["reachable"], true, "{list}");
+    assert_eq!(by("pg")["engine"], "postgresql");
+    assert_eq!(by("lite")["reachable"], true);
+    assert_eq!(by("lite")["engine"], "sqlite");
+    assert_eq!(by("lite")["read_only"], true);
+    assert_eq!(
+        query(&set, "pg", "SELECT count(*) AS n FROM t").await["rows"],
+        json!([[3]])
+    );
+    assert_eq!(
+        query(&set, "lite", "SELECT count(*) AS n FROM t").await["rows"],
+        json!([[3]])
+    );
+}
+
+#[tokio::test]
+async fn a_wrong_password_is_never_echoed() {
+    let mut c = pg_db("pg", "airlock_ro");
+    c.password_file = Some(pg().base.join("wrong.pw"));
+    let set = tools(vec![c]).unwrap();
+    for (tool, args) in [
+        (
+            "query_database",
+            json!({"database": "pg", "sql": "SELECT 1"}),
+        ),
+        ("list_tables", json!({"database": "pg"})),
+        ("list_databases", json!({})),
+    ] {
+        let out = call(&set, tool, args).await;
+        let text = out.content.join("\n");
+        assert!(!text.contains("Wrong-Password-Canary"), "{text}");
+        assert!(!text.contains(RO_PASSWORD), "{text}");
+        if tool != "list_databases" {
+            assert!(out.is_error);
+            assert!(text.contains("password authentication failed"), "{text}");
+        }
+    }
+    // A password in the url is refused at start, without echoing it.
+    let e = tools(vec![DatabaseConfig::new(
+        "x",
+        "postgres://u:Url-Canary-1@127.0.0.1/db",
+    )])
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(
+        !e.contains("Url-Canary-1") && e.contains("password_env"),
+        "{e}"
+    );
+    // And the config's Debug output does not carry it either.
+    let mut c = pg_db("pg", "airlock_ro");
+    c.password_env = Some("SOME_VAR".into());
+    assert!(!format!("{c:?}").contains(RO_PASSWORD));
+}
+
+// ---------------------------------------------------------------------------------------
+// execute_sql
+// ---------------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn execute_sql_writes_and_is_refused_on_read_only_databases() {
+    let lite = Lite::new();
+    let mut rw = pg_db("pgrw", "airlock_rw");
+    rw.read_only = false;
+    let mut lrw = lite.db("literw");
+    lrw.read_only = false;
+    let set = tools(vec![rw, lrw, pg_db("pg", "airlock_ro"), lite.db("lite")]).unwrap();
+
+    let before = pg_state().await;
+    let out = ok(
+        &set,
+        "execute_sql",
+        json!({"database": "pgrw", "sql": "INSERT INTO w (v) VALUES ($1), ($2)", "params": ["x", "y"]}),
+    )
+    .await;
+    assert_eq!(out["rows_affected"], 2, "{out}");
+    let out = ok(
+        &set,
+        "execute_sql",
+        json!({"database": "pgrw", "sql": "UPDATE w SET v = upper(v) WHERE v IN ('x', 'y') RETURNING v"}),
+    )
+    .await;
+    assert_eq!(out["rows_affected"], 2, "{out}");
+    assert_eq!(out["rows"].as_array().unwrap().len(), 2);
+    let out = ok(
+        &set,
+        "execute_sql",
+        json!({"database": "pgrw", "sql": "DELETE FROM w WHERE v IN ('X', 'Y')"}),
+    )
+    .await;
+    assert_eq!(out["rows_affected"], 2);
+    assert_eq!(pg_state().await, before);
+
+    let out = ok(
+        &set,
+        "execute_sql",
+        json!({"database": "literw", "sql": "INSERT INTO t (id, name) VALUES (?1, ?2)", "params": [10, "ten"]}),
+    )
+    .await;
+    assert_eq!(out["rows_affected"], 1);
+    let out = ok(
+        &set,
+        "execute_sql",
+        json!({"database": "literw", "sql": "UPDATE w SET v = 'z' WHERE id <= 7"}),
+    )
+    .await;
+    assert_eq!(out["rows_affected"], 7);
+    assert_eq!(
+        query(&set, "lite", "SELECT name FROM t WHERE id = 10").await["rows"],
+        json!([["ten"]])
+    );
+
+    for db in ["pg", "lite"] {
+        let e = err(
+            &set,
+            "execute_sql",
+            json!({"database": db, "sql": "DELETE FROM w"}),
+        )
+        .await;
+        assert!(
+            e.contains("read_only") && e.contains("execute_sql is refused"),
+            "{e}"
+        );
+    }
+    for (db, sql) in [
+        ("pgrw", "COMMIT"),
+        ("pgrw", "INSERT INTO w (v) VALUES ('a'); DELETE FROM w"),
+        ("literw", "BEGIN"),
+        ("literw", "ATTACH DATABASE 'x.db' AS x"),
+        ("literw", "INSERT INTO w (v) VALUES ('a'); DELETE FROM w"),
+        ("literw", "SELECT load_extension('x')"),
+    ] {
+        err(&set, "execute_sql", json!({"database": db, "sql": sql})).await;
+    }
+    // A failing statement leaves nothing behind.
+    let before = pg_state().await;
+    err(
+        &set,
+        "execute_sql",
+        json!({"database": "pgrw", "sql": "INSERT INTO t VALUES (1, 'dup')"}),
+    )
+    .await;
+    assert_eq!(pg_state().await, before);
+}
+
+// ---------------------------------------------------------------------------------------
+// The attack battery
+// ---------------------------------------------------------------------------------------
+
+/// Writes and side effects that query_database must refuse on PostgreSQL.
+const PG_ATTACKS: &[&str] = &[
+    "INSERT INTO t VALUES (9, 'x', 1)",
+    "UPDATE t SET name = 'x'",
+    "DELETE FROM t",
+    "DROP TABLE t",
+    "CREATE TABLE evil (a int)",
+    "ALTER TABLE t ADD COLUMN evil int",
+    "TRUNCATE t",
+    "SELECT 1; DROP TABLE t",
+    "SELECT 1; DELETE FROM t",
+    "SELECT 1 -- \n; DELETE FROM t",
+    "/* hi */ DeLeTe FROM t",
+    "   \n\t ( DELETE FROM t )",
+    "WITH x AS (DELETE FROM t RETURNING *) SELECT * FROM x",
+    "WITH x AS (UPDATE t SET name = 'x' RETURNING *) SELECT count(*) FROM x",
+    "WITH x AS (INSERT INTO t VALUES (9, 'x', 1) RETURNING *) SELECT * FROM x",
+    "SELECT * FROM t FOR UPDATE",
+    "SELECT * FROM t FOR SHARE",
+    "SELECT nextval('s')",
+    "SELECT setval('s', 42)",
+    "SELECT lo_import('/etc/passwd')",
+    "SELECT pg_read_file('/etc/passwd')",
+    "SELECT * FROM dblink('dbname=airlock_test', 'DELETE FROM t RETURNING 1') AS r(x int)",
+    "COPY t TO PROGRAM 'id'",
+    "COPY t FROM '/etc/passwd'",
+    "DO $$ BEGIN DELETE FROM t; END $$",
+    "DO $$ BEGIN SET TRANSACTION READ WRITE; DELETE FROM t; END $$",
+    "CALL p()",
+    "SELECT * INTO newtab FROM t",
+    "CREATE TABLE newtab AS SELECT * FROM t",
+    "EXPLAIN ANALYZE DELETE FROM t",
+    "SELECT query_to_xml('DELETE FROM t RETURNING 1', true, false, '')",
+    "COMMIT",
+    "GRANT ALL ON t TO PUBLIC",
+];
+
+/// Side effects that PostgreSQL allows in a read-only transaction (settings, advisory
+/// locks, table locks): the parser refuses them; without the parser, the engine layer
+/// leaves no lasting effect (rollback, DISCARD ALL) — see `engine_layer_alone_*`.
+const PG_TRANSIENT_EFFECTS: &[&str] = &[
+    "LOCK TABLE t",
+    "SELECT set_config('default_transaction_read_only', 'off', false)",
+    "SELECT pg_advisory_lock(1)",
+    "SELECT pg_try_advisory_lock(2)",
+];
+
+const LITE_ATTACKS: &[&str] = &[
+    "INSERT INTO t VALUES (9, 'x')",
+    "UPDATE t SET name = 'x'",
+    "DELETE FROM t",
+    "DROP TABLE t",
+    "CREATE TABLE evil (a)",
+    "ALTER TABLE t ADD COLUMN evil",
+    "DELETE FROM t WHERE 1",
+    "SELECT 1; DROP TABLE t",
+    "SELECT 1 -- \n; DELETE FROM t",
+    "/* */ DeLeTe FROM t",
+    "  \n ( DELETE FROM t )",
+    "WITH x AS (SELECT 1) DELETE FROM t",
+    "REPLACE INTO t VALUES (1, 'x')",
+    "INSERT INTO t VALUES (1, 'x') ON CONFLICT (id) DO UPDATE SET name = 'x'",
+    "INSERT OR REPLACE INTO t VALUES (1, 'x')",
+    "ATTACH DATABASE '{dir}/x.db' AS x",
+    "PRAGMA writable_schema=ON",
+    "PRAGMA user_version = 7",
+    "PRAGMA journal_mode = WAL",
+    "VACUUM INTO '{dir}/y.db'",
+    "VACUUM",
+    "SELECT load_extension('x')",
+    "BEGIN",
+    "CREATE TEMP TABLE evil (a)",
+    "REINDEX",
+    "ANALYZE",
+];
+
+fn lite_sql(sql: &str, lite: &Lite) -> String {
+    sql.replace("{dir}", &lite.dir.path().display().to_string())
+}
+
+#[tokio::test]
+async fn attack_battery_postgres_both_layers() {
+    let set = tools(vec![pg_db("pg", "airlock_ro")]).unwrap();
+    let before = pg_state().await;
+    for sql in PG_ATTACKS.iter().chain(PG_TRANSIENT_EFFECTS) {
+        let e = err(
+            &set,
+            "query_database",
+            json!({"database": "pg", "sql": sql}),
+        )
+        .await;
+        assert!(
+            e.starts_with("refused") || e.contains("statements") || e.contains("could not parse"),
+            "{sql}: refused for another reason: {e}"
+        );
+        assert_eq!(pg_state().await, before, "{sql} changed the data");
+    }
+    let e = err(
+        &set,
+        "query_database",
+        json!({"database": "pg", "sql": "DROP TABLE t"}),
+    )
+    .await;
+    assert!(e.contains("DROP TABLE") && e.contains("execute_sql"), "{e}");
+    // Reads still work, with the lower-case and commented variants.
+    assert_eq!(
+        query(&set, "pg", "  /* c */ (select count(*) from t)").await["rows"],
+        json!([[3]])
+    );
+    assert_eq!(
+        query(
+            &set,
+            "pg",
+            "SELECT currval_ok FROM (SELECT 1 AS currval_ok) x"
+        )
+        .await["rows"],
+        json!([[1]])
+    );
+    assert_eq!(
+        query(&set, "pg", "SHOW transaction_read_only").await["rows"],
+        json!([["on"]])
+    );
+}
+
+#[tokio::test]
+async fn attack_battery_sqlite_both_layers() {
+    let lite = Lite::new();
+    let set = tools(vec![lite.db("lite")]).unwrap();
+    let before = lite.state();
+    for sql in LITE_ATTACKS {
+        let sql = lite_sql(sql, &lite);
+        let e = err(
+            &set,
+            "query_database",
+            json!({"database": "lite", "sql": sql}),
+        )
+        .await;
+        assert!(
+            e.starts_with("refused") || e.contains("statements") || e.contains("could not parse"),
+            "{sql}: refused for another reason: {e}"
+        );
+        assert_eq!(lite.state(), before, "{sql} changed the database");
+    }
+    assert_eq!(
+        query(&set, "lite", "  /* c */ select count(*) from t").await["rows"],
+        json!([[3]])
+    );
+    assert_eq!(
+        query(&set, "lite", "PRAGMA table_info('t')").await["row_count"],
+        2
+    );
+}
+
+#[tokio::test]
+async fn engine_layer_alone_stops_postgres_writes() {
+    // Parser off; a role that MAY write the tables: only the READ ONLY transaction, the
+    // single prepared statement and the rollback stand in the way.
+    let mut c = pg_db("pg", "airlock_rw");
+    c.unsafe_skip_parser_for_tests = true;
+    let set = tools(vec![c]).unwrap();
+    let before = pg_state().await;
+    for sql in PG_ATTACKS {
+        let out = call(
+            &set,
+            "query_database",
+            json!({"database": "pg", "sql": sql}),
+        )
+        .await;
+        let text = out.content.join("\n");
+        if *sql == "COMMIT" {
+            // Commits an empty read-only transaction: harmless, and nothing changed.
+            assert_eq!(pg_state().await, before);
+            continue;
+        }
+        eprintln!("engine layer, {sql:?} => {text}");
+        assert!(out.is_error, "{sql}: engine layer let it run: {text}");
+        assert!(
+            !text.starts_with("refused: "),
+            "{sql}: the parser was supposed to be off: {text}"
+        );
+        assert_eq!(pg_state().await, before, "{sql} changed the data");
+    }
+    // Session effects PostgreSQL allows in a read-only transaction leave nothing behind.
+    for sql in PG_TRANSIENT_EFFECTS {
+        let _ = call(
+            &set,
+            "query_database",
+            json!({"database": "pg", "sql": sql}),
+        )
+        .await;
+        assert_eq!(
+            pg_state().await,
+            before,
+            "{sql} left an effect (advisory lock?)"
+        );
+        let out = query(
+            &set,
+            "pg",
+            "SELECT current_setting('default_transaction_read_only') AS x",
+        )
+        .await;
+        assert_eq!(out["rows"], json!([["off"]]));
+    }
+}
+
+#[tokio::test]
+async fn parser_layer_alone_stops_postgres_writes() {
+    // Engine layer off (read-write transaction, committed) and a role that may write:
+    // only the parser stands in the way.
+    let mut c = pg_db("pg", "airlock_rw");
+    c.unsafe_skip_engine_read_only_for_tests = true;
+    let set = tools(vec![c]).unwrap();
+    let before = pg_state().await;
+    for sql in PG_ATTACKS.iter().chain(PG_TRANSIENT_EFFECTS) {
+        let e = err(
+            &set,
+            "query_database",
+            json!({"database": "pg", "sql": sql}),
+        )
+        .await;
+        assert!(
+            e.starts_with("refused") || e.contains("statements") || e.contains("could not parse"),
+            "{sql}: not refused by the parser: {e}"
+        );
+        assert_eq!(pg_state().await, before, "{sql} changed the data");
+    }
+    // Proof that the engine layer is really off here: a write that slips past the parser
+    // (none should) would commit. A read still works.
+    assert_eq!(
+        query(&set, "pg", "SHOW transaction_read_only").await["rows"],
+        json!([["off"]])
+    );
+}
+
+#[tokio::test]
+async fn engine_layer_alone_stops_sqlite_writes() {
+    let lite = Lite::new();
+    let mut c = lite.db("lite");
+    c.unsafe_skip_parser_for_tests = true;
+    let set = tools(vec![c]).unwrap();
+    let before = lite.state();
+    for sql in LITE_ATTACKS {
+        let sql = lite_sql(sql, &lite);
+        let e = err(
+            &set,
+            "query_database",
+            json!({"database": "lite", "sql": sql}),
+        )
+        .await;
+        eprintln!("engine layer, {sql:?} => {e}");
+        assert!(
+            !e.starts_with("refused: "),
+            "{sql}: the parser was supposed to be off: {e}"
+        );
+        assert_eq!(lite.state(), before, "{sql} changed the database");
+    }
+}
+
+#[tokio::test]
+async fn parser_layer_alone_stops_sqlite_writes() {
+    let lite = Lite::new();
+    let mut c = lite.db("lite");
+    c.unsafe_skip_engine_read_only_for_tests = true;
+    let set = tools(vec![c]).unwrap();
+    let before = lite.state();
+    for sql in LITE_ATTACKS {
+        let sql = lite_sql(sql, &lite);
+        let e = err(
+            &set,
+            "query_database",
+            json!({"database": "lite", "sql": sql}),
+        )
+        .await;
+        assert!(
+            e.starts_with("refused") || e.contains("statements") || e.contains("could not parse"),
+            "{sql}: not refused by the parser: {e}"
+        );
+        assert_eq!(lite.state(), before, "{sql} changed the database");
+    }
+    assert_eq!(
+        query(&set, "lite", "PRAGMA query_only").await["rows"],
+        json!([[0]])
+    );
+}
+
+#[test]
+fn sqlite_paths_are_the_configured_files() {
+    let mut rel = DatabaseConfig::new("rel", "sqlite://data/demo.db");
+    rel.resolve_relative(Path::new("/etc/airlock"));
+    let dbs = vec![
+        rel,
+        DatabaseConfig::new("abs", "sqlite:///var/lib/airlock/x.db"),
+        DatabaseConfig::new("pg", "postgres://u@localhost/db"),
+    ];
+    assert_eq!(
+        sqlite_paths(&dbs),
+        vec![
+            PathBuf::from("/etc/airlock/data/demo.db"),
+            PathBuf::from("/var/lib/airlock/x.db")
+        ]
+    );
+}

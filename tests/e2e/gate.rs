@@ -1,0 +1,731 @@
+//! The gate: principals and roles, Cedar policy, durable approvals, the audit chain,
+//! budgets, the rate limit and the result cache.
+
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
+
+use crate::support::{AIRLOCK, Airlock, cmdline, descendants, signal};
+
+fn digest(token: &str) -> String {
+    hex_lower(&Sha256::digest(token.as_bytes()))
+}
+
+fn hex_lower(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Three principals with known tokens; `extra` is appended.
+fn principals(extra: &str) -> String {
+    format!(
+        r#"
+[[principals]]
+name = "alice"
+token_sha256 = "{}"
+roles = ["agent"]
+[[principals]]
+name = "bob"
+token_sha256 = "{}"
+roles = ["approver"]
+[[principals]]
+name = "carol"
+token_sha256 = "{}"
+roles = ["agent", "approver"]
+[[principals]]
+name = "root"
+token_sha256 = "{}"
+roles = ["admin"]
+{extra}"#,
+        digest("alice-token"),
+        digest("bob-token"),
+        digest("carol-token"),
+        digest("root-token"),
+    )
+}
+
+async fn send(
+    airlock: &Airlock,
+    token: &str,
+    method: reqwest::Method,
+    path: &str,
+    body: Option<Value>,
+) -> (u16, Value, reqwest::header::HeaderMap) {
+    let mut request = airlock
+        .http()
+        .request(method, format!("{}{path}", airlock.url))
+        .bearer_auth(token);
+    if let Some(body) = body {
+        request = request.json(&body);
+    }
+    let response = request.send().await.expect("send");
+    let status = response.status().as_u16();
+    let headers = response.headers().clone();
+    let body = response.json::<Value>().await.unwrap_or(Value::Null);
+    (status, body, headers)
+}
+
+fn one_use(tool: &str, input: Value) -> Value {
+    json!({"type": "tool_use", "id": "t1", "name": tool, "input": input})
+}
+
+async fn call_as(
+    airlock: &Airlock,
+    token: &str,
+    session: &str,
+    tool: &str,
+    input: Value,
+    wait_ms: u64,
+) -> Value {
+    let body =
+        json!({"session_id": session, "wait_ms": wait_ms, "tool_uses": [one_use(tool, input)]});
+    let (status, body, _) = send(
+        airlock,
+        token,
+        reqwest::Method::POST,
+        "/v1/tool_calls",
+        Some(body),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    body
+}
+
+async fn wait_call(airlock: &Airlock, token: &str, call_id: &str) -> Value {
+    let (status, body, _) = send(
+        airlock,
+        token,
+        reqwest::Method::GET,
+        &format!("/v1/calls/{call_id}?wait_ms=30000"),
+        None,
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    body
+}
+
+async fn decide(airlock: &Airlock, token: &str, approval_id: &str, verb: &str) -> (u16, Value) {
+    let (status, body, _) = send(
+        airlock,
+        token,
+        reqwest::Method::POST,
+        &format!("/v1/approvals/{approval_id}/{verb}"),
+        Some(json!({"reason": "checked"})),
+    )
+    .await;
+    (status, body)
+}
+
+#[tokio::test]
+async fn irreversible_calls_wait_for_a_distinct_approver_and_run_once() {
+    let airlock = Airlock::start_with(&principals("[approvals]\ndistinct_approver = true\n")).await;
+    let ws = airlock.data_dir().join("workspaces/alice/s1");
+
+    // Reads run at once; writes wait.
+    let read = call_as(
+        &airlock,
+        "alice-token",
+        "s1",
+        "list_directory",
+        json!({"path": "."}),
+        10_000,
+    )
+    .await;
+    assert_eq!(read["calls"][0]["status"], "ok", "{read}");
+    let pending = call_as(
+        &airlock,
+        "alice-token",
+        "s1",
+        "write_file",
+        json!({"path": "a.txt", "content": "approved"}),
+        300,
+    )
+    .await;
+    assert_eq!(
+        pending["calls"][0]["status"], "pending_approval",
+        "{pending}"
+    );
+    assert!(
+        pending["tool_results"]
+            .as_array()
+            .expect("array")
+            .is_empty()
+    );
+    let call_id = pending["calls"][0]["call_id"]
+        .as_str()
+        .expect("call id")
+        .to_owned();
+    let approval_id = pending["calls"][0]["approval_id"]
+        .as_str()
+        .expect("approval id")
+        .to_owned();
+    assert!(!ws.join("a.txt").exists(), "nothing runs before approval");
+
+    // Listing needs the approver role; the listing shows the pending call.
+    let (status, _, _) = send(
+        &airlock,
+        "alice-token",
+        reqwest::Method::GET,
+        "/v1/approvals",
+        None,
+    )
+    .await;
+    assert_eq!(status, 403);
+    let (status, list, _) = send(
+        &airlock,
+        "bob-token",
+        reqwest::Method::GET,
+        "/v1/approvals?status=pending",
+        None,
+    )
+    .await;
+    assert_eq!(status, 200);
+    let item = list["approvals"]
+        .as_array()
+        .expect("approvals")
+        .iter()
+        .find(|a| a["approval_id"] == approval_id.as_str())
+        .expect("listed")
+        .clone();
+    for key in [
+        "approval_id",
+        "call_id",
+        "tool",
+        "input",
+        "principal",
+        "session_id",
+        "status",
+        "created_at",
+        "expires_at",
+    ] {
+        assert!(item.get(key).is_some(), "{key} missing in {item}");
+    }
+    assert_eq!(item["principal"], "alice");
+    assert_eq!(item["status"], "pending");
+    let (status, _, _) = send(
+        &airlock,
+        "bob-token",
+        reqwest::Method::GET,
+        "/v1/approvals?status=maybe",
+        None,
+    )
+    .await;
+    assert_eq!(status, 400);
+
+    // Only approvers decide; unknown ids are 404; malformed bodies 400.
+    assert_eq!(
+        decide(&airlock, "alice-token", &approval_id, "approve")
+            .await
+            .0,
+        403
+    );
+    assert_eq!(
+        decide(&airlock, "bob-token", "apr_nope", "approve").await.0,
+        404
+    );
+    let (status, _, _) = send(
+        &airlock,
+        "bob-token",
+        reqwest::Method::POST,
+        &format!("/v1/approvals/{approval_id}/approve"),
+        Some(json!({"reason": 5})),
+    )
+    .await;
+    assert_eq!(status, 400);
+    let (status, _, _) = send(
+        &airlock,
+        "bob-token",
+        reqwest::Method::POST,
+        &format!("/v1/approvals/{approval_id}/maybe"),
+        None,
+    )
+    .await;
+    assert_eq!(status, 404);
+
+    let (status, decided) = decide(&airlock, "bob-token", &approval_id, "approve").await;
+    assert_eq!(status, 200, "{decided}");
+    assert_eq!(decided["status"], "approved");
+    assert_eq!(decided["decided_by"], "bob");
+    let done = wait_call(&airlock, "alice-token", &call_id).await;
+    assert_eq!(done["status"], "ok", "{done}");
+    assert_eq!(
+        std::fs::read_to_string(ws.join("a.txt")).expect("written"),
+        "approved"
+    );
+    assert_eq!(
+        decide(&airlock, "bob-token", &approval_id, "deny").await.0,
+        409,
+        "decided once"
+    );
+
+    // distinct_approver: carol may not approve her own request, bob may deny it.
+    let mine = call_as(
+        &airlock,
+        "carol-token",
+        "s2",
+        "delete_path",
+        json!({"path": "x"}),
+        300,
+    )
+    .await;
+    let mine_approval = mine["calls"][0]["approval_id"]
+        .as_str()
+        .expect("approval")
+        .to_owned();
+    let (status, body) = decide(&airlock, "carol-token", &mine_approval, "approve").await;
+    assert_eq!(status, 403, "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .expect("message")
+            .contains("distinct_approver")
+    );
+    assert_eq!(
+        decide(&airlock, "bob-token", &mine_approval, "deny")
+            .await
+            .0,
+        200
+    );
+    let denied = wait_call(
+        &airlock,
+        "carol-token",
+        mine["calls"][0]["call_id"].as_str().expect("id"),
+    )
+    .await;
+    assert_eq!(denied["status"], "denied", "{denied}");
+    assert_eq!(denied["tool_result"]["is_error"], true);
+    assert!(
+        denied["tool_result"]["content"][0]["text"]
+            .as_str()
+            .expect("text")
+            .contains("bob")
+    );
+
+    // The audit log holds every step, and only the admin reads it.
+    let (status, _, _) = send(
+        &airlock,
+        "bob-token",
+        reqwest::Method::GET,
+        "/v1/audit",
+        None,
+    )
+    .await;
+    assert_eq!(status, 403);
+    let (status, audit, _) = send(
+        &airlock,
+        "root-token",
+        reqwest::Method::GET,
+        &format!("/v1/audit?limit=1000"),
+        None,
+    )
+    .await;
+    assert_eq!(status, 200);
+    let kinds: Vec<&str> = audit["events"]
+        .as_array()
+        .expect("events")
+        .iter()
+        .filter(|e| e["call_id"] == call_id.as_str())
+        .map(|e| e["kind"].as_str().expect("kind"))
+        .collect();
+    assert_eq!(
+        kinds,
+        [
+            "requested",
+            "pending_approval",
+            "approved",
+            "dispatched",
+            "completed"
+        ],
+        "{kinds:?}"
+    );
+    let text = audit.to_string();
+    for token in ["alice-token", "bob-token", "carol-token", "root-token"] {
+        assert!(!text.contains(token), "a token reached the audit log");
+    }
+    let (_, verify, _) = send(
+        &airlock,
+        "root-token",
+        reqwest::Method::GET,
+        "/v1/audit/verify",
+        None,
+    )
+    .await;
+    assert_eq!(verify["ok"], true, "{verify}");
+}
+
+#[tokio::test]
+async fn policy_hides_and_denies_and_a_broken_policy_is_refused() {
+    let dir = tempfile::tempdir().expect("dir");
+    let policy = dir.path().join("policy.cedar");
+    std::fs::write(
+        &policy,
+        format!(
+            "{}\n@id(\"no-delete-for-alice\")\nforbid(principal == Airlock::Principal::\"alice\", action == Airlock::Action::\"delete_path\", resource);\n@id(\"no-secrets\")\n@reason(\"secret/ is off limits\")\nforbid(principal, action == Airlock::Action::\"write_file\", resource) when {{ context.arguments.path like \"secret/*\" }};\n",
+            airlock_policy_default()
+        ),
+    )
+    .expect("policy");
+    let airlock = Airlock::start_with(&principals(&format!(
+        "[policy]\nfile = \"{}\"\n",
+        policy.display()
+    )))
+    .await;
+
+    // Hidden exactly like an unknown tool.
+    let (_, tools, _) = send(
+        &airlock,
+        "alice-token",
+        reqwest::Method::GET,
+        "/v1/tools",
+        None,
+    )
+    .await;
+    let names: Vec<&str> = tools["tools"]
+        .as_array()
+        .expect("tools")
+        .iter()
+        .map(|t| t["name"].as_str().expect("name"))
+        .collect();
+    assert!(
+        !names.contains(&"delete_path") && names.contains(&"write_file"),
+        "{names:?}"
+    );
+    let (_, tools, _) = send(
+        &airlock,
+        "carol-token",
+        reqwest::Method::GET,
+        "/v1/tools",
+        None,
+    )
+    .await;
+    assert!(
+        tools["tools"]
+            .as_array()
+            .expect("tools")
+            .iter()
+            .any(|t| t["name"] == "delete_path")
+    );
+    let hidden = call_as(
+        &airlock,
+        "alice-token",
+        "p",
+        "delete_path",
+        json!({"path": "x"}),
+        5000,
+    )
+    .await;
+    let unknown = call_as(
+        &airlock,
+        "alice-token",
+        "p",
+        "no_such_tool",
+        json!({"path": "x"}),
+        5000,
+    )
+    .await;
+    let text = |b: &Value| {
+        b["tool_results"][0]["content"][0]["text"]
+            .as_str()
+            .expect("text")
+            .replace("no_such_tool", "X")
+            .replace("delete_path", "X")
+    };
+    assert_eq!(
+        text(&hidden),
+        text(&unknown),
+        "a hidden tool answers like an unknown one"
+    );
+
+    // Denied by an argument rule, with the policy's reason; nothing written.
+    let denied = call_as(
+        &airlock,
+        "alice-token",
+        "p",
+        "write_file",
+        json!({"path": "secret/key", "content": "x"}),
+        5000,
+    )
+    .await;
+    assert_eq!(denied["calls"][0]["status"], "denied", "{denied}");
+    let message = denied["tool_results"][0]["content"][0]["text"]
+        .as_str()
+        .expect("text");
+    assert!(
+        message.contains("denied by policy") && message.contains("no-secrets"),
+        "{message}"
+    );
+    assert!(
+        !airlock
+            .data_dir()
+            .join("workspaces/alice/p/secret")
+            .exists()
+    );
+
+    // A broken policy keeps the old one in force on SIGHUP.
+    std::fs::write(&policy, "permit(principal, action, resource) when { oops ").expect("break it");
+    let orchestrator = descendants(airlock.pid())
+        .into_iter()
+        .find(|p| cmdline(*p).contains("serve orchestrator"))
+        .expect("orchestrator");
+    signal(orchestrator, rustix::process::Signal::HUP);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let still = call_as(
+        &airlock,
+        "alice-token",
+        "p",
+        "write_file",
+        json!({"path": "secret/key", "content": "x"}),
+        5000,
+    )
+    .await;
+    assert_eq!(
+        still["calls"][0]["status"], "denied",
+        "the old policy stays in force"
+    );
+    let (_, audit, _) = send(
+        &airlock,
+        "root-token",
+        reqwest::Method::GET,
+        "/v1/audit?latest=true&limit=50",
+        None,
+    )
+    .await;
+    assert!(
+        audit.to_string().contains("policy_reload_failed"),
+        "the failed reload is audited"
+    );
+
+    // A broken policy at start-up refuses to start, naming file and line.
+    let output = std::process::Command::new(AIRLOCK)
+        .args(["serve", "orchestrator", "--data-dir"])
+        .arg(dir.path().join("data"))
+        .arg("--config")
+        .arg({
+            let config = dir.path().join("broken.toml");
+            std::fs::write(&config, format!("[orchestrator]\nhttp_listen = \"127.0.0.1:0\"\ngrpc_listen = \"127.0.0.1:0\"\n[policy]\nfile = \"{}\"\n", policy.display())).expect("config");
+            config
+        })
+        .output()
+        .expect("run");
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("policy.cedar:1:"),
+        "names the file and line: {stderr}"
+    );
+}
+
+fn airlock_policy_default() -> &'static str {
+    airlock_policy::authz::DEFAULT_POLICY_SOURCE
+}
+
+#[tokio::test]
+async fn an_approved_call_survives_an_orchestrator_crash_and_runs_once() {
+    let airlock = Airlock::start_with("[approvals]\ntools = [\"execute_shell\"]\n").await;
+    let orchestrator = || {
+        descendants(airlock.pid())
+            .into_iter()
+            .find(|p| cmdline(*p).contains("serve orchestrator"))
+            .expect("orchestrator")
+    };
+    let ws = airlock.workspace("crash");
+    let marker = format!("airlock-crash-{}", std::process::id());
+
+    // 1. Pending, then the orchestrator dies; the approval survives the restart.
+    let body = json!({"session_id": "crash", "wait_ms": 300, "tool_uses": [one_use("execute_shell", json!({"command": "echo ran >> count.txt"}))]});
+    let (_, pending) = airlock.post("/v1/tool_calls", &body).await;
+    let first_call = pending["calls"][0]["call_id"]
+        .as_str()
+        .expect("id")
+        .to_owned();
+    let first_approval = pending["calls"][0]["approval_id"]
+        .as_str()
+        .expect("approval")
+        .to_owned();
+    signal(orchestrator(), rustix::process::Signal::KILL);
+    airlock.wait_ready().await;
+    let (status, _) = airlock
+        .post(
+            &format!("/v1/approvals/{first_approval}/approve"),
+            &json!({}),
+        )
+        .await;
+    assert_eq!(status, 200);
+    let (_, done) = airlock
+        .get(&format!("/v1/calls/{first_call}?wait_ms=30000"))
+        .await;
+    assert_eq!(done["status"], "ok", "{done}");
+
+    // 2. Approved and running when the orchestrator is killed: finished once, not lost.
+    let command = format!("sleep 3 # {marker}\necho ran >> count.txt");
+    let body = json!({"session_id": "crash", "wait_ms": 300, "tool_uses": [one_use("execute_shell", json!({"command": command}))]});
+    let (_, pending) = airlock.post("/v1/tool_calls", &body).await;
+    let second_call = pending["calls"][0]["call_id"]
+        .as_str()
+        .expect("id")
+        .to_owned();
+    let second_approval = pending["calls"][0]["approval_id"]
+        .as_str()
+        .expect("approval")
+        .to_owned();
+    let (status, _) = airlock
+        .post(
+            &format!("/v1/approvals/{second_approval}/approve"),
+            &json!({}),
+        )
+        .await;
+    assert_eq!(status, 200);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !descendants(airlock.pid())
+        .iter()
+        .any(|p| cmdline(*p).contains(&marker))
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the approved command never started"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    signal(orchestrator(), rustix::process::Signal::KILL);
+    airlock.wait_ready().await;
+    let (status, done) = airlock
+        .get(&format!("/v1/calls/{second_call}?wait_ms=60000"))
+        .await;
+    assert_eq!(status, 200);
+    assert_eq!(
+        done["status"], "ok",
+        "the call was resumed and finished: {done}"
+    );
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let lines = std::fs::read_to_string(ws.join("count.txt")).expect("count");
+    assert_eq!(lines, "ran\nran\n", "each approved call ran exactly once");
+}
+
+#[tokio::test]
+async fn the_audit_log_detects_edits_to_the_store() {
+    let airlock = Airlock::start().await;
+    for i in 0..3 {
+        airlock
+            .call(
+                "write_file",
+                json!({"path": format!("f{i}"), "content": "x"}),
+            )
+            .await;
+    }
+    let (_, report) = airlock.get("/v1/audit/verify").await;
+    assert_eq!(report["ok"], true, "{report}");
+    let records = report["records"].as_u64().expect("records");
+    assert!(
+        records >= 9,
+        "requested, dispatched and completed for each call: {records}"
+    );
+    let db = rusqlite::Connection::open(airlock.data_dir().join("airlock.db")).expect("open store");
+    db.busy_timeout(Duration::from_secs(10))
+        .expect("busy timeout");
+
+    db.execute(
+        "UPDATE audit_events SET data = '{\"forged\":true}' WHERE seq = 3",
+        [],
+    )
+    .expect("edit");
+    let (_, report) = airlock.get("/v1/audit/verify").await;
+    assert_eq!(
+        (report["ok"].clone(), report["first_bad_seq"].clone()),
+        (json!(false), json!(3)),
+        "{report}"
+    );
+    let cli = std::process::Command::new(AIRLOCK)
+        .args([
+            "audit",
+            "verify",
+            "--url",
+            &airlock.url,
+            "--token",
+            &airlock.token,
+        ])
+        .output()
+        .expect("cli");
+    assert!(
+        !cli.status.success(),
+        "airlock audit verify fails on a tampered log"
+    );
+    assert!(
+        String::from_utf8_lossy(&cli.stdout).contains("TAMPERED"),
+        "{}{}",
+        String::from_utf8_lossy(&cli.stdout),
+        String::from_utf8_lossy(&cli.stderr)
+    );
+
+    // Deleting a record is detected too (the earlier edit is found first).
+    db.execute("DELETE FROM audit_events WHERE seq = 2", [])
+        .expect("delete");
+    let (_, report) = airlock.get("/v1/audit/verify").await;
+    assert_eq!(report["ok"], false);
+    assert_eq!(report["first_bad_seq"], 2, "{report}");
+}
+
+#[tokio::test]
+async fn budgets_rate_limits_and_the_cache() {
+    let airlock = Airlock::start_with(
+        "[budgets]\nmax_calls_per_session = 3\nmax_repeated_failures = 2\nrate_per_minute = 12\n[cache]\nttl_seconds = { read_file = 600 }\n",
+    )
+    .await;
+    std::fs::create_dir_all(airlock.workspace("b")).expect("ws");
+    std::fs::write(airlock.workspace("b").join("c.txt"), "first").expect("file");
+
+    // The cache answers the second identical read from memory.
+    let (_, text, _) = airlock
+        .call_in("b", "read_file", json!({"path": "c.txt"}))
+        .await;
+    assert_eq!(text, "first");
+    std::fs::write(airlock.workspace("b").join("c.txt"), "second").expect("file");
+    let (_, text, _) = airlock
+        .call_in("b", "read_file", json!({"path": "c.txt"}))
+        .await;
+    assert_eq!(text, "first", "cached");
+    // The session budget: the third call is the last one allowed.
+    let (err, _, _) = airlock
+        .call_in("b", "list_directory", json!({"path": "."}))
+        .await;
+    assert!(!err);
+    let (err, text, _) = airlock
+        .call_in("b", "list_directory", json!({"path": "."}))
+        .await;
+    assert!(err && text.contains("session budget"), "{text}");
+
+    // The same failing call, repeated.
+    for _ in 0..2 {
+        let (err, text, _) = airlock
+            .call_in("r", "read_file", json!({"path": "missing.txt"}))
+            .await;
+        assert!(err && !text.contains("in a row"), "{text}");
+    }
+    let (err, text, _) = airlock
+        .call_in("r", "read_file", json!({"path": "missing.txt"}))
+        .await;
+    assert!(err && text.contains("2 times in a row"), "{text}");
+
+    // The per-principal rate limit: 429 with Retry-After.
+    let mut limited = None;
+    for _ in 0..20 {
+        let response = airlock
+            .request(reqwest::Method::POST, "/v1/tool_calls")
+            .json(&json!({"tool_uses": [one_use("list_directory", json!({"path": "."}))]}))
+            .send()
+            .await
+            .expect("send");
+        if response.status() == 429 {
+            limited = Some(response);
+            break;
+        }
+    }
+    let limited = limited.expect("the rate limit answered 429");
+    let retry: u64 = limited.headers()["retry-after"]
+        .to_str()
+        .expect("header")
+        .parse()
+        .expect("seconds");
+    assert!(retry >= 1);
+    let body: Value = limited.json().await.expect("json");
+    assert_eq!(body["error"]["code"], "rate_limited");
+}
