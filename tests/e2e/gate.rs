@@ -315,7 +315,7 @@ async fn irreversible_calls_wait_for_a_distinct_approver_and_run_once() {
         &airlock,
         "root-token",
         reqwest::Method::GET,
-        &format!("/v1/audit?limit=1000"),
+        "/v1/audit?limit=1000",
         None,
     )
     .await;

@@ -59,8 +59,9 @@ impl ResultCache {
         session: &str,
         input: &serde_json::Value,
     ) -> Option<String> {
-        if !self.ttl.contains_key(&tool.name)
-            || !(tool.annotations.read_only && tool.annotations.idempotent)
+        if !(self.ttl.contains_key(&tool.name)
+            && tool.annotations.read_only
+            && tool.annotations.idempotent)
         {
             return None;
         }

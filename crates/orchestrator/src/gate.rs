@@ -686,10 +686,10 @@ impl Gate {
     /// Waits until another replica records the call's outcome.
     async fn await_stored_outcome(&self, call_id: &str, cancel: &CancellationToken) -> Ending {
         loop {
-            if let Ok(Some(stored)) = self.store.get_call(call_id).await {
-                if let Some(ending) = stored_ending(&stored) {
-                    return ending;
-                }
+            if let Ok(Some(stored)) = self.store.get_call(call_id).await
+                && let Some(ending) = stored_ending(&stored)
+            {
+                return ending;
             }
             tokio::select! {
                 _ = cancel.cancelled() => return Ending::error(CallStatus::Cancelled, "the call was cancelled"),

@@ -409,10 +409,11 @@ fn result_event(result: pb::ToolResult) -> pb::ExecuteEvent {
 /// approved call) joins the original run instead of starting a second one.
 #[derive(Default)]
 struct Ledger {
-    calls: std::sync::Mutex<
-        std::collections::HashMap<String, (Instant, watch::Receiver<Option<Final>>)>,
-    >,
+    calls: std::sync::Mutex<std::collections::HashMap<String, LedgerEntry>>,
 }
+
+/// When a call started, and where its answer will appear.
+type LedgerEntry = (Instant, watch::Receiver<Option<Final>>);
 
 /// How long a call's answer stays available to a repeated Execute.
 const LEDGER_TTL: Duration = Duration::from_secs(3600);
