@@ -11,6 +11,7 @@ mod fs_tools;
 mod gate;
 mod grpc_api;
 mod http_api;
+mod replicas;
 mod shell;
 mod supervision;
 mod support;

@@ -275,3 +275,22 @@ async fn every_long_running_component_is_confined() {
         "orchestrator, fs and shell workers: {processes:?}"
     );
 }
+
+#[tokio::test]
+async fn the_sandbox_cannot_leave_setid_files_in_the_workspace() {
+    let airlock = Airlock::start().await;
+    let script = "cp /usr/bin/id x; chmod 4755 x; echo chmod=$?; chmod 2755 x; echo chgrp=$?; \
+                  perl -e 'use Fcntl; sysopen(F, \"y\", O_CREAT|O_WRONLY, 06755) or print \"open=$!\\n\"'; \
+                  chmod 755 x; echo plain=$?";
+    let (_, text, _) = airlock.call_in("setid", "execute_shell", json!({"command": script})).await;
+    let result = parse(&text);
+    let stdout = result["stdout"].as_str().expect("stdout");
+    assert!(stdout.contains("chmod=1") && stdout.contains("chgrp=1"), "{stdout}");
+    assert!(stdout.contains("open=Operation not permitted"), "{stdout}");
+    assert!(stdout.contains("plain=0"), "ordinary modes still work: {stdout}");
+    use std::os::unix::fs::PermissionsExt;
+    for entry in std::fs::read_dir(airlock.workspace("setid")).expect("workspace").flatten() {
+        let mode = entry.metadata().expect("metadata").permissions().mode();
+        assert_eq!(mode & 0o6000, 0, "{:?} has mode {mode:o}", entry.path());
+    }
+}

@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 
 use airlock_orchestrator::{
-    ApprovalsConfig, AuditConfig, BudgetConfig, CacheConfig, OrchestratorConfig, PrincipalConfig,
+    AgentConfig, ApprovalsConfig, AuditConfig, BudgetConfig, CacheConfig, OrchestratorConfig, PrincipalConfig,
     WorkerGroupConfig,
 };
 use airlock_policy::Limits;
@@ -42,6 +42,8 @@ pub struct AirlockConfig {
     /// Root of the per-principal, per-session workspaces; `<data_dir>/workspaces` by
     /// default. In Kubernetes, a volume the shell and fs workers both mount.
     pub workspaces_root: Option<PathBuf>,
+    /// The agent loop's model provider and limits (`airlock agent`, `POST /v1/agent/runs`).
+    pub agent: AgentConfig,
 }
 
 #[derive(Debug, Deserialize)]
@@ -188,6 +190,7 @@ impl Loaded {
             budgets: self.config.budgets.clone(),
             audit: self.config.audit.clone(),
             cache: self.config.cache.clone(),
+            agent: self.config.agent.clone(),
         })
     }
 

@@ -33,6 +33,8 @@ pub struct OrchestratorConfig {
     pub budgets: BudgetConfig,
     pub audit: AuditConfig,
     pub cache: CacheConfig,
+    /// `[agent]`: the model provider of the agent loop and its limits.
+    pub agent: crate::agent::AgentConfig,
 }
 
 /// `[[workers]]`: where the replicas of one tool group listen.

@@ -22,6 +22,7 @@ use crate::wire::MAX_WAIT_MS;
 pub struct GrpcFrontDoor {
     pub gate: Arc<Gate>,
     pub principals: Arc<Principals>,
+    pub agent: Arc<crate::agent::AgentConfig>,
 }
 
 impl GrpcFrontDoor {
@@ -120,6 +121,7 @@ fn call_info(record: &CallRecord) -> pb::CallInfo {
 }
 
 type CallEventStream = Pin<Box<dyn Stream<Item = Result<pb::CallEvent, Status>> + Send>>;
+type AgentEventStream = Pin<Box<dyn Stream<Item = Result<pb::AgentEvent, Status>> + Send>>;
 
 #[tonic::async_trait]
 impl Orchestrator for GrpcFrontDoor {
@@ -270,6 +272,35 @@ impl Orchestrator for GrpcFrontDoor {
         Ok(Response::new(Box::pin(
             tokio_stream::wrappers::ReceiverStream::new(out_rx),
         )))
+    }
+
+    type RunAgentStream = AgentEventStream;
+
+    async fn run_agent(
+        &self,
+        request: Request<pb::RunAgentRequest>,
+    ) -> Result<Response<Self::RunAgentStream>, Status> {
+        use futures::StreamExt;
+        let principal = self.authorize_agent(&request)?;
+        let request = request.into_inner();
+        let mut body = serde_json::json!({"prompt": request.prompt});
+        if !request.session_id.is_empty() {
+            body["session_id"] = serde_json::json!(request.session_id);
+        }
+        if request.max_turns > 0 {
+            body["max_turns"] = serde_json::json!(request.max_turns);
+        }
+        let run = crate::agent::http::parse_request(&body).map_err(Status::invalid_argument)?;
+        let events = crate::agent::start(self.gate.clone(), &self.agent, principal, run)
+            .map_err(|e| Status::failed_precondition(e.to_string()))?;
+        // Dropping the stream (the client cancelled) drops the receiver: the run stops.
+        let stream = tokio_stream::wrappers::ReceiverStream::new(events).map(|e| {
+            Ok(pb::AgentEvent {
+                kind: e.kind.to_owned(),
+                data: e.data.to_string(),
+            })
+        });
+        Ok(Response::new(Box::pin(stream)))
     }
 
     async fn list_approvals(

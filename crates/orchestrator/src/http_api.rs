@@ -30,6 +30,8 @@ use crate::wire::{self, BadRequest, CatalogFormat};
 pub struct HttpState {
     pub gate: Arc<Gate>,
     pub principals: Arc<Principals>,
+    /// `[agent]`, for `POST /v1/agent/runs`.
+    pub agent: Arc<crate::agent::AgentConfig>,
 }
 
 /// An error response.
@@ -88,12 +90,14 @@ pub fn router(state: HttpState) -> Router {
         )
         .route("/v1/audit", get(read_audit))
         .route("/v1/audit/verify", get(verify_audit))
+        .route("/v1/agent/runs", post(crate::agent::http::start_run))
         .route("/openapi.json", get(openapi))
         .route_layer(middleware::from_fn_with_state(state.clone(), authenticate));
     Router::new()
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .merge(authenticated)
+        .merge(crate::mcp::router(state.clone()))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         // Bodies are read with an explicit cap in the handlers, answering 413 as JSON.
@@ -200,7 +204,7 @@ async fn list_tools(
 }
 
 /// Reads the body with the configured cap.
-async fn read_json(headers: &HeaderMap, body: Body, limit: u64) -> Result<Value, ApiError> {
+pub(crate) async fn read_json(headers: &HeaderMap, body: Body, limit: u64) -> Result<Value, ApiError> {
     let too_large = || {
         ApiError::new(
             StatusCode::PAYLOAD_TOO_LARGE,
@@ -314,7 +318,7 @@ impl IntoResponse for Rejection {
     }
 }
 
-fn require_role(principal: &Principal, role: Role) -> Result<(), ApiError> {
+pub(crate) fn require_role(principal: &Principal, role: Role) -> Result<(), ApiError> {
     if principal.has(role) {
         return Ok(());
     }

@@ -5,6 +5,7 @@
 //! worker that it reaches over gRPC.
 #![forbid(unsafe_code)]
 
+pub mod agent;
 mod approvals;
 pub mod audit;
 pub mod auth;
@@ -17,11 +18,13 @@ mod dispatch;
 mod gate;
 mod grpc_api;
 mod http_api;
+mod mcp;
 mod openapi;
 mod server;
 pub mod store;
 mod wire;
 
+pub use agent::{AgentConfig, ProviderKind};
 pub use auth::{AuthError, Principal, Principals, Role};
 pub use config::{
     ApprovalsConfig, AuditConfig, BudgetConfig, CacheConfig, OrchestratorConfig, PrincipalConfig,

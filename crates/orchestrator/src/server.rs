@@ -168,9 +168,11 @@ impl Orchestrator {
         let reflection = tonic_reflection::server::Builder::configure()
             .register_encoded_file_descriptor_set(airlock_proto::FILE_DESCRIPTOR_SET)
             .build_v1()?;
+        let agent = Arc::new(config.agent.clone());
         let front_door = GrpcFrontDoor {
             gate: gate.clone(),
             principals: prepared.principals.clone(),
+            agent: agent.clone(),
         };
         let grpc_router = tonic::transport::Server::builder()
             .add_service(health_service)
@@ -183,6 +185,7 @@ impl Orchestrator {
         let http_router = http_api::router(HttpState {
             gate: gate.clone(),
             principals: prepared.principals,
+            agent,
         });
 
         let endpoints = listeners.endpoints();

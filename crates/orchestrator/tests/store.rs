@@ -1,19 +1,17 @@
 //! The store against real backends: SQLite files in a temp dir, and a real PostgreSQL
-//! cluster that this test binary starts itself (initdb + postgres on a free loopback
-//! port, as the unprivileged user `nobody` when run as root) and tears down when the
-//! binary exits. Every suite case runs against both backends.
+//! cluster that this test binary starts itself (tests/support/postgres.rs: initdb +
+//! postgres on a free loopback port, as the unprivileged user `nobody` when run as root)
+//! and tears down when the binary exits. Every suite case runs against both backends.
 //!
 //! PostgreSQL's server binaries must be installed (Debian: `apt-get install
 //! postgresql`); the PostgreSQL tests fail, naming that fix, when they are not.
 #![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code")]
 
 use std::collections::HashSet;
-use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
-use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
-use std::time::{Duration, Instant};
+use std::os::unix::fs::PermissionsExt as _;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
 
 use airlock_orchestrator::audit::{GENESIS_HASH, chain_hash};
 use airlock_orchestrator::store::{
@@ -23,234 +21,15 @@ use airlock_orchestrator::store::{
 use serde_json::json;
 
 // ---------------------------------------------------------------------------------
-// PostgreSQL cluster, one per test binary
+// PostgreSQL server, one per test binary (tests/support/postgres.rs)
 // ---------------------------------------------------------------------------------
 
-struct Cluster {
-    port: u16,
-    /// Closing this pipe (when the test binary exits, however it exits) makes the
-    /// watchdog shell stop postgres and delete the cluster's directory.
-    _watchdog_stdin: Mutex<ChildStdin>,
-    _watchdog: Mutex<Child>,
-}
+#[path = "../../../tests/support/postgres.rs"]
+mod pg;
 
-static CLUSTER: OnceLock<Result<Cluster, String>> = OnceLock::new();
-
-const PG_MISSING: &str = "PostgreSQL server binaries (initdb, postgres) were not found on PATH \
-     or under /usr/lib/postgresql/*/bin: install them (Debian/Ubuntu: `apt-get install -y \
-     postgresql`; .ci/run must do this) or point AIRLOCK_PG_BIN at their directory";
-
-fn pg_bin_dir() -> Result<PathBuf, String> {
-    let has_bins = |dir: &Path| dir.join("initdb").is_file() && dir.join("postgres").is_file();
-    if let Some(dir) = std::env::var_os("AIRLOCK_PG_BIN").map(PathBuf::from) {
-        return if has_bins(&dir) {
-            Ok(dir)
-        } else {
-            Err(format!(
-                "AIRLOCK_PG_BIN={} has no initdb and postgres",
-                dir.display()
-            ))
-        };
-    }
-    if let Some(path) = std::env::var_os("PATH") {
-        for dir in std::env::split_paths(&path) {
-            let initdb = dir.join("initdb");
-            if initdb.is_file() {
-                // Debian links /usr/bin/… wrappers or /usr/local/bin/… to the real dir.
-                let real = std::fs::canonicalize(&initdb).unwrap_or(initdb);
-                if let Some(real_dir) = real.parent()
-                    && has_bins(real_dir)
-                {
-                    return Ok(real_dir.to_owned());
-                }
-                if has_bins(&dir) {
-                    return Ok(dir);
-                }
-            }
-        }
-    }
-    let mut versions: Vec<(u32, PathBuf)> = std::fs::read_dir("/usr/lib/postgresql")
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|entry| {
-            let version = entry.file_name().to_str()?.parse::<u32>().ok()?;
-            let bin = entry.path().join("bin");
-            has_bins(&bin).then_some((version, bin))
-        })
-        .collect();
-    versions.sort();
-    versions
-        .pop()
-        .map(|(_, dir)| dir)
-        .ok_or_else(|| PG_MISSING.to_owned())
-}
-
-fn running_as_root() -> bool {
-    std::fs::metadata("/proc/self")
-        .map(|m| m.uid() == 0)
-        .unwrap_or(false)
-}
-
-fn id_of(flag: &str, user: &str) -> Result<u32, String> {
-    let out = Command::new("id")
-        .args([flag, user])
-        .output()
-        .map_err(|e| format!("cannot run `id`: {e}"))?;
-    String::from_utf8_lossy(&out.stdout)
-        .trim()
-        .parse()
-        .map_err(|_| format!("user `{user}` does not exist (needed to run PostgreSQL as non-root)"))
-}
-
-/// The command prefix that runs a program as `nobody` (initdb refuses root).
-fn as_nobody() -> Result<Vec<String>, String> {
-    if !running_as_root() {
-        return Ok(Vec::new());
-    }
-    for dir in ["/usr/sbin", "/sbin", "/usr/bin", "/bin"] {
-        let runuser = Path::new(dir).join("runuser");
-        if runuser.is_file() {
-            return Ok(vec![
-                runuser.display().to_string(),
-                "-u".into(),
-                "nobody".into(),
-                "--".into(),
-            ]);
-        }
-    }
-    for dir in ["/usr/bin", "/bin"] {
-        let setpriv = Path::new(dir).join("setpriv");
-        if setpriv.is_file() {
-            return Ok(vec![
-                setpriv.display().to_string(),
-                "--reuid=nobody".into(),
-                "--regid=nogroup".into(),
-                "--clear-groups".into(),
-            ]);
-        }
-    }
-    Err("running as root, and neither runuser nor setpriv (util-linux) is installed to drop to `nobody` for PostgreSQL".into())
-}
-
-fn free_port() -> u16 {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    listener.local_addr().unwrap().port()
-}
-
-fn start_cluster() -> Result<Cluster, String> {
-    let bin = pg_bin_dir()?;
-    let prefix = as_nobody()?;
-    let stamp = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos();
-    let base = std::env::temp_dir().join(format!("airlock-pg-{}-{stamp}", std::process::id()));
-    std::fs::create_dir(&base).map_err(|e| format!("create {}: {e}", base.display()))?;
-    std::fs::set_permissions(&base, std::fs::Permissions::from_mode(0o700)).unwrap();
-    if running_as_root() {
-        let uid = id_of("-u", "nobody")?;
-        let gid = id_of("-g", "nobody")?;
-        std::os::unix::fs::chown(&base, Some(uid), Some(gid))
-            .map_err(|e| format!("chown {} to nobody: {e}", base.display()))?;
-    }
-    let data = base.join("data");
-    let run = |program: &Path, args: &[&str]| {
-        let mut cmd = if prefix.is_empty() {
-            Command::new(program)
-        } else {
-            let mut cmd = Command::new(&prefix[0]);
-            cmd.args(&prefix[1..]).arg(program);
-            cmd
-        };
-        cmd.args(args).current_dir(&base);
-        cmd
-    };
-    let out = run(
-        &bin.join("initdb"),
-        &[
-            "-D",
-            data.to_str().unwrap(),
-            "-U",
-            "airlock",
-            "-A",
-            "trust",
-            "-E",
-            "UTF8",
-            "--locale=C",
-            "--no-sync",
-        ],
-    )
-    .output()
-    .map_err(|e| format!("cannot run initdb: {e}"))?;
-    if !out.status.success() {
-        return Err(format!(
-            "initdb failed: {}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        ));
-    }
-    let port = free_port();
-    let script = r#"
-"$1" -D "$2/data" -p "$3" -k "$2" -c listen_addresses=127.0.0.1 -c fsync=off \
-  -c synchronous_commit=off -c full_page_writes=off -c max_connections=400 \
-  >"$2/postgres.log" 2>&1 &
-pid=$!
-read -r _ignored || true
-kill -INT "$pid" 2>/dev/null
-wait "$pid"
-rm -rf "$2"
-"#;
-    let postgres = bin.join("postgres");
-    let mut child = run(
-        Path::new("/bin/sh"),
-        &[
-            "-c",
-            script,
-            "sh",
-            postgres.to_str().unwrap(),
-            base.to_str().unwrap(),
-            &port.to_string(),
-        ],
-    )
-    .stdin(Stdio::piped())
-    .stdout(Stdio::null())
-    .stderr(Stdio::null())
-    .spawn()
-    .map_err(|e| format!("cannot start postgres: {e}"))?;
-    let stdin = child.stdin.take().unwrap();
-    // postmaster.pid's 8th line says `ready` once connections are accepted.
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let ready = std::fs::read_to_string(data.join("postmaster.pid"))
-            .ok()
-            .and_then(|pid| pid.lines().nth(7).map(|l| l.trim() == "ready"))
-            .unwrap_or(false);
-        if ready {
-            break;
-        }
-        if Instant::now() > deadline || child.try_wait().ok().flatten().is_some() {
-            let log = std::fs::read_to_string(base.join("postgres.log")).unwrap_or_default();
-            return Err(format!(
-                "postgres did not become ready on port {port}: {log}"
-            ));
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    Ok(Cluster {
-        port,
-        _watchdog_stdin: Mutex::new(stdin),
-        _watchdog: Mutex::new(child),
-    })
-}
-
+/// The shared server's port, starting it (off the async threads) on first use.
 async fn cluster_port() -> u16 {
-    tokio::task::spawn_blocking(|| match CLUSTER.get_or_init(start_cluster) {
-        Ok(cluster) => cluster.port,
-        Err(message) => panic!("cannot start the test PostgreSQL: {message}"),
-    })
-    .await
-    .unwrap()
+    tokio::task::spawn_blocking(pg::port).await.unwrap()
 }
 
 async fn pg_connect(url: &str) -> tokio_postgres::Client {
@@ -270,8 +49,6 @@ enum Backend {
     Postgres { url: String },
 }
 
-static DB_COUNTER: AtomicU32 = AtomicU32::new(0);
-
 impl Backend {
     async fn sqlite() -> Self {
         Backend::Sqlite {
@@ -281,20 +58,11 @@ impl Backend {
 
     /// A fresh database on the shared cluster.
     async fn postgres() -> Self {
-        let port = cluster_port().await;
-        let name = format!(
-            "airlock_t{}_{}",
-            std::process::id(),
-            DB_COUNTER.fetch_add(1, Ordering::SeqCst)
-        );
-        let admin = pg_connect(&format!("postgres://airlock@127.0.0.1:{port}/postgres")).await;
-        admin
-            .batch_execute(&format!("CREATE DATABASE {name}"))
-            .await
-            .unwrap();
-        Backend::Postgres {
-            url: format!("postgres://airlock@127.0.0.1:{port}/{name}"),
-        }
+        let url =
+            tokio::task::spawn_blocking(|| pg::create_database(&pg::unique_name("airlock_t")))
+                .await
+                .unwrap();
+        Backend::Postgres { url }
     }
 
     /// `open()` as the orchestrator does: "sqlite" + data dir, or the URL.
@@ -1299,7 +1067,7 @@ async fn postgres_pending_on_one_replica_approved_on_the_other_runs_once() {
 
 #[tokio::test]
 async fn postgres_unreachable_names_host_and_port_without_the_password() {
-    let port = free_port();
+    let port = pg::free_port();
     let url = format!("postgres://airlock:sekret-pw@127.0.0.1:{port}/airlock");
     let err = match store::open(&url, Path::new("/nonexistent"), Some("other-secret".into())).await
     {

@@ -46,6 +46,10 @@ pub(crate) struct Profile {
     /// New namespaces and the mount API (needed by a worker that creates sandboxes;
     /// never by a sandbox).
     pub namespaces: bool,
+    /// Refuse to create set-user-ID or set-group-ID files: harmless inside a sandbox
+    /// (nosuid, no_new_privs), but such a file left in a workspace is owned by the
+    /// worker's uid on the host, where anyone who can reach it gains that uid.
+    pub no_setid_files: bool,
 }
 
 impl Profile {
@@ -55,9 +59,14 @@ impl Profile {
             network,
             exec: true,
             namespaces: false,
+            no_setid_files: true,
         }
     }
 }
+
+/// `fchmodat2` (Linux 6.6), which the libc crate may not name yet; new system calls
+/// have one number on every architecture.
+const FCHMODAT2: libc::c_long = 452;
 
 /// Compiled filters, in installation order.
 #[derive(Debug)]
@@ -181,11 +190,48 @@ impl SeccompPlan {
             );
         }
 
+        if profile.no_setid_files {
+            // (syscall, index of the mode argument, index of the flags argument when the
+            // mode only matters with O_CREAT)
+            let setid_bits = [libc::S_ISUID as u64, libc::S_ISGID as u64];
+            let calls: [(libc::c_long, u8, Option<u8>); 8] = [
+                (libc::SYS_chmod, 1, None),
+                (libc::SYS_fchmod, 1, None),
+                (libc::SYS_fchmodat, 2, None),
+                (FCHMODAT2, 2, None),
+                (libc::SYS_mknod, 1, None),
+                (libc::SYS_mknodat, 2, None),
+                (libc::SYS_creat, 1, None),
+                (libc::SYS_open, 2, Some(1)),
+            ];
+            let with_openat = calls.into_iter().chain([(libc::SYS_openat, 3, Some(2))]);
+            for (nr, mode_arg, flags_arg) in with_openat {
+                let mut rules = Vec::new();
+                for bit in setid_bits {
+                    let mut conds =
+                        vec![cond(mode_arg, SeccompCmpArgLen::Dword, SeccompCmpOp::MaskedEq(bit), bit)?];
+                    if let Some(flags) = flags_arg {
+                        let creat = libc::O_CREAT as u64;
+                        conds.push(cond(flags, SeccompCmpArgLen::Dword, SeccompCmpOp::MaskedEq(creat), creat)?);
+                    }
+                    rules.push(rule(conds)?);
+                }
+                denied.insert(nr, rules);
+            }
+        }
+
         let mut programs = vec![x32_guard()];
+        let mut unsupported = BTreeMap::new();
         if !profile.namespaces {
-            let mut clone3 = BTreeMap::new();
-            clone3.insert(libc::SYS_clone3, Vec::new());
-            programs.push(compile(clone3, libc::ENOSYS)?);
+            unsupported.insert(libc::SYS_clone3, Vec::new());
+        }
+        if profile.no_setid_files {
+            // openat2 keeps its mode in memory seccomp cannot read; ENOSYS makes callers
+            // fall back to openat, which is checked above.
+            unsupported.insert(libc::SYS_openat2, Vec::new());
+        }
+        if !unsupported.is_empty() {
+            programs.push(compile(unsupported, libc::ENOSYS)?);
         }
         programs.push(compile(denied, libc::EPERM)?);
         Ok(SeccompPlan { programs })

@@ -124,6 +124,7 @@ pub fn confine_self(spec: &SelfConfinement) -> Result<SelfConfinementReport, cra
         network: true,
         exec: spec.allow_exec,
         namespaces: spec.allow_namespaces,
+        no_setid_files: false,
     })?;
     let landlock = match abi {
         None => None,

@@ -1,14 +1,14 @@
-//! The db tools against a real PostgreSQL (started here with `initdb` + `postgres` on a
-//! free port, shared by all tests of this binary, stopped when the binary exits) and
-//! against SQLite files in temp dirs.
+//! The db tools against a real PostgreSQL (tests/support/postgres.rs: `initdb` +
+//! `postgres` on a free port, shared by all tests of this binary, stopped when the
+//! binary exits) and against SQLite files in temp dirs.
 //!
 //! PostgreSQL must be installed (`apt-get install postgresql`); the tests fail — never
-//! skip — when it is not. Run as root, the server runs as `nobody` (initdb refuses
-//! root), through `setpriv`, with `--pdeathsig` so it dies with the test binary.
+//! skip — when it is not. Run as root, the server runs as `nobody` (initdb refuses root).
+//! The roles `airlock_ro` and `airlock_rw` log in with passwords; the superuser sets up
+//! database `airlock_test`.
 #![allow(clippy::unwrap_used, clippy::expect_used, reason = "test code")]
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
@@ -20,10 +20,15 @@ use serde_json::{Value, json};
 // The PostgreSQL server
 // ---------------------------------------------------------------------------------------
 
+#[path = "../../../tests/support/postgres.rs"]
+mod postgres;
+
+/// The shared server (tests/support/postgres.rs) with this binary's roles, database
+/// `airlock_test` and password files on top.
 struct PgServer {
     port: u16,
+    /// Holds `ro.pw`, `rw.pw` and `wrong.pw`; removed with the server at exit.
     base: PathBuf,
-    superuser_password: String,
 }
 
 static PG: OnceLock<Result<PgServer, String>> = OnceLock::new();
@@ -38,232 +43,42 @@ fn pg() -> &'static PgServer {
     }
 }
 
-fn find_pg_bin(name: &str) -> Result<PathBuf, String> {
-    let mut candidates = vec![PathBuf::from("/usr/local/bin").join(name)];
-    if let Ok(dirs) = std::fs::read_dir("/usr/lib/postgresql") {
-        let mut versions: Vec<PathBuf> = dirs.filter_map(|d| d.ok().map(|d| d.path())).collect();
-        versions.sort_by_key(|p| {
-            p.file_name()
-                .and_then(|n| n.to_str())
-                .and_then(|n| n.parse::<u32>().ok())
-                .unwrap_or(0)
-        });
-        for v in versions.into_iter().rev() {
-            candidates.push(v.join("bin").join(name));
-        }
-    }
-    if let Some(path) = std::env::var_os("PATH") {
-        for dir in std::env::split_paths(&path) {
-            candidates.push(dir.join(name));
-        }
-    }
-    candidates.into_iter().find(|p| p.is_file()).ok_or_else(|| {
-        format!(
-            "PostgreSQL's `{name}` was not found in /usr/local/bin, /usr/lib/postgresql/*/bin or PATH; \
-             install postgresql (apt-get install postgresql)"
-        )
-    })
-}
-
-fn is_root() -> bool {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("Uid:"))
-                .map(|l| l.split_whitespace().nth(2) == Some("0"))
-        })
-        .unwrap_or(false)
-}
-
-/// A command that runs as `nobody` when we are root, and dies with this process.
-fn unprivileged(bin: &Path, pdeathsig: bool) -> Command {
-    let mut c = if is_root() {
-        let mut c = Command::new("setpriv");
-        c.args(["--reuid=65534", "--regid=65534", "--clear-groups"]);
-        c
-    } else {
-        Command::new("setpriv")
-    };
-    if pdeathsig {
-        c.arg("--pdeathsig=QUIT");
-    }
-    c.arg("--").arg(bin);
-    c
-}
-
-fn remove_stale_dirs(tmp: &Path) {
-    let Ok(entries) = std::fs::read_dir(tmp) else {
-        return;
-    };
-    for e in entries.flatten() {
-        let name = e.file_name().to_string_lossy().into_owned();
-        if let Some(pid) = name.strip_prefix("airlock-worker-db-pg-")
-            && !Path::new("/proc").join(pid).exists()
-        {
-            let _ = std::fs::remove_dir_all(e.path());
-        }
-    }
-}
-
 fn start_pg() -> Result<PgServer, String> {
-    use std::os::unix::fs::PermissionsExt;
-    let initdb = find_pg_bin("initdb")?;
-    let postgres = find_pg_bin("postgres")?;
-    if Command::new("setpriv").arg("--version").output().is_err() {
-        return Err("setpriv (util-linux) is needed to run PostgreSQL for the tests".into());
-    }
-    let tmp = std::env::temp_dir();
-    remove_stale_dirs(&tmp);
-    let base = tmp.join(format!("airlock-worker-db-pg-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&base);
-    let data = base.join("data");
-    let sock = base.join("sock");
-    for d in [&base, &data, &sock] {
-        std::fs::create_dir_all(d).map_err(|e| format!("create {}: {e}", d.display()))?;
-    }
-    std::fs::set_permissions(&base, std::fs::Permissions::from_mode(0o755)).unwrap();
-    std::fs::set_permissions(&data, std::fs::Permissions::from_mode(0o700)).unwrap();
-    let superuser_password = format!("su-{}", std::process::id());
-    let pwfile = base.join("superuser.pw");
-    std::fs::write(&pwfile, &superuser_password).unwrap();
-    std::fs::set_permissions(&pwfile, std::fs::Permissions::from_mode(0o644)).unwrap();
-    if is_root() {
-        for d in [&data, &sock] {
-            std::os::unix::fs::chown(d, Some(65534), Some(65534)).unwrap();
-        }
-    }
-    let out = unprivileged(&initdb, false)
-        .args(["-D"])
-        .arg(&data)
-        .args([
-            "-U",
-            "postgres",
-            "--auth-local=trust",
-            "--auth-host=scram-sha-256",
-            "--no-sync",
-            "-E",
-            "UTF8",
-            "--locale=C",
-        ])
-        .arg(format!("--pwfile={}", pwfile.display()))
-        .output()
-        .map_err(|e| format!("running initdb: {e}"))?;
-    if !out.status.success() {
-        return Err(format!(
-            "initdb failed: {}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        ));
-    }
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map_err(|e| format!("no free port: {e}"))?
-        .port();
-    let log = std::fs::File::create(base.join("postgres.log")).unwrap();
-    let mut cmd = unprivileged(&postgres, true);
-    cmd.arg("-D")
-        .arg(&data)
-        .args(["-p", &port.to_string(), "-k"])
-        .arg(&sock)
-        .args([
-            "-c",
-            "listen_addresses=127.0.0.1",
-            "-c",
-            "fsync=off",
-            "-c",
-            "max_connections=60",
-            "-c",
-            "shared_buffers=16MB",
-        ])
-        .stdin(Stdio::null())
-        .stdout(log.try_clone().unwrap())
-        .stderr(log);
-    // The server is spawned by a thread that lives as long as the process, so that
-    // PR_SET_PDEATHSIG (tied to the spawning thread) fires only when the binary exits.
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || match cmd.spawn() {
-        Ok(mut child) => {
-            let _ = tx.send(Ok(()));
-            let _ = child.wait();
-        }
-        Err(e) => {
-            let _ = tx.send(Err(format!("starting postgres: {e}")));
-        }
-    });
-    rx.recv().map_err(|e| e.to_string())??;
-    let started = Instant::now();
-    loop {
-        let ready = std::fs::read_to_string(data.join("postmaster.pid"))
-            .map(|s| s.contains("ready"))
-            .unwrap_or(false);
-        if ready && std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
-            break;
-        }
-        if started.elapsed() > Duration::from_secs(30) {
-            return Err(format!(
-                "postgres did not start: {}",
-                std::fs::read_to_string(base.join("postgres.log")).unwrap_or_default()
-            ));
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let server = postgres::server();
+    server.create_role("airlock_ro", RO_PASSWORD);
+    server.create_role("airlock_rw", RW_PASSWORD);
+    server.create_database("airlock_test");
     for (file, pw) in [("ro.pw", RO_PASSWORD), ("rw.pw", RW_PASSWORD)] {
-        std::fs::write(base.join(file), format!("{pw}\n")).unwrap();
+        std::fs::write(server.dir.join(file), format!("{pw}\n")).unwrap();
     }
-    std::fs::write(base.join("wrong.pw"), "Wrong-Password-Canary-55\n").unwrap();
-    let server = PgServer {
-        port,
-        base,
-        superuser_password,
-    };
-    let (p, pw) = (server.port, server.superuser_password.clone());
-    std::thread::spawn(move || {
+    std::fs::write(server.dir.join("wrong.pw"), "Wrong-Password-Canary-55\n").unwrap();
+    std::thread::spawn(|| {
         tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
             .unwrap()
-            .block_on(setup_pg(p, pw))
+            .block_on(setup_pg())
     })
     .join()
     .map_err(|_| "setting up the test database panicked".to_owned())??;
-    Ok(server)
+    Ok(PgServer {
+        port: server.port,
+        base: server.dir.clone(),
+    })
 }
 
-async fn superuser(port: u16, password: &str, db: &str) -> tokio_postgres::Client {
-    let (client, conn) = tokio_postgres::Config::new()
-        .host("127.0.0.1")
-        .port(port)
-        .user("postgres")
-        .password(password)
-        .dbname(db)
-        .connect(tokio_postgres::NoTls)
-        .await
-        .unwrap();
+/// A superuser connection to `db` (trusted on loopback: no password).
+async fn superuser(db: &str) -> tokio_postgres::Client {
+    let (client, conn) =
+        tokio_postgres::connect(&postgres::server().url(db), tokio_postgres::NoTls)
+            .await
+            .unwrap();
     tokio::spawn(conn);
     client
 }
 
-async fn setup_pg(port: u16, password: String) -> Result<(), String> {
-    let admin = superuser(port, &password, "postgres").await;
-    admin
-        .batch_execute(&format!(
-            "CREATE ROLE airlock_ro LOGIN PASSWORD '{RO_PASSWORD}';
-             CREATE ROLE airlock_rw LOGIN PASSWORD '{RW_PASSWORD}';"
-        ))
-        .await
-        .map_err(|e| {
-            format!(
-                "setup: {}",
-                e.as_db_error()
-                    .map_or(e.to_string(), |d| d.message().to_owned())
-            )
-        })?;
-    admin
-        .batch_execute("CREATE DATABASE airlock_test")
-        .await
-        .map_err(|e| format!("setup: {e}"))?;
-    let db = superuser(port, &password, "airlock_test").await;
+async fn setup_pg() -> Result<(), String> {
+    let db = superuser("airlock_test").await;
     db.batch_execute(
         r#"
         CREATE EXTENSION IF NOT EXISTS dblink;
@@ -332,8 +147,8 @@ fn pg_db(name: &str, user: &str) -> DatabaseConfig {
 
 /// The superuser's view of the test data: a checksum of everything an attack could touch.
 async fn pg_state() -> String {
-    let server = pg();
-    let db = superuser(server.port, &server.superuser_password, "airlock_test").await;
+    pg(); // set up (once) before looking
+    let db = superuser("airlock_test").await;
     let row = db
         .query_one(
             "SELECT concat_ws(' | ',

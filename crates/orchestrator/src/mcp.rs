@@ -1,0 +1,824 @@
+//! The MCP front door: `/mcp`, Model Context Protocol over Streamable HTTP (`rmcp`).
+//!
+//! `tools/list` answers the principal's visible catalog (names, titles, schemas and the
+//! `readOnlyHint`/`destructiveHint`/`idempotentHint`/`openWorldHint` annotations);
+//! `tools/call` goes through the same gate as `POST /v1/tool_calls`: schema errors,
+//! policy denials, budget refusals and tool failures come back as `isError: true`
+//! results whose text the model can act on.
+//!
+//! Decisions:
+//! - **Stateless transport.** rmcp serves every POST on its own (no `Mcp-Session-Id`,
+//!   nothing kept in memory between requests). Any orchestrator replica can answer any
+//!   request (no sticky sessions behind a Kubernetes Service), it is the only mode of
+//!   the 2026-07-28 protocol revision, and a request's response stream *is* the call:
+//!   when the client closes it, rmcp cancels the request and the gate call is cancelled
+//!   (its sandbox killed, a pending approval withdrawn). Each `tools/call` response is an
+//!   SSE stream (keep-alive comments every few seconds, so a vanished client is noticed).
+//! - **Cancellation notices.** Stateless rmcp drops notifications, so this module reads
+//!   `notifications/cancelled` itself before handing the request on: it cancels the
+//!   caller's in-flight call with that JSON-RPC `requestId` (calls are matched by
+//!   principal and request id; an ambiguous match cancels nothing).
+//! - **Airlock session.** A client picks its session (and so its workspace,
+//!   `<workspaces_root>/<principal>/<session>`) with `?session_id=` on the URL, e.g.
+//!   `http://127.0.0.1:7070/mcp?session_id=refactor-42`; such calls count against the
+//!   session budgets like `/v1` calls that name a `session_id`. Without it calls use the
+//!   session `default`. The MCP session id is not used: it is a transport detail that
+//!   changes on every reconnect (and is gone in the 2026-07-28 revision), which would
+//!   scatter one user's files over throwaway workspaces.
+//! - **Pending approvals.** A call that needs approval waits while its request is open,
+//!   with a progress notification naming the approval. After the configured default wait
+//!   (`limits.default_wait_ms`, 60 s by default) the request answers an `isError` result
+//!   naming the approval id and `airlock approvals approve <id>`; the call keeps
+//!   waiting for the decision and its result is then at `GET /v1/calls/{call_id}`.
+//! - **Progress.** When the request carries `_meta.progressToken`, every worker event is
+//!   forwarded as `notifications/progress`: worker progress as is, and each chunk of
+//!   output (`execute_shell`'s stdout/stderr while it runs) as a notification whose
+//!   `message` is `[stdout] <text>`.
+//! - **Authentication and DNS rebinding.** The same bearer tokens as `/v1` (401 JSON
+//!   error without a valid one). A request that carries an `Origin` header must come
+//!   from a loopback origin (`http(s)://localhost`, `127.0.0.1`, `[::1]`, any port) or
+//!   from one listed in `AIRLOCK_MCP_ALLOWED_ORIGINS` (comma-separated, e.g.
+//!   `https://console.example.com,http://tools.internal:*`); any other `Origin` gets
+//!   403. Requests without `Origin` (every non-browser client) pass. rmcp's own `Host`
+//!   allow-list is off: in Kubernetes the orchestrator is reached by service names, and
+//!   the bearer token plus the `Origin` check are what keep browsers out.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use airlock_policy::{CallStatus, SessionId};
+use axum::Router;
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{HeaderMap, Method, StatusCode, header};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use rmcp::model::{
+    CacheScope, CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock,
+    Implementation, ListToolsResult, PaginatedRequestParams, ProgressNotificationParam,
+    ProgressToken, RequestId, ServerCapabilities, ServerConfig, Tool,
+};
+use rmcp::service::RequestContext;
+use rmcp::transport::streamable_http_server::session::never::NeverSessionManager;
+use rmcp::transport::streamable_http_server::{StreamableHttpServerConfig, StreamableHttpService};
+use rmcp::{ErrorData as McpError, RoleServer, ServerHandler};
+use serde_json::{Value, json};
+use tokio::sync::mpsc;
+
+use crate::auth::{Principal, Role, bearer_token};
+use crate::calls::CallRecord;
+use crate::dispatch::WorkerEvent;
+use crate::gate::ToolUse;
+use crate::http_api::{ApiError, HttpState};
+use crate::wire::{self, CatalogFormat};
+
+/// The path of the MCP endpoint.
+pub const PATH: &str = "/mcp";
+/// Extra origins allowed besides the loopback ones (comma-separated).
+pub const ALLOWED_ORIGINS_ENV: &str = "AIRLOCK_MCP_ALLOWED_ORIGINS";
+/// How often an open response stream carries a keep-alive (and notices a gone client).
+const KEEP_ALIVE: Duration = Duration::from_secs(5);
+/// Longest text of one progress notification.
+const MAX_PROGRESS_MESSAGE: usize = 8 * 1024;
+/// Worker events buffered between the gate and the response stream.
+const EVENT_BUFFER: usize = 64;
+
+/// The `/mcp` routes, with their own Origin check and authentication.
+pub fn router<S>(state: HttpState) -> Router<S>
+where
+    S: Clone + Send + Sync + 'static,
+{
+    let inflight = Arc::new(Inflight::default());
+    let origins = Arc::new(AllowedOrigins::from_env());
+    let max_body = usize::try_from(state.gate.limits.max_request_bytes).unwrap_or(usize::MAX);
+    let handler = AirlockMcp {
+        state: state.clone(),
+        inflight: inflight.clone(),
+    };
+    let config = StreamableHttpServerConfig::default()
+        .with_legacy_session_mode(false)
+        .with_json_response(false)
+        .with_sse_keep_alive(Some(KEEP_ALIVE))
+        .with_max_request_body_bytes(max_body)
+        .disable_allowed_hosts()
+        .disable_allowed_origins();
+    let service = StreamableHttpService::new(
+        move || Ok(handler.clone()),
+        Arc::new(NeverSessionManager::default()),
+        config,
+    );
+    let guard = Guard {
+        state,
+        inflight,
+        origins,
+        max_body,
+    };
+    Router::new()
+        .route_service(PATH, service)
+        .layer(middleware::from_fn_with_state(guard, check_request))
+}
+
+/// What the request guard needs.
+#[derive(Clone)]
+struct Guard {
+    state: HttpState,
+    inflight: Arc<Inflight>,
+    origins: Arc<AllowedOrigins>,
+    max_body: usize,
+}
+
+/// The Airlock session a request chose with `?session_id=`.
+#[derive(Debug, Clone)]
+struct ChosenSession {
+    session: SessionId,
+    named: bool,
+}
+
+/// Origin check, authentication, session choice, and `notifications/cancelled`.
+async fn check_request(State(guard): State<Guard>, request: Request, next: Next) -> Response {
+    if let Err(e) = guard.origins.check(request.headers()) {
+        return e.into_response();
+    }
+    let principal = match authenticate(&guard.state, request.headers()) {
+        Ok(p) => p,
+        Err(e) => return e.into_response(),
+    };
+    let chosen = match session_from_query(request.uri().query()) {
+        Ok(c) => c,
+        Err(e) => return e.into_response(),
+    };
+    let (mut parts, body) = request.into_parts();
+    parts.extensions.insert(principal.clone());
+    parts.extensions.insert(chosen);
+    let body = if parts.method == Method::POST {
+        let bytes = match read_capped(&parts.headers, body, guard.max_body).await {
+            Ok(b) => b,
+            Err(e) => return e.into_response(),
+        };
+        for request_id in cancelled_request_ids(&bytes) {
+            guard
+                .inflight
+                .cancel(&guard.state, &principal.name, &request_id);
+        }
+        Body::from(bytes)
+    } else {
+        body
+    };
+    next.run(Request::from_parts(parts, body)).await
+}
+
+fn authenticate(state: &HttpState, headers: &HeaderMap) -> Result<Principal, ApiError> {
+    let Some(value) = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+    else {
+        return Err(ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+            "missing Authorization: Bearer <token> header (airlock up writes the token to <data_dir>/token)",
+        ));
+    };
+    bearer_token(value)
+        .and_then(|t| state.principals.authenticate(t))
+        .cloned()
+        .ok_or_else(|| {
+            ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "unauthorized",
+                "the bearer token is not valid",
+            )
+        })
+}
+
+fn session_from_query(query: Option<&str>) -> Result<ChosenSession, ApiError> {
+    let pairs: HashMap<String, String> = match query {
+        None => HashMap::new(),
+        Some(q) => serde_urlencoded_pairs(q),
+    };
+    match pairs.get("session_id").filter(|s| !s.is_empty()) {
+        None => Ok(ChosenSession {
+            session: SessionId::default_session(),
+            named: false,
+        }),
+        Some(s) => SessionId::parse(s)
+            .map(|session| ChosenSession {
+                session,
+                named: true,
+            })
+            .map_err(|e| {
+                ApiError::new(
+                    StatusCode::BAD_REQUEST,
+                    "invalid_request",
+                    format!("session_id: {e}"),
+                )
+            }),
+    }
+}
+
+/// `a=b&c=d` with percent-decoding, through axum's query extractor machinery.
+fn serde_urlencoded_pairs(query: &str) -> HashMap<String, String> {
+    let uri = format!("/?{query}");
+    uri.parse::<axum::http::Uri>()
+        .ok()
+        .and_then(|uri| {
+            axum::extract::Query::<HashMap<String, String>>::try_from_uri(&uri)
+                .ok()
+                .map(|q| q.0)
+        })
+        .unwrap_or_default()
+}
+
+async fn read_capped(
+    headers: &HeaderMap,
+    body: Body,
+    limit: usize,
+) -> Result<axum::body::Bytes, ApiError> {
+    let too_large = || {
+        ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "payload_too_large",
+            format!("request body is over the limit of {limit} bytes; send smaller arguments"),
+        )
+    };
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok());
+    if declared.is_some_and(|n| n > limit) {
+        return Err(too_large());
+    }
+    axum::body::to_bytes(body, limit).await.map_err(|e| {
+        let over = std::error::Error::source(&e)
+            .is_some_and(|s| s.is::<http_body_util::LengthLimitError>())
+            || e.to_string().contains("length limit");
+        if over {
+            too_large()
+        } else {
+            ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "invalid_request",
+                format!("cannot read the request body: {e}"),
+            )
+        }
+    })
+}
+
+/// The `requestId`s of the `notifications/cancelled` messages in a POST body (one
+/// message or a batch), as canonical JSON text.
+fn cancelled_request_ids(body: &[u8]) -> Vec<String> {
+    let Ok(value) = serde_json::from_slice::<Value>(body) else {
+        return Vec::new();
+    };
+    let messages = match value {
+        Value::Array(items) => items,
+        other => vec![other],
+    };
+    messages
+        .iter()
+        .filter(|m| m.get("method").and_then(Value::as_str) == Some("notifications/cancelled"))
+        .filter(|m| m.get("id").is_none())
+        .filter_map(|m| m.pointer("/params/requestId"))
+        .filter(|id| id.is_string() || id.is_number())
+        .map(Value::to_string)
+        .collect()
+}
+
+/// Browser origins allowed to call `/mcp`.
+#[derive(Debug, Default)]
+struct AllowedOrigins {
+    /// Normalised `scheme://host[:port]`, or `scheme://host:*` for any port.
+    extra: Vec<String>,
+}
+
+impl AllowedOrigins {
+    fn from_env() -> Self {
+        let extra = std::env::var(ALLOWED_ORIGINS_ENV)
+            .unwrap_or_default()
+            .split(',')
+            .map(|s| s.trim().trim_end_matches('/').to_ascii_lowercase())
+            .filter(|s| !s.is_empty())
+            .collect();
+        Self { extra }
+    }
+
+    fn check(&self, headers: &HeaderMap) -> Result<(), ApiError> {
+        let values: Vec<_> = headers.get_all(header::ORIGIN).iter().collect();
+        if values.is_empty() {
+            return Ok(());
+        }
+        let forbidden = |shown: &str| {
+            ApiError::new(
+                StatusCode::FORBIDDEN,
+                "forbidden",
+                format!(
+                    "Origin {shown:?} may not use /mcp (DNS-rebinding protection); only loopback origins and those listed in {ALLOWED_ORIGINS_ENV} are allowed"
+                ),
+            )
+        };
+        for value in values {
+            let Ok(text) = value.to_str() else {
+                return Err(forbidden("(not text)"));
+            };
+            if !self.allows(text) {
+                return Err(forbidden(text));
+            }
+        }
+        Ok(())
+    }
+
+    fn allows(&self, origin: &str) -> bool {
+        let origin = origin.trim().to_ascii_lowercase();
+        let Some((scheme, host, _port)) = split_origin(&origin) else {
+            return false;
+        };
+        if matches!(scheme, "http" | "https") && matches!(host, "localhost" | "127.0.0.1" | "[::1]")
+        {
+            return true;
+        }
+        self.extra.iter().any(|entry| {
+            if let Some(prefix) = entry.strip_suffix(":*") {
+                split_origin(prefix)
+                    .is_some_and(|(s, h, p)| s == scheme && h == host && p.is_none())
+            } else {
+                *entry == origin
+            }
+        })
+    }
+}
+
+/// `scheme://host[:port]` → parts; `None` for anything else (paths, user info, `null`).
+fn split_origin(origin: &str) -> Option<(&str, &str, Option<&str>)> {
+    let (scheme, rest) = origin.split_once("://")?;
+    if scheme.is_empty() || rest.is_empty() || rest.contains(['/', '@', '?', '#']) {
+        return None;
+    }
+    let (host, port) = if rest.starts_with('[') {
+        let end = rest.find(']')?;
+        let (host, after) = rest.split_at(end + 1);
+        match after {
+            "" => (host, None),
+            p => (host, Some(p.strip_prefix(':')?)),
+        }
+    } else {
+        match rest.split_once(':') {
+            None => (rest, None),
+            Some((h, p)) => (h, Some(p)),
+        }
+    };
+    if host.is_empty()
+        || port.is_some_and(|p| p.is_empty() || !p.bytes().all(|b| b.is_ascii_digit()))
+    {
+        return None;
+    }
+    Some((scheme, host, port))
+}
+
+/// Calls in flight on `/mcp`, by principal and JSON-RPC request id, for
+/// `notifications/cancelled`.
+#[derive(Default)]
+struct Inflight {
+    calls: Mutex<HashMap<(String, String), Vec<String>>>,
+}
+
+impl Inflight {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(String, String), Vec<String>>> {
+        match self.calls.lock() {
+            Ok(g) => g,
+            Err(poisoned) => poisoned.into_inner(),
+        }
+    }
+
+    fn register(
+        self: &Arc<Self>,
+        principal: &str,
+        request_id: String,
+        call_id: &str,
+    ) -> Registered {
+        let key = (principal.to_owned(), request_id);
+        self.lock()
+            .entry(key.clone())
+            .or_default()
+            .push(call_id.to_owned());
+        Registered {
+            inflight: self.clone(),
+            key,
+            call_id: call_id.to_owned(),
+        }
+    }
+
+    fn cancel(&self, state: &HttpState, principal: &str, request_id: &str) {
+        let key = (principal.to_owned(), request_id.to_owned());
+        let target = match self.lock().get(&key).map(Vec::as_slice) {
+            Some([one]) => one.clone(),
+            Some(many) if many.len() > 1 => {
+                tracing::warn!(
+                    principal,
+                    request_id,
+                    "notifications/cancelled matches several calls; cancelling none"
+                );
+                return;
+            }
+            _ => return,
+        };
+        tracing::info!(principal, request_id, call_id = %target, "MCP client cancelled the call");
+        state.gate.calls.cancel(&target);
+    }
+}
+
+/// Removes its call from [`Inflight`] when the request ends.
+struct Registered {
+    inflight: Arc<Inflight>,
+    key: (String, String),
+    call_id: String,
+}
+
+impl Drop for Registered {
+    fn drop(&mut self) {
+        let mut calls = self.inflight.lock();
+        if let Some(ids) = calls.get_mut(&self.key) {
+            ids.retain(|id| *id != self.call_id);
+            if ids.is_empty() {
+                calls.remove(&self.key);
+            }
+        }
+    }
+}
+
+/// The rmcp server handler: one per request (stateless), cheap to clone.
+#[derive(Clone)]
+struct AirlockMcp {
+    state: HttpState,
+    inflight: Arc<Inflight>,
+}
+
+impl AirlockMcp {
+    fn caller(
+        context: &RequestContext<RoleServer>,
+    ) -> Result<(Principal, ChosenSession), McpError> {
+        let parts = context.extensions.get::<axum::http::request::Parts>();
+        let principal = parts.and_then(|p| p.extensions.get::<Principal>()).cloned();
+        let session = parts
+            .and_then(|p| p.extensions.get::<ChosenSession>())
+            .cloned();
+        match (principal, session) {
+            (Some(p), Some(s)) => Ok((p, s)),
+            _ => Err(McpError::internal_error(
+                "the request reached the MCP handler without authentication",
+                None,
+            )),
+        }
+    }
+
+    async fn run_call(
+        &self,
+        principal: Principal,
+        chosen: ChosenSession,
+        request: CallToolRequestParams,
+        context: RequestContext<RoleServer>,
+    ) -> CallToolResult {
+        let gate = &self.state.gate;
+        if !principal.has(Role::Agent) {
+            return error_result(format!(
+                "principal {:?} lacks the agent role and may not call tools",
+                principal.name
+            ));
+        }
+        if let Err(e) = gate.budgets.take(&principal.name, 1) {
+            return error_result(e.to_string());
+        }
+        let request_id = request_id_text(&context.id);
+        let progress_token = context
+            .meta
+            .get_progress_token()
+            .or_else(|| request.meta.as_ref().and_then(|m| m.get_progress_token()));
+        let tool_use = ToolUse {
+            id: format!("mcp-{}", request_id.trim_matches('"'))
+                .chars()
+                .take(256)
+                .collect(),
+            name: request.name.to_string(),
+            input: Value::Object(request.arguments.unwrap_or_default()),
+        };
+        let (events_tx, events_rx) = mpsc::channel(EVENT_BUFFER);
+        let mut rx = gate.submit(
+            &principal,
+            &chosen.session,
+            chosen.named,
+            tool_use,
+            Some(events_tx),
+        );
+        let call_id = rx.borrow().call_id.clone();
+        let _registered = self
+            .inflight
+            .register(&principal.name, request_id, &call_id);
+        let mut progress = Progress {
+            token: progress_token,
+            context: &context,
+            last: 0.0,
+        };
+        let approval_wait = gate.default_wait();
+        let hard_limit = tokio::time::Instant::now()
+            + Duration::from_millis(wire::MAX_WAIT_MS)
+            + Duration::from_millis(gate.limits.max_call_timeout_ms);
+        let mut events = Some(events_rx);
+        let mut pending_since: Option<tokio::time::Instant> = None;
+        loop {
+            let record = rx.borrow_and_update().clone();
+            if record.status.is_final() {
+                // Events sent before the result are already queued: deliver them first.
+                if let Some(events) = events.as_mut() {
+                    while let Ok(event) = events.try_recv() {
+                        progress.worker_event(event).await;
+                    }
+                }
+                return final_result(&record);
+            }
+            if record.status == CallStatus::PendingApproval && pending_since.is_none() {
+                pending_since = Some(tokio::time::Instant::now());
+                if let Some(approval) = &record.approval_id {
+                    progress
+                        .send(
+                            None,
+                            format!(
+                                "waiting for approval {approval}; an approver can run `airlock approvals approve {approval}`"
+                            ),
+                        )
+                        .await;
+                }
+            }
+            let deadline = match pending_since {
+                Some(since) if record.status == CallStatus::PendingApproval => {
+                    (since + approval_wait).min(hard_limit)
+                }
+                _ => hard_limit,
+            };
+            tokio::select! {
+                changed = rx.changed() => {
+                    if changed.is_err() {
+                        return final_result(&rx.borrow().clone());
+                    }
+                }
+                event = recv(&mut events) => match event {
+                    Some(event) => progress.worker_event(event).await,
+                    None => events = None,
+                },
+                () = context.ct.cancelled() => {
+                    gate.calls.cancel(&call_id);
+                    return error_result(format!("call {call_id} was cancelled by the client"));
+                }
+                () = tokio::time::sleep_until(deadline) => {
+                    let record = rx.borrow().clone();
+                    return match (record.status, &record.approval_id) {
+                        (CallStatus::PendingApproval, Some(approval)) => with_meta(error_result(format!(
+                            "call {call_id} is waiting for approval {approval}, which nobody has decided yet. \
+                             An approver can run `airlock approvals approve {approval}` (or `airlock approvals deny {approval}`); \
+                             the call then runs once and its result is at GET /v1/calls/{call_id}. \
+                             Calling the tool again would ask for a second approval."
+                        )), &record),
+                        _ if record.status.is_final() => final_result(&record),
+                        _ => with_meta(error_result(format!(
+                            "call {call_id} is still running; its result will be at GET /v1/calls/{call_id}"
+                        )), &record),
+                    };
+                }
+            }
+        }
+    }
+}
+
+/// Receives from an optional channel; pending forever once it is closed.
+async fn recv(events: &mut Option<mpsc::Receiver<WorkerEvent>>) -> Option<WorkerEvent> {
+    match events {
+        Some(rx) => rx.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Forwards worker events as `notifications/progress` when the client asked for them.
+struct Progress<'a> {
+    token: Option<ProgressToken>,
+    context: &'a RequestContext<RoleServer>,
+    last: f64,
+}
+
+impl Progress<'_> {
+    async fn worker_event(&mut self, event: WorkerEvent) {
+        match event {
+            WorkerEvent::Progress {
+                progress,
+                total,
+                message,
+            } => {
+                let value = if progress > self.last {
+                    progress
+                } else {
+                    self.last + 1.0
+                };
+                let total = total.filter(|t| *t >= value);
+                self.send_at(value, total, message).await;
+            }
+            WorkerEvent::Output { stream, data } => {
+                let text = String::from_utf8_lossy(&data);
+                self.send(None, format!("[{stream}] {text}")).await;
+            }
+        }
+    }
+
+    async fn send(&mut self, total: Option<f64>, message: String) {
+        let value = self.last + 1.0;
+        self.send_at(value, total, message).await;
+    }
+
+    async fn send_at(&mut self, value: f64, total: Option<f64>, mut message: String) {
+        let Some(token) = self.token.clone() else {
+            return;
+        };
+        self.last = value;
+        if message.len() > MAX_PROGRESS_MESSAGE {
+            let mut end = MAX_PROGRESS_MESSAGE;
+            while !message.is_char_boundary(end) {
+                end -= 1;
+            }
+            message.truncate(end);
+            message.push('…');
+        }
+        let mut param = ProgressNotificationParam::new(token, value);
+        if let Some(total) = total {
+            param = param.with_total(total);
+        }
+        if !message.is_empty() {
+            param = param.with_message(message);
+        }
+        if let Err(e) = self.context.peer.notify_progress(param).await {
+            tracing::debug!(error = %e, "cannot send an MCP progress notification");
+        }
+    }
+}
+
+fn request_id_text(id: &RequestId) -> String {
+    serde_json::to_value(id)
+        .map(|v| v.to_string())
+        .unwrap_or_default()
+}
+
+fn error_result(text: impl Into<String>) -> CallToolResult {
+    CallToolResult::error(vec![ContentBlock::text(text.into())])
+}
+
+/// The MCP result of a final call: the tool's text blocks and its error flag.
+fn final_result(record: &CallRecord) -> CallToolResult {
+    let Some(outcome) = &record.result else {
+        return error_result(format!(
+            "call {} ended ({}) without a result",
+            record.call_id,
+            record.status.as_str()
+        ));
+    };
+    let content = outcome
+        .content
+        .iter()
+        .map(|t| ContentBlock::text(t.clone()))
+        .collect();
+    let result = if outcome.is_error {
+        CallToolResult::error(content)
+    } else {
+        CallToolResult::success(content)
+    };
+    with_meta(result, record)
+}
+
+/// Adds Airlock's view of the call as `_meta`: `airlock/call_id`, `airlock/status` and,
+/// when there is one, `airlock/approval_id`.
+fn with_meta(mut result: CallToolResult, record: &CallRecord) -> CallToolResult {
+    let mut meta = rmcp::model::MetaObject::new();
+    meta.0
+        .insert("airlock/call_id".into(), json!(record.call_id));
+    meta.0
+        .insert("airlock/status".into(), json!(record.status.as_str()));
+    if let Some(approval) = &record.approval_id {
+        meta.0.insert("airlock/approval_id".into(), json!(approval));
+    }
+    result.meta = Some(meta);
+    result
+}
+
+impl ServerHandler for AirlockMcp {
+    fn get_info(&self) -> ServerConfig {
+        ServerConfig::new(ServerCapabilities::builder().enable_tools().build())
+            .with_server_info(
+                Implementation::new("airlock", env!("CARGO_PKG_VERSION")).with_title("Airlock"),
+            )
+            .with_instructions(
+                "Airlock runs each tool call in a sandbox after schema validation, policy and \
+                 (for irreversible tools) human approval. Paths are relative to the session's \
+                 workspace. An error result explains what to change.",
+            )
+    }
+
+    async fn list_tools(
+        &self,
+        _request: Option<PaginatedRequestParams>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<ListToolsResult, McpError> {
+        let (principal, _) = Self::caller(&context)?;
+        let mut tools = Vec::new();
+        for tool in self.state.gate.visible_tools(&principal) {
+            let entry = wire::catalog_entry(&tool, CatalogFormat::Mcp);
+            match serde_json::from_value::<Tool>(entry) {
+                Ok(t) => tools.push(t),
+                Err(e) => {
+                    tracing::warn!(tool = %tool.definition.name, error = %e, "tool cannot be listed over MCP")
+                }
+            }
+        }
+        // Visibility depends on the principal and the policy, which may be reloaded.
+        Ok(ListToolsResult::with_all_items(tools)
+            .with_ttl_ms(0)
+            .with_cache_scope(CacheScope::Private))
+    }
+
+    async fn call_tool(
+        &self,
+        request: CallToolRequestParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResponse, McpError> {
+        let (principal, chosen) = Self::caller(&context)?;
+        Ok(self
+            .run_call(principal, chosen, request, context)
+            .await
+            .into())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn loopback_origins_pass_and_lookalikes_do_not() {
+        let origins = AllowedOrigins {
+            extra: vec![
+                "https://console.example.com".into(),
+                "http://tools.internal:*".into(),
+            ],
+        };
+        for ok in [
+            "http://localhost",
+            "http://localhost:3000",
+            "http://127.0.0.1:7070",
+            "http://[::1]:8080",
+            "https://localhost",
+            "HTTP://LOCALHOST:1",
+            "https://console.example.com",
+            "http://tools.internal:9000",
+            "http://tools.internal",
+        ] {
+            assert!(origins.allows(ok), "{ok}");
+        }
+        for bad in [
+            "http://evil.example",
+            "http://localhost.evil.example",
+            "http://127.0.0.1.nip.io",
+            "http://localhost@evil.example",
+            "http://localhost:80/path",
+            "http://localhost:abc",
+            "null",
+            "file://",
+            "https://console.example.com:8443",
+            "https://tools.internal:9000",
+            "ws://localhost",
+        ] {
+            assert!(!origins.allows(bad), "{bad}");
+        }
+    }
+
+    #[test]
+    fn cancellation_notices_are_found_in_single_and_batched_bodies() {
+        let one = br#"{"jsonrpc":"2.0","method":"notifications/cancelled","params":{"requestId":7,"reason":"user"}}"#;
+        assert_eq!(cancelled_request_ids(one), vec!["7".to_owned()]);
+        let batch = br#"[{"jsonrpc":"2.0","method":"notifications/cancelled","params":{"requestId":"a"}},{"jsonrpc":"2.0","id":1,"method":"tools/list"}]"#;
+        assert_eq!(cancelled_request_ids(batch), vec!["\"a\"".to_owned()]);
+        assert!(cancelled_request_ids(b"{not json").is_empty());
+        assert!(
+            cancelled_request_ids(br#"{"jsonrpc":"2.0","id":1,"method":"tools/call"}"#).is_empty()
+        );
+    }
+
+    #[test]
+    fn session_comes_from_the_query_string() {
+        let c = session_from_query(Some("session_id=work-1")).unwrap();
+        assert!(c.named);
+        assert_eq!(c.session.as_str(), "work-1");
+        let c = session_from_query(None).unwrap();
+        assert!(!c.named);
+        assert_eq!(c.session.as_str(), "default");
+        assert!(session_from_query(Some("session_id=..%2Fx")).is_err());
+    }
+
+    #[test]
+    fn request_ids_match_the_wire_text() {
+        assert_eq!(request_id_text(&RequestId::Number(3)), "3");
+        assert_eq!(request_id_text(&RequestId::String("x".into())), "\"x\"");
+    }
+}
