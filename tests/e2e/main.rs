@@ -11,6 +11,8 @@ mod fs_tools;
 mod gate;
 mod grpc_api;
 mod http_api;
+mod mcp;
+mod net_db;
 mod replicas;
 mod shell;
 mod supervision;

@@ -253,7 +253,11 @@ async fn every_long_running_component_is_confined() {
                 .unwrap_or_default()
                 .to_owned()
         };
-        if cmd.contains("serve orchestrator") || cmd.contains("serve worker fs") {
+        if cmd.contains("serve orchestrator")
+            || cmd.contains("serve worker fs")
+            || cmd.contains("serve worker http")
+            || cmd.contains("serve worker db")
+        {
             assert_eq!(field("NoNewPrivs:"), "1", "{cmd}");
             assert_eq!(field("Seccomp:"), "2", "{cmd}");
             assert_eq!(field("CapEff:"), "0000000000000000", "{cmd}");
@@ -271,8 +275,8 @@ async fn every_long_running_component_is_confined() {
         }
     }
     assert_eq!(
-        checked, 3,
-        "orchestrator, fs and shell workers: {processes:?}"
+        checked, 5,
+        "orchestrator and the fs, shell, http and db workers: {processes:?}"
     );
 }
 
@@ -282,15 +286,97 @@ async fn the_sandbox_cannot_leave_setid_files_in_the_workspace() {
     let script = "cp /usr/bin/id x; chmod 4755 x; echo chmod=$?; chmod 2755 x; echo chgrp=$?; \
                   perl -e 'use Fcntl; sysopen(F, \"y\", O_CREAT|O_WRONLY, 06755) or print \"open=$!\\n\"'; \
                   chmod 755 x; echo plain=$?";
-    let (_, text, _) = airlock.call_in("setid", "execute_shell", json!({"command": script})).await;
+    let (_, text, _) = airlock
+        .call_in("setid", "execute_shell", json!({"command": script}))
+        .await;
     let result = parse(&text);
     let stdout = result["stdout"].as_str().expect("stdout");
-    assert!(stdout.contains("chmod=1") && stdout.contains("chgrp=1"), "{stdout}");
+    assert!(
+        stdout.contains("chmod=1") && stdout.contains("chgrp=1"),
+        "{stdout}"
+    );
     assert!(stdout.contains("open=Operation not permitted"), "{stdout}");
-    assert!(stdout.contains("plain=0"), "ordinary modes still work: {stdout}");
+    assert!(
+        stdout.contains("plain=0"),
+        "ordinary modes still work: {stdout}"
+    );
     use std::os::unix::fs::PermissionsExt;
-    for entry in std::fs::read_dir(airlock.workspace("setid")).expect("workspace").flatten() {
+    for entry in std::fs::read_dir(airlock.workspace("setid"))
+        .expect("workspace")
+        .flatten()
+    {
         let mode = entry.metadata().expect("metadata").permissions().mode();
         assert_eq!(mode & 0o6000, 0, "{:?} has mode {mode:o}", entry.path());
     }
+}
+
+#[tokio::test]
+async fn tool_calls_stream_server_sent_events_and_closing_cancels() {
+    let airlock = Airlock::start().await;
+    let body = json!({"session_id": "sse", "tool_uses": [{"type": "tool_use", "id": "s1", "name": "execute_shell",
+        "input": {"command": "echo first; sleep 2; echo second"}}]});
+    let response = airlock
+        .request(reqwest::Method::POST, "/v1/tool_calls?stream=true")
+        .json(&body)
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(response.status(), 200);
+    assert!(
+        response.headers()["content-type"]
+            .to_str()
+            .expect("type")
+            .starts_with("text/event-stream")
+    );
+    let text = response.text().await.expect("body");
+    let names: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("event: "))
+        .collect();
+    assert_eq!(names.first(), Some(&"call.started"), "{text}");
+    assert_eq!(names.last(), Some(&"call.completed"), "{text}");
+    let first_output = text.find("first").expect("output event");
+    let second_output = text.find("second").expect("second output");
+    let completed = text.find("event: call.completed").expect("completed");
+    assert!(names.contains(&"call.output"));
+    assert!(
+        first_output < completed && second_output < completed,
+        "outputs precede completion"
+    );
+
+    // Closing the stream cancels the call and kills its sandbox.
+    let marker = format!("airlock-sse-{}", std::process::id());
+    let body = json!({"tool_uses": [{"type": "tool_use", "id": "s2", "name": "execute_shell",
+        "input": {"command": format!("sleep 60 # {marker}"), "timeout_seconds": 120}}]});
+    let response = airlock
+        .request(reqwest::Method::POST, "/v1/tool_calls?stream=true")
+        .json(&body)
+        .send()
+        .await
+        .expect("send");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !descendants(airlock.pid())
+        .iter()
+        .any(|p| cmdline(*p).contains(&marker))
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the streamed command never started"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    drop(response);
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while descendants(airlock.pid())
+        .iter()
+        .any(|p| cmdline(*p).contains(&marker))
+    {
+        assert!(
+            Instant::now() < deadline,
+            "closing the stream did not kill the sandbox"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (status, _) = airlock.post("/v1/tool_calls?stream=maybe", &body).await;
+    assert_eq!(status, 400);
 }

@@ -204,7 +204,11 @@ async fn list_tools(
 }
 
 /// Reads the body with the configured cap.
-pub(crate) async fn read_json(headers: &HeaderMap, body: Body, limit: u64) -> Result<Value, ApiError> {
+pub(crate) async fn read_json(
+    headers: &HeaderMap,
+    body: Body,
+    limit: u64,
+) -> Result<Value, ApiError> {
     let too_large = || {
         ApiError::new(
             StatusCode::PAYLOAD_TOO_LARGE,
@@ -245,10 +249,16 @@ pub(crate) async fn read_json(headers: &HeaderMap, body: Body, limit: u64) -> Re
 async fn tool_calls(
     State(state): State<HttpState>,
     axum::Extension(principal): axum::Extension<Principal>,
+    q: Result<Query<HashMap<String, String>>, QueryRejection>,
     headers: HeaderMap,
     body: Body,
-) -> Result<axum::Json<Value>, Rejection> {
+) -> Result<Response, Rejection> {
     require_role(&principal, Role::Agent)?;
+    let stream = match query(q)?.get("stream").map(String::as_str) {
+        None | Some("false") | Some("0") => false,
+        Some("true") | Some("1") => true,
+        Some(_) => return Err(ApiError::bad_request("stream must be true or false").into()),
+    };
     let gate = &state.gate;
     let body = read_json(&headers, body, gate.limits.max_request_bytes).await?;
     let request = wire::parse_tool_calls(&body, gate.limits.max_tool_uses_per_request)?;
@@ -274,6 +284,16 @@ async fn tool_calls(
         .map(Duration::from_millis)
         .unwrap_or_else(|| gate.default_wait());
 
+    if stream {
+        return Ok(crate::streaming::tool_calls(
+            gate.clone(),
+            &principal,
+            &session,
+            session_named,
+            request.calls,
+        )
+        .into_response());
+    }
     let receivers: Vec<_> = request
         .calls
         .into_iter()
@@ -284,10 +304,7 @@ async fn tool_calls(
         .collect();
     let records =
         futures::future::join_all(receivers.into_iter().map(|rx| wait_final(rx, wait))).await;
-    Ok(axum::Json(wire::tool_calls_response(
-        request.shape,
-        &records,
-    )))
+    Ok(axum::Json(wire::tool_calls_response(request.shape, &records)).into_response())
 }
 
 /// An error that is either the usual JSON error or a prepared response (429 with

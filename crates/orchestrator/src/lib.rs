@@ -21,6 +21,7 @@ mod http_api;
 mod mcp;
 mod openapi;
 mod server;
+mod streaming;
 pub mod store;
 mod wire;
 

@@ -1,0 +1,146 @@
+//! The http and db workers through `airlock up`: egress policy, approvals by method,
+//! the demo database, read-only enforcement.
+
+use std::io::{Read, Write};
+use std::net::TcpListener;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use serde_json::{Value, json};
+
+use crate::support::Airlock;
+
+/// A loopback HTTP server answering every request with a small page; counts connections.
+fn page_server() -> (u16, Arc<AtomicUsize>) {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = listener.local_addr().expect("addr").port();
+    let hits = Arc::new(AtomicUsize::new(0));
+    let counter = hits.clone();
+    std::thread::spawn(move || {
+        for stream in listener.incoming().take(64) {
+            let Ok(mut stream) = stream else { continue };
+            counter.fetch_add(1, Ordering::SeqCst);
+            let mut buf = [0u8; 4096];
+            let _ = stream.read(&mut buf);
+            let body = "<html><head><meta charset=\"utf-8\"><title>Hi</title></head><body><h1>Café</h1><p>hello</p></body></html>";
+            let _ = write!(
+                stream,
+                "HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            );
+        }
+    });
+    (port, hits)
+}
+
+fn parse(text: &str) -> Value {
+    serde_json::from_str(text).unwrap_or_else(|e| panic!("not JSON ({e}): {text}"))
+}
+
+#[tokio::test]
+async fn http_tools_follow_the_egress_policy_and_approvals_by_method() {
+    let (allowed, hits) = page_server();
+    let (refused, refused_hits) = page_server();
+    let airlock = Airlock::start_with(&format!(
+        "[http]\nallow = [\"127.0.0.1:{allowed}\"]\n[approvals]\ntools = [\"http_request\"]\n"
+    ))
+    .await;
+
+    let (err, text, _) = airlock
+        .call(
+            "fetch_url",
+            json!({"url": format!("http://127.0.0.1:{allowed}/")}),
+        )
+        .await;
+    assert!(!err, "{text}");
+    assert!(
+        parse(&text)["content"]
+            .as_str()
+            .expect("content")
+            .contains("Café"),
+        "{text}"
+    );
+    let (err, text, call) = airlock
+        .call(
+            "http_request",
+            json!({"method": "GET", "url": format!("http://127.0.0.1:{allowed}/x")}),
+        )
+        .await;
+    assert!(
+        !err && call["status"] == "ok",
+        "GET needs no approval: {text}"
+    );
+    assert_eq!(parse(&text)["status"], 200);
+
+    for url in [
+        format!("http://127.0.0.1:{refused}/"),
+        format!("http://2130706433:{refused}/"),
+        "http://169.254.169.254/latest/meta-data/".to_owned(),
+        format!("http://[::1]:{allowed}/"),
+        format!("http://0x7f000001:{refused}/"),
+    ] {
+        let (err, text, _) = airlock.call("fetch_url", json!({"url": url})).await;
+        assert!(err && text.contains("refused"), "{url}: {text}");
+    }
+    assert_eq!(
+        refused_hits.load(Ordering::SeqCst),
+        0,
+        "the refused server saw no connection"
+    );
+
+    // A POST needs a human.
+    let body = json!({"wait_ms": 300, "tool_uses": [{"type": "tool_use", "id": "p", "name": "http_request",
+        "input": {"method": "POST", "url": format!("http://127.0.0.1:{allowed}/"), "body": "x"}}]});
+    let (_, response) = airlock.post("/v1/tool_calls", &body).await;
+    assert_eq!(
+        response["calls"][0]["status"], "pending_approval",
+        "{response}"
+    );
+    assert!(hits.load(Ordering::SeqCst) >= 2);
+}
+
+#[tokio::test]
+async fn the_demo_database_is_served_read_only_in_depth() {
+    let airlock = Airlock::start_with("[approvals]\ntools = [\"execute_sql\"]\n").await;
+    let (err, text, _) = airlock.call("list_databases", json!({})).await;
+    assert!(!err && text.contains("demo"), "{text}");
+    let (err, text, _) = airlock
+        .call("list_tables", json!({"database": "demo"}))
+        .await;
+    assert!(
+        !err && text.contains("order_totals"),
+        "views are listed: {text}"
+    );
+    let (err, text, _) = airlock
+        .call("query_database", json!({"database": "demo", "sql": "SELECT name FROM customers WHERE id = ?", "params": [2]}))
+        .await;
+    assert!(!err, "{text}");
+    assert_eq!(parse(&text)["rows"], json!([["Grace Hopper"]]));
+    for sql in [
+        "DELETE FROM customers",
+        "SELECT 1; DROP TABLE orders",
+        "WITH x AS (DELETE FROM orders RETURNING *) SELECT * FROM x",
+        "ATTACH DATABASE '/tmp/x.db' AS x",
+    ] {
+        let (err, text, _) = airlock
+            .call("query_database", json!({"database": "demo", "sql": sql}))
+            .await;
+        assert!(err, "{sql} was accepted: {text}");
+    }
+    let (_, text, _) = airlock
+        .call(
+            "query_database",
+            json!({"database": "demo", "sql": "SELECT count(*) FROM orders"}),
+        )
+        .await;
+    assert_eq!(parse(&text)["rows"], json!([[4]]), "nothing changed");
+
+    // execute_sql waits for approval by default.
+    let body = json!({"wait_ms": 300, "tool_uses": [{"type": "tool_use", "id": "w", "name": "execute_sql",
+        "input": {"database": "demo", "sql": "DELETE FROM orders"}}]});
+    let (_, response) = airlock.post("/v1/tool_calls", &body).await;
+    assert_eq!(
+        response["calls"][0]["status"], "pending_approval",
+        "{response}"
+    );
+}
