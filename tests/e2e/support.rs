@@ -27,6 +27,12 @@ impl Airlock {
     /// `[approvals]` (or `[budgets]`) section, approvals and the rate limit are off, so
     /// tests about other things are not held up by them.
     pub async fn start_with(extra_config: &str) -> Self {
+        Self::start_with_env(extra_config, &[]).await
+    }
+
+    /// [`Airlock::start_with`], with extra environment variables for `airlock up` (which
+    /// passes its environment to the orchestrator, e.g. a model provider's API key).
+    pub async fn start_with_env(extra_config: &str, env: &[(&str, &str)]) -> Self {
         let mut extra = extra_config.to_owned();
         if !extra.contains("[approvals]") {
             extra.push_str("\n[approvals]\ntools = []\n");
@@ -54,6 +60,7 @@ impl Airlock {
             .env("RUST_LOG", "info")
             .env_remove("AIRLOCK_URL")
             .env_remove("AIRLOCK_TOKEN")
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log)

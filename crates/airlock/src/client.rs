@@ -257,3 +257,178 @@ pub fn audit(connection: &Connection, action: &crate::AuditAction) -> anyhow::Re
         }
     }
 }
+
+/// `airlock agent "<prompt>"`: posts to `/v1/agent/runs` and prints the events as they
+/// arrive — the model's text as it streams, each tool call and result on one line.
+/// Exits 1 when the run fails.
+pub fn agent(
+    connection: &Connection,
+    prompt: &str,
+    session: Option<&str>,
+    max_turns: Option<u32>,
+    raw: bool,
+) -> anyhow::Result<ExitCode> {
+    use airlock_orchestrator::agent::sse::SseParser;
+    use std::io::Write;
+
+    let target = Target::resolve(connection)?;
+    let mut body = json!({"prompt": prompt});
+    if let Some(session) = session {
+        body["session_id"] = json!(session);
+    }
+    if let Some(n) = max_turns {
+        body["max_turns"] = json!(n);
+    }
+    Target::runtime()?.block_on(async {
+        let client = reqwest::Client::new();
+        let mut response = client
+            .post(format!("{}/v1/agent/runs", target.url))
+            .bearer_auth(&target.token)
+            .json(&body)
+            .send()
+            .await
+            .with_context(|| format!("cannot reach {}", target.url))?;
+        let status = response.status();
+        if !status.is_success() {
+            let body: Value = response.json().await.unwrap_or(Value::Null);
+            let message = body["error"]["message"].as_str().unwrap_or("no message");
+            bail!("{status}: {message}");
+        }
+        let mut parser = SseParser::default();
+        let mut printer = AgentPrinter::default();
+        let mut stdout = std::io::stdout();
+        loop {
+            let chunk = response
+                .chunk()
+                .await
+                .context("the event stream broke off")?;
+            let events = match &chunk {
+                Some(chunk) => parser.feed(chunk)?,
+                None => parser.finish()?.into_iter().collect(),
+            };
+            for event in events {
+                let data: Value = serde_json::from_str(&event.data).unwrap_or(Value::Null);
+                let kind = event.event.unwrap_or_default();
+                if raw {
+                    println!("{}", json!({"kind": kind, "data": data}));
+                } else {
+                    printer.print(&kind, &data);
+                }
+                let _ = stdout.flush();
+                match kind.as_str() {
+                    "run.completed" => return Ok(ExitCode::SUCCESS),
+                    "run.failed" => return Ok(ExitCode::FAILURE),
+                    _ => {}
+                }
+            }
+            if chunk.is_none() {
+                bail!("the event stream ended before the run did");
+            }
+        }
+    })
+}
+
+/// Turns agent events into readable lines.
+#[derive(Default)]
+struct AgentPrinter {
+    /// Model text was printed without its line ending yet.
+    mid_line: bool,
+}
+
+fn one_line(text: &str, max: usize) -> String {
+    let flat: String = text
+        .chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .collect();
+    if flat.chars().count() > max {
+        let cut: String = flat.chars().take(max).collect();
+        format!("{cut}…")
+    } else {
+        flat
+    }
+}
+
+impl AgentPrinter {
+    fn end_line(&mut self) {
+        if self.mid_line {
+            println!();
+            self.mid_line = false;
+        }
+    }
+
+    fn print(&mut self, kind: &str, data: &Value) {
+        let s = |k: &str| data[k].as_str().unwrap_or("?").to_owned();
+        match kind {
+            "run.started" => {
+                eprintln!(
+                    "[run {} · session {} · {} {}]",
+                    s("run_id"),
+                    s("session_id"),
+                    s("provider"),
+                    s("model")
+                );
+            }
+            "model.text" => {
+                let text = data["text"].as_str().unwrap_or_default();
+                print!("{text}");
+                self.mid_line = !text.ends_with('\n');
+            }
+            "tool.call" => {
+                self.end_line();
+                let input = if data["input"].is_null() {
+                    format!("(invalid arguments: {})", s("input_error"))
+                } else {
+                    data["input"].to_string()
+                };
+                println!("→ {} {}", s("name"), one_line(&input, 200));
+            }
+            "tool.pending_approval" => {
+                self.end_line();
+                println!(
+                    "… {} waits for approval: airlock approvals approve {}",
+                    s("name"),
+                    s("approval_id")
+                );
+            }
+            "tool.result" => {
+                self.end_line();
+                let mark = if data["is_error"].as_bool().unwrap_or(true) {
+                    "✗"
+                } else {
+                    "✓"
+                };
+                println!(
+                    "{mark} {} {}: {}",
+                    s("name"),
+                    s("status"),
+                    one_line(data["text"].as_str().unwrap_or_default(), 200)
+                );
+            }
+            "run.completed" => {
+                self.end_line();
+                let truncated = if data["truncated"].as_bool().unwrap_or(false) {
+                    " · output cut off at max_tokens"
+                } else {
+                    ""
+                };
+                eprintln!(
+                    "[completed: {} · {} turns · {} tool calls · {} in / {} out tokens{truncated}]",
+                    s("stop_reason"),
+                    data["turns"],
+                    data["tool_calls"],
+                    data["usage"]["input_tokens"],
+                    data["usage"]["output_tokens"],
+                );
+            }
+            "run.failed" => {
+                self.end_line();
+                eprintln!(
+                    "airlock: agent run failed ({}): {}",
+                    s("reason"),
+                    s("message")
+                );
+            }
+            _ => {}
+        }
+    }
+}

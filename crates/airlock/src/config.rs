@@ -6,8 +6,8 @@
 use std::path::{Path, PathBuf};
 
 use airlock_orchestrator::{
-    AgentConfig, ApprovalsConfig, AuditConfig, BudgetConfig, CacheConfig, OrchestratorConfig, PrincipalConfig,
-    WorkerGroupConfig,
+    AgentConfig, ApprovalsConfig, AuditConfig, BudgetConfig, CacheConfig, OrchestratorConfig,
+    PrincipalConfig, WorkerGroupConfig,
 };
 use airlock_policy::Limits;
 use airlock_worker_db::DatabaseConfig;
@@ -291,5 +291,32 @@ mod tests {
         let config: AirlockConfig = toml::from_str(text).unwrap();
         assert_eq!(config.workers[0].group, "fs");
         assert_eq!(config.principals[0].token_env.as_deref(), Some("CI_TOKEN"));
+    }
+
+    #[test]
+    fn agent_section_parses_and_is_checked() {
+        let config: AirlockConfig = toml::from_str("").unwrap();
+        assert_eq!(config.agent.max_turns, 20);
+        assert_eq!(config.agent.max_tool_calls, 100);
+        assert_eq!(config.agent.max_seconds, 600);
+        assert_eq!(config.agent.max_tokens, 4096);
+        assert!(config.agent.stream);
+        let text = r#"
+            [agent]
+            provider = "openai"
+            model = "llama3.1"
+            base_url = "http://127.0.0.1:11434/v1"
+            api_key_env = ""
+            stream = false
+            max_turns = 5
+        "#;
+        let config: AirlockConfig = toml::from_str(text).unwrap();
+        assert_eq!(
+            config.agent.provider,
+            airlock_orchestrator::ProviderKind::OpenAi
+        );
+        assert_eq!(config.agent.max_turns, 5);
+        assert!(toml::from_str::<AirlockConfig>("[agent]\nprovider = \"gemini\"\n").is_err());
+        assert!(toml::from_str::<AirlockConfig>("[agent]\napi_key = \"sk-x\"\n").is_err());
     }
 }

@@ -109,6 +109,21 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Run the agent loop with the configured model provider ([agent] in airlock.toml).
+    Agent {
+        prompt: String,
+        #[command(flatten)]
+        connection: Connection,
+        /// Session whose workspace the run's calls use (default: a fresh one).
+        #[arg(long)]
+        session: Option<String>,
+        /// Fewer model turns than [agent] max_turns.
+        #[arg(long)]
+        max_turns: Option<u32>,
+        /// Print each event as one JSON line instead.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -192,6 +207,13 @@ fn main() -> ExitCode {
             session,
             json,
         } => client::call(&connection, &tool, &input, session.as_deref(), json),
+        Command::Agent {
+            prompt,
+            connection,
+            session,
+            max_turns,
+            json,
+        } => client::agent(&connection, &prompt, session.as_deref(), max_turns, json),
     };
     match result {
         Ok(code) => code,

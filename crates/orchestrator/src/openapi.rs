@@ -68,6 +68,12 @@ pub fn document() -> Value {
                 "parameters": [{"name": "call_id", "in": "path", "required": true, "schema": {"type": "string"}}],
                 "responses": with_errors(json!({"200": json_response("The call after cancellation", json!({"$ref": "#/components/schemas/Call"}))})),
             }},
+            "/v1/agent/runs": {"post": {
+                "summary": "Run the agent loop with the configured model provider",
+                "description": "Streams Server-Sent Events (event: <kind>, data: <JSON object>): run.started, model.text (text deltas), tool.call, tool.pending_approval, tool.result, then run.completed or run.failed (reason max_turns, max_tool_calls, max_seconds or provider_error). Every tool call passes the same gate as /v1/tool_calls. Closing the stream cancels the run and its calls in flight. 503 when the provider cannot be used (e.g. its API key variable is unset). Needs the agent role.",
+                "requestBody": {"required": true, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/AgentRunRequest"}}}},
+                "responses": with_errors(json!({"200": {"description": "The run's events", "content": {"text/event-stream": {"schema": {"type": "string"}}}}})),
+            }},
             "/healthz": {"get": {"summary": "Process is up", "security": [],
                 "responses": {"200": json_response("Up", json!({"type": "object"}))}}},
             "/readyz": {"get": {"summary": "Every tool group has a live worker", "security": [],
@@ -103,6 +109,10 @@ pub fn document() -> Value {
                     "messages": {"type": "array", "items": {"type": "object"}},
                     "outputs": {"type": "array", "items": {"type": "object"}},
                     "calls": {"type": "array", "items": {"$ref": "#/components/schemas/CallSummary"}}}},
+                "AgentRunRequest": {"type": "object", "required": ["prompt"], "additionalProperties": false, "properties": {
+                    "prompt": {"type": "string", "minLength": 1},
+                    "session_id": {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$", "description": "Default: a fresh session agent-<uuid>"},
+                    "max_turns": {"type": "integer", "minimum": 1, "description": "At most [agent] max_turns"}}},
                 "Call": {"allOf": [{"$ref": "#/components/schemas/CallSummary"}, {"type": "object", "properties": {
                     "tool": {"type": "string"}, "tool_result": {"$ref": "#/components/schemas/ToolResult"}}}]},
             },

@@ -140,9 +140,8 @@ fn close_block(block: &mut Block) {
 impl Stream {
     /// Handles one event; returns a text delta to show, if any.
     pub fn on_event(&mut self, event: &SseEvent) -> Result<Option<String>, AgentError> {
-        let data: Value = serde_json::from_str(&event.data).map_err(|e| {
-            AgentError::Protocol(format!("an event's data is not JSON ({e})"))
-        })?;
+        let data: Value = serde_json::from_str(&event.data)
+            .map_err(|e| AgentError::Protocol(format!("an event's data is not JSON ({e})")))?;
         let kind = data
             .get("type")
             .and_then(Value::as_str)
@@ -190,7 +189,11 @@ impl Stream {
                     "signature_delta" => append(&mut block.value, "signature", text("signature")),
                     "citations_delta" => {
                         if let Some(citation) = delta.get("citation") {
-                            match block.value.get_mut("citations").and_then(Value::as_array_mut) {
+                            match block
+                                .value
+                                .get_mut("citations")
+                                .and_then(Value::as_array_mut)
+                            {
                                 Some(list) => list.push(citation.clone()),
                                 None => block.value["citations"] = json!([citation]),
                             }
@@ -265,7 +268,12 @@ fn append(value: &mut Value, key: &str, piece: &str) {
     }
 }
 
-fn turn(content: Vec<Value>, tool_uses: Vec<ProposedUse>, stop_reason: String, usage: Usage) -> Turn {
+fn turn(
+    content: Vec<Value>,
+    tool_uses: Vec<ProposedUse>,
+    stop_reason: String,
+    usage: Usage,
+) -> Turn {
     let text = content
         .iter()
         .filter(|b| b["type"] == "text")
@@ -309,7 +317,10 @@ pub fn parse_message(body: &Value) -> Result<Turn, AgentError> {
     if let Some(u) = body.get("usage") {
         read_usage(u, &mut usage);
     }
-    let stop_reason = body["stop_reason"].as_str().unwrap_or("end_turn").to_owned();
+    let stop_reason = body["stop_reason"]
+        .as_str()
+        .unwrap_or("end_turn")
+        .to_owned();
     Ok(turn(content, tool_uses, stop_reason, usage))
 }
 
@@ -383,7 +394,13 @@ mod tests {
             assert_eq!(turn.text, "Let me look.");
             assert_eq!(turn.stop, Stop::ToolUse);
             assert_eq!(turn.stop_reason, "tool_use");
-            assert_eq!(turn.usage, Usage { input_tokens: 25, output_tokens: 89 });
+            assert_eq!(
+                turn.usage,
+                Usage {
+                    input_tokens: 25,
+                    output_tokens: 89
+                }
+            );
             assert_eq!(turn.tool_uses.len(), 2);
             assert_eq!(turn.tool_uses[0].id, "toolu_1");
             assert_eq!(
@@ -443,7 +460,10 @@ mod tests {
             AgentError::Provider("overloaded_error: Overloaded".into())
         );
         let text = sse(&[json!({"type": "message_start", "message": {}})]);
-        assert!(matches!(run(&text, 10).unwrap_err(), AgentError::Protocol(_)));
+        assert!(matches!(
+            run(&text, 10).unwrap_err(),
+            AgentError::Protocol(_)
+        ));
     }
 
     #[test]
@@ -484,7 +504,12 @@ mod tests {
                 {"type": "tool_result", "tool_use_id": "b", "content": [{"type": "text", "text": "(no output)"}], "is_error": true},
             ]})
         );
-        let err = parse_message(&json!({"type": "error", "error": {"type": "invalid_request_error", "message": "bad"}}));
-        assert_eq!(err.unwrap_err(), AgentError::Provider("invalid_request_error: bad".into()));
+        let err = parse_message(
+            &json!({"type": "error", "error": {"type": "invalid_request_error", "message": "bad"}}),
+        );
+        assert_eq!(
+            err.unwrap_err(),
+            AgentError::Provider("invalid_request_error: bad".into())
+        );
     }
 }

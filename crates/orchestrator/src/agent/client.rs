@@ -146,7 +146,12 @@ impl HttpClient {
             .ok_or_else(|| ClientError::Url(url.to_owned()))?
             .to_owned();
         let port = uri.port_u16().unwrap_or(if https { 443 } else { 80 });
-        let target = format!("{}://{}{}", uri.scheme_str().unwrap_or("http"), authority(&host, port), uri.path());
+        let target = format!(
+            "{}://{}{}",
+            uri.scheme_str().unwrap_or("http"),
+            authority(&host, port),
+            uri.path()
+        );
         let io = self.connect(&host, port, https, &target).await?;
         let http_err = |e: &dyn std::fmt::Display| ClientError::Http {
             target: target.clone(),

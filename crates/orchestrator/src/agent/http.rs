@@ -41,9 +41,9 @@ pub fn parse_request(body: &Value) -> Result<RunRequest, String> {
     };
     let session_id = match object.get("session_id") {
         None | Some(Value::Null) => None,
-        Some(Value::String(s)) => Some(
-            airlock_policy::SessionId::parse(s).map_err(|e| format!("session_id: {e}"))?,
-        ),
+        Some(Value::String(s)) => {
+            Some(airlock_policy::SessionId::parse(s).map_err(|e| format!("session_id: {e}"))?)
+        }
         Some(_) => return Err("session_id must be a string".into()),
     };
     let max_turns = match object.get("max_turns") {
@@ -99,6 +99,8 @@ pub async fn start_run(
                     None => return,
                 },
                 _ = keep_alive.tick() => Bytes::from_static(b": keep-alive\n\n"),
+                // The client went away while the run was quiet (a tool call running).
+                _ = bytes_tx.closed() => return,
             };
             // The client went away: dropping `events` cancels the run.
             if bytes_tx.send(Ok(chunk)).await.is_err() {
@@ -125,7 +127,8 @@ mod tests {
 
     #[test]
     fn bodies_are_checked() {
-        let ok = parse_request(&json!({"prompt": "hi", "session_id": "s1", "max_turns": 3})).unwrap();
+        let ok =
+            parse_request(&json!({"prompt": "hi", "session_id": "s1", "max_turns": 3})).unwrap();
         assert_eq!(ok.prompt, "hi");
         assert_eq!(ok.session_id.unwrap().as_str(), "s1");
         assert_eq!(ok.max_turns, Some(3));

@@ -368,7 +368,9 @@ mod tests {
 
         let openai: AgentConfig =
             toml_like(r#"{"provider": "openai", "api_key_env": "", "base_url": "http://h:1/v1"}"#);
-        let r = openai.resolve(env(&[("OPENAI_BASE_URL", "http://other")])).unwrap();
+        let r = openai
+            .resolve(env(&[("OPENAI_BASE_URL", "http://other")]))
+            .unwrap();
         assert_eq!(r.base_url, "http://h:1/v1");
         assert!(r.key.is_none());
         assert_eq!(r.kind, ProviderKind::OpenAi);
@@ -377,7 +379,10 @@ mod tests {
         let err = named.resolve(env(&[("OPENAI_API_KEY", "x")])).unwrap_err();
         assert!(err.to_string().contains("MY_KEY"), "{err}");
         let r = named
-            .resolve(env(&[("MY_KEY", "x"), ("OPENAI_BASE_URL", "http://local:8000/v1")]))
+            .resolve(env(&[
+                ("MY_KEY", "x"),
+                ("OPENAI_BASE_URL", "http://local:8000/v1"),
+            ]))
             .unwrap();
         assert_eq!(r.base_url, "http://local:8000/v1");
 
@@ -405,6 +410,10 @@ mod tests {
         assert_eq!(parse_arguments("").unwrap(), json!({}));
         assert_eq!(parse_arguments("{\"a\":1}").unwrap(), json!({"a": 1}));
         assert!(parse_arguments("[1]").unwrap_err().contains("JSON object"));
-        assert!(parse_arguments("{\"a\":").unwrap_err().contains("not valid JSON"));
+        assert!(
+            parse_arguments("{\"a\":")
+                .unwrap_err()
+                .contains("not valid JSON")
+        );
     }
 }

@@ -192,7 +192,10 @@ impl Stream {
                 "the stream ended before a finish_reason or [DONE]".into(),
             ));
         }
-        let calls = self.calls.into_values().map(|c| (c.id, c.name, c.arguments));
+        let calls = self
+            .calls
+            .into_values()
+            .map(|c| (c.id, c.name, c.arguments));
         Ok(turn(
             self.text,
             calls.collect(),
@@ -202,7 +205,12 @@ impl Stream {
     }
 }
 
-fn turn(text: String, calls: Vec<(String, String, String)>, finish_reason: String, usage: Usage) -> Turn {
+fn turn(
+    text: String,
+    calls: Vec<(String, String, String)>,
+    finish_reason: String,
+    usage: Usage,
+) -> Turn {
     let mut tool_uses = Vec::new();
     let mut tool_calls = Vec::new();
     for (index, (id, name, arguments)) in calls.into_iter().enumerate() {
@@ -265,7 +273,10 @@ pub fn parse_response(body: &Value) -> Result<Turn, AgentError> {
     if let Some(u) = body.get("usage") {
         read_usage(u, &mut usage);
     }
-    let finish = choice["finish_reason"].as_str().unwrap_or("stop").to_owned();
+    let finish = choice["finish_reason"]
+        .as_str()
+        .unwrap_or("stop")
+        .to_owned();
     Ok(turn(text, calls, finish, usage))
 }
 
@@ -282,7 +293,12 @@ mod tests {
     fn chunks(deltas: &[Value]) -> String {
         let mut out: String = deltas
             .iter()
-            .map(|d| format!("data: {}\n\n", json!({"id": "c", "object": "chat.completion.chunk", "choices": [d]})))
+            .map(|d| {
+                format!(
+                    "data: {}\n\n",
+                    json!({"id": "c", "object": "chat.completion.chunk", "choices": [d]})
+                )
+            })
             .collect();
         out.push_str(&format!(
             "data: {}\n\n",
@@ -322,12 +338,24 @@ mod tests {
             let (turn, shown) = run(&text, size).unwrap();
             assert_eq!(shown, "Checking now.");
             assert_eq!(turn.stop, Stop::ToolUse);
-            assert_eq!(turn.usage, Usage { input_tokens: 11, output_tokens: 7 });
+            assert_eq!(
+                turn.usage,
+                Usage {
+                    input_tokens: 11,
+                    output_tokens: 7
+                }
+            );
             assert_eq!(turn.tool_uses.len(), 2);
             assert_eq!(turn.tool_uses[0].id, "call_a");
             assert_eq!(turn.tool_uses[0].input, Ok(json!({"path": "a.txt"})));
             assert_eq!(turn.tool_uses[1].id, "call_b");
-            assert!(turn.tool_uses[1].input.clone().unwrap_err().contains("not valid JSON"));
+            assert!(
+                turn.tool_uses[1]
+                    .input
+                    .clone()
+                    .unwrap_err()
+                    .contains("not valid JSON")
+            );
             assert_eq!(
                 turn.assistant,
                 json!({"role": "assistant", "content": "Checking now.", "tool_calls": [
@@ -349,7 +377,10 @@ mod tests {
             let body = json!({"choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": reason}], "usage": {"prompt_tokens": 1, "completion_tokens": 1}});
             let turn = parse_response(&body).unwrap();
             assert_eq!(turn.stop, stop);
-            assert_eq!(turn.assistant, json!({"role": "assistant", "content": "hi"}));
+            assert_eq!(
+                turn.assistant,
+                json!({"role": "assistant", "content": "hi"})
+            );
         }
         let body = json!({"choices": [{"index": 0, "message": {"role": "assistant", "content": null, "tool_calls": [
             {"id": "x", "type": "function", "function": {"name": "read_file", "arguments": "{\"path\":\"p\"}"}},
@@ -361,9 +392,18 @@ mod tests {
         assert!(turn.tool_uses[1].id.starts_with("call_1_"));
         assert_eq!(turn.assistant["content"], Value::Null);
 
-        let err = run("data: {\"error\": {\"message\": \"model overloaded\"}}\n\n", 4);
-        assert_eq!(err.unwrap_err(), AgentError::Provider("model overloaded".into()));
-        let err = run("data: {\"choices\": [{\"index\": 0, \"delta\": {\"content\": \"x\"}}]}\n\n", 4);
+        let err = run(
+            "data: {\"error\": {\"message\": \"model overloaded\"}}\n\n",
+            4,
+        );
+        assert_eq!(
+            err.unwrap_err(),
+            AgentError::Provider("model overloaded".into())
+        );
+        let err = run(
+            "data: {\"choices\": [{\"index\": 0, \"delta\": {\"content\": \"x\"}}]}\n\n",
+            4,
+        );
         assert!(matches!(err.unwrap_err(), AgentError::Protocol(_)));
         assert_eq!(
             results_messages(&[("a".into(), true, vec!["x".into(), "y".into()])]),

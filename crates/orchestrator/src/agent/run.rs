@@ -202,7 +202,10 @@ impl Run {
     async fn main_loop(&mut self, prompt: &str) -> Ending {
         let catalog = self.gate.visible_tools(&self.principal);
         let (tools, mut history) = match self.resolved.kind {
-            ProviderKind::Anthropic => (anthropic::tools(&catalog), anthropic::first_messages(prompt)),
+            ProviderKind::Anthropic => (
+                anthropic::tools(&catalog),
+                anthropic::first_messages(prompt),
+            ),
             ProviderKind::OpenAi => (
                 openai::tools(&catalog),
                 openai::first_messages(self.resolved.config.system.as_deref(), prompt),
@@ -220,7 +223,9 @@ impl Run {
             }
             self.turns += 1;
             let body = match self.resolved.kind {
-                ProviderKind::Anthropic => anthropic::request_body(&self.resolved, &history, &tools),
+                ProviderKind::Anthropic => {
+                    anthropic::request_body(&self.resolved, &history, &tools)
+                }
                 ProviderKind::OpenAi => openai::request_body(&self.resolved, &history, &tools),
             };
             let result = tokio::select! {
@@ -330,7 +335,12 @@ impl Run {
                     HeaderName::from_static("anthropic-version"),
                     HeaderValue::from_static(anthropic::VERSION),
                 ));
-                if let Some(v) = self.resolved.key.as_ref().and_then(|k| secret(k.expose().to_owned())) {
+                if let Some(v) = self
+                    .resolved
+                    .key
+                    .as_ref()
+                    .and_then(|k| secret(k.expose().to_owned()))
+                {
                     headers.push((HeaderName::from_static("x-api-key"), v));
                 }
             }
@@ -359,7 +369,11 @@ impl Run {
         let mut attempt = 0;
         loop {
             attempt += 1;
-            let response = match self.client.post_json(&url, self.headers(), bytes.clone()).await {
+            let response = match self
+                .client
+                .post_json(&url, self.headers(), bytes.clone())
+                .await
+            {
                 Ok(r) => r,
                 Err(e @ ClientError::Connect { .. }) if attempt < ATTEMPTS => {
                     tracing::warn!(run_id = %self.run_id, error = %e, "model request failed; retrying");
@@ -370,7 +384,10 @@ impl Run {
             };
             let status = response.status;
             if status.is_success() {
-                return self.read_turn(response).await.map_err(|e| self.resolved.scrub(&e));
+                return self
+                    .read_turn(response)
+                    .await
+                    .map_err(|e| self.resolved.scrub(&e));
             }
             let retry_after = response
                 .headers

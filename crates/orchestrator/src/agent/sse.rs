@@ -209,10 +209,7 @@ mod tests {
     fn oversized_lines_are_refused() {
         let mut parser = SseParser::with_limit(16);
         assert!(parser.feed(b"data: 0123456789").is_ok());
-        assert_eq!(
-            parser.feed(b"abcdef").unwrap_err(),
-            SseError::TooLarge(16)
-        );
+        assert_eq!(parser.feed(b"abcdef").unwrap_err(), SseError::TooLarge(16));
         let mut parser = SseParser::with_limit(16);
         let err = parser
             .feed(b"data: 0123456789\ndata: 0123456789\n")
