@@ -7,6 +7,7 @@
 )]
 
 mod adversarial;
+mod agent;
 mod fs_tools;
 mod gate;
 mod grpc_api;

@@ -258,9 +258,12 @@ fn id_of(flag: &str, user: &str) -> Result<u32, String> {
         .map_err(|_| format!("user `{user}` does not exist (needed to run PostgreSQL as non-root)"))
 }
 
+/// The uid and gid that own the server's files, when we drop to them.
+type Owner = Option<(u32, u32)>;
+
 /// The command prefix that runs a program as `nobody` when we are root (empty
 /// otherwise), and nobody's uid and gid.
-fn as_nobody() -> Result<(Vec<String>, Option<(u32, u32)>), String> {
+fn as_nobody() -> Result<(Vec<String>, Owner), String> {
     if !running_as_root() {
         return Ok((Vec::new(), None));
     }

@@ -69,6 +69,9 @@ struct Ending {
     status: CallStatus,
     outcome: ToolOutcome,
     replica: Option<String>,
+    /// Whether this task owns the call's outcome. A replica that lost the dispatch
+    /// claim only reports what the winner recorded; it never writes an outcome.
+    owned: bool,
 }
 
 impl Ending {
@@ -77,7 +80,13 @@ impl Ending {
             status,
             outcome: ToolOutcome::error(message),
             replica: None,
+            owned: true,
         }
+    }
+
+    fn observed(mut self) -> Self {
+        self.owned = false;
+        self
     }
 }
 
@@ -256,6 +265,16 @@ impl Gate {
     ) {
         let duration_ms = started.elapsed().as_millis() as u64;
         let status = ending.status;
+        if !ending.owned {
+            // The replica that won the claim records the outcome and its audit event.
+            self.calls.update(call_id, |r| {
+                r.status = status;
+                r.duration_ms = Some(duration_ms);
+                r.replica = ending.replica;
+                r.result = Some(ending.outcome);
+            });
+            return;
+        }
         let digest = hex::encode(Sha256::digest(ending.outcome.content.join("\n").as_bytes()));
         let stored = CallOutcome {
             status: status.as_str().to_owned(),
@@ -265,8 +284,9 @@ impl Gate {
             finished_at: now_millis(),
         };
         match self.store.finish_call(call_id, &stored).await {
-            Ok(_) => {}
-            Err(crate::store::StoreError::NotFound { .. }) => {}
+            Ok(true) | Err(crate::store::StoreError::NotFound { .. }) => {}
+            // Already finished by another replica: its outcome and audit event stand.
+            Ok(false) => return,
             Err(e) => tracing::error!(call_id, error = %e, "cannot record the call's outcome"),
         }
         self.audit(
@@ -446,6 +466,7 @@ impl Gate {
                 status: CallStatus::Ok,
                 outcome: hit,
                 replica: None,
+                owned: true,
             };
         }
         // Approval.
@@ -671,6 +692,7 @@ impl Gate {
                     status,
                     outcome: done.outcome,
                     replica: Some(done.replica),
+                    owned: true,
                 }
             }
             Err(e @ DispatchError::DeadlineExceeded { .. }) => {
@@ -692,7 +714,10 @@ impl Gate {
                 return ending;
             }
             tokio::select! {
-                _ = cancel.cancelled() => return Ending::error(CallStatus::Cancelled, "the call was cancelled"),
+                _ = cancel.cancelled() => {
+                    // Another replica runs the call; stop waiting without touching it.
+                    return Ending::error(CallStatus::Cancelled, "stopped waiting; another replica runs the call").observed();
+                }
                 _ = tokio::time::sleep(POLL) => {}
             }
         }
@@ -856,12 +881,16 @@ fn stored_ending(stored: &StoredCall) -> Option<Ending> {
                 status,
                 outcome,
                 replica: stored.replica.clone(),
+                owned: false,
             })
         }
-        CallState::Rejected => Some(Ending::error(
-            CallStatus::Denied,
-            "the call was denied or its approval expired",
-        )),
+        CallState::Rejected => Some(
+            Ending::error(
+                CallStatus::Denied,
+                "the call was denied or its approval expired",
+            )
+            .observed(),
+        ),
         _ => None,
     }
 }
