@@ -6,6 +6,7 @@
 //! resumes it after the decision, and it runs exactly once (claims are compare-and-set
 //! in the store, and workers join a repeated call id to the original run).
 
+use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
@@ -62,6 +63,20 @@ pub struct Gate {
     authorizer: RwLock<Arc<Authorizer>>,
     /// Woken when an approval is decided through this replica.
     decided: Notify,
+    /// Remembered visibility answers (see [`Gate::is_visible`]).
+    visibility: std::sync::Mutex<HashMap<VisibilityKey, bool>>,
+}
+
+type VisibilityKey = (String, String, airlock_policy::ToolAnnotations);
+
+/// Remembered visibility answers before the memo starts over.
+const VISIBILITY_MEMO: usize = 10_000;
+
+fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    match mutex.lock() {
+        Ok(guard) => guard,
+        Err(poisoned) => poisoned.into_inner(),
+    }
 }
 
 /// How a call ended, before it is recorded.
@@ -128,6 +143,7 @@ impl Gate {
             workspaces_root: None,
             authorizer: RwLock::new(Arc::new(authorizer)),
             decided: Notify::new(),
+            visibility: std::sync::Mutex::default(),
         }
     }
 
@@ -143,6 +159,7 @@ impl Gate {
             Ok(mut a) => *a = Arc::new(authorizer),
             Err(poisoned) => *poisoned.into_inner() = Arc::new(authorizer),
         }
+        lock(&self.visibility).clear();
     }
 
     /// Wakes calls waiting for an approval decision.
@@ -152,29 +169,42 @@ impl Gate {
 
     /// The tools `principal` may see: the same answer for hidden and unknown tools.
     pub fn visible_tools(&self, principal: &Principal) -> Vec<Arc<CatalogTool>> {
-        let authorizer = self.authorizer();
-        let roles = role_names(principal);
-        let who = PrincipalRef {
-            name: &principal.name,
-            roles: &roles,
-        };
         self.catalog
             .tools()
             .into_iter()
-            .filter(|t| authorizer.visible(&who, &t.definition))
+            .filter(|t| self.is_visible(principal, t))
             .collect()
     }
 
     fn visible_tool(&self, principal: &Principal, name: &str) -> Option<Arc<CatalogTool>> {
         let tool = self.catalog.get(name)?;
+        self.is_visible(principal, &tool).then_some(tool)
+    }
+
+    /// Visibility depends only on the principal, the tool and the policy (not on
+    /// arguments), and partial evaluation is not free, so answers are remembered until
+    /// the policy is replaced.
+    fn is_visible(&self, principal: &Principal, tool: &CatalogTool) -> bool {
+        let key = (
+            principal.name.clone(),
+            tool.definition.name.clone(),
+            tool.definition.annotations,
+        );
+        if let Some(known) = lock(&self.visibility).get(&key) {
+            return *known;
+        }
         let roles = role_names(principal);
         let who = PrincipalRef {
             name: &principal.name,
             roles: &roles,
         };
-        self.authorizer()
-            .visible(&who, &tool.definition)
-            .then_some(tool)
+        let visible = self.authorizer().visible(&who, &tool.definition);
+        let mut memo = lock(&self.visibility);
+        if memo.len() >= VISIBILITY_MEMO {
+            memo.clear();
+        }
+        memo.insert(key, visible);
+        visible
     }
 
     /// Appends an audit event; a store that cannot record is logged loudly (the call's

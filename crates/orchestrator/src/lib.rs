@@ -21,8 +21,8 @@ mod http_api;
 mod mcp;
 mod openapi;
 mod server;
-mod streaming;
 pub mod store;
+mod streaming;
 mod wire;
 
 pub use agent::{AgentConfig, ProviderKind};

@@ -3,7 +3,7 @@
 use serde::{Deserialize, Serialize};
 
 /// Behavioural hints about a tool, the same four that MCP defines.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct ToolAnnotations {
     /// The tool does not change its environment.
     pub read_only: bool,

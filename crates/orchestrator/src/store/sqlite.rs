@@ -145,7 +145,10 @@ fn open_blocking(path: &PathBuf) -> Result<Connection, StoreError> {
             "cannot switch to write-ahead logging (journal mode is {mode})"
         )));
     }
-    conn.pragma_update(None, "synchronous", "FULL")
+    // In WAL mode NORMAL keeps every commit across a crash of the process (kill -9); it
+    // may lose the last commits on power loss, which FULL avoids at an fsync per commit
+    // (several per tool call). Deployments that need that durability use PostgreSQL.
+    conn.pragma_update(None, "synchronous", "NORMAL")
         .map_err(|e| open_err(e.to_string()))?;
     migrate(&mut conn)?;
     Ok(conn)
