@@ -737,7 +737,7 @@ fn render(rows: &[Row], targets: &[Target], load: &str) -> String {
          {SMALL_REQUESTS} (small) / {LARGE_REQUESTS} (1 MiB) requests in {ROUNDS} alternating \
          rounds, capped at {} s; every response verified. Ratios are airlock / peer: p50 below 1 \
          and throughput above 1 favour airlock. Server CPU is the user+system time of the \
-         server's processes (airlock: launcher, orchestrator and fs worker; peer: uvicorn) per \
+         server's processes (airlock: `airlock up` and every process it starts; peer: uvicorn) per \
          request. Load average (1/5/15 min): {load}.\n",
         ROW_TIME_CAP.as_secs()
     );

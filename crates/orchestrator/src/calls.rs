@@ -10,8 +10,8 @@ use airlock_policy::{CallStatus, ToolOutcome};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-/// How many calls are remembered.
-const CAPACITY: usize = 10_000;
+/// How many calls are remembered in memory (older ones are read from the store).
+const CAPACITY: usize = 2_048;
 
 /// Everything known about one call.
 #[derive(Debug, Clone)]

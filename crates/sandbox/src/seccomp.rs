@@ -208,11 +208,20 @@ impl SeccompPlan {
             for (nr, mode_arg, flags_arg) in with_openat {
                 let mut rules = Vec::new();
                 for bit in setid_bits {
-                    let mut conds =
-                        vec![cond(mode_arg, SeccompCmpArgLen::Dword, SeccompCmpOp::MaskedEq(bit), bit)?];
+                    let mut conds = vec![cond(
+                        mode_arg,
+                        SeccompCmpArgLen::Dword,
+                        SeccompCmpOp::MaskedEq(bit),
+                        bit,
+                    )?];
                     if let Some(flags) = flags_arg {
                         let creat = libc::O_CREAT as u64;
-                        conds.push(cond(flags, SeccompCmpArgLen::Dword, SeccompCmpOp::MaskedEq(creat), creat)?);
+                        conds.push(cond(
+                            flags,
+                            SeccompCmpArgLen::Dword,
+                            SeccompCmpOp::MaskedEq(creat),
+                            creat,
+                        )?);
                     }
                     rules.push(rule(conds)?);
                 }

@@ -295,7 +295,9 @@ impl ToolWorker for WorkerService {
                 .map_err(|e| Status::invalid_argument(e.to_string()))?
         };
 
-        let ledger = if request.call_id.is_empty() {
+        // Only detached (durable, approved) calls are ever sent again; the ledger keeps
+        // just those, so ordinary results are not retained.
+        let ledger = if request.call_id.is_empty() || !request.detached {
             watch::channel(None).0
         } else {
             match self.ledger.register(&request.call_id) {

@@ -288,6 +288,7 @@ async fn a_repeated_call_id_joins_the_original_run() {
     let mut c = client(&h.socket).await;
     let mut first = request(300, 0);
     first.call_id = "same".into();
+    first.detached = true;
     let mut second = first.clone();
     second.arguments_json = "{\"millis\": 1}".into();
     let a = tokio::spawn({
