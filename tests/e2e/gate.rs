@@ -729,3 +729,141 @@ async fn budgets_rate_limits_and_the_cache() {
     let body: Value = limited.json().await.expect("json");
     assert_eq!(body["error"]["code"], "rate_limited");
 }
+
+#[tokio::test]
+async fn approvals_are_decided_over_grpc_and_the_cli_too() {
+    use airlock_proto::v1 as pb;
+    use airlock_proto::v1::orchestrator_client::OrchestratorClient;
+    let airlock = Airlock::start_with("[approvals]\ntools = [\"write_file\"]\n").await;
+    let pending = |path: &str| json!({"wait_ms": 200, "tool_uses": [one_use("write_file", json!({"path": path, "content": "x"}))]});
+
+    // gRPC: list, then approve; an unknown id is NOT_FOUND, a bad status INVALID_ARGUMENT.
+    let (_, first) = airlock.post("/v1/tool_calls", &pending("grpc.txt")).await;
+    let first_approval = first["calls"][0]["approval_id"]
+        .as_str()
+        .expect("approval")
+        .to_owned();
+    let channel = tonic::transport::Endpoint::from_shared(airlock.grpc.clone())
+        .expect("endpoint")
+        .connect()
+        .await
+        .expect("connect");
+    let mut client = OrchestratorClient::new(channel);
+    let listed = client
+        .list_approvals(authed_request(
+            &airlock.token,
+            pb::ListApprovalsRequest {
+                status: "pending".into(),
+            },
+        ))
+        .await
+        .expect("list")
+        .into_inner();
+    assert!(
+        listed
+            .approvals
+            .iter()
+            .any(|a| a.approval_id == first_approval && a.tool == "write_file")
+    );
+    let bad = client
+        .list_approvals(authed_request(
+            &airlock.token,
+            pb::ListApprovalsRequest {
+                status: "maybe".into(),
+            },
+        ))
+        .await
+        .expect_err("bad status");
+    assert_eq!(bad.code(), tonic::Code::InvalidArgument);
+    let unknown = client
+        .decide_approval(authed_request(
+            &airlock.token,
+            pb::DecideApprovalRequest {
+                approval_id: "apr_x".into(),
+                approve: true,
+                reason: String::new(),
+            },
+        ))
+        .await
+        .expect_err("unknown");
+    assert_eq!(unknown.code(), tonic::Code::NotFound);
+    let decided = client
+        .decide_approval(authed_request(
+            &airlock.token,
+            pb::DecideApprovalRequest {
+                approval_id: first_approval.clone(),
+                approve: true,
+                reason: "ok".into(),
+            },
+        ))
+        .await
+        .expect("decide")
+        .into_inner();
+    assert_eq!(decided.status, "approved");
+    let (_, done) = airlock
+        .get(&format!(
+            "/v1/calls/{}?wait_ms=20000",
+            first["calls"][0]["call_id"].as_str().expect("id")
+        ))
+        .await;
+    assert_eq!(done["status"], "ok");
+
+    // CLI: list shows it, deny refuses it.
+    let (_, second) = airlock.post("/v1/tool_calls", &pending("cli.txt")).await;
+    let second_approval = second["calls"][0]["approval_id"]
+        .as_str()
+        .expect("approval")
+        .to_owned();
+    let cli = |args: &[&str]| {
+        std::process::Command::new(AIRLOCK)
+            .args(args)
+            .env("AIRLOCK_URL", &airlock.url)
+            .env("AIRLOCK_TOKEN", &airlock.token)
+            .output()
+            .expect("run the CLI")
+    };
+    let list = cli(&["approvals", "list"]);
+    assert!(list.status.success());
+    assert!(String::from_utf8_lossy(&list.stdout).contains(&second_approval));
+    let deny = cli(&[
+        "approvals",
+        "deny",
+        &second_approval,
+        "--reason",
+        "not today",
+    ]);
+    assert!(
+        deny.status.success(),
+        "{}",
+        String::from_utf8_lossy(&deny.stderr)
+    );
+    assert!(String::from_utf8_lossy(&deny.stdout).contains("denied"));
+    let (_, done) = airlock
+        .get(&format!(
+            "/v1/calls/{}?wait_ms=20000",
+            second["calls"][0]["call_id"].as_str().expect("id")
+        ))
+        .await;
+    assert_eq!(done["status"], "denied");
+    assert!(!airlock.workspace("default").join("cli.txt").exists());
+    let again = cli(&["approvals", "approve", &second_approval]);
+    assert!(
+        !again.status.success(),
+        "a decided approval cannot be decided again"
+    );
+
+    // Malformed queries on the audit endpoints are 400s.
+    for path in ["/v1/audit?after=abc", "/v1/audit?limit=-1"] {
+        let (status, body) = airlock.get(path).await;
+        assert_eq!(status, 400, "{path}: {body}");
+    }
+}
+
+fn authed_request<T>(token: &str, message: T) -> tonic::Request<T> {
+    let mut request = tonic::Request::new(message);
+    request.metadata_mut().insert(
+        "authorization",
+        format!("Bearer {token}").parse().expect("metadata"),
+    );
+    request
+}

@@ -38,6 +38,8 @@ const MAX_READ_BYTES: usize = 2 << 20;
 /// Requests per server and row: small file, large file.
 const SMALL_REQUESTS: usize = 2000;
 const LARGE_REQUESTS: usize = 300;
+/// Requests per server and row for `execute_shell`.
+const SHELL_REQUESTS: usize = 300;
 /// Rounds each row's budget is split into, alternating servers.
 const ROUNDS: usize = 4;
 /// Time cap per server and row (split over the rounds); the row reports what it got.
@@ -93,7 +95,12 @@ async fn run() -> Result<()> {
         .collect();
     let load_before = load_average();
     let mut rows = Vec::new();
-    for (file, budget) in [(&small, SMALL_REQUESTS), (&large, LARGE_REQUESTS)] {
+    let shell = BenchFile::shell("echo ok", "ok\n");
+    for (file, budget) in [
+        (&small, SMALL_REQUESTS),
+        (&large, LARGE_REQUESTS),
+        (&shell, SHELL_REQUESTS),
+    ] {
         for concurrency in CONCURRENCY {
             let label = format!("{} c={concurrency}", file.label);
             if !filters.is_empty() && !filters.iter().any(|f| label.contains(f.as_str())) {
@@ -195,6 +202,22 @@ struct BenchFile {
     label: String,
     path: PathBuf,
     content: Arc<str>,
+    /// When set, the row calls `execute_shell` with this command instead of `read_file`,
+    /// and `content` is the expected stdout.
+    shell: Option<String>,
+}
+
+impl BenchFile {
+    /// An `execute_shell` row: Airlock runs the command in a fresh sandbox, the peer in a
+    /// plain `subprocess.run(shell=True)`.
+    fn shell(command: &str, expected_stdout: &str) -> Self {
+        BenchFile {
+            label: format!("execute_shell `{command}`"),
+            path: PathBuf::new(),
+            content: expected_stdout.into(),
+            shell: Some(command.to_owned()),
+        }
+    }
 }
 
 /// A process stopped with SIGTERM (then SIGKILL after a grace period) when dropped, so a
@@ -291,7 +314,8 @@ impl Airlock {
             format!(
                 "[orchestrator]\nhttp_listen = \"127.0.0.1:0\"\ngrpc_listen = \"127.0.0.1:0\"\n\n\
                  [fs]\nmax_read_bytes = {MAX_READ_BYTES}\n\n\
-                 [budgets]\nrate_per_minute = 0\n"
+                 [budgets]\nrate_per_minute = 0\n\n\
+                 [approvals]\ntools = []\n"
             ),
         )?;
         let mut command = Command::new(AIRLOCK_BIN);
@@ -363,6 +387,7 @@ impl Airlock {
             label,
             path,
             content: content.into(),
+            shell: None,
         })
     }
 
@@ -475,6 +500,17 @@ struct Target {
 
 impl Target {
     fn body(&self, file: &BenchFile) -> Result<Vec<u8>> {
+        if let Some(command) = &file.shell {
+            let body = match &self.kind {
+                Kind::Airlock { .. } => json!({"tool_uses": [{
+                    "type": "tool_use", "id": "t1", "name": "execute_shell", "input": {"command": command},
+                }]}),
+                Kind::Peer => {
+                    json!({"tool_name": "execute_shell", "arguments": {"command": command}})
+                }
+            };
+            return Ok(serde_json::to_vec(&body)?);
+        }
         let body = match &self.kind {
             Kind::Airlock { .. } => json!({"tool_uses": [{
                 "type": "tool_use",
@@ -502,7 +538,8 @@ impl Target {
     }
 
     /// Checks that `body` is a successful `read_file` result holding exactly `expected`.
-    fn verify(&self, status: reqwest::StatusCode, body: &[u8], expected: &str) -> Result<()> {
+    fn verify(&self, status: reqwest::StatusCode, body: &[u8], file: &BenchFile) -> Result<()> {
+        let expected: &str = &file.content;
         let show = || String::from_utf8_lossy(&body[..body.len().min(500)]).into_owned();
         ensure!(
             status == reqwest::StatusCode::OK,
@@ -521,7 +558,14 @@ impl Target {
                     self.name,
                     show()
                 );
-                result["content"][0]["text"].as_str()
+                let text = result["content"][0]["text"].as_str();
+                if file.shell.is_some() {
+                    // execute_shell answers with a JSON object holding stdout.
+                    let shell: Value = serde_json::from_str(text.unwrap_or_default())
+                        .with_context(|| format!("{}: shell result is not JSON", self.name))?;
+                    return check_text(self.name, shell["stdout"].as_str(), expected, &show);
+                }
+                text
             }
             Kind::Peer => {
                 ensure!(
@@ -530,19 +574,32 @@ impl Target {
                     self.name,
                     show()
                 );
-                v["output"]["content"].as_str()
+                if file.shell.is_some() {
+                    v["output"]["stdout"].as_str()
+                } else {
+                    v["output"]["content"].as_str()
+                }
             }
         };
-        let text = text.with_context(|| format!("{}: no result text: {}", self.name, show()))?;
-        ensure!(
-            text.len() == expected.len() && text == expected,
-            "{}: wrong content: {} bytes, expected {} bytes",
-            self.name,
-            text.len(),
-            expected.len()
-        );
-        Ok(())
+        check_text(self.name, text, expected, &show)
     }
+}
+
+/// Checks that a result text is exactly `expected`.
+fn check_text(
+    name: &str,
+    text: Option<&str>,
+    expected: &str,
+    show: &dyn Fn() -> String,
+) -> Result<()> {
+    let text = text.with_context(|| format!("{name}: no result text: {}", show()))?;
+    ensure!(
+        text.len() == expected.len() && text == expected,
+        "{name}: wrong content: {} bytes, expected {} bytes",
+        text.len(),
+        expected.len()
+    );
+    Ok(())
 }
 
 /// What one run of requests measured.
@@ -569,7 +626,7 @@ async fn run_requests(
         let response = target.request(&client, &body).send().await?;
         let status = response.status();
         let bytes = response.bytes().await?;
-        target.verify(status, &bytes, &file.content)?;
+        target.verify(status, &bytes, file)?;
         clients.push(client);
     }
     let next = AtomicUsize::new(0);
@@ -593,7 +650,7 @@ async fn run_requests(
                     .await
                     .with_context(|| format!("{}: reading the response failed", target.name))?;
                 latencies.push(sent.elapsed());
-                target.verify(status, &bytes, &file.content)?;
+                target.verify(status, &bytes, file)?;
             }
             Ok::<_, anyhow::Error>(latencies)
         }
@@ -729,7 +786,7 @@ fn render(rows: &[Row], targets: &[Target], load: &str) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "## read_file over HTTP: airlock vs the FastAPI peer (same run)\n"
+        "## Tool calls over HTTP: airlock vs the FastAPI peer (same run)\n"
     );
     let _ = writeln!(
         out,

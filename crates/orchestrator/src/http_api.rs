@@ -15,6 +15,7 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use http_body_util::BodyExt;
 use serde_json::{Value, json};
 
 use crate::approvals::{self, DecideError};
@@ -204,6 +205,11 @@ async fn list_tools(
 }
 
 /// Reads the body with the configured cap.
+/// How much of an oversized body is read and discarded before answering 413.
+const DRAIN_BYTES: u64 = 64 * 1024 * 1024;
+/// How long that may take.
+const DRAIN_TIME: Duration = Duration::from_secs(10);
+
 pub(crate) async fn read_json(
     headers: &HeaderMap,
     body: Body,
@@ -218,25 +224,46 @@ pub(crate) async fn read_json(
             ),
         )
     };
+    // An oversized body is still read (and thrown away, up to a bound) before the 413
+    // goes out: closing a connection with unread data resets it, and the client would
+    // see a dropped connection instead of the answer.
+    let mut body = body;
+    let mut bytes = Vec::new();
+    let mut over = false;
+    let mut discarded: u64 = 0;
+    let drain_until = tokio::time::Instant::now() + DRAIN_TIME;
+    loop {
+        let frame = match tokio::time::timeout_at(drain_until, body.frame()).await {
+            Ok(Some(Ok(frame))) => frame,
+            Ok(Some(Err(e))) if !over => {
+                return Err(ApiError::bad_request(format!(
+                    "cannot read the request body: {e}"
+                )));
+            }
+            Ok(None) | Ok(Some(Err(_))) | Err(_) => break,
+        };
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
+        if over {
+            discarded += data.len() as u64;
+            if discarded > DRAIN_BYTES {
+                break;
+            }
+        } else if (bytes.len() + data.len()) as u64 > limit {
+            over = true;
+            bytes = Vec::new();
+        } else {
+            bytes.extend_from_slice(&data);
+        }
+    }
     let declared = headers
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > limit) {
+    if over || declared.is_some_and(|n| n > limit) {
         return Err(too_large());
     }
-    let bytes = axum::body::to_bytes(body, limit as usize)
-        .await
-        .map_err(|e| {
-            let over = std::error::Error::source(&e)
-                .is_some_and(|s| s.is::<http_body_util::LengthLimitError>())
-                || e.to_string().contains("length limit");
-            if over {
-                too_large()
-            } else {
-                ApiError::bad_request(format!("cannot read the request body: {e}"))
-            }
-        })?;
     if bytes.is_empty() {
         return Err(ApiError::bad_request(
             "the request body is empty; send a JSON object",
