@@ -44,6 +44,77 @@ use serde_json::Value;
 
 pub use crate::audit::{AuditQuery, AuditRecord, NewAuditEvent, VerifyReport};
 
+/// The tables of schema version 1, with `{int}` standing for the engine's 64-bit integer
+/// type (`INTEGER` in SQLite, where `INTEGER PRIMARY KEY` is the rowid, `BIGINT` in
+/// PostgreSQL).
+const SCHEMA_V1_TEMPLATE: &str = "
+CREATE TABLE IF NOT EXISTS audit_events (
+    seq        {int} PRIMARY KEY,
+    ts         TEXT NOT NULL,
+    kind       TEXT NOT NULL,
+    call_id    TEXT,
+    principal  TEXT,
+    session_id TEXT,
+    data       TEXT NOT NULL,
+    prev_hash  TEXT NOT NULL,
+    hash       TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS audit_events_session ON audit_events (session_id, seq);
+CREATE INDEX IF NOT EXISTS audit_events_call ON audit_events (call_id, seq);
+CREATE TABLE IF NOT EXISTS audit_head (
+    id   INTEGER PRIMARY KEY CHECK (id = 1),
+    seq  {int} NOT NULL,
+    hash TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS calls (
+    call_id     TEXT PRIMARY KEY,
+    tool_use_id TEXT NOT NULL,
+    tool        TEXT NOT NULL,
+    input       TEXT NOT NULL,
+    principal   TEXT NOT NULL,
+    session_id  TEXT,
+    state       TEXT NOT NULL,
+    approval_id TEXT,
+    status      TEXT,
+    result      TEXT,
+    duration_ms {int},
+    replica     TEXT,
+    claimed_by  TEXT,
+    lease_until {int},
+    created_at  {int} NOT NULL,
+    finished_at {int}
+);
+CREATE INDEX IF NOT EXISTS calls_state ON calls (state);
+CREATE INDEX IF NOT EXISTS calls_session ON calls (principal, session_id);
+CREATE TABLE IF NOT EXISTS approvals (
+    approval_id TEXT PRIMARY KEY,
+    call_id     TEXT NOT NULL REFERENCES calls (call_id),
+    status      TEXT NOT NULL,
+    created_at  {int} NOT NULL,
+    expires_at  {int} NOT NULL,
+    decided_by  TEXT,
+    reason      TEXT,
+    decided_at  {int}
+);
+CREATE INDEX IF NOT EXISTS approvals_status ON approvals (status, created_at);
+";
+
+/// The schema-1 DDL for an engine whose 64-bit integer type is `integer`.
+pub(super) fn schema_v1(integer: &str) -> String {
+    SCHEMA_V1_TEMPLATE.replace("{int}", integer)
+}
+
+pub(super) const AUDIT_COLUMNS: &str =
+    "seq, ts, kind, call_id, principal, session_id, data, prev_hash, hash";
+
+pub(super) const CALL_COLUMNS: &str = "call_id, tool_use_id, tool, input, principal, session_id, state, \
+     approval_id, status, result, duration_ms, replica, claimed_by, lease_until, created_at, \
+     finished_at";
+
+pub(super) const APPROVAL_SELECT: &str = "SELECT a.approval_id, a.call_id, c.tool, c.input, c.principal, \
+     c.session_id, a.status, a.created_at, a.expires_at, a.decided_by, a.reason, a.decided_at \
+     FROM approvals a JOIN calls c ON c.call_id = a.call_id";
+
 /// Unix time in milliseconds, UTC.
 pub type Timestamp = i64;
 

@@ -17,79 +17,18 @@ use tokio_postgres::error::SqlState;
 use tokio_postgres::{IsolationLevel, NoTls, Row};
 
 use super::{
-    Approval, ApprovalStatus, AuditQuery, AuditRecord, CallOutcome, CallState, NewApproval,
-    NewAuditEvent, NewCall, SCHEMA_VERSION, SessionUsage, Store, StoreError, StoredCall, Timestamp,
-    VerifyReport, from_json_text, now_millis, rfc3339, to_i64, to_json_text, to_u64,
+    APPROVAL_SELECT, AUDIT_COLUMNS, Approval, ApprovalStatus, AuditQuery, AuditRecord,
+    CALL_COLUMNS, CallOutcome, CallState, NewApproval, NewAuditEvent, NewCall, SCHEMA_VERSION,
+    SessionUsage, Store, StoreError, StoredCall, Timestamp, VerifyReport, from_json_text,
+    now_millis, rfc3339, schema_v1, to_i64, to_json_text, to_u64,
 };
 use crate::audit::{ChainVerifier, GENESIS_HASH, chain_hash};
 
 /// `pg_advisory_xact_lock` key that serializes schema creation across replicas.
-const MIGRATION_LOCK: i64 = 0x6169_726c_6f63_6b01; // "airlock" + 1
-
-const SCHEMA_V1: &str = "
-CREATE TABLE IF NOT EXISTS audit_events (
-    seq        BIGINT PRIMARY KEY,
-    ts         TEXT NOT NULL,
-    kind       TEXT NOT NULL,
-    call_id    TEXT,
-    principal  TEXT,
-    session_id TEXT,
-    data       TEXT NOT NULL,
-    prev_hash  TEXT NOT NULL,
-    hash       TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS audit_events_session ON audit_events (session_id, seq);
-CREATE INDEX IF NOT EXISTS audit_events_call ON audit_events (call_id, seq);
-CREATE TABLE IF NOT EXISTS audit_head (
-    id   INTEGER PRIMARY KEY CHECK (id = 1),
-    seq  BIGINT NOT NULL,
-    hash TEXT NOT NULL
-);
-CREATE TABLE IF NOT EXISTS calls (
-    call_id     TEXT PRIMARY KEY,
-    tool_use_id TEXT NOT NULL,
-    tool        TEXT NOT NULL,
-    input       TEXT NOT NULL,
-    principal   TEXT NOT NULL,
-    session_id  TEXT,
-    state       TEXT NOT NULL,
-    approval_id TEXT,
-    status      TEXT,
-    result      TEXT,
-    duration_ms BIGINT,
-    replica     TEXT,
-    claimed_by  TEXT,
-    lease_until BIGINT,
-    created_at  BIGINT NOT NULL,
-    finished_at BIGINT
-);
-CREATE INDEX IF NOT EXISTS calls_state ON calls (state);
-CREATE INDEX IF NOT EXISTS calls_session ON calls (principal, session_id);
-CREATE TABLE IF NOT EXISTS approvals (
-    approval_id TEXT PRIMARY KEY,
-    call_id     TEXT NOT NULL REFERENCES calls (call_id),
-    status      TEXT NOT NULL,
-    created_at  BIGINT NOT NULL,
-    expires_at  BIGINT NOT NULL,
-    decided_by  TEXT,
-    reason      TEXT,
-    decided_at  BIGINT
-);
-CREATE INDEX IF NOT EXISTS approvals_status ON approvals (status, created_at);
-";
-
-const AUDIT_COLUMNS: &str = "seq, ts, kind, call_id, principal, session_id, data, prev_hash, hash";
-
-const CALL_COLUMNS: &str = "call_id, tool_use_id, tool, input, principal, session_id, state, \
-     approval_id, status, result, duration_ms, replica, claimed_by, lease_until, created_at, \
-     finished_at";
-
-const APPROVAL_SELECT: &str = "SELECT a.approval_id, a.call_id, c.tool, c.input, c.principal, \
-     c.session_id, a.status, a.created_at, a.expires_at, a.decided_by, a.reason, a.decided_at \
-     FROM approvals a JOIN calls c ON c.call_id = a.call_id";
-
 /// Records read per round trip by `verify`.
 const VERIFY_PAGE: i64 = 5000;
+
+const MIGRATION_LOCK: i64 = 0x6169_726c_6f63_6b01; // "airlock" + 1
 
 pub(super) struct PostgresStore {
     pool: Pool,
@@ -200,7 +139,7 @@ async fn migrate(client: &mut Object) -> Result<(), StoreError> {
         .get(0);
     match version {
         None => {
-            tx.batch_execute(SCHEMA_V1).await?;
+            tx.batch_execute(&schema_v1("BIGINT")).await?;
             tx.execute(
                 "INSERT INTO audit_head (id, seq, hash) VALUES (1, 0, $1)",
                 &[&GENESIS_HASH],

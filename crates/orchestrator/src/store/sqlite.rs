@@ -15,73 +15,12 @@ use rusqlite::{
 };
 
 use super::{
-    Approval, ApprovalStatus, AuditQuery, AuditRecord, CallOutcome, CallState, NewApproval,
-    NewAuditEvent, NewCall, SCHEMA_VERSION, SessionUsage, Store, StoreError, StoredCall, Timestamp,
-    VerifyReport, from_json_text, now_millis, rfc3339, to_i64, to_json_text, to_u64,
+    APPROVAL_SELECT, AUDIT_COLUMNS, Approval, ApprovalStatus, AuditQuery, AuditRecord,
+    CALL_COLUMNS, CallOutcome, CallState, NewApproval, NewAuditEvent, NewCall, SCHEMA_VERSION,
+    SessionUsage, Store, StoreError, StoredCall, Timestamp, VerifyReport, from_json_text,
+    now_millis, rfc3339, schema_v1, to_i64, to_json_text, to_u64,
 };
 use crate::audit::{ChainVerifier, GENESIS_HASH, chain_hash};
-
-const SCHEMA_V1: &str = "
-CREATE TABLE IF NOT EXISTS audit_events (
-    seq        INTEGER PRIMARY KEY,
-    ts         TEXT NOT NULL,
-    kind       TEXT NOT NULL,
-    call_id    TEXT,
-    principal  TEXT,
-    session_id TEXT,
-    data       TEXT NOT NULL,
-    prev_hash  TEXT NOT NULL,
-    hash       TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS audit_events_session ON audit_events (session_id, seq);
-CREATE INDEX IF NOT EXISTS audit_events_call ON audit_events (call_id, seq);
-CREATE TABLE IF NOT EXISTS audit_head (
-    id   INTEGER PRIMARY KEY CHECK (id = 1),
-    seq  INTEGER NOT NULL,
-    hash TEXT NOT NULL
-);
-CREATE TABLE IF NOT EXISTS calls (
-    call_id     TEXT PRIMARY KEY,
-    tool_use_id TEXT NOT NULL,
-    tool        TEXT NOT NULL,
-    input       TEXT NOT NULL,
-    principal   TEXT NOT NULL,
-    session_id  TEXT,
-    state       TEXT NOT NULL,
-    approval_id TEXT,
-    status      TEXT,
-    result      TEXT,
-    duration_ms INTEGER,
-    replica     TEXT,
-    claimed_by  TEXT,
-    lease_until INTEGER,
-    created_at  INTEGER NOT NULL,
-    finished_at INTEGER
-);
-CREATE INDEX IF NOT EXISTS calls_state ON calls (state);
-CREATE INDEX IF NOT EXISTS calls_session ON calls (principal, session_id);
-CREATE TABLE IF NOT EXISTS approvals (
-    approval_id TEXT PRIMARY KEY,
-    call_id     TEXT NOT NULL REFERENCES calls (call_id),
-    status      TEXT NOT NULL,
-    created_at  INTEGER NOT NULL,
-    expires_at  INTEGER NOT NULL,
-    decided_by  TEXT,
-    reason      TEXT,
-    decided_at  INTEGER
-);
-CREATE INDEX IF NOT EXISTS approvals_status ON approvals (status, created_at);
-";
-
-const AUDIT_COLUMNS: &str = "seq, ts, kind, call_id, principal, session_id, data, prev_hash, hash";
-
-const CALL_COLUMNS: &str = "call_id, tool_use_id, tool, input, principal, session_id, state, \
-     approval_id, status, result, duration_ms, replica, claimed_by, lease_until, created_at, \
-     finished_at";
-
-const APPROVAL_SELECT: &str = "SELECT a.approval_id, a.call_id, c.tool, c.input, c.principal, \
-     c.session_id, a.status, a.created_at, a.expires_at, a.decided_by, a.reason, a.decided_at \
-     FROM approvals a JOIN calls c ON c.call_id = a.call_id";
 
 pub(super) struct SqliteStore {
     conn: Arc<Mutex<Connection>>,
@@ -163,7 +102,7 @@ fn migrate(conn: &mut Connection) -> Result<(), StoreError> {
         })?;
     match version {
         None => {
-            tx.execute_batch(SCHEMA_V1)?;
+            tx.execute_batch(&schema_v1("INTEGER"))?;
             tx.execute(
                 "INSERT INTO audit_head (id, seq, hash) VALUES (1, 0, ?1)",
                 [GENESIS_HASH],
