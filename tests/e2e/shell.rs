@@ -380,3 +380,70 @@ async fn tool_calls_stream_server_sent_events_and_closing_cancels() {
     let (status, _) = airlock.post("/v1/tool_calls?stream=maybe", &body).await;
     assert_eq!(status, 400);
 }
+
+#[tokio::test]
+async fn closing_a_grpc_call_stream_kills_its_sandbox() {
+    use airlock_proto::v1 as pb;
+    use airlock_proto::v1::orchestrator_client::OrchestratorClient;
+    let airlock = Airlock::start().await;
+    let marker = format!("airlock-grpc-close-{}", std::process::id());
+    let channel = tonic::transport::Endpoint::from_shared(airlock.grpc.clone())
+        .expect("endpoint")
+        .connect()
+        .await
+        .expect("connect");
+    let mut client = OrchestratorClient::new(channel);
+    let mut request = tonic::Request::new(pb::CallToolStreamRequest {
+        session_id: "grpc-close".into(),
+        tool_use: Some(pb::ToolUse {
+            id: "s".into(),
+            name: "execute_shell".into(),
+            input_json: json!({"command": format!("sleep 60 # {marker}"), "timeout_seconds": 120})
+                .to_string(),
+        }),
+    });
+    request.metadata_mut().insert(
+        "authorization",
+        format!("Bearer {}", airlock.token)
+            .parse()
+            .expect("metadata"),
+    );
+    let mut stream = client
+        .call_tool_stream(request)
+        .await
+        .expect("stream")
+        .into_inner();
+    let started = stream
+        .message()
+        .await
+        .expect("event")
+        .expect("started event");
+    assert!(matches!(
+        started.event,
+        Some(pb::call_event::Event::Started(_))
+    ));
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !descendants(airlock.pid())
+        .iter()
+        .any(|p| cmdline(*p).contains(&marker))
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the streamed command never started"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    drop(stream);
+    drop(client);
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while descendants(airlock.pid())
+        .iter()
+        .any(|p| cmdline(*p).contains(&marker))
+    {
+        assert!(
+            Instant::now() < deadline,
+            "closing the gRPC stream did not kill the sandbox"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
