@@ -1,7 +1,7 @@
 //! The gate: principals and roles, Cedar policy, durable approvals, the audit chain,
 //! budgets, the rate limit and the result cache.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
@@ -575,17 +575,7 @@ async fn an_approved_call_survives_an_orchestrator_crash_and_runs_once() {
         )
         .await;
     assert_eq!(status, 200);
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !descendants(airlock.pid())
-        .iter()
-        .any(|p| cmdline(*p).contains(&marker))
-    {
-        assert!(
-            Instant::now() < deadline,
-            "the approved command never started"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    airlock.wait_started(&marker, "the approved command").await;
     signal(orchestrator(), rustix::process::Signal::KILL);
     airlock.wait_ready().await;
     let (status, done) = airlock

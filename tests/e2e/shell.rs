@@ -150,33 +150,15 @@ async fn cancelling_a_call_kills_its_sandbox() {
         .to_owned();
 
     // Wait until the sandboxed sleep is running somewhere below the launcher.
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !descendants(airlock.pid())
-        .iter()
-        .any(|p| cmdline(*p).contains(&marker))
-    {
-        assert!(
-            Instant::now() < deadline,
-            "the sandboxed command never started"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    airlock.wait_started(&marker, "the sandboxed command").await;
     let (status, cancelled) = airlock
         .post(&format!("/v1/calls/{call_id}/cancel"), &json!({}))
         .await;
     assert_eq!(status, 200);
     assert_eq!(cancelled["status"], "cancelled", "{cancelled}");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while descendants(airlock.pid())
-        .iter()
-        .any(|p| cmdline(*p).contains(&marker))
-    {
-        assert!(
-            Instant::now() < deadline,
-            "the sandbox survived the cancellation"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    airlock
+        .wait_gone(&marker, "the sandbox survived the cancellation")
+        .await;
 }
 
 #[tokio::test]
@@ -354,29 +336,11 @@ async fn tool_calls_stream_server_sent_events_and_closing_cancels() {
         .send()
         .await
         .expect("send");
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !descendants(airlock.pid())
-        .iter()
-        .any(|p| cmdline(*p).contains(&marker))
-    {
-        assert!(
-            Instant::now() < deadline,
-            "the streamed command never started"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    airlock.wait_started(&marker, "the streamed command").await;
     drop(response);
-    let deadline = Instant::now() + Duration::from_secs(15);
-    while descendants(airlock.pid())
-        .iter()
-        .any(|p| cmdline(*p).contains(&marker))
-    {
-        assert!(
-            Instant::now() < deadline,
-            "closing the stream did not kill the sandbox"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    airlock
+        .wait_gone(&marker, "closing the stream did not kill the sandbox")
+        .await;
     let (status, _) = airlock.post("/v1/tool_calls?stream=maybe", &body).await;
     assert_eq!(status, 400);
 }
@@ -422,28 +386,10 @@ async fn closing_a_grpc_call_stream_kills_its_sandbox() {
         started.event,
         Some(pb::call_event::Event::Started(_))
     ));
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !descendants(airlock.pid())
-        .iter()
-        .any(|p| cmdline(*p).contains(&marker))
-    {
-        assert!(
-            Instant::now() < deadline,
-            "the streamed command never started"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    airlock.wait_started(&marker, "the streamed command").await;
     drop(stream);
     drop(client);
-    let deadline = Instant::now() + Duration::from_secs(15);
-    while descendants(airlock.pid())
-        .iter()
-        .any(|p| cmdline(*p).contains(&marker))
-    {
-        assert!(
-            Instant::now() < deadline,
-            "closing the gRPC stream did not kill the sandbox"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    airlock
+        .wait_gone(&marker, "closing the gRPC stream did not kill the sandbox")
+        .await;
 }

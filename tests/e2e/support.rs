@@ -221,6 +221,31 @@ impl Airlock {
         self.call_in("default", tool, input).await
     }
 
+    /// Whether a process whose command line holds `marker` runs below the launcher.
+    pub fn runs(&self, marker: &str) -> bool {
+        descendants(self.pid())
+            .iter()
+            .any(|p| cmdline(*p).contains(marker))
+    }
+
+    /// Waits (bounded) until a process holding `marker` runs below the launcher.
+    pub async fn wait_started(&self, marker: &str, what: &str) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !self.runs(marker) {
+            assert!(Instant::now() < deadline, "{what} never started");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Waits (bounded) until no process holding `marker` is left below the launcher.
+    pub async fn wait_gone(&self, marker: &str, what: &str) {
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while self.runs(marker) {
+            assert!(Instant::now() < deadline, "{what}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
     /// Reaps a launcher that was killed from outside.
     pub fn stop_after_kill(&mut self) -> Option<std::process::ExitStatus> {
         self.child.take().and_then(|mut c| c.wait().ok())
