@@ -146,6 +146,11 @@ fn pg_db(name: &str, user: &str) -> DatabaseConfig {
 }
 
 /// The superuser's view of the test data: a checksum of everything an attack could touch.
+/// Tests that compare the shared PostgreSQL database before and after, and the test that
+/// writes to it, run one at a time: a write in flight would show up in another test's
+/// "nothing changed" check.
+static PG_STATE_LOCK: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 async fn pg_state() -> String {
     pg(); // set up (once) before looking
     let db = superuser("airlock_test").await;
@@ -700,6 +705,7 @@ async fn a_wrong_password_is_never_echoed() {
 
 #[tokio::test]
 async fn execute_sql_writes_and_is_refused_on_read_only_databases() {
+    let _exclusive = PG_STATE_LOCK.lock().await;
     let lite = Lite::new();
     let mut rw = pg_db("pgrw", "airlock_rw");
     rw.read_only = false;
@@ -870,6 +876,7 @@ fn lite_sql(sql: &str, lite: &Lite) -> String {
 
 #[tokio::test]
 async fn attack_battery_postgres_both_layers() {
+    let _exclusive = PG_STATE_LOCK.lock().await;
     let set = tools(vec![pg_db("pg", "airlock_ro")]).unwrap();
     let before = pg_state().await;
     for sql in PG_ATTACKS.iter().chain(PG_TRANSIENT_EFFECTS) {
@@ -943,6 +950,7 @@ async fn attack_battery_sqlite_both_layers() {
 
 #[tokio::test]
 async fn engine_layer_alone_stops_postgres_writes() {
+    let _exclusive = PG_STATE_LOCK.lock().await;
     // Parser off; a role that MAY write the tables: only the READ ONLY transaction, the
     // single prepared statement and the rollback stand in the way.
     let mut c = pg_db("pg", "airlock_rw");
@@ -995,6 +1003,7 @@ async fn engine_layer_alone_stops_postgres_writes() {
 
 #[tokio::test]
 async fn parser_layer_alone_stops_postgres_writes() {
+    let _exclusive = PG_STATE_LOCK.lock().await;
     // Engine layer off (read-write transaction, committed) and a role that may write:
     // only the parser stands in the way.
     let mut c = pg_db("pg", "airlock_rw");
