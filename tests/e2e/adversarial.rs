@@ -18,6 +18,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use serde_json::{Value, json};
 
+use crate::ordinary_user::{Delegation, OrdinaryUser};
 use crate::support::{Airlock, alive, cmdline, descendants, snapshot};
 
 const SECRET: &str = "ADVERSARIAL-CANARY-3f9c1e";
@@ -193,9 +194,23 @@ impl HostState {
     }
 }
 
+/// Who runs the `airlock up` under attack.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Runner {
+    Root,
+    /// An ordinary user (no capabilities, a bounding set it cannot drop) with a
+    /// delegated cgroup subtree: what a laptop user gets.
+    OrdinaryUser,
+}
+
 /// One `airlock up` under attack, with the host's baseline.
 struct Lab {
     airlock: Airlock,
+    /// The cgroup subtree root delegated to the ordinary user the lab runs as, if any;
+    /// dropped after `airlock`.
+    _delegation: Option<Delegation>,
+    /// The host uid the workers (and so the sandboxes' root) run as.
+    worker_uid: u32,
     /// Unique to this lab: attempts name files and processes after it.
     marker: String,
     canary_roots: Vec<PathBuf>,
@@ -209,10 +224,28 @@ struct Lab {
 
 impl Lab {
     async fn start(tag: &str, extra_config: &str) -> Lab {
+        Lab::start_for(tag, extra_config, Runner::Root).await
+    }
+
+    async fn start_for(tag: &str, extra_config: &str, runner: Runner) -> Lab {
         // Approvals off (DESIGN §3: `[]` for a sandbox-only deployment): every attempt
         // reaches the sandbox without a human in the loop.
-        let airlock =
-            Airlock::start_with(&format!("[approvals]\ntools = []\n{extra_config}")).await;
+        let config = format!("[approvals]\ntools = []\n{extra_config}");
+        let (airlock, delegation, worker_uid) = match runner {
+            Runner::Root => (Airlock::start_with(&config).await, None, 0),
+            Runner::OrdinaryUser => {
+                // Strict isolation for an ordinary user: in a cgroup subtree that root
+                // delegated to it, as an administrator would.
+                let user = OrdinaryUser::get();
+                let delegation = Delegation::new(user, tag);
+                let config = format!(
+                    "{config}\n[sandbox]\ncgroup_parent = \"{}\"\n",
+                    delegation.cgroup_parent
+                );
+                let airlock = Airlock::start_as(user, Some(&delegation), &config).await;
+                (airlock, Some(delegation), user.uid)
+            }
+        };
         let nanos = SystemTime::now()
             .duration_since(SystemTime::UNIX_EPOCH)
             .expect("clock")
@@ -253,6 +286,8 @@ impl Lab {
         let tree = descendants(launcher).into_iter().collect();
         Lab {
             airlock,
+            _delegation: delegation,
+            worker_uid,
             marker,
             canary_roots,
             launcher,
@@ -484,7 +519,16 @@ fn host_has(path: &str) {
 
 #[tokio::test]
 async fn host_secrets_and_filesystem_escapes_fail() {
-    let lab = Lab::start("fs", "").await;
+    host_secrets_and_filesystem_escapes(Lab::start("fs", "").await).await;
+}
+
+#[tokio::test]
+async fn host_secrets_and_filesystem_escapes_fail_as_an_ordinary_user() {
+    host_secrets_and_filesystem_escapes(Lab::start_for("ufs", "", Runner::OrdinaryUser).await)
+        .await;
+}
+
+async fn host_secrets_and_filesystem_escapes(lab: Lab) {
     let ws = lab.airlock.workspace(SESSION);
     let endpoints: Value = serde_json::from_str(
         &std::fs::read_to_string(lab.airlock.data_dir().join("endpoints.json"))
@@ -847,8 +891,11 @@ async fn host_secrets_and_filesystem_escapes_fail() {
         .sh("read the kernel log", "head -c 100 /proc/kmsg; dmesg")
         .await;
     assert!(out.stdout().is_empty(), "kernel log: {out}");
+    // Root of the sandbox lacks CAP_SYSLOG (EPERM); an ordinary user's sandbox is refused
+    // by /proc/kmsg's mode first (EACCES). Either way both reads fail.
     assert_eq!(
-        out.stderr().matches("Operation not permitted").count(),
+        out.stderr().matches("Operation not permitted").count()
+            + out.stderr().matches("Permission denied").count(),
         2,
         "kernel log: {out}"
     );
@@ -873,9 +920,11 @@ async fn host_secrets_and_filesystem_escapes_fail() {
         )
         .await;
     assert!(out.stderr().contains("Permission denied"), "uid_map: {out}");
+    // Still one id: the sandbox's root is the worker's own uid on the host.
+    let worker_uid = lab.worker_uid.to_string();
     assert_eq!(
         out.stdout().split_whitespace().collect::<Vec<_>>(),
-        ["0", "0", "1"],
+        ["0", worker_uid.as_str(), "1"],
         "uid_map: {out}"
     );
 
@@ -992,7 +1041,18 @@ async fn host_secrets_and_filesystem_escapes_fail() {
 
 #[tokio::test]
 async fn processes_namespaces_syscalls_and_network_fail() {
-    let lab = Lab::start("ps", "").await;
+    processes_namespaces_syscalls_and_network(Lab::start("ps", "").await).await;
+}
+
+#[tokio::test]
+async fn processes_namespaces_syscalls_and_network_fail_as_an_ordinary_user() {
+    processes_namespaces_syscalls_and_network(
+        Lab::start_for("ups", "", Runner::OrdinaryUser).await,
+    )
+    .await;
+}
+
+async fn processes_namespaces_syscalls_and_network(lab: Lab) {
     assert_eq!(
         std::env::consts::ARCH,
         "x86_64",

@@ -8,12 +8,14 @@
 
 mod adversarial;
 mod agent;
+mod as_user;
 mod fs_tools;
 mod gate;
 mod grpc_api;
 mod http_api;
 mod mcp;
 mod net_db;
+mod ordinary_user;
 mod replicas;
 mod shell;
 mod supervision;

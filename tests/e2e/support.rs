@@ -6,6 +6,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
+use crate::ordinary_user::{Delegation, OrdinaryUser};
+
 pub const AIRLOCK: &str = env!("CARGO_BIN_EXE_airlock");
 
 pub struct Airlock {
@@ -33,6 +35,55 @@ impl Airlock {
     /// [`Airlock::start_with`], with extra environment variables for `airlock up` (which
     /// passes its environment to the orchestrator, e.g. a model provider's API key).
     pub async fn start_with_env(extra_config: &str, env: &[(&str, &str)]) -> Self {
+        Self::launch(extra_config, env, None).await
+    }
+
+    /// [`Airlock::start_with`] as an ordinary user (see `ordinary_user`), inside
+    /// `delegation` when given (whose `cgroup_parent` the snippet should then name).
+    pub async fn start_as(
+        user: &OrdinaryUser,
+        delegation: Option<&Delegation>,
+        extra_config: &str,
+    ) -> Self {
+        Self::launch(extra_config, &[], Some((user, delegation))).await
+    }
+
+    /// Runs `airlock up` as `user` and expects it to refuse to start: returns its exit
+    /// status and log once it has exited (bounded).
+    pub fn refused_as(
+        user: &OrdinaryUser,
+        extra_config: &str,
+    ) -> (std::process::ExitStatus, String) {
+        let (dir, mut command) = Self::up_command(extra_config, &[], Some((user, None)));
+        let mut child = command.spawn().expect("spawn airlock up");
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let status = loop {
+            if let Some(status) = child.try_wait().expect("wait") {
+                break status;
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!(
+                    "airlock up as {} was expected to refuse to start but kept running:\n{}",
+                    user.name,
+                    std::fs::read_to_string(dir.path().join("airlock.log")).unwrap_or_default()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let log = std::fs::read_to_string(dir.path().join("airlock.log")).unwrap_or_default();
+        (status, log)
+    }
+
+    /// The temp dir (config, data dir, log) and the `airlock up` command for a test.
+    /// Unless the snippet has its own `[approvals]` (or `[budgets]`) section, approvals
+    /// and the rate limit are off.
+    fn up_command(
+        extra_config: &str,
+        env: &[(&str, &str)],
+        user: Option<(&OrdinaryUser, Option<&Delegation>)>,
+    ) -> (tempfile::TempDir, Command) {
         let mut extra = extra_config.to_owned();
         if !extra.contains("[approvals]") {
             extra.push_str("\n[approvals]\ntools = []\n");
@@ -40,19 +91,44 @@ impl Airlock {
         if !extra.contains("[budgets]") {
             extra.push_str("\n[budgets]\nrate_per_minute = 0\n");
         }
-        let extra_config = extra.as_str();
         let dir = tempfile::tempdir().expect("temp dir");
         let config = dir.path().join("airlock.toml");
         std::fs::write(
             &config,
             format!(
-                "[orchestrator]\nhttp_listen = \"127.0.0.1:0\"\ngrpc_listen = \"127.0.0.1:0\"\n{extra_config}"
+                "[orchestrator]\nhttp_listen = \"127.0.0.1:0\"\ngrpc_listen = \"127.0.0.1:0\"\n{extra}"
             ),
         )
         .expect("write config");
         let data_dir = dir.path().join("data");
         let log = std::fs::File::create(dir.path().join("airlock.log")).expect("log file");
-        let child = Command::new(AIRLOCK)
+        let mut command = match user {
+            None => Command::new(AIRLOCK),
+            Some((user, delegation)) => {
+                user.own(dir.path());
+                match delegation.and_then(|d| d.enter.as_ref()) {
+                    // Start inside the delegated cgroup, then drop to the user.
+                    Some(cgroup) => {
+                        let mut c = Command::new("sh");
+                        c.arg("-c")
+                            .arg("echo $$ > \"$0/cgroup.procs\" && shift && exec \"$@\"")
+                            .arg(cgroup)
+                            .arg("--")
+                            .arg("setpriv")
+                            .arg(format!("--reuid={}", user.uid))
+                            .arg(format!("--regid={}", user.gid))
+                            .arg("--clear-groups")
+                            .arg("--")
+                            .arg(&user.airlock)
+                            .env("USER", &user.name)
+                            .env("HOME", "/nonexistent");
+                        c
+                    }
+                    None => user.command(&user.airlock),
+                }
+            }
+        };
+        command
             .args(["up", "--data-dir"])
             .arg(&data_dir)
             .arg("--config")
@@ -63,9 +139,17 @@ impl Airlock {
             .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .expect("spawn airlock up");
+            .stderr(log);
+        (dir, command)
+    }
+
+    async fn launch(
+        extra_config: &str,
+        env: &[(&str, &str)],
+        user: Option<(&OrdinaryUser, Option<&Delegation>)>,
+    ) -> Self {
+        let (dir, mut command) = Self::up_command(extra_config, env, user);
+        let child = command.spawn().expect("spawn airlock up");
         let mut airlock = Self {
             dir,
             url: String::new(),

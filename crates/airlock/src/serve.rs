@@ -110,9 +110,10 @@ fn confine(component: &str, spec: SelfConfinement) -> anyhow::Result<()> {
         component,
         landlock_abi = report.landlock_abi,
         landlock_filesystem = report.landlock_filesystem,
+        bounding_set_dropped = report.bounding_set_dropped,
         exec_allowed = report.exec_allowed,
         kept = ?report.capabilities_kept,
-        "confined: no_new_privs, landlock, capabilities dropped, seccomp"
+        "confined: {report}"
     );
     Ok(())
 }

@@ -5,6 +5,16 @@
 //! namespace (and a standard-mode sandbox may run as host root), and `execve` by uid 0
 //! grants every capability of the bounding set. An empty bounding set plus
 //! `no_new_privs` makes uid 0 capability-less for good.
+//!
+//! # Without `CAP_SETPCAP`
+//!
+//! Dropping from the bounding set needs `CAP_SETPCAP`, which an ordinary user's login
+//! shell does not have (its bounding set is full, its permitted set empty). Such a
+//! process cannot empty its bounding set, and need not: with `no_new_privs` set and the
+//! permitted set empty, `execve` grants no more than the permitted set already holds
+//! (the kernel intersects the new permitted set with the old one), so the bounding set
+//! grants nothing. We then leave it as it is and *say so* ([`Dropped::bounding_set`]
+//! is false), instead of failing or claiming a layer that is not in force.
 
 use crate::step::{AtStep, Failure, Step};
 use crate::sys;
@@ -42,28 +52,64 @@ struct CapData {
     inheritable: u32,
 }
 
+/// What [`drop_all_but`] achieved.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Dropped {
+    /// The bounding set is empty (dropped now or already empty). False only for a
+    /// process without `CAP_SETPCAP`, see the module docs.
+    pub bounding_set: bool,
+    /// The capabilities of `keep` that were permitted and so stay.
+    pub kept: u64,
+}
+
 /// Drops every capability of the calling thread (async-signal-safe).
 ///
-/// Fails when a capability stays in the bounding set (we lack `CAP_SETPCAP` to drop it);
-/// an already empty bounding set, as in a worker that confined itself, is fine.
-pub(crate) fn drop_all() -> Result<(), Failure> {
-    drop_all_except(0).at(Step::DropCapabilities)
+/// `require_empty_bounding_set`: fail when a capability stays in the bounding set and we
+/// lack `CAP_SETPCAP` to drop it — set when the isolation report promised an empty one.
+pub(crate) fn drop_all(require_empty_bounding_set: bool) -> Result<(), Failure> {
+    match drop_all_except(0) {
+        Ok(d) if require_empty_bounding_set && !d.bounding_set => Err(libc::EPERM),
+        Ok(_) => Ok(()),
+        Err(e) => Err(e),
+    }
+    .at(Step::DropCapabilities)
 }
 
 /// For callers outside the child: drops every capability but those in `keep` (a bit
-/// mask), which stay permitted and effective (the bounding set is emptied regardless).
-pub(crate) fn drop_all_but(keep: u64) -> Result<(), CapsError> {
+/// mask) that are permitted now, which stay permitted and effective; empties the
+/// bounding set where this process may.
+pub(crate) fn drop_all_but(keep: u64) -> Result<Dropped, CapsError> {
     drop_all_except(keep).map_err(|e| CapsError::Drop(std::io::Error::from_raw_os_error(e)))
 }
 
 /// `CAP_SETFCAP` as a mask for [`drop_all_but`].
 pub(crate) const SETFCAP_MASK: u64 = 1 << 31;
 
-fn drop_all_except(keep: u64) -> Result<(), i32> {
-    let can_setpcap = effective_has(CAP_SETPCAP)?;
+/// Whether a process in this state ends with an empty bounding set after
+/// [`drop_all_but`]: it holds `CAP_SETPCAP`, or the set is empty already.
+pub(crate) fn bounding_set_can_be_emptied() -> bool {
+    effective_has(CAP_SETPCAP).unwrap_or(false) || bounding_set_empty()
+}
 
-    // 1. Bounding set: what execve can ever grant.
+fn bounding_set_empty() -> bool {
+    (0..64).all(|cap| {
+        // SAFETY: prctl with integer arguments only.
+        let present = unsafe { libc::prctl(libc::PR_CAPBSET_READ, cap as libc::c_ulong, 0, 0, 0) };
+        present != 1
+    })
+}
+
+fn drop_all_except(keep: u64) -> Result<Dropped, i32> {
+    let can_setpcap = effective_has(CAP_SETPCAP)?;
+    // Only what is permitted can stay: capset refuses to raise anything.
+    let keep = keep & permitted()?;
+
+    // 1. Bounding set: what execve can ever grant. Without CAP_SETPCAP it stays (and is
+    //    inert under no_new_privs with an empty permitted set, see the module docs).
     for cap in 0..64 {
+        if !can_setpcap {
+            break;
+        }
         // SAFETY: prctl with integer arguments only.
         let present = unsafe { libc::prctl(libc::PR_CAPBSET_READ, cap as libc::c_ulong, 0, 0, 0) };
         if present == -1 {
@@ -119,11 +165,14 @@ fn drop_all_except(keep: u64) -> Result<(), i32> {
     }
     // SAFETY: header and data are valid, correctly sized capset arguments.
     sys::check(unsafe { libc::syscall(libc::SYS_capset, &mut header, data.as_ptr()) })?;
-    Ok(())
+    Ok(Dropped {
+        bounding_set: can_setpcap || bounding_set_empty(),
+        kept: keep,
+    })
 }
 
-/// Whether the calling thread's effective set holds `cap` (async-signal-safe).
-fn effective_has(cap: libc::c_ulong) -> Result<bool, i32> {
+/// The calling thread's capability sets (async-signal-safe).
+fn capget() -> Result<[CapData; 2], i32> {
     let mut header = CapHeader {
         version: LINUX_CAPABILITY_VERSION_3,
         pid: 0,
@@ -131,6 +180,18 @@ fn effective_has(cap: libc::c_ulong) -> Result<bool, i32> {
     let mut data = [CapData::default(); 2];
     // SAFETY: header and data are valid, correctly sized capget arguments.
     sys::check(unsafe { libc::syscall(libc::SYS_capget, &mut header, data.as_mut_ptr()) })?;
+    Ok(data)
+}
+
+/// Whether the calling thread's effective set holds `cap` (async-signal-safe).
+fn effective_has(cap: libc::c_ulong) -> Result<bool, i32> {
+    let data = capget()?;
     let word = (cap / 32) as usize;
     Ok(data[word].effective & (1 << (cap % 32)) != 0)
+}
+
+/// The calling thread's permitted set as a bit mask (async-signal-safe).
+fn permitted() -> Result<u64, i32> {
+    let data = capget()?;
+    Ok(u64::from(data[0].permitted) | (u64::from(data[1].permitted) << 32))
 }

@@ -28,7 +28,7 @@ pub struct Missing {
     /// What is wrong, with the likely cause.
     pub problem: String,
     /// How to fix the host or the configuration.
-    pub fix: &'static str,
+    pub fix: std::borrow::Cow<'static, str>,
 }
 
 /// What the host offers.
@@ -94,7 +94,9 @@ pub fn probe(cgroup_parent: &str) -> HostProbe {
             problem: "is not available (kernel older than 5.13, built without \
                       CONFIG_SECURITY_LANDLOCK, or landlock missing from the lsm= boot list)"
                 .into(),
-            fix: "boot a kernel with landlock enabled (e.g. lsm=landlock,lockdown,yama,apparmor,bpf)",
+            fix:
+                "boot a kernel with landlock enabled (e.g. lsm=landlock,lockdown,yama,apparmor,bpf)"
+                    .into(),
         }),
         seccomp: if seccomp::filter_available() {
             Ok(())
@@ -102,7 +104,7 @@ pub fn probe(cgroup_parent: &str) -> HostProbe {
             Err(Missing {
                 feature: "seccomp",
                 problem: "filters are not available (kernel without CONFIG_SECCOMP_FILTER)".into(),
-                fix: "use a kernel built with CONFIG_SECCOMP_FILTER",
+                fix: "use a kernel built with CONFIG_SECCOMP_FILTER".into(),
             })
         },
         cgroup: cgroup::detect(cgroup_parent)
@@ -110,10 +112,46 @@ pub fn probe(cgroup_parent: &str) -> HostProbe {
             .map_err(|e| Missing {
                 feature: "cgroups",
                 problem: format!("are not usable ({e})"),
-                fix: "give the worker a writable cgroup with the memory, pids and cpu \
-                      controllers (cgroup v2 delegation, or v1 hierarchies mounted read-write), \
-                      or set [sandbox] min_isolation = \"standard\"",
+                fix: cgroup_fix().into(),
             }),
+    }
+}
+
+/// How to get per-call cgroups on this host, as the user we run as: the exact
+/// commands, since the fix differs between root and an ordinary user and between
+/// cgroup v2 and v1.
+fn cgroup_fix() -> String {
+    // SAFETY: geteuid cannot fail and touches no memory.
+    let uid = unsafe { libc::geteuid() };
+    let user = std::env::var("USER")
+        .ok()
+        .filter(|u| !u.is_empty())
+        .unwrap_or_else(|| uid.to_string());
+    let standard =
+        "or set [sandbox] min_isolation = \"standard\" (no namespaces, no cgroup limits)";
+    if uid == 0 {
+        return format!(
+            "give the worker a writable cgroup with the memory, pids and cpu controllers \
+             (cgroup v2 with them enabled in cgroup.subtree_control, or the v1 hierarchies \
+             mounted read-write), {standard}"
+        );
+    }
+    if cgroup::host_has_v2_controllers() {
+        format!(
+            "start Airlock in a cgroup delegated to you: `systemd-run --user --scope -p \
+             Delegate=yes airlock up` (systemd gives the scope to user {user} with the memory, \
+             pids and cpu controllers), or set [sandbox] cgroup_parent = \"/path\" to a subtree \
+             that root delegated to {user} and that Airlock itself was started inside; {standard}"
+        )
+    } else {
+        format!(
+            "this host has cgroup v1 controllers, which an ordinary user cannot use without \
+             root's help: have root delegate a parent in each hierarchy (`for c in memory pids \
+             cpu freezer; do mkdir -p /sys/fs/cgroup/$c/airlock-{user} && chown {user} \
+             /sys/fs/cgroup/$c/airlock-{user}; done`) and set [sandbox] cgroup_parent = \
+             \"/airlock-{user}\"; or boot with systemd.unified_cgroup_hierarchy=1 and start \
+             Airlock with `systemd-run --user --scope -p Delegate=yes airlock up`; {standard}"
+        )
     }
 }
 
@@ -123,8 +161,10 @@ fn probe_user_namespaces() -> Result<(), Missing> {
         feature: "user namespaces",
         problem,
         fix: "enable them (sysctl user.max_user_namespaces > 0, \
-              kernel.unprivileged_userns_clone=1, no AppArmor userns restriction), run the pod \
-              with hostUsers: false, or set [sandbox] min_isolation = \"standard\"",
+              kernel.unprivileged_userns_clone=1, kernel.apparmor_restrict_unprivileged_userns=0 \
+              or an AppArmor profile allowing userns), run the pod with hostUsers: false, or \
+              set [sandbox] min_isolation = \"standard\""
+            .into(),
     };
     let flags = namespaces::clone_flags(false);
     // SAFETY: the child only calls unshare and _exit, both async-signal-safe.
@@ -176,7 +216,12 @@ pub struct IsolationReport {
     /// The cgroup interface enforcing the limits, `None` without cgroups.
     pub cgroup: Option<CgroupVersion>,
     pub no_new_privs: bool,
+    /// Effective, permitted, inheritable and ambient sets empty.
     pub capabilities_dropped: bool,
+    /// The bounding set is empty too. False only in standard mode under a worker
+    /// without `CAP_SETPCAP` (an ordinary user's), where it grants nothing anyway:
+    /// `no_new_privs` with an empty permitted set.
+    pub bounding_set_dropped: bool,
     pub rlimits: RlimitReport,
     pub limits: LimitsReport,
     /// `"none"` (own network namespace, no sockets but AF_UNIX) or `"host"`.
@@ -240,10 +285,11 @@ impl fmt::Display for IsolationReport {
         writeln!(
             f,
             "  capabilities:  {}",
-            if self.capabilities_dropped {
-                "all dropped"
-            } else {
-                "kept"
+            match (self.capabilities_dropped, self.bounding_set_dropped) {
+                (true, true) => "all dropped, bounding set included",
+                (true, false) =>
+                    "all dropped but the bounding set (no CAP_SETPCAP; inert under no_new_privs)",
+                (false, _) => "kept",
             }
         )?;
         writeln!(

@@ -84,7 +84,8 @@ pub struct SandboxConfig {
     pub output_cap_bytes: usize,
     /// Give the sandbox the worker's network (default: none).
     pub network: bool,
-    /// Name of the parent cgroup of the calls, under the worker's own cgroup.
+    /// Parent cgroup of the calls: a name, created under the worker's own cgroup, or a
+    /// path starting with `/` from the root of each hierarchy (a delegated subtree).
     pub cgroup_parent: String,
 }
 
@@ -283,6 +284,9 @@ impl Sandbox {
             cgroup: cgroup.as_ref().map(|c| c.version()),
             no_new_privs: true,
             capabilities_dropped: true,
+            // A strict sandbox is root of its own user namespace and so holds
+            // CAP_SETPCAP there; a standard one has what the worker has.
+            bounding_set_dropped: strict || crate::caps::bounding_set_can_be_emptied(),
             rlimits: RlimitReport {
                 nofile: config.nofile,
                 fsize_bytes: config.fsize_bytes,
@@ -354,10 +358,12 @@ impl Sandbox {
 
 fn validate(config: &SandboxConfig) -> Result<(), SandboxError> {
     let bad = |m: &str| Err(SandboxError::InvalidConfig(m.to_owned()));
-    let name = &config.cgroup_parent;
-    if name.is_empty() || name.contains('/') || name.starts_with('.') || name.starts_with("cgroup.")
-    {
-        return bad("cgroup_parent must be a plain directory name");
+    if !crate::cgroup::valid_parent(&config.cgroup_parent) {
+        return bad(
+            "cgroup_parent must be a plain directory name (created under the worker's own \
+             cgroup) or an absolute path of plain names (a delegated subtree, from the root of \
+             each cgroup hierarchy)",
+        );
     }
     if config.memory_bytes < 1 << 20 {
         return bad("memory_bytes must be at least 1 MiB");

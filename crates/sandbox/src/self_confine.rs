@@ -76,7 +76,13 @@ pub struct SelfConfinementReport {
     pub landlock_abi: Option<u32>,
     pub landlock_filesystem: bool,
     pub seccomp: &'static str,
+    /// Effective, permitted, inheritable and ambient sets empty (but for
+    /// `capabilities_kept`).
     pub capabilities_dropped: bool,
+    /// The bounding set is empty too. False for a process without `CAP_SETPCAP` (an
+    /// ordinary user's): its bounding set stays, and grants nothing under
+    /// `no_new_privs` with an empty permitted set (see `caps`).
+    pub bounding_set_dropped: bool,
     /// Capabilities deliberately kept (only `CAP_SETFCAP`, by a root shell worker).
     pub capabilities_kept: Vec<&'static str>,
     pub exec_allowed: bool,
@@ -166,8 +172,9 @@ pub fn confine_self(spec: &SelfConfinement) -> Result<SelfConfinementReport, cra
         plan.apply_checked()?;
     }
 
-    // 3. Capabilities: every set empty, the bounding set included (a root worker that
-    //    creates namespace sandboxes keeps CAP_SETFCAP, see the module docs).
+    // 3. Capabilities: every set empty, the bounding set included where we hold
+    //    CAP_SETPCAP (an ordinary user does not; see `caps`). A root worker that creates
+    //    namespace sandboxes keeps CAP_SETFCAP, see the module docs.
     // SAFETY: geteuid cannot fail and touches no memory.
     let keep_setfcap = spec.allow_namespaces && unsafe { libc::geteuid() } == 0;
     let keep = if keep_setfcap {
@@ -175,7 +182,7 @@ pub fn confine_self(spec: &SelfConfinement) -> Result<SelfConfinementReport, cra
     } else {
         0
     };
-    crate::caps::drop_all_but(keep)?;
+    let dropped = crate::caps::drop_all_but(keep)?;
 
     // 4. seccomp on every thread, last.
     seccomp.install_all_threads()?;
@@ -186,7 +193,8 @@ pub fn confine_self(spec: &SelfConfinement) -> Result<SelfConfinementReport, cra
         landlock_filesystem: landlock.is_some() && !spec.allow_namespaces,
         seccomp: "filter",
         capabilities_dropped: true,
-        capabilities_kept: if keep_setfcap {
+        bounding_set_dropped: dropped.bounding_set,
+        capabilities_kept: if dropped.kept & crate::caps::SETFCAP_MASK != 0 {
             vec!["CAP_SETFCAP"]
         } else {
             Vec::new()
@@ -194,6 +202,40 @@ pub fn confine_self(spec: &SelfConfinement) -> Result<SelfConfinementReport, cra
         exec_allowed: spec.allow_exec,
         namespaces_allowed: spec.allow_namespaces,
     })
+}
+
+impl std::fmt::Display for SelfConfinementReport {
+    /// The layers in force, in words, for the start-up log: nothing claimed that is
+    /// not in force.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.no_new_privs {
+            f.write_str("no_new_privs, ")?;
+        }
+        match (self.landlock_abi, self.landlock_filesystem) {
+            (Some(abi), true) => write!(f, "landlock ABI {abi} (filesystem rules), ")?,
+            (Some(abi), false) => write!(f, "landlock ABI {abi} (scoping only), ")?,
+            (None, _) => f.write_str("no landlock, ")?,
+        }
+        if self.capabilities_dropped {
+            f.write_str("capabilities dropped")?;
+            if !self.capabilities_kept.is_empty() {
+                write!(f, " but {}", self.capabilities_kept.join(", "))?;
+            }
+            if self.bounding_set_dropped {
+                f.write_str(" (bounding set included), ")?;
+            } else {
+                f.write_str(" (bounding set kept: no CAP_SETPCAP; inert under no_new_privs), ")?;
+            }
+        }
+        write!(f, "seccomp {}", self.seccomp)?;
+        if self.exec_allowed {
+            f.write_str(" (exec allowed)")?;
+        }
+        if self.namespaces_allowed {
+            f.write_str(" (namespaces allowed)")?;
+        }
+        Ok(())
+    }
 }
 
 fn thread_count() -> Result<usize, SelfConfineError> {

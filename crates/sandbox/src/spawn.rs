@@ -139,6 +139,9 @@ impl ExecPlan {
 /// Everything the child needs, prepared before `clone`.
 struct ChildPlan<'a> {
     strict: bool,
+    /// The isolation report promised an empty bounding set: failing to empty it is a
+    /// setup error, never a silent weaker sandbox.
+    require_empty_bounding_set: bool,
     /// v1 `tasks` files to write `0` to (join our own cgroups).
     cgroup_tasks: Vec<CString>,
     fds: ChildFds,
@@ -268,8 +271,9 @@ fn confine_and_exec(plan: &ChildPlan<'_>, report_fd: &mut RawFd) -> Result<Infal
     sys::check_int(unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) })
         .at(Step::NoNewPrivs)?;
 
-    // 8. Capabilities: bounding, ambient, inheritable, permitted, effective — all empty.
-    crate::caps::drop_all()?;
+    // 8. Capabilities: bounding, ambient, inheritable, permitted, effective — all empty
+    //    (the bounding set only where we hold CAP_SETPCAP, as the report says).
+    crate::caps::drop_all(plan.require_empty_bounding_set)?;
 
     // 9. Landlock: read+exec system dirs, read-write workspace and /tmp, nothing else.
     plan.landlock.apply()?;
@@ -648,6 +652,7 @@ pub(crate) fn run(
     };
     let plan = ChildPlan {
         strict,
+        require_empty_bounding_set: sandbox.report().bounding_set_dropped,
         cgroup_tasks,
         fds: ChildFds {
             stdin: stdin_r.as_raw_fd(),

@@ -759,7 +759,8 @@ fn missing_user_namespaces_error_names_the_fix() {
     host.user_namespaces = Err(airlock_sandbox::Missing {
         feature: "user namespaces",
         problem: "are not available (simulated)".into(),
-        fix: "enable them, run the pod with hostUsers: false, or set [sandbox] min_isolation = \"standard\"",
+        fix: "enable them, run the pod with hostUsers: false, or set [sandbox] min_isolation = \"standard\""
+            .into(),
     });
     let err = Sandbox::with_probe(config("probe"), host.clone()).expect_err("must refuse");
     let msg = err.to_string();

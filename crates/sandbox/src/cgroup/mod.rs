@@ -11,7 +11,17 @@
 //!   the call also joins a cgroup there only to use `cgroup.kill`.
 //!
 //! Per-call cgroups live under `<the worker's own cgroup>/<cgroup_parent>` in every
-//! hierarchy, so they stay inside whatever limits the worker itself runs under.
+//! hierarchy, so they stay inside whatever limits the worker itself runs under — or,
+//! when `cgroup_parent` starts with `/`, under that path from the root of each
+//! hierarchy: a subtree that root (or systemd, `Delegate=yes`) delegated to the
+//! worker's user.
+//!
+//! # Probing by doing
+//!
+//! A parent that exists is no proof that we may use it (root may have created it, or
+//! a previous run as another user). [`detect`] therefore creates a real call cgroup
+//! with limits, moves a throwaway process into it and removes it again, exactly as a
+//! call would; only a backend that passed is used.
 
 pub mod v1;
 pub mod v2;
@@ -54,6 +64,10 @@ pub enum CgroupError {
     },
     #[error("no usable cgroup hierarchy: {0}")]
     Unavailable(String),
+    /// One hierarchy (or the probe) does not qualify; [`detect`] collects these into
+    /// [`CgroupError::Unavailable`].
+    #[error("{0}")]
+    Unsuitable(String),
 }
 
 /// Which cgroup interface enforces the limits.
@@ -128,16 +142,136 @@ pub trait CallCgroup: Send {
 pub fn detect(parent: &str) -> Result<Box<dyn CgroupBackend>, CgroupError> {
     let mounts = read_mounts()?;
     let own = read_own_cgroups()?;
-    let v2_error = match v2::V2::detect(&mounts, &own, parent) {
+    let v2_error = match v2::V2::detect(&mounts, &own, parent).and_then(verified) {
         Ok(v2) => return Ok(Box::new(v2)),
         Err(e) => e,
     };
-    match v1::V1::detect(&mounts, &own, parent) {
+    match v1::V1::detect(&mounts, &own, parent).and_then(verified) {
         Ok(v1) => Ok(Box::new(v1)),
         Err(v1_error) => Err(CgroupError::Unavailable(format!(
             "cgroup v2: {v2_error}; cgroup v1: {v1_error}"
         ))),
     }
+}
+
+/// Whether a cgroup v2 tree with the memory, pids and cpu controllers is mounted (for
+/// choosing which fix to name when none is usable).
+pub fn host_has_v2_controllers() -> bool {
+    let Ok(mounts) = read_mounts() else {
+        return false;
+    };
+    mounts.iter().filter(|m| m.fstype == "cgroup2").any(|m| {
+        read(&m.mount_point.join("cgroup.controllers")).is_ok_and(|c| {
+            ["memory", "pids", "cpu"]
+                .iter()
+                .all(|want| c.split_whitespace().any(|have| have == *want))
+        })
+    })
+}
+
+/// `cgroup_parent` as configured: a name under our own cgroup, or a path from the
+/// root of each hierarchy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ParentSpec<'a> {
+    UnderOwn(&'a str),
+    FromRoot(&'a str),
+}
+
+impl<'a> ParentSpec<'a> {
+    pub(crate) fn of(parent: &'a str) -> Self {
+        match parent.strip_prefix('/') {
+            Some(rest) => ParentSpec::FromRoot(rest),
+            None => ParentSpec::UnderOwn(parent),
+        }
+    }
+}
+
+/// Whether `parent` is a valid `cgroup_parent`: a plain name, or `/`-separated plain
+/// names after a leading `/` (no `.`, `..`, empty or `cgroup.*` components).
+pub fn valid_parent(parent: &str) -> bool {
+    let plain =
+        |name: &str| !name.is_empty() && !name.starts_with('.') && !name.starts_with("cgroup.");
+    match ParentSpec::of(parent) {
+        ParentSpec::UnderOwn(name) => plain(name) && !name.contains('/'),
+        ParentSpec::FromRoot(path) => path.split('/').all(plain),
+    }
+}
+
+/// The parent cgroup's directory in `mount`, given our own cgroup path there.
+pub(crate) fn parent_dir(mount: &CgroupMount, own_path: &str, parent: &str) -> PathBuf {
+    match ParentSpec::of(parent) {
+        ParentSpec::FromRoot(path) => mount.mount_point.join(path),
+        ParentSpec::UnderOwn(name) => own_dir(mount, own_path).join(name),
+    }
+}
+
+/// Creates one call cgroup with limits, moves a throwaway process into it and removes
+/// it: the whole life of a call's cgroup, so that a backend that passes works for calls.
+fn verified<B: CgroupBackend>(backend: B) -> Result<B, CgroupError> {
+    let limits = CgroupLimits {
+        memory_bytes: 64 << 20,
+        pids: 8,
+        cpu_millis: 100,
+    };
+    let mut call = backend.create(&limits)?;
+    let joined = join_probe_process(call.as_ref());
+    let removed = call.remove();
+    joined.and(removed).map(|()| backend)
+}
+
+/// Moves a short-lived child into `call` the way a sandbox joins it (its v1 `tasks`
+/// files, then [`CallCgroup::join`]), then lets the child exit and reaps it.
+pub(crate) fn join_probe_process(call: &dyn CallCgroup) -> Result<(), CgroupError> {
+    let mut fds = [0; 2];
+    // SAFETY: `fds` is a valid two-element out-array for pipe2.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } == -1 {
+        return Err(CgroupError::Unsuitable(format!(
+            "cannot create a pipe for the cgroup probe: {}",
+            io::Error::last_os_error()
+        )));
+    }
+    let [read_end, write_end] = fds;
+    // SAFETY: the child only calls close, read and _exit, all async-signal-safe.
+    let pid = match unsafe { crate::namespaces::clone_process(0) } {
+        Ok(pid) => pid,
+        Err(e) => {
+            // SAFETY: closing the two descriptors we just created.
+            unsafe {
+                libc::close(read_end);
+                libc::close(write_end);
+            }
+            return Err(CgroupError::Unsuitable(format!(
+                "cannot start the cgroup probe process: {e}"
+            )));
+        }
+    };
+    if pid == 0 {
+        // SAFETY: async-signal-safe calls only; the child blocks until the parent
+        // closes its end of the pipe, then exits without running any destructor.
+        unsafe {
+            libc::close(write_end);
+            let mut byte = 0u8;
+            libc::read(read_end, (&raw mut byte).cast(), 1);
+            libc::_exit(0);
+        }
+    }
+    // SAFETY: the parent does not use the read end.
+    unsafe { libc::close(read_end) };
+    let joined = call
+        .self_join_files()
+        .iter()
+        .try_for_each(|tasks| write(tasks, &pid.to_string()))
+        .and_then(|()| call.join(pid));
+    // SAFETY: closing our write end lets the child's read return and the child exit.
+    unsafe { libc::close(write_end) };
+    let mut status = 0;
+    // SAFETY: `status` is a valid out-pointer; waits for our own child.
+    while unsafe { libc::waitpid(pid, &mut status, 0) } == -1 {
+        if crate::sys::errno() != libc::EINTR {
+            break;
+        }
+    }
+    joined
 }
 
 /// A cgroup mount from /proc/self/mountinfo.
@@ -166,6 +300,11 @@ fn read_mounts() -> Result<Vec<CgroupMount>, CgroupError> {
         path: path.into(),
         source,
     })?;
+    Ok(parse_mountinfo(&text))
+}
+
+/// The cgroup mounts of a mountinfo(5) text.
+fn parse_mountinfo(text: &str) -> Vec<CgroupMount> {
     let mut mounts = Vec::new();
     for line in text.lines() {
         let Some((left, right)) = line.split_once(" - ") else {
@@ -188,7 +327,7 @@ fn read_mounts() -> Result<Vec<CgroupMount>, CgroupError> {
             controllers: options.split(',').map(str::to_owned).collect(),
         });
     }
-    Ok(mounts)
+    mounts
 }
 
 fn read_own_cgroups() -> Result<Vec<OwnCgroup>, CgroupError> {
@@ -197,8 +336,12 @@ fn read_own_cgroups() -> Result<Vec<OwnCgroup>, CgroupError> {
         path: path.into(),
         source,
     })?;
-    Ok(text
-        .lines()
+    Ok(parse_own_cgroups(&text))
+}
+
+/// The entries of a /proc/<pid>/cgroup text.
+fn parse_own_cgroups(text: &str) -> Vec<OwnCgroup> {
+    text.lines()
         .filter_map(|line| {
             let mut parts = line.splitn(3, ':');
             let _id = parts.next()?;
@@ -213,7 +356,7 @@ fn read_own_cgroups() -> Result<Vec<OwnCgroup>, CgroupError> {
                 path: path.to_owned(),
             })
         })
-        .collect())
+        .collect()
 }
 
 /// The directory of our own cgroup inside `mount`.
@@ -311,6 +454,103 @@ pub(crate) fn rmdir_when_empty(dir: &Path) -> Result<(), CgroupError> {
                     source,
                 });
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A hybrid host (this project's CI machines): v1 controllers plus a controller-less
+    /// unified tree, the process in a v1 memory cgroup of its own.
+    const HYBRID_MOUNTINFO: &str = "\
+30 24 0:26 / /sys/fs/cgroup ro,nosuid shared:9 - tmpfs tmpfs ro,mode=755
+31 30 0:27 / /sys/fs/cgroup/unified rw,nosuid shared:10 - cgroup2 cgroup2 rw,nsdelegate
+33 30 0:29 / /sys/fs/cgroup/memory rw,nosuid shared:14 - cgroup cgroup rw,memory
+34 30 0:30 / /sys/fs/cgroup/pids rw,nosuid shared:15 - cgroup cgroup rw,pids
+35 30 0:31 / /sys/fs/cgroup/cpu,cpuacct rw,nosuid shared:16 - cgroup cgroup rw,cpu,cpuacct
+36 30 0:32 / /sys/fs/cgroup/freezer rw,nosuid shared:17 - cgroup cgroup rw,freezer
+40 24 0:5 / /proc rw,nosuid shared:12 - proc proc rw
+";
+    const HYBRID_CGROUP: &str = "\
+5:freezer:/
+4:cpu,cpuacct:/user.slice
+3:pids:/user.slice/user-1000.slice
+2:memory:/process_api/9cdec40d
+0::/user.slice/user-1000.slice/session-2.scope
+";
+    /// A pure v2 container whose cgroup namespace shows its own cgroup as `/`.
+    const V2_MOUNTINFO: &str = "\
+612 600 0:31 / /sys/fs/cgroup ro,nosuid - cgroup2 cgroup rw,nsdelegate
+";
+    const V2_CGROUP: &str = "0::/\n";
+
+    #[test]
+    fn hybrid_mountinfo_yields_every_hierarchy_with_its_controllers() {
+        let mounts = parse_mountinfo(HYBRID_MOUNTINFO);
+        let kinds: Vec<(&str, &str)> = mounts
+            .iter()
+            .map(|m| (m.fstype.as_str(), m.mount_point.to_str().unwrap_or("")))
+            .collect();
+        assert_eq!(
+            kinds,
+            [
+                ("cgroup2", "/sys/fs/cgroup/unified"),
+                ("cgroup", "/sys/fs/cgroup/memory"),
+                ("cgroup", "/sys/fs/cgroup/pids"),
+                ("cgroup", "/sys/fs/cgroup/cpu,cpuacct"),
+                ("cgroup", "/sys/fs/cgroup/freezer"),
+            ]
+        );
+        assert!(mounts[3].controllers.iter().any(|c| c == "cpuacct"));
+    }
+
+    #[test]
+    fn own_cgroups_parse_with_and_without_controllers() {
+        let own = parse_own_cgroups(HYBRID_CGROUP);
+        assert_eq!(own.len(), 5);
+        assert_eq!(own[1].controllers, ["cpu", "cpuacct"]);
+        assert_eq!(own[3].path, "/process_api/9cdec40d");
+        assert!(own[4].controllers.is_empty());
+        assert_eq!(own[4].path, "/user.slice/user-1000.slice/session-2.scope");
+    }
+
+    #[test]
+    fn parents_under_our_own_cgroup_or_from_the_root() {
+        let mounts = parse_mountinfo(HYBRID_MOUNTINFO);
+        let own = parse_own_cgroups(HYBRID_CGROUP);
+        let memory = &mounts[1];
+        assert_eq!(
+            parent_dir(memory, &own[3].path, "airlock"),
+            Path::new("/sys/fs/cgroup/memory/process_api/9cdec40d/airlock")
+        );
+        assert_eq!(
+            parent_dir(memory, &own[3].path, "/airlock-alice"),
+            Path::new("/sys/fs/cgroup/memory/airlock-alice")
+        );
+        assert_eq!(
+            parent_dir(memory, &own[3].path, "/delegated/alice"),
+            Path::new("/sys/fs/cgroup/memory/delegated/alice")
+        );
+        let v2 = parse_mountinfo(V2_MOUNTINFO);
+        let v2_own = parse_own_cgroups(V2_CGROUP);
+        assert_eq!(
+            parent_dir(&v2[0], &v2_own[0].path, "airlock"),
+            Path::new("/sys/fs/cgroup/airlock")
+        );
+    }
+
+    #[test]
+    fn cgroup_parent_names_are_plain() {
+        for good in ["airlock", "/airlock-alice", "/user.slice/airlock"] {
+            assert!(valid_parent(good), "{good}");
+        }
+        for bad in [
+            "", "a/b", ".hidden", "cgroup.procs", "/", "/a//b", "/a/../b", "/a/./b", "/a/",
+            "/cgroup.kill",
+        ] {
+            assert!(!valid_parent(bad), "{bad:?}");
         }
     }
 }

@@ -41,11 +41,11 @@ impl V1 {
             let own = own
                 .iter()
                 .find(|o| o.controllers.iter().any(|c| c == controller))?;
-            Some(super::own_dir(mount, &own.path).join(parent_name))
+            Some(super::parent_dir(mount, &own.path, parent_name))
         };
         let required = |controller: &str| {
             parent_of(controller).ok_or_else(|| {
-                CgroupError::Unavailable(format!("the {controller} controller is not mounted"))
+                CgroupError::Unsuitable(format!("the {controller} controller is not mounted"))
             })
         };
         let memory = required("memory")?;
@@ -82,14 +82,24 @@ impl V1 {
     }
 }
 
-/// The parent cgroup in the unified tree of a hybrid host, when it has `cgroup.kill`.
+/// The parent cgroup in the unified tree of a hybrid host, when it has `cgroup.kill`
+/// and a process can really be moved into a child of it (an ordinary user may be able
+/// to create the directory but not to move processes there: the kernel also asks for
+/// write access to the common ancestor's `cgroup.procs`). Otherwise the freezer or
+/// round-after-round SIGKILL does the killing.
 fn unified_parent(mounts: &[CgroupMount], own: &[OwnCgroup], parent_name: &str) -> Option<PathBuf> {
     let mount = mounts.iter().find(|m| m.fstype == "cgroup2")?;
     let own = own.iter().find(|o| o.controllers.is_empty())?;
-    let parent = super::own_dir(mount, &own.path).join(parent_name);
+    let parent = super::parent_dir(mount, &own.path, parent_name);
     super::mkdir(&parent).ok()?;
     // Every non-root cgroup has cgroup.kill on Linux 5.14+.
-    parent.join("cgroup.kill").exists().then_some(parent)
+    if !parent.join("cgroup.kill").exists() {
+        return None;
+    }
+    let mut probe = CallV2::create_plain(&parent).ok()?;
+    let joined = super::join_probe_process(&probe);
+    let removed = probe.remove();
+    (joined.is_ok() && removed.is_ok()).then_some(parent)
 }
 
 impl CgroupBackend for V1 {

@@ -32,15 +32,26 @@ impl V2 {
         let mount = mounts
             .iter()
             .find(|m| m.fstype == "cgroup2")
-            .ok_or_else(|| CgroupError::Unavailable("no cgroup2 mount".into()))?;
+            .ok_or_else(|| CgroupError::Unsuitable("no cgroup2 mount".into()))?;
         let own_path = own
             .iter()
             .find(|o| o.controllers.is_empty())
             .map(|o| o.path.clone())
             .ok_or_else(|| {
-                CgroupError::Unavailable("no unified entry in /proc/self/cgroup".into())
+                CgroupError::Unsuitable("no unified entry in /proc/self/cgroup".into())
             })?;
-        let base = super::own_dir(mount, &own_path);
+        let parent = super::parent_dir(mount, &own_path, parent_name);
+        // A parent given from the root (`[sandbox] cgroup_parent = "/…"`) is a subtree
+        // someone delegated to us: its own parent must already hand it the controllers,
+        // and we never move other processes around there. A parent under our own cgroup
+        // is ours to set up.
+        let base = match super::ParentSpec::of(parent_name) {
+            super::ParentSpec::FromRoot(_) => parent
+                .parent()
+                .map(Path::to_path_buf)
+                .unwrap_or_else(|| mount.mount_point.clone()),
+            super::ParentSpec::UnderOwn(_) => super::own_dir(mount, &own_path),
+        };
         let available = super::read(&base.join("cgroup.controllers"))?;
         let missing: Vec<&str> = CONTROLLERS
             .iter()
@@ -48,16 +59,20 @@ impl V2 {
             .filter(|c| !available.split_whitespace().any(|a| a == *c))
             .collect();
         if !missing.is_empty() {
-            return Err(CgroupError::Unavailable(format!(
+            return Err(CgroupError::Unsuitable(format!(
                 "controllers {} are not enabled in {}",
                 missing.join(", "),
                 base.display()
             )));
         }
 
-        let parent = base.join(parent_name);
         super::mkdir(&parent)?;
-        enable_controllers(&base, parent_name)?;
+        if matches!(
+            super::ParentSpec::of(parent_name),
+            super::ParentSpec::UnderOwn(_)
+        ) {
+            enable_controllers(&base, parent_name)?;
+        }
         super::write(&parent.join("cgroup.subtree_control"), "+memory +pids +cpu")?;
         let has_swap = parent.join("memory.swap.max").exists();
         Ok(V2 { parent, has_swap })
