@@ -402,3 +402,45 @@ async fn the_readme_short_session_passes_for_an_ordinary_user() {
     assert!(verify.status.success(), "{verify:?}");
     assert!(Path::new(&airlock.data_dir().join("airlock.db")).exists());
 }
+
+/// `airlock sandbox run`, the host check, as the user: strict refused up front with the
+/// fix (not "strict" first and a cgroup error after), standard runs and says so.
+#[tokio::test]
+async fn sandbox_run_as_an_ordinary_user_is_honest_about_its_level() {
+    let user = OrdinaryUser::get();
+    let strict = user
+        .command(&user.airlock)
+        .args(["sandbox", "run", "--", "true"])
+        .output()
+        .expect("airlock sandbox run");
+    let err = String::from_utf8_lossy(&strict.stderr);
+    assert!(!strict.status.success(), "{err}");
+    assert!(
+        err.contains("cgroups are not usable") && err.contains("cgroup_parent"),
+        "{err}"
+    );
+    assert!(
+        !err.contains("\"level\": \"strict\""),
+        "no strict report before failing: {err}"
+    );
+
+    let standard = user
+        .command(&user.airlock)
+        .args([
+            "sandbox",
+            "run",
+            "--profile",
+            "standard",
+            "--",
+            "sh",
+            "-c",
+            "grep CapBnd /proc/self/status",
+        ])
+        .output()
+        .expect("airlock sandbox run --profile standard");
+    let err = String::from_utf8_lossy(&standard.stderr);
+    assert!(standard.status.success(), "{err}");
+    assert!(err.contains("\"level\": \"standard\""), "{err}");
+    assert!(err.contains("\"bounding_set_dropped\": false"), "{err}");
+    assert!(!String::from_utf8_lossy(&standard.stdout).contains("0000000000000000"));
+}
