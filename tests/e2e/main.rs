@@ -9,6 +9,7 @@
 mod adversarial;
 mod agent;
 mod as_user;
+mod cli;
 mod fs_tools;
 mod gate;
 mod grpc_api;

@@ -4,7 +4,9 @@
 //! The launcher parses no model input and holds no tool power: it only starts, restarts
 //! and stops its children. Children get SIGTERM from the kernel if the launcher dies.
 
-use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+use std::fs::File;
+use std::io::{Read, Write};
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::{ExitCode, Stdio};
 use std::time::{Duration, Instant};
@@ -24,6 +26,8 @@ const STOP_GRACE: Duration = Duration::from_secs(10);
 /// A child that ran this long before crashing restarts without delay.
 const HEALTHY_RUN: Duration = Duration::from_secs(30);
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
+/// In the data dir; `airlock up` holds an exclusive `flock` on it while it runs.
+const LOCK_FILE: &str = "airlock.lock";
 
 /// Variables a worker may inherit; everything else (API keys, tokens) stays out.
 const WORKER_ENV_ALLOWLIST: &[&str] = &[
@@ -31,6 +35,7 @@ const WORKER_ENV_ALLOWLIST: &[&str] = &[
     "RUST_LOG",
     "RUST_BACKTRACE",
     "AIRLOCK_LOG_FORMAT",
+    "NO_COLOR",
     "TZ",
     "LANG",
 ];
@@ -47,8 +52,30 @@ struct Component {
     restarts: u32,
 }
 
-pub fn up(location: &Location) -> anyhow::Result<ExitCode> {
-    let loaded = Loaded::load(location.config.as_deref(), location.data_dir.as_deref())?;
+/// `--http-listen` / `--grpc-listen` of `airlock up`, over `[orchestrator]`.
+#[derive(Debug, Default)]
+pub struct Listen {
+    pub http: Option<String>,
+    pub grpc: Option<String>,
+}
+
+pub fn up(location: &Location, listen: Listen) -> anyhow::Result<ExitCode> {
+    let mut loaded = Loaded::load(location.config.as_deref(), location.data_dir.as_deref())?;
+    if let Some(addr) = listen.http {
+        loaded.config.orchestrator.http_listen = addr;
+    }
+    if let Some(addr) = listen.grpc {
+        loaded.config.orchestrator.grpc_listen = addr;
+    }
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(&loaded.data_dir)
+        .with_context(|| format!("cannot create data dir {}", loaded.data_dir.display()))?;
+    // Taken before anything in the data dir is touched, so a second launcher on the same
+    // dir changes nothing of the first's (its endpoints.json, sockets, token); held until
+    // this function returns, after the children have stopped.
+    let _lock = lock_data_dir(&loaded.data_dir)?;
     prepare_data_dir(&loaded)?;
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -57,13 +84,51 @@ pub fn up(location: &Location) -> anyhow::Result<ExitCode> {
         .block_on(supervise(loaded))
 }
 
+/// Takes the exclusive lock of the data dir, or says which launcher holds it.
+///
+/// An advisory `flock`, not a pid file: the kernel drops it when the launcher dies, even
+/// by SIGKILL, so a crash never leaves a stale lock to clean up by hand. The file itself
+/// stays (removing it would let two launchers lock two different inodes); it holds the
+/// holder's pid, for the message only.
+fn lock_data_dir(dir: &Path) -> anyhow::Result<File> {
+    let path = dir.join(LOCK_FILE);
+    let mut file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .open(&path)
+        .with_context(|| format!("cannot open {}", path.display()))?;
+    match rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
+        Ok(()) => {}
+        Err(rustix::io::Errno::WOULDBLOCK) => {
+            let mut holder = String::new();
+            let _ = file.read_to_string(&mut holder);
+            let holder = match holder.trim().parse::<u32>() {
+                Ok(pid) => format!(" (pid {pid})"),
+                // The holder is between taking the lock and writing its pid.
+                Err(_) => String::new(),
+            };
+            bail!(
+                "another airlock up{holder} is already running on data dir {}; stop it \
+                 first, or give this one its own --data-dir",
+                dir.display()
+            );
+        }
+        Err(e) => {
+            return Err(std::io::Error::from(e))
+                .with_context(|| format!("cannot lock {}", path.display()));
+        }
+    }
+    file.set_len(0)
+        .and_then(|()| writeln!(file, "{}", std::process::id()))
+        .with_context(|| format!("cannot write {}", path.display()))?;
+    Ok(file)
+}
+
 fn prepare_data_dir(loaded: &Loaded) -> anyhow::Result<()> {
     let dir = &loaded.data_dir;
-    std::fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o700)
-        .create(dir)
-        .with_context(|| format!("cannot create data dir {}", dir.display()))?;
     for sub in ["sockets", "run"] {
         std::fs::DirBuilder::new()
             .recursive(true)

@@ -1,16 +1,51 @@
 //! Logs go to stderr; `AIRLOCK_LOG_FORMAT=json` switches to JSON lines, `RUST_LOG` filters.
+//!
+//! Colour only on a terminal: `airlock up 2>airlock.log` and the components' logs under a
+//! supervisor must be plain text, and `NO_COLOR` (any non-empty value, no-color.org)
+//! turns colour off everywhere.
+
+use std::ffi::OsString;
+use std::io::IsTerminal;
 
 use tracing_subscriber::EnvFilter;
 
 pub fn init() {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let json = std::env::var("AIRLOCK_LOG_FORMAT").is_ok_and(|v| v == "json");
+    let ansi = colour(
+        std::io::stderr().is_terminal(),
+        std::env::var_os("NO_COLOR"),
+    );
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(ansi)
         .with_writer(std::io::stderr);
     if json {
         builder.json().init();
     } else {
         builder.init();
+    }
+}
+
+/// Whether log lines get ANSI colour codes.
+fn colour(stderr_is_terminal: bool, no_color: Option<OsString>) -> bool {
+    stderr_is_terminal && no_color.is_none_or(|v| v.is_empty())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::colour;
+
+    #[test]
+    fn colour_only_on_a_terminal_without_no_color() {
+        assert!(colour(true, None));
+        assert!(colour(true, Some("".into())), "an empty NO_COLOR is unset");
+        assert!(!colour(true, Some("1".into())));
+        assert!(
+            !colour(true, Some("false".into())),
+            "any non-empty value counts"
+        );
+        assert!(!colour(false, None));
+        assert!(!colour(false, Some("1".into())));
     }
 }

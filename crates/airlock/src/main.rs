@@ -56,6 +56,12 @@ enum Command {
     Up {
         #[command(flatten)]
         location: Location,
+        /// Overrides [orchestrator] http_listen (host:port; port 0 picks a free one).
+        #[arg(long, env = "AIRLOCK_HTTP_LISTEN")]
+        http_listen: Option<String>,
+        /// Overrides [orchestrator] grpc_listen (host:port; port 0 picks a free one).
+        #[arg(long, env = "AIRLOCK_GRPC_LISTEN")]
+        grpc_listen: Option<String>,
     },
     /// Run one component (for Kubernetes and other supervisors).
     Serve {
@@ -180,7 +186,17 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     logging::init();
     let result = match cli.command {
-        Command::Up { location } => launcher::up(&location),
+        Command::Up {
+            location,
+            http_listen,
+            grpc_listen,
+        } => launcher::up(
+            &location,
+            launcher::Listen {
+                http: http_listen,
+                grpc: grpc_listen,
+            },
+        ),
         Command::Serve {
             component,
             location,
@@ -218,8 +234,93 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("airlock: {e:#}");
+            eprintln!("airlock: {}", error_chain(&e));
             ExitCode::FAILURE
         }
+    }
+}
+
+/// The error and its causes on one line, `outer: inner: …`, like `{:#}` — except that a
+/// cause whose text the message before it already holds is left out. Many library errors
+/// both interpolate their source into their own message and return it as `source()`, and
+/// `{:#}` would then print `…: Operation not permitted (os error 1): Operation not
+/// permitted (os error 1)`.
+fn error_chain(error: &anyhow::Error) -> String {
+    let mut out = String::new();
+    let mut previous: Option<String> = None;
+    for cause in error.chain() {
+        let text = cause.to_string();
+        let repeated = previous
+            .as_deref()
+            .is_some_and(|p| text.is_empty() || p.contains(text.as_str()));
+        if !repeated {
+            if !out.is_empty() {
+                out.push_str(": ");
+            }
+            out.push_str(&text);
+        }
+        previous = Some(text);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::error_chain;
+
+    /// An error that both shows its source in its message and returns it as `source()`,
+    /// the shape that printed causes twice.
+    #[derive(Debug)]
+    struct Interpolating(std::io::Error);
+
+    impl std::fmt::Display for Interpolating {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(f, "cannot drop capabilities: {}", self.0)
+        }
+    }
+
+    impl std::error::Error for Interpolating {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            Some(&self.0)
+        }
+    }
+
+    fn eperm() -> std::io::Error {
+        std::io::Error::from_raw_os_error(libc::EPERM)
+    }
+
+    #[test]
+    fn a_source_already_in_the_message_is_printed_once() {
+        let error = anyhow::Error::new(Interpolating(eperm()))
+            .context("the orchestrator cannot confine itself; refusing to start");
+        let printed = error_chain(&error);
+        let os = eperm().to_string();
+        assert_eq!(
+            printed,
+            format!(
+                "the orchestrator cannot confine itself; refusing to start: \
+                 cannot drop capabilities: {os}"
+            )
+        );
+        assert_eq!(printed.matches(os.as_str()).count(), 1, "{printed}");
+    }
+
+    #[test]
+    fn distinct_causes_are_all_printed_in_order() {
+        let error = anyhow::Error::new(eperm())
+            .context("cannot create data dir /x")
+            .context("cannot start");
+        assert_eq!(
+            error_chain(&error),
+            format!("cannot start: cannot create data dir /x: {}", eperm())
+        );
+    }
+
+    #[test]
+    fn a_single_error_is_its_message() {
+        assert_eq!(
+            error_chain(&anyhow::anyhow!("no such tool")),
+            "no such tool"
+        );
     }
 }

@@ -1,6 +1,10 @@
 //! `airlock sandbox run [--profile P] -- <cmd…>`: runs one command through the shell
 //! worker's own code path (the `execute_shell` tool, its sandbox) and prints what ran
 //! and which isolation layers were in force — how an operator checks a host.
+//!
+//! Without `--data-dir` (or `AIRLOCK_DATA_DIR`) the command runs in a fresh temporary
+//! workspace, removed afterwards: checking a host must not leave state in `~/.airlock`,
+//! nor in the workspaces a config file names.
 
 use std::io::Write;
 use std::process::ExitCode;
@@ -22,8 +26,42 @@ pub fn run(
     if command.is_empty() {
         bail!("give the command after --, e.g. airlock sandbox run -- id");
     }
-    let loaded = Loaded::load(location.config.as_deref(), location.data_dir.as_deref())?;
+    let scratch = match &location.data_dir {
+        Some(_) => None,
+        None => Some(
+            tempfile::Builder::new()
+                .prefix("airlock-sandbox-")
+                .tempdir()
+                .context("cannot create a temporary workspace")?,
+        ),
+    };
+    let data_dir = location
+        .data_dir
+        .as_deref()
+        .or(scratch.as_ref().map(tempfile::TempDir::path));
+    let loaded = Loaded::load(location.config.as_deref(), data_dir)?;
     let mut shell = loaded.shell();
+    if let Some(scratch) = &scratch {
+        shell.workspaces_root = scratch.path().join("workspaces");
+    }
+    let code = run_in(shell, profile, command);
+    if let Some(scratch) = scratch {
+        let path = scratch.path().to_path_buf();
+        if let Err(e) = scratch.close() {
+            eprintln!(
+                "airlock: cannot remove the temporary workspace {}: {e}",
+                path.display()
+            );
+        }
+    }
+    code
+}
+
+fn run_in(
+    mut shell: airlock_worker_shell::ShellConfig,
+    profile: Option<&str>,
+    command: &[String],
+) -> anyhow::Result<ExitCode> {
     shell.force_level = match profile {
         None => None,
         Some("strict") => Some(IsolationLevel::Strict),

@@ -86,11 +86,13 @@ impl Default for HttpConfig {
 /// A malformed `[http]` section.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ConfigError {
-    #[error("[http] {list}: invalid host pattern {pattern:?}: {source}")]
+    // The pattern error is in the message, so it is not also the `source()`: a printed
+    // chain would show it twice.
+    #[error("[http] {list}: invalid host pattern {pattern:?}: {error}")]
     Pattern {
         list: &'static str,
         pattern: String,
-        source: PatternError,
+        error: PatternError,
     },
     #[error("[http] {0} must be greater than 0")]
     Zero(&'static str),
@@ -116,10 +118,10 @@ pub(crate) struct Settings {
 fn patterns(list: &'static str, raw: &[String]) -> Result<Vec<HostPattern>, ConfigError> {
     raw.iter()
         .map(|p| {
-            HostPattern::parse(p).map_err(|source| ConfigError::Pattern {
+            HostPattern::parse(p).map_err(|error| ConfigError::Pattern {
                 list,
                 pattern: p.clone(),
-                source,
+                error,
             })
         })
         .collect()

@@ -66,12 +66,10 @@ pub const DEFAULT_POLICY_FILE_NAME: &str = "<embedded>/deploy/policies/default.c
 /// characters.
 #[derive(Debug, thiserror::Error)]
 pub enum PolicyError {
-    #[error("cannot read policy file {file}: {source}")]
-    Read {
-        file: String,
-        #[source]
-        source: std::io::Error,
-    },
+    // The io error is in the message, so it is not also the `source()`: a printed chain
+    // would show it twice.
+    #[error("cannot read policy file {file}: {error}")]
+    Read { file: String, error: std::io::Error },
     #[error("{file}:{line}:{column}: syntax error: {message}")]
     Parse {
         file: String,
@@ -333,9 +331,9 @@ impl Authorizer {
     /// `Authorizer` (reload) or refuses to start.
     pub fn load_file(path: &Path, approvals: ApprovalKnob) -> Result<Self, PolicyError> {
         let file = path.display().to_string();
-        let text = std::fs::read_to_string(path).map_err(|source| PolicyError::Read {
+        let text = std::fs::read_to_string(path).map_err(|error| PolicyError::Read {
             file: file.clone(),
-            source,
+            error,
         })?;
         Self::from_sources(&text, &file, approvals)
     }

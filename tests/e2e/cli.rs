@@ -1,0 +1,308 @@
+//! The `airlock` command line as a newcomer meets it: one launcher per data dir, listen
+//! flags on `up`, plain-text logs in files, `sandbox run` leaving nothing behind.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+
+use crate::support::{AIRLOCK, Airlock, descendants, signal};
+
+/// Generous: a launcher that refuses to start does so long before this.
+const EXIT_BOUND: Duration = Duration::from_secs(60);
+
+/// Waits for `child` to exit, at most `bound`; kills it (and what it started) after that.
+fn wait_bounded(mut child: Child, bound: Duration) -> Option<ExitStatus> {
+    let pid = child.id();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait());
+    });
+    match rx.recv_timeout(bound) {
+        Ok(status) => Some(status.expect("wait")),
+        Err(_) => {
+            let below = descendants(pid);
+            signal(pid, rustix::process::Signal::KILL);
+            for p in below {
+                signal(p, rustix::process::Signal::KILL);
+            }
+            None
+        }
+    }
+}
+
+/// An `airlock` command with no client or launcher settings from the test's environment.
+fn airlock() -> Command {
+    let mut command = Command::new(AIRLOCK);
+    for key in [
+        "AIRLOCK_URL",
+        "AIRLOCK_TOKEN",
+        "AIRLOCK_CONFIG",
+        "AIRLOCK_DATA_DIR",
+        "AIRLOCK_HTTP_LISTEN",
+        "AIRLOCK_GRPC_LISTEN",
+    ] {
+        command.env_remove(key);
+    }
+    command.stdin(Stdio::null());
+    command
+}
+
+/// Runs a command to completion within [`EXIT_BOUND`].
+fn run_bounded(command: &mut Command) -> Output {
+    let child = command
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn airlock");
+    let pid = child.id();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    match rx.recv_timeout(EXIT_BOUND) {
+        Ok(output) => output.expect("output"),
+        Err(_) => {
+            signal(pid, rustix::process::Signal::KILL);
+            panic!("airlock did not finish within {} s", EXIT_BOUND.as_secs());
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_second_up_on_the_same_data_dir_refuses_and_leaves_the_first_alone() {
+    let first = Airlock::start().await;
+    let endpoints = first.data_dir().join("endpoints.json");
+    let before = std::fs::read(&endpoints).expect("the first's endpoints.json");
+
+    let log = first.dir.path().join("second.log");
+    let second = airlock()
+        .args(["up", "--data-dir"])
+        .arg(first.data_dir())
+        .arg("--config")
+        .arg(first.dir.path().join("airlock.toml"))
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).expect("log file"))
+        .spawn()
+        .expect("spawn the second airlock up");
+    let status = wait_bounded(second, EXIT_BOUND);
+    let message = std::fs::read_to_string(&log).unwrap_or_default();
+    let status = status.unwrap_or_else(|| {
+        panic!("the second airlock up kept running on a data dir in use:\n{message}")
+    });
+
+    assert!(!status.success(), "{status}\n{message}");
+    assert!(message.contains("already running"), "{message}");
+    assert!(
+        message.contains(&first.data_dir().display().to_string()),
+        "the message names the data dir: {message}"
+    );
+    assert!(
+        message.contains(&format!("pid {}", first.pid())),
+        "the message names the running launcher: {message}"
+    );
+    assert_eq!(
+        std::fs::read(&endpoints).expect("the first's endpoints.json is still there"),
+        before
+    );
+
+    // The first still serves, through its own workers' sockets.
+    first.wait_ready().await;
+    let (is_error, text, _) = first
+        .call(
+            "write_file",
+            json!({"path": "still.txt", "content": "here"}),
+        )
+        .await;
+    assert!(!is_error, "{text}");
+    let (is_error, text, _) = first
+        .call("execute_shell", json!({"command": "cat still.txt"}))
+        .await;
+    assert!(!is_error, "{text}");
+    let result: Value = serde_json::from_str(&text).expect("JSON result");
+    assert_eq!(result["stdout"], "here");
+}
+
+/// `airlock up` started by hand, stopped on drop.
+struct Up {
+    child: Option<Child>,
+    log: PathBuf,
+}
+
+impl Up {
+    fn start(dir: &Path, args: &[&str]) -> Self {
+        let log = dir.join("up.log");
+        let child = airlock()
+            .arg("up")
+            .args(args)
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).expect("log file"))
+            .spawn()
+            .expect("spawn airlock up");
+        Self {
+            child: Some(child),
+            log,
+        }
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Waits (bounded) for `endpoints.json` in `data_dir`.
+    async fn endpoints(&mut self, data_dir: &Path) -> Value {
+        let path = data_dir.join("endpoints.json");
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Ok(text) = std::fs::read_to_string(&path)
+                && let Ok(v) = serde_json::from_str::<Value>(&text)
+            {
+                return v;
+            }
+            if let Some(status) = self
+                .child
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten())
+            {
+                panic!("airlock up exited early ({status}):\n{}", self.log());
+            }
+            assert!(
+                Instant::now() < deadline,
+                "airlock up did not start:\n{}",
+                self.log()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+impl Drop for Up {
+    fn drop(&mut self) {
+        if let Some(child) = self.child.take() {
+            let pid = child.id();
+            signal(pid, rustix::process::Signal::TERM);
+            if wait_bounded(child, Duration::from_secs(30)).is_none() {
+                eprintln!("airlock up did not stop on SIGTERM; killed");
+            }
+        }
+    }
+}
+
+#[tokio::test]
+async fn up_listen_flags_override_the_config() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let config = dir.path().join("airlock.toml");
+    // Addresses nothing can bind: unless the flags win, the orchestrator cannot start.
+    std::fs::write(
+        &config,
+        "[orchestrator]\nhttp_listen = \"not-an-address\"\ngrpc_listen = \"not-an-address\"\n",
+    )
+    .expect("config");
+    let data_dir = dir.path().join("data");
+    // Other loopback addresses than 127.0.0.1, so the endpoints can only come from the
+    // flags; port 0 still lets the launcher pick free ports.
+    let mut up = Up::start(
+        dir.path(),
+        &[
+            "--config",
+            config.to_str().expect("utf-8 path"),
+            "--data-dir",
+            data_dir.to_str().expect("utf-8 path"),
+            "--http-listen",
+            "127.0.0.2:0",
+            "--grpc-listen",
+            "127.0.0.3:0",
+        ],
+    );
+    let endpoints = up.endpoints(&data_dir).await;
+    let http = endpoints["http"].as_str().expect("http endpoint");
+    let grpc = endpoints["grpc"].as_str().expect("grpc endpoint");
+    assert!(http.starts_with("http://127.0.0.2:"), "{endpoints}");
+    assert!(grpc.contains("127.0.0.3:"), "{endpoints}");
+    let status = reqwest::get(format!("{http}/healthz"))
+        .await
+        .expect("healthz")
+        .status();
+    assert_eq!(status, 200);
+}
+
+#[tokio::test]
+async fn logs_written_to_a_file_have_no_colour_codes() {
+    let airlock = Airlock::start().await;
+    // A call, so the workers log too.
+    let (is_error, text, _) = airlock
+        .call("execute_shell", json!({"command": "echo hi"}))
+        .await;
+    assert!(!is_error, "{text}");
+    let log = airlock.log();
+    assert!(log.contains("INFO"), "the log has lines to check:\n{log}");
+    assert!(
+        !log.contains('\u{1b}'),
+        "ANSI escape codes in a log file:\n{log}"
+    );
+}
+
+#[test]
+fn sandbox_run_without_a_data_dir_leaves_nothing_behind() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let home = dir.path().join("home");
+    let tmp = dir.path().join("tmp");
+    std::fs::create_dir(&home).expect("home");
+    std::fs::create_dir(&tmp).expect("tmp");
+
+    let output = run_bounded(
+        airlock()
+            .args([
+                "sandbox",
+                "run",
+                "--",
+                "sh",
+                "-c",
+                "echo kept > marker; pwd",
+            ])
+            .env("HOME", &home)
+            .env("TMPDIR", &tmp),
+    );
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{}\n{stderr}", output.status);
+    assert!(
+        !String::from_utf8_lossy(&output.stdout).trim().is_empty(),
+        "{stderr}"
+    );
+    assert!(stderr.contains("airlock sandbox report"), "{stderr}");
+    assert!(
+        !home.join(".airlock").exists(),
+        "sandbox run wrote into HOME/.airlock"
+    );
+    let left: Vec<_> = std::fs::read_dir(&tmp)
+        .expect("read tmp")
+        .flatten()
+        .map(|e| e.path())
+        .collect();
+    assert!(left.is_empty(), "temporary workspace left behind: {left:?}");
+}
+
+#[test]
+fn sandbox_run_with_a_data_dir_uses_its_workspaces() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let data_dir = dir.path().join("data");
+    let output = run_bounded(
+        airlock()
+            .args(["sandbox", "run", "--data-dir"])
+            .arg(&data_dir)
+            .args(["--", "sh", "-c", "echo kept > marker"])
+            .env("HOME", dir.path()),
+    );
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let marker = data_dir.join("workspaces/local/sandbox-run/marker");
+    assert_eq!(
+        std::fs::read_to_string(&marker).expect("the marker in the named workspace"),
+        "kept\n"
+    );
+}
