@@ -1862,3 +1862,93 @@ async fn disk_fill_is_bounded() {
     }
     lab.assert_still_serves("disk fill").await;
 }
+
+/// Issue: the set-id guard missed `O_TMPFILE` + `linkat`, which left a `-rwsr-xr-x` file
+/// owned by the worker's uid (host root under a root worker) in the workspace. Every way
+/// of creating an unnamed file with a set-id mode is refused, named or not; plain
+/// unnamed temp files still work.
+#[tokio::test]
+async fn setid_files_cannot_be_planted_through_unnamed_temp_files() {
+    let lab = Lab::start("tmpf", "").await;
+    let ws = lab.airlock.workspace(SESSION);
+    let o_tmpfile = libc::O_TMPFILE | libc::O_RDWR;
+    let link = format!(
+        "my ($src, $dst) = (\"/proc/self/fd/$r\", \"planted\"); syscall({}, {}, $src, {}, $dst, {})",
+        libc::SYS_linkat,
+        libc::AT_FDCWD,
+        libc::AT_FDCWD,
+        libc::AT_SYMLINK_FOLLOW
+    );
+    for (what, call) in [
+        (
+            "openat O_TMPFILE 04755",
+            format!(
+                "{}, {}, $dot, {o_tmpfile}, 04755",
+                libc::SYS_openat,
+                libc::AT_FDCWD
+            ),
+        ),
+        (
+            "openat O_TMPFILE 02755",
+            format!(
+                "{}, {}, $dot, {o_tmpfile}, 02755",
+                libc::SYS_openat,
+                libc::AT_FDCWD
+            ),
+        ),
+        (
+            "openat O_TMPFILE 06777 in /tmp",
+            format!(
+                "{}, {}, $tmp, {o_tmpfile}, 06777",
+                libc::SYS_openat,
+                libc::AT_FDCWD
+            ),
+        ),
+        (
+            "open O_TMPFILE 04755",
+            format!("{}, $ws, {o_tmpfile}, 04755", libc::SYS_open),
+        ),
+        (
+            "openat O_TMPFILE|O_EXCL 04711",
+            format!(
+                "{}, {}, $dot, {}, 04711",
+                libc::SYS_openat,
+                libc::AT_FDCWD,
+                o_tmpfile | libc::O_EXCL
+            ),
+        ),
+    ] {
+        // On success the attacker names the file at once: the result shows what it got.
+        let script = format!(
+            "my ($dot, $tmp, $ws) = (\".\", \"/tmp\", \"/workspace\"); $! = 0; my $r = syscall({call}); if ($r == -1) {{ print \"errno=\" . ($!+0) . \"\\n\" }} else {{ {link}; print \"ret=$r\\n\" }} # @M"
+        );
+        let out = lab
+            .attempt(
+                what,
+                json!({"argv": ["perl", "-e", script.replace("@M", &lab.marker)]}),
+            )
+            .await;
+        assert_eq!(
+            out.stdout(),
+            format!("errno={}\n", libc::EPERM),
+            "{what}: {out}"
+        );
+        assert!(!ws.join("planted").exists(), "{what}: a file was planted");
+    }
+    // An unnamed temp file with an ordinary mode, named afterwards, still works.
+    let script = format!(
+        "my $dot = \".\"; my $r = syscall({}, {}, $dot, {o_tmpfile}, 0644); {link}; print -e \"planted\" ? \"named\\n\" : \"missing\\n\"",
+        libc::SYS_openat,
+        libc::AT_FDCWD
+    );
+    let out = lab
+        .attempt("plain O_TMPFILE", json!({"argv": ["perl", "-e", script]}))
+        .await;
+    assert_eq!(out.stdout(), "named\n", "plain O_TMPFILE: {out}");
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(ws.join("planted"))
+        .expect("plain temp file")
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o7777, 0o644, "mode {mode:o}");
+}

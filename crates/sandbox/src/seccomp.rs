@@ -191,6 +191,9 @@ impl SeccompPlan {
         }
 
         if profile.no_setid_files {
+            /// `__O_TMPFILE` (asm-generic fcntl.h), the bit that makes open create an
+            /// unnamed file.
+            const O_TMPFILE_BIT: u64 = 0o20_000_000;
             // (syscall, index of the mode argument, index of the flags argument when the
             // mode only matters with O_CREAT)
             let setid_bits = [libc::S_ISUID as u64, libc::S_ISGID as u64];
@@ -205,25 +208,37 @@ impl SeccompPlan {
                 (libc::SYS_open, 2, Some(1)),
             ];
             let with_openat = calls.into_iter().chain([(libc::SYS_openat, 3, Some(2))]);
+            // The mode matters when open creates a file: with O_CREAT, and with
+            // O_TMPFILE, whose unnamed file `linkat` can later give a name (the kernel
+            // checks __O_TMPFILE alone; O_TMPFILE also carries O_DIRECTORY).
+            let creating = [libc::O_CREAT as u64, O_TMPFILE_BIT];
             for (nr, mode_arg, flags_arg) in with_openat {
                 let mut rules = Vec::new();
                 for bit in setid_bits {
-                    let mut conds = vec![cond(
-                        mode_arg,
-                        SeccompCmpArgLen::Dword,
-                        SeccompCmpOp::MaskedEq(bit),
-                        bit,
-                    )?];
-                    if let Some(flags) = flags_arg {
-                        let creat = libc::O_CREAT as u64;
-                        conds.push(cond(
-                            flags,
+                    let has_bit = || {
+                        cond(
+                            mode_arg,
                             SeccompCmpArgLen::Dword,
-                            SeccompCmpOp::MaskedEq(creat),
-                            creat,
-                        )?);
+                            SeccompCmpOp::MaskedEq(bit),
+                            bit,
+                        )
+                    };
+                    match flags_arg {
+                        None => rules.push(rule(vec![has_bit()?])?),
+                        Some(flags) => {
+                            for flag in creating {
+                                rules.push(rule(vec![
+                                    has_bit()?,
+                                    cond(
+                                        flags,
+                                        SeccompCmpArgLen::Dword,
+                                        SeccompCmpOp::MaskedEq(flag),
+                                        flag,
+                                    )?,
+                                ])?);
+                            }
+                        }
                     }
-                    rules.push(rule(conds)?);
                 }
                 denied.insert(nr, rules);
             }
