@@ -8,6 +8,7 @@
 
 mod adversarial;
 mod agent;
+mod api_contract;
 mod as_user;
 mod cli;
 mod fs_tools;

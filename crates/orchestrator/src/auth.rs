@@ -74,10 +74,28 @@ impl Principal {
     }
 }
 
+/// Why a request did not authenticate; each front door says it in its own way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unauthenticated {
+    /// No `Authorization` header at all.
+    Missing,
+    /// A credential under another scheme (`Basic ...`), or an unreadable header.
+    NotBearer,
+    /// A bearer token that belongs to no principal.
+    InvalidToken,
+}
+
+/// Where a caller finds a token when `airlock up` generated it.
+const GENERATED_TOKEN_HINT: &str = "airlock up writes the token to <data_dir>/token and CLI clients also read AIRLOCK_TOKEN; there is no OAuth flow";
+/// Where a caller finds a token when principals are configured.
+const CONFIGURED_TOKEN_HINT: &str = "use the token configured for your principal in airlock.toml ([[principals]]) and CLI clients also read AIRLOCK_TOKEN; there is no OAuth flow";
+
 /// The table of known tokens, by digest.
 #[derive(Debug, Clone, Default)]
 pub struct Principals {
     by_digest: HashMap<[u8; 32], Principal>,
+    /// The single token is the generated `<data_dir>/token`.
+    generated: bool,
 }
 
 impl Principals {
@@ -86,6 +104,7 @@ impl Principals {
     pub fn load(configs: &[PrincipalConfig], data_dir: &Path) -> Result<Self, AuthError> {
         let mut table = Principals::default();
         if configs.is_empty() {
+            table.generated = true;
             let token = ensure_token_file(&token_file_path(data_dir))?;
             table.by_digest.insert(
                 digest(&token),
@@ -115,6 +134,25 @@ impl Principals {
             return None;
         }
         self.by_digest.get(&digest(token))
+    }
+
+    /// The principal of an `Authorization` header value (`None`: no header).
+    pub fn authenticate_header(&self, header: Option<&str>) -> Result<&Principal, Unauthenticated> {
+        let header = header.ok_or(Unauthenticated::Missing)?;
+        let token = bearer_token(header).ok_or(Unauthenticated::NotBearer)?;
+        self.authenticate(token)
+            .ok_or(Unauthenticated::InvalidToken)
+    }
+
+    /// Where a caller gets a valid token: one line of plain ASCII without quotes, fit
+    /// for an error message and for a `WWW-Authenticate` quoted-string. It names the
+    /// place, never the token or the data dir's real path (the caller is unauthenticated).
+    pub fn token_hint(&self) -> &'static str {
+        if self.generated {
+            GENERATED_TOKEN_HINT
+        } else {
+            CONFIGURED_TOKEN_HINT
+        }
     }
 }
 
@@ -269,6 +307,37 @@ mod tests {
             Principals::load(&missing_env, dir.path()),
             Err(AuthError::MissingTokenEnv { .. })
         ));
+    }
+
+    #[test]
+    fn header_failures_are_told_apart() {
+        let dir = tempfile::tempdir().unwrap();
+        let table = Principals::load(&[], dir.path()).unwrap();
+        let token = std::fs::read_to_string(token_file_path(dir.path())).unwrap();
+        let header = format!("Bearer {}", token.trim());
+        assert_eq!(
+            table.authenticate_header(Some(&header)).unwrap().name,
+            "local"
+        );
+        assert_eq!(
+            table.authenticate_header(None),
+            Err(Unauthenticated::Missing)
+        );
+        assert_eq!(
+            table.authenticate_header(Some("Basic abc")),
+            Err(Unauthenticated::NotBearer)
+        );
+        assert_eq!(
+            table.authenticate_header(Some("Bearer alk_wrong")),
+            Err(Unauthenticated::InvalidToken)
+        );
+        for hint in [GENERATED_TOKEN_HINT, CONFIGURED_TOKEN_HINT] {
+            assert!(
+                hint.bytes()
+                    .all(|b| (0x20..0x7f).contains(&b) && b != b'"' && b != b'\\')
+            );
+        }
+        assert!(table.token_hint().contains("<data_dir>/token"));
     }
 
     #[test]

@@ -36,6 +36,17 @@ pub struct CatalogTool {
     pub definition: ToolDefinition,
     pub group: String,
     pub validator: jsonschema::Validator,
+    /// The OpenAI strict-mode variant of the input schema, or why there is none (see
+    /// [`crate::strict`]); derived once here rather than on every `GET /v1/tools`.
+    pub strict_schema: Result<serde_json::Value, String>,
+}
+
+impl CatalogTool {
+    /// The call's arguments in the tool's own spelling (strict clients send `null` for
+    /// optional fields and lists of pairs for maps), or `None` when they already are.
+    pub fn normalized_input(&self, input: &serde_json::Value) -> Option<serde_json::Value> {
+        crate::strict::normalize_input(&self.definition.input_schema, input)
+    }
 }
 
 /// The replicas of one tool group and whether any of them answered lately.
@@ -257,10 +268,16 @@ impl Catalog {
                     continue;
                 }
             };
+            let strict_schema = crate::strict::strict_schema(&definition.input_schema)
+                .map_err(|e| {
+                    tracing::info!(group, tool = %name, reason = %e, "no strict-mode variant of the schema; the tool is listed with strict: false");
+                    e.to_string()
+                });
             fresh.push(CatalogTool {
                 definition,
                 group: group.to_owned(),
                 validator,
+                strict_schema,
             });
         }
         let mut tools = match self.tools.write() {

@@ -370,6 +370,15 @@ impl Gate {
         };
         // Resolve: unknown and hidden tools get the same answer (no catalog probing).
         let tool = self.visible_tool(principal, &tool_use.name);
+        // Strict-mode clients send `null` for optional fields and pairs for maps; from here
+        // on (audit redaction, schema, policy, worker) the tool's own spelling is used.
+        let normalized = tool.as_deref().and_then(|t| {
+            t.normalized_input(&tool_use.input).map(|input| ToolUse {
+                input,
+                ..tool_use.clone()
+            })
+        });
+        let tool_use = normalized.as_ref().unwrap_or(tool_use);
         self.audit(event(
             "requested",
             json!({"tool": tool_use.name, "tool_use_id": tool_use.id, "arguments": self.redacted(tool.as_deref(), &tool_use.input)}),

@@ -11,16 +11,16 @@ use axum::Router;
 use axum::body::Body;
 use axum::extract::rejection::QueryRejection;
 use axum::extract::{DefaultBodyLimit, Path, Query, Request, State};
-use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{MethodRouter, get, post};
 use http_body_util::BodyExt;
 use serde_json::{Value, json};
 
 use crate::approvals::{self, DecideError};
 use crate::audit::AuditQuery;
-use crate::auth::{Principal, Principals, Role, bearer_token};
+use crate::auth::{Principal, Principals, Role, Unauthenticated};
 use crate::budget::BudgetError;
 use crate::calls::wait_final;
 use crate::gate::Gate;
@@ -41,6 +41,8 @@ pub struct ApiError {
     status: StatusCode,
     code: &'static str,
     message: String,
+    /// The `WWW-Authenticate` challenge of a 401.
+    challenge: Option<HeaderValue>,
 }
 
 impl ApiError {
@@ -49,8 +51,43 @@ impl ApiError {
             status,
             code,
             message: message.into(),
+            challenge: None,
         }
     }
+
+    /// A 401 whose `WWW-Authenticate` says where the token comes from. Without it, MCP
+    /// hosts read a bare `Bearer` challenge as "OAuth protected" and start a discovery
+    /// that cannot succeed: Airlock has no OAuth flow, only configured bearer tokens.
+    /// Following RFC 6750 §3.1, `error="invalid_token"` is sent only when a credential
+    /// was; the description (where the token is) is always there, for the operator
+    /// reading a client's log.
+    pub(crate) fn unauthenticated(why: Unauthenticated, hint: &'static str) -> Self {
+        let message = match why {
+            Unauthenticated::Missing => {
+                format!("missing Authorization: Bearer <token> header; {hint}")
+            }
+            Unauthenticated::NotBearer => {
+                format!("the Authorization header must use the Bearer scheme; {hint}")
+            }
+            Unauthenticated::InvalidToken => format!("the bearer token is not valid; {hint}"),
+        };
+        let error = match why {
+            Unauthenticated::Missing => "",
+            Unauthenticated::NotBearer | Unauthenticated::InvalidToken => {
+                "error=\"invalid_token\", "
+            }
+        };
+        // The hint is a fixed ASCII text without quotes, as a quoted-string needs.
+        let challenge = HeaderValue::from_str(&format!(
+            "Bearer realm=\"airlock\", {error}error_description=\"{hint}\""
+        ))
+        .unwrap_or_else(|_| HeaderValue::from_static("Bearer realm=\"airlock\""));
+        Self {
+            challenge: Some(challenge),
+            ..Self::new(StatusCode::UNAUTHORIZED, "unauthorized", message)
+        }
+    }
+
     fn bad_request(message: impl Into<String>) -> Self {
         Self::new(StatusCode::BAD_REQUEST, "invalid_request", message)
     }
@@ -69,30 +106,79 @@ impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let body = json!({"error": {"code": self.code, "message": self.message}});
         let mut response = (self.status, axum::Json(body)).into_response();
-        if self.status == StatusCode::UNAUTHORIZED {
+        let challenge = match self.challenge {
+            Some(challenge) => Some(challenge),
+            None if self.status == StatusCode::UNAUTHORIZED => {
+                Some(HeaderValue::from_static("Bearer realm=\"airlock\""))
+            }
+            None => None,
+        };
+        if let Some(challenge) = challenge {
             response
                 .headers_mut()
-                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+                .insert(header::WWW_AUTHENTICATE, challenge);
         }
         response
     }
 }
 
+/// Every authenticated route, as (method, path, handler). The router is built from this
+/// table and `/openapi.json` is checked against it, so a route cannot go undocumented.
+/// Paths use `{name}` for parameters, as axum and OpenAPI both do.
+fn routes() -> Vec<(Method, &'static str, MethodRouter<HttpState>)> {
+    vec![
+        (Method::GET, "/v1/tools", get(list_tools)),
+        (Method::POST, "/v1/tool_calls", post(tool_calls)),
+        (Method::GET, "/v1/calls/{call_id}", get(get_call)),
+        (
+            Method::POST,
+            "/v1/calls/{call_id}/cancel",
+            post(cancel_call),
+        ),
+        (Method::GET, "/v1/approvals", get(list_approvals)),
+        (
+            Method::POST,
+            "/v1/approvals/{approval_id}/approve",
+            post(approve_approval),
+        ),
+        (
+            Method::POST,
+            "/v1/approvals/{approval_id}/deny",
+            post(deny_approval),
+        ),
+        (Method::GET, "/v1/audit", get(read_audit)),
+        (Method::GET, "/v1/audit/verify", get(verify_audit)),
+        (
+            Method::POST,
+            "/v1/agent/runs",
+            post(crate::agent::http::start_run),
+        ),
+        (Method::GET, "/openapi.json", get(openapi)),
+    ]
+}
+
+/// The (method, path) of every authenticated HTTP route.
+pub fn route_table() -> Vec<(Method, &'static str)> {
+    routes()
+        .into_iter()
+        .map(|(method, path, _)| (method, path))
+        .collect()
+}
+
 pub fn router(state: HttpState) -> Router {
-    let authenticated = Router::new()
-        .route("/v1/tools", get(list_tools))
-        .route("/v1/tool_calls", post(tool_calls))
-        .route("/v1/calls/{call_id}", get(get_call))
-        .route("/v1/calls/{call_id}/cancel", post(cancel_call))
-        .route("/v1/approvals", get(list_approvals))
-        .route(
-            "/v1/approvals/{approval_id}/{decision}",
-            post(decide_approval),
-        )
-        .route("/v1/audit", get(read_audit))
-        .route("/v1/audit/verify", get(verify_audit))
-        .route("/v1/agent/runs", post(crate::agent::http::start_run))
-        .route("/openapi.json", get(openapi))
+    // Two methods on one path share one axum route.
+    let mut by_path: Vec<(&'static str, MethodRouter<HttpState>)> = Vec::new();
+    for (_, path, handler) in routes() {
+        match by_path.iter_mut().find(|(p, _)| *p == path) {
+            Some((_, existing)) => *existing = std::mem::take(existing).merge(handler),
+            None => by_path.push((path, handler)),
+        }
+    }
+    let authenticated = by_path
+        .into_iter()
+        .fold(Router::new(), |router, (path, handler)| {
+            router.route(path, handler)
+        })
         .route_layer(middleware::from_fn_with_state(state.clone(), authenticate));
     Router::new()
         .route("/healthz", get(healthz))
@@ -111,31 +197,33 @@ async fn authenticate(
     mut request: Request,
     next: Next,
 ) -> Response {
-    let header = request
-        .headers()
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok());
-    let Some(header) = header else {
-        return ApiError::new(
-            StatusCode::UNAUTHORIZED,
-            "unauthorized",
-            "missing Authorization: Bearer <token> header (airlock up writes the token to <data_dir>/token)",
-        )
-        .into_response();
+    match authenticated_principal(&state, request.headers()) {
+        Ok(principal) => {
+            request.extensions_mut().insert(principal);
+            next.run(request).await
+        }
+        Err(e) => e.into_response(),
+    }
+}
+
+/// The principal of a request's `Authorization: Bearer` header; `/v1` and `/mcp` share
+/// it, so both answer the same 401.
+pub(crate) fn authenticated_principal(
+    state: &HttpState,
+    headers: &HeaderMap,
+) -> Result<Principal, ApiError> {
+    let values: Vec<&HeaderValue> = headers.get_all(header::AUTHORIZATION).iter().collect();
+    let header = match values.as_slice() {
+        [] => None,
+        // A non-UTF-8 or repeated header is a credential that cannot be right.
+        [one] => Some(one.to_str().unwrap_or_default()),
+        _ => Some(""),
     };
-    let principal = bearer_token(header)
-        .and_then(|t| state.principals.authenticate(t))
-        .cloned();
-    let Some(principal) = principal else {
-        return ApiError::new(
-            StatusCode::UNAUTHORIZED,
-            "unauthorized",
-            "the bearer token is not valid",
-        )
-        .into_response();
-    };
-    request.extensions_mut().insert(principal);
-    next.run(request).await
+    state
+        .principals
+        .authenticate_header(header)
+        .cloned()
+        .map_err(|why| ApiError::unauthenticated(why, state.principals.token_hint()))
 }
 
 async fn not_found() -> ApiError {
@@ -194,7 +282,10 @@ async fn list_tools(
     q: Result<Query<HashMap<String, String>>, QueryRejection>,
 ) -> Result<axum::Json<Value>, ApiError> {
     let q = query(q)?;
-    let format = CatalogFormat::parse(q.get("format").map(String::as_str))?;
+    let format = CatalogFormat::from_query(
+        q.get("format").map(String::as_str),
+        q.get("strict").map(String::as_str),
+    )?;
     let tools: Vec<Value> = state
         .gate
         .visible_tools(&principal)
@@ -468,23 +559,35 @@ async fn list_approvals(
     Ok(axum::Json(json!({"approvals": approvals})))
 }
 
-async fn decide_approval(
+async fn approve_approval(
     State(state): State<HttpState>,
     axum::Extension(principal): axum::Extension<Principal>,
-    Path((approval_id, decision)): Path<(String, String)>,
+    Path(approval_id): Path<String>,
     headers: HeaderMap,
     body: Body,
 ) -> Result<axum::Json<Value>, ApiError> {
-    let approve = match decision.as_str() {
-        "approve" => true,
-        "deny" => false,
-        _ => {
-            return Err(ApiError::not_found(
-                "no such endpoint; use /approve or /deny",
-            ));
-        }
-    };
-    require_role(&principal, Role::Approver)?;
+    decide_approval(&state, &principal, &approval_id, true, &headers, body).await
+}
+
+async fn deny_approval(
+    State(state): State<HttpState>,
+    axum::Extension(principal): axum::Extension<Principal>,
+    Path(approval_id): Path<String>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<axum::Json<Value>, ApiError> {
+    decide_approval(&state, &principal, &approval_id, false, &headers, body).await
+}
+
+async fn decide_approval(
+    state: &HttpState,
+    principal: &Principal,
+    approval_id: &str,
+    approve: bool,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<axum::Json<Value>, ApiError> {
+    require_role(principal, Role::Approver)?;
     // The body is optional: `{"reason": "..."}`.
     let declared = headers
         .get(header::CONTENT_LENGTH)
@@ -492,7 +595,7 @@ async fn decide_approval(
         .unwrap_or("0")
         != "0";
     let reason = if declared || headers.contains_key(header::TRANSFER_ENCODING) {
-        let body = read_json(&headers, body, 64 * 1024).await?;
+        let body = read_json(headers, body, 64 * 1024).await?;
         match body.get("reason") {
             None | Some(Value::Null) => None,
             Some(Value::String(r)) if r.len() <= 4096 => Some(r.clone()),
@@ -507,8 +610,8 @@ async fn decide_approval(
     };
     let approval = approvals::decide(
         &state.gate,
-        &principal,
-        &approval_id,
+        principal,
+        approval_id,
         approve,
         reason.as_deref(),
     )

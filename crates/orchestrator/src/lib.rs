@@ -23,6 +23,7 @@ mod openapi;
 mod server;
 pub mod store;
 mod streaming;
+mod strict;
 mod wire;
 
 pub use agent::{AgentConfig, ProviderKind};
@@ -31,4 +32,6 @@ pub use config::{
     ApprovalsConfig, AuditConfig, BudgetConfig, CacheConfig, OrchestratorConfig, PrincipalConfig,
     WorkerGroupConfig,
 };
+/// The (method, path) of every authenticated HTTP route, as the router serves them.
+pub use http_api::route_table as http_route_table;
 pub use server::{BoundListeners, Orchestrator, Prepared, ServeError};

@@ -66,7 +66,7 @@ use rmcp::{ErrorData as McpError, RoleServer, ServerHandler};
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
-use crate::auth::{Principal, Role, bearer_token};
+use crate::auth::{Principal, Role};
 use crate::calls::CallRecord;
 use crate::dispatch::WorkerEvent;
 use crate::gate::ToolUse;
@@ -169,26 +169,7 @@ async fn check_request(State(guard): State<Guard>, request: Request, next: Next)
 }
 
 fn authenticate(state: &HttpState, headers: &HeaderMap) -> Result<Principal, ApiError> {
-    let Some(value) = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-    else {
-        return Err(ApiError::new(
-            StatusCode::UNAUTHORIZED,
-            "unauthorized",
-            "missing Authorization: Bearer <token> header (airlock up writes the token to <data_dir>/token)",
-        ));
-    };
-    bearer_token(value)
-        .and_then(|t| state.principals.authenticate(t))
-        .cloned()
-        .ok_or_else(|| {
-            ApiError::new(
-                StatusCode::UNAUTHORIZED,
-                "unauthorized",
-                "the bearer token is not valid",
-            )
-        })
+    crate::http_api::authenticated_principal(state, headers)
 }
 
 fn session_from_query(query: Option<&str>) -> Result<ChosenSession, ApiError> {

@@ -31,6 +31,34 @@ fn with_errors(mut responses: Value) -> Value {
     responses
 }
 
+fn path_parameter(name: &str) -> Value {
+    json!({"name": name, "in": "path", "required": true, "schema": {"type": "string"}})
+}
+
+fn query_parameter(name: &str, schema: Value, description: &str) -> Value {
+    json!({"name": name, "in": "query", "required": false, "schema": schema, "description": description})
+}
+
+/// `POST /v1/approvals/{approval_id}/approve` and `.../deny`.
+fn decision(approve: bool) -> Value {
+    let (verb, id) = if approve {
+        ("Approve", "approveApproval")
+    } else {
+        ("Deny", "denyApproval")
+    };
+    json!({"post": {
+        "operationId": id,
+        "summary": format!("{verb} a pending approval (approver role)"),
+        "description": "The body is optional. With [approvals] distinct_approver set, the requester cannot decide their own call (403).",
+        "parameters": [path_parameter("approval_id")],
+        "requestBody": {"required": false, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/DecisionRequest"}}}},
+        "responses": with_errors(json!({
+            "200": json_response("The decided approval", json!({"$ref": "#/components/schemas/Approval"})),
+            "409": error_response("Already decided, or expired"),
+        })),
+    }})
+}
+
 pub fn document() -> Value {
     json!({
         "openapi": "3.1.0",
@@ -42,20 +70,27 @@ pub fn document() -> Value {
         "security": [{"bearer": []}],
         "paths": {
             "/v1/tools": {"get": {
+                "operationId": "listTools",
                 "summary": "List the tools visible to the caller",
-                "parameters": [{"name": "format", "in": "query", "required": false,
-                    "schema": {"type": "string", "enum": ["anthropic", "openai", "mcp"], "default": "anthropic"}}],
+                "parameters": [
+                    {"name": "format", "in": "query", "required": false,
+                        "schema": {"type": "string", "enum": ["anthropic", "openai", "mcp"], "default": "anthropic"}},
+                    query_parameter("strict", json!({"type": "boolean", "default": false}),
+                        "With format=openai: OpenAI strict-mode functions (\"strict\": true; every property required, optional ones nullable, maps as lists of {name, value} pairs). Calls may send null for an optional field: it means absent."),
+                ],
                 "responses": with_errors(json!({"200": json_response("The catalog", json!({
                     "type": "object", "required": ["tools"],
                     "properties": {"tools": {"type": "array", "items": {"type": "object"}}}}))})),
             }},
             "/v1/tool_calls": {"post": {
+                "operationId": "callTools",
                 "summary": "Run tool calls (Anthropic tool_use blocks, OpenAI Chat tool_calls or Responses function_call items)",
                 "description": "Calls run concurrently; results come back in request order. A well-formed request answers 200 even when calls fail; each call's outcome is in calls[].status. Calls still running when wait_ms runs out have a calls[] entry with status \"running\" and no result yet: fetch them with GET /v1/calls/{call_id}.",
                 "requestBody": {"required": true, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ToolCallsRequest"}}}},
                 "responses": with_errors(json!({"200": json_response("Results and per-call metadata", json!({"$ref": "#/components/schemas/ToolCallsResponse"}))})),
             }},
             "/v1/calls/{call_id}": {"get": {
+                "operationId": "getCall",
                 "summary": "A call's status and, once final, its tool_result",
                 "parameters": [
                     {"name": "call_id", "in": "path", "required": true, "schema": {"type": "string"}},
@@ -64,24 +99,59 @@ pub fn document() -> Value {
                 "responses": with_errors(json!({"200": json_response("The call", json!({"$ref": "#/components/schemas/Call"}))})),
             }},
             "/v1/calls/{call_id}/cancel": {"post": {
+                "operationId": "cancelCall",
                 "summary": "Cancel a running call (its sandbox is killed)",
                 "parameters": [{"name": "call_id", "in": "path", "required": true, "schema": {"type": "string"}}],
                 "responses": with_errors(json!({"200": json_response("The call after cancellation", json!({"$ref": "#/components/schemas/Call"}))})),
             }},
+            "/v1/approvals": {"get": {
+                "operationId": "listApprovals",
+                "summary": "Approvals (approver role); inputs redacted like audit records",
+                "parameters": [query_parameter("status",
+                    json!({"type": "string", "enum": ["pending", "approved", "denied", "expired", "all"], "default": "all"}),
+                    "Only approvals with this status")],
+                "responses": with_errors(json!({"200": json_response("The approvals", json!({"$ref": "#/components/schemas/ApprovalList"}))})),
+            }},
+            "/v1/approvals/{approval_id}/approve": decision(true),
+            "/v1/approvals/{approval_id}/deny": decision(false),
+            "/v1/audit": {"get": {
+                "operationId": "readAudit",
+                "summary": "Audit events in ascending seq (admin role)",
+                "parameters": [
+                    query_parameter("session_id", json!({"type": "string"}), "Only events of this session"),
+                    query_parameter("call_id", json!({"type": "string"}), "Only events of this call"),
+                    query_parameter("after", json!({"type": "integer", "minimum": 0}), "Only events with seq greater than this"),
+                    query_parameter("limit", json!({"type": "integer", "minimum": 0}), "At most this many events (0: the default page size)"),
+                    query_parameter("latest", json!({"type": "boolean", "default": false}), "The last limit events instead of the first after `after` (still ascending)"),
+                ],
+                "responses": with_errors(json!({"200": json_response("The events", json!({"$ref": "#/components/schemas/AuditEvents"}))})),
+            }},
+            "/v1/audit/verify": {"get": {
+                "operationId": "verifyAudit",
+                "summary": "Check the audit log's hash chain (admin role)",
+                "responses": with_errors(json!({"200": json_response("The verdict", json!({"$ref": "#/components/schemas/AuditVerify"}))})),
+            }},
             "/v1/agent/runs": {"post": {
+                "operationId": "runAgent",
                 "summary": "Run the agent loop with the configured model provider",
                 "description": "Streams Server-Sent Events (event: <kind>, data: <JSON object>): run.started, model.text (text deltas), tool.call, tool.pending_approval, tool.result, then run.completed or run.failed (reason max_turns, max_tool_calls, max_seconds or provider_error). Every tool call passes the same gate as /v1/tool_calls. Closing the stream cancels the run and its calls in flight. 503 when the provider cannot be used (e.g. its API key variable is unset). Needs the agent role.",
                 "requestBody": {"required": true, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/AgentRunRequest"}}}},
                 "responses": with_errors(json!({"200": {"description": "The run's events", "content": {"text/event-stream": {"schema": {"type": "string"}}}}})),
             }},
-            "/healthz": {"get": {"summary": "Process is up", "security": [],
+            "/openapi.json": {"get": {
+                "operationId": "openapi",
+                "summary": "This document",
+                "responses": with_errors(json!({"200": json_response("OpenAPI 3.1", json!({"type": "object"}))})),
+            }},
+            "/healthz": {"get": {"operationId": "healthz", "summary": "Process is up", "security": [],
                 "responses": {"200": json_response("Up", json!({"type": "object"}))}}},
-            "/readyz": {"get": {"summary": "Every tool group has a live worker", "security": [],
+            "/readyz": {"get": {"operationId": "readyz", "summary": "Every tool group has a live worker", "security": [],
                 "responses": {"200": json_response("Ready", json!({"type": "object"})),
                               "503": json_response("Not ready; workers lists each group's state", json!({"type": "object"}))}}},
         },
         "components": {
-            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer",
+                "description": "A token from configuration; there is no OAuth flow. airlock up writes its generated token to <data_dir>/token; CLI clients also read AIRLOCK_TOKEN. A 401 carries WWW-Authenticate: Bearer realm=\"airlock\" with error=\"invalid_token\" when a token was sent, and an error_description saying where the token is."}},
             "schemas": {
                 "Error": {"type": "object", "required": ["error"], "properties": {"error": {
                     "type": "object", "required": ["code", "message"],
@@ -113,9 +183,94 @@ pub fn document() -> Value {
                     "prompt": {"type": "string", "minLength": 1},
                     "session_id": {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$", "description": "Default: a fresh session agent-<uuid>"},
                     "max_turns": {"type": "integer", "minimum": 1, "description": "At most [agent] max_turns"}}},
+                "Approval": {"type": "object",
+                    "required": ["approval_id", "call_id", "tool", "input", "principal", "session_id", "status", "created_at", "expires_at"],
+                    "properties": {
+                        "approval_id": {"type": "string"}, "call_id": {"type": "string"}, "tool": {"type": "string"},
+                        "input": {"type": "object", "description": "The call's arguments, secrets redacted"},
+                        "principal": {"type": "string", "description": "Who made the call"},
+                        "session_id": {"type": ["string", "null"]},
+                        "status": {"type": "string", "enum": ["pending", "approved", "denied", "expired"]},
+                        "created_at": {"type": "string", "format": "date-time"},
+                        "expires_at": {"type": "string", "format": "date-time"},
+                        "decided_by": {"type": "string"}, "reason": {"type": "string"},
+                        "decided_at": {"type": "string", "format": "date-time"}}},
+                "ApprovalList": {"type": "object", "required": ["approvals"], "properties": {
+                    "approvals": {"type": "array", "items": {"$ref": "#/components/schemas/Approval"}}}},
+                "DecisionRequest": {"type": "object", "properties": {
+                    "reason": {"type": ["string", "null"], "maxLength": 4096}}},
+                "AuditEvent": {"type": "object", "required": ["seq", "ts", "kind", "data", "prev_hash", "hash"], "properties": {
+                    "seq": {"type": "integer", "minimum": 1, "description": "1, 2, 3, ... without gaps"},
+                    "ts": {"type": "string", "format": "date-time"},
+                    "kind": {"type": "string", "description": "requested, rejected_schema, denied, pending_approval, approved, approval_denied, expired, dispatched, completed, ..."},
+                    "call_id": {"type": "string"}, "principal": {"type": "string"}, "session_id": {"type": "string"},
+                    "data": {"description": "Event details; arguments redacted"},
+                    "prev_hash": {"type": "string", "pattern": "^[0-9a-f]{64}$"},
+                    "hash": {"type": "string", "pattern": "^[0-9a-f]{64}$"}}},
+                "AuditEvents": {"type": "object", "required": ["events"], "properties": {
+                    "events": {"type": "array", "items": {"$ref": "#/components/schemas/AuditEvent"}}}},
+                "AuditVerify": {"type": "object", "required": ["ok", "records"], "properties": {
+                    "ok": {"type": "boolean"}, "records": {"type": "integer", "minimum": 0},
+                    "first_bad_seq": {"type": "integer", "minimum": 1}, "reason": {"type": "string"}}},
                 "Call": {"allOf": [{"$ref": "#/components/schemas/CallSummary"}, {"type": "object", "properties": {
                     "tool": {"type": "string"}, "tool_result": {"$ref": "#/components/schemas/ToolResult"}}}]},
             },
         },
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The router is built from `http_api::route_table`, so this is every route it serves.
+    #[test]
+    fn every_route_is_documented_and_every_documented_path_is_served() {
+        let doc = document();
+        let paths = doc["paths"].as_object().unwrap();
+        let table = crate::http_api::route_table();
+        for (method, path) in &table {
+            let operation = &paths
+                .get(*path)
+                .unwrap_or_else(|| panic!("{path} is not in /openapi.json"))
+                [method.as_str().to_ascii_lowercase()];
+            assert!(
+                operation.is_object(),
+                "{method} {path} is not in /openapi.json"
+            );
+            assert!(operation["responses"]["200"].is_object(), "{method} {path}");
+        }
+        for (path, item) in paths {
+            for method in item.as_object().unwrap().keys() {
+                let served = table
+                    .iter()
+                    .any(|(m, p)| p == path && m.as_str().eq_ignore_ascii_case(method));
+                let unauthenticated = matches!(path.as_str(), "/healthz" | "/readyz");
+                assert!(
+                    served || unauthenticated,
+                    "{method} {path} is documented but not routed"
+                );
+            }
+        }
+    }
+
+    /// Every `$ref` points at a schema that exists.
+    #[test]
+    fn references_resolve() {
+        let doc = document();
+        fn walk(v: &Value, doc: &Value) {
+            match v {
+                Value::Object(o) => {
+                    if let Some(Value::String(r)) = o.get("$ref") {
+                        let pointer = r.strip_prefix('#').unwrap();
+                        assert!(doc.pointer(pointer).is_some(), "dangling {r}");
+                    }
+                    o.values().for_each(|c| walk(c, doc));
+                }
+                Value::Array(a) => a.iter().for_each(|c| walk(c, doc)),
+                _ => {}
+            }
+        }
+        walk(&doc, &doc);
+    }
 }

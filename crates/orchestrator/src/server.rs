@@ -165,9 +165,8 @@ impl Orchestrator {
         health
             .set_serving::<OrchestratorServer<GrpcFrontDoor>>()
             .await;
-        let reflection = tonic_reflection::server::Builder::configure()
-            .register_encoded_file_descriptor_set(airlock_proto::FILE_DESCRIPTOR_SET)
-            .build_v1()?;
+        let reflection_v1 = reflection(ORCHESTRATOR_SERVICE).build_v1()?;
+        let reflection_v1alpha = reflection(ORCHESTRATOR_SERVICE).build_v1alpha()?;
         let agent = Arc::new(config.agent.clone());
         let front_door = GrpcFrontDoor {
             gate: gate.clone(),
@@ -176,7 +175,8 @@ impl Orchestrator {
         };
         let grpc_router = tonic::transport::Server::builder()
             .add_service(health_service)
-            .add_service(reflection)
+            .add_service(reflection_v1)
+            .add_service(reflection_v1alpha)
             .add_service(
                 OrchestratorServer::new(front_door)
                     .max_decoding_message_size(MAX_GRPC_MESSAGE_BYTES)
@@ -228,6 +228,27 @@ impl Orchestrator {
         grpc_result?;
         Ok(())
     }
+}
+
+/// The gRPC service this server exists for.
+const ORCHESTRATOR_SERVICE: &str = "airlock.v1.Orchestrator";
+
+/// Server reflection that lists exactly what this server serves: the orchestrator,
+/// health, and reflection itself in both versions (v1, and v1alpha for grpcurl up to 1.8
+/// and grpcio-reflection's client). `airlock.v1.ToolWorker` shares the descriptor file
+/// but is served by the workers, not here. Called once per version: the builder is
+/// consumed by `build_*`.
+fn reflection(service: &str) -> tonic_reflection::server::Builder<'static> {
+    tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(airlock_proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_reflection::pb::v1::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_reflection::pb::v1alpha::FILE_DESCRIPTOR_SET)
+        .include_reflection_service(false)
+        .with_service_name(service)
+        .with_service_name("grpc.health.v1.Health")
+        .with_service_name("grpc.reflection.v1.ServerReflection")
+        .with_service_name("grpc.reflection.v1alpha.ServerReflection")
 }
 
 /// What [`Orchestrator::prepare`] loaded.

@@ -280,11 +280,14 @@ pub fn call_detail(record: &CallRecord) -> Value {
     body
 }
 
-/// The catalog in one of the three shapes `GET /v1/tools?format=` offers.
+/// The catalog in one of the shapes `GET /v1/tools?format=` offers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CatalogFormat {
     Anthropic,
     OpenAi,
+    /// `?format=openai&strict=true`: OpenAI Chat functions with `"strict": true` and the
+    /// strict-mode variant of each schema (see [`crate::strict`]).
+    OpenAiStrict,
     Mcp,
 }
 
@@ -297,6 +300,23 @@ impl CatalogFormat {
             Some(other) => Err(BadRequest(format!(
                 "format {other:?} is not one of anthropic, openai, mcp"
             ))),
+        }
+    }
+
+    /// `?format=` together with `?strict=`.
+    pub fn from_query(format: Option<&str>, strict: Option<&str>) -> Result<Self, BadRequest> {
+        let format = Self::parse(format)?;
+        let strict = match strict {
+            None | Some("false") | Some("0") => false,
+            Some("true") | Some("1") => true,
+            Some(_) => return Err(BadRequest("strict must be true or false".into())),
+        };
+        match (format, strict) {
+            (format, false) => Ok(format),
+            (CatalogFormat::OpenAi, true) => Ok(CatalogFormat::OpenAiStrict),
+            (_, true) => Err(BadRequest(
+                "strict=true is offered with format=openai only".into(),
+            )),
         }
     }
 }
@@ -313,6 +333,18 @@ pub fn catalog_entry(tool: &CatalogTool, format: CatalogFormat) -> Value {
             "type": "function",
             "function": {"name": d.name, "description": d.description, "parameters": d.input_schema},
         }),
+        // A tool whose schema has no strict equivalent is still listed, as a non-strict
+        // function: OpenAI takes strict and non-strict functions side by side.
+        CatalogFormat::OpenAiStrict => match &tool.strict_schema {
+            Ok(schema) => json!({
+                "type": "function",
+                "function": {"name": d.name, "description": d.description, "parameters": schema, "strict": true},
+            }),
+            Err(_) => json!({
+                "type": "function",
+                "function": {"name": d.name, "description": d.description, "parameters": d.input_schema, "strict": false},
+            }),
+        },
         CatalogFormat::Mcp => json!({
             "name": d.name,
             "title": d.title,

@@ -127,6 +127,23 @@ fn prepare_socket_path(path: &Path) -> Result<(), ServeError> {
     }
 }
 
+/// Server reflection that lists exactly what a worker serves: `airlock.v1.ToolWorker`,
+/// health, and reflection itself in both versions (v1, and v1alpha for grpcurl up to 1.8
+/// and grpcio-reflection's client) — not `airlock.v1.Orchestrator`, which shares the
+/// descriptor file. Called once per version: the builder is consumed by `build_*`.
+fn reflection() -> tonic_reflection::server::Builder<'static> {
+    tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(airlock_proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_reflection::pb::v1::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_reflection::pb::v1alpha::FILE_DESCRIPTOR_SET)
+        .include_reflection_service(false)
+        .with_service_name("airlock.v1.ToolWorker")
+        .with_service_name("grpc.health.v1.Health")
+        .with_service_name("grpc.reflection.v1.ServerReflection")
+        .with_service_name("grpc.reflection.v1alpha.ServerReflection")
+}
+
 /// A worker: a tool set plus the settings it is served with.
 pub struct WorkerServer {
     tools: ToolSet,
@@ -150,9 +167,8 @@ impl WorkerServer {
         health
             .set_serving::<ToolWorkerServer<WorkerService>>()
             .await;
-        let reflection = tonic_reflection::server::Builder::configure()
-            .register_encoded_file_descriptor_set(airlock_proto::FILE_DESCRIPTOR_SET)
-            .build_v1()?;
+        let reflection_v1 = reflection().build_v1()?;
+        let reflection_v1alpha = reflection().build_v1alpha()?;
 
         let all_calls = CancellationToken::new();
         let in_flight = TaskTracker::new();
@@ -165,7 +181,8 @@ impl WorkerServer {
         };
         let router = tonic::transport::Server::builder()
             .add_service(health_service)
-            .add_service(reflection)
+            .add_service(reflection_v1)
+            .add_service(reflection_v1alpha)
             .add_service(
                 ToolWorkerServer::new(service)
                     .max_decoding_message_size(MAX_MESSAGE_BYTES)
