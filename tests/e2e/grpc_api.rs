@@ -95,7 +95,7 @@ async fn list_and_call_tools_over_grpc() {
                 input_json: "{oops".into(),
             },
         ],
-        wait_ms: 0,
+        wait_ms: None,
     };
     let response = client
         .call_tools(authed(request, &airlock.token))
@@ -125,7 +125,7 @@ async fn list_and_call_tools_over_grpc() {
             name: "read_file".into(),
             input_json: "{}".into(),
         }],
-        wait_ms: 0,
+        wait_ms: None,
     };
     let err = client
         .call_tools(authed(bad_session, &airlock.token))

@@ -14,6 +14,7 @@ mod cli;
 mod fs_tools;
 mod gate;
 mod grpc_api;
+mod held_calls;
 mod http_api;
 mod mcp;
 mod net_db;

@@ -285,7 +285,7 @@ async fn bearer_token_and_origin_are_checked() {
 #[tokio::test]
 async fn pending_approval_waits_then_names_the_approval() {
     let airlock = Airlock::start_with(
-        "[approvals]\ntools = [\"write_file\"]\n\n[limits]\ndefault_wait_ms = 1500\n",
+        "[approvals]\ntools = [\"write_file\"]\n\n[limits]\nmcp_wait_ms = 1500\n",
     )
     .await;
     let call = json!({

@@ -103,56 +103,406 @@ pub fn tools(connection: &Connection, raw: bool, format: &str) -> anyhow::Result
     Ok(ExitCode::SUCCESS)
 }
 
+/// How often, at most, `airlock call` asks again while it follows a call: each
+/// `GET /v1/calls/{id}?wait_ms=` waits this long for the call to end, so a long wait is
+/// a few requests, not one that idles for an hour behind some proxy's timeout.
+const FOLLOW_CHUNK_MS: u64 = 60_000;
+
+/// Exit status of `airlock call` when the call has no result yet because `--wait` ran
+/// out (it is still held for approval or still running): `EX_TEMPFAIL` of sysexits.h,
+/// "try again later", distinct from the exit codes a shell command passes through.
+const EXIT_NO_RESULT_YET: u8 = 75;
+/// Exit status for a command that ran out of time, as `timeout(1)` reports it.
+const EXIT_TIMED_OUT: u8 = 124;
+
+/// `airlock call` options beyond the tool, its arguments, `--session` and `--json`.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct CallOptions {
+    /// Stop waiting after this many seconds and exit 75 if the call has no result yet
+    /// (it goes on: approve it later, fetch it with GET /v1/calls/{call_id}). Default:
+    /// wait until it ends; a call held for approval ends when decided or expired.
+    #[arg(long, value_name = "SECONDS")]
+    pub wait: Option<f64>,
+}
+
+/// `airlock call <tool> '<json>'`. The request asks for `wait_ms: 0`, so it answers as
+/// soon as the gate has checked the call: a held call is announced at once on stderr
+/// with its approval id and the command that approves it, and then followed with
+/// `GET /v1/calls/{id}?wait_ms=` until it ends (or `--wait` runs out). The result is
+/// printed for a human (see [`Printer`]); `--json` prints the whole response in the
+/// shape of `POST /v1/tool_calls`.
 pub fn call(
     connection: &Connection,
     tool: &str,
     input: &str,
     session: Option<&str>,
     raw: bool,
+    options: &CallOptions,
 ) -> anyhow::Result<ExitCode> {
     let input: Value = serde_json::from_str(input).context("the arguments are not valid JSON")?;
     if !input.is_object() {
         bail!("the arguments must be a JSON object, e.g. '{{\"path\": \"notes.txt\"}}'");
     }
+    let deadline = match options.wait {
+        None => None,
+        Some(s) if s.is_finite() && s >= 0.0 => {
+            Some(std::time::Instant::now() + std::time::Duration::from_secs_f64(s.min(1e9)))
+        }
+        Some(_) => bail!("--wait takes a number of seconds, 0 or more"),
+    };
     let target = Target::resolve(connection)?;
-    let mut request =
-        json!({"tool_uses": [{"type": "tool_use", "id": "cli", "name": tool, "input": input}]});
+    let mut request = json!({
+        "wait_ms": 0,
+        "tool_uses": [{"type": "tool_use", "id": "cli", "name": tool, "input": input}],
+    });
     if let Some(session) = session {
         request["session_id"] = json!(session);
     }
-    let body = Target::runtime()?.block_on(async {
+    let printer = Printer::new();
+    Target::runtime()?.block_on(async {
         let client = reqwest::Client::new();
-        target
+        let body = target
             .send(
                 client
                     .post(format!("{}/v1/tool_calls", target.url))
                     .json(&request),
             )
-            .await
-    })?;
-    if raw {
-        println!("{}", serde_json::to_string_pretty(&body)?);
-    }
-    let Some(result) = body["tool_results"].get(0) else {
-        let call = &body["calls"][0];
-        let status = call["status"].as_str().unwrap_or("unknown");
-        let call_id = call["call_id"].as_str().unwrap_or("?");
-        eprintln!("call {call_id} is {status}; fetch it later with GET /v1/calls/{call_id}");
-        if let Some(approval) = call["approval_id"].as_str() {
-            eprintln!("it waits for a human: airlock approvals approve {approval}");
+            .await?;
+        let mut call = body["calls"][0].clone();
+        let mut result = body["tool_results"].get(0).cloned();
+        let call_id = call["call_id"].as_str().unwrap_or("?").to_owned();
+        let mut announced = false;
+        while result.is_none() {
+            let status = call["status"].as_str().unwrap_or("unknown").to_owned();
+            let approval = call["approval_id"].as_str().map(str::to_owned);
+            if let (Some(approval), false) = (&approval, announced) {
+                announced = true;
+                let approve = approval_command(connection, "approve", approval);
+                let deny = approval_command(connection, "deny", approval);
+                let until = if deadline.is_some() {
+                    "until --wait runs out"
+                } else {
+                    "Ctrl-C stops waiting, the call stays pending"
+                };
+                printer.note(&format!(
+                    "airlock: call {call_id} ({tool}) is waiting for approval {approval}\n\
+                     airlock: approve it with: {approve}\n\
+                     airlock: or deny it with: {deny}\n\
+                     airlock: waiting for the decision ({until})…\n"
+                ));
+            }
+            let left = deadline.map(|d| d.saturating_duration_since(std::time::Instant::now()));
+            if left.is_some_and(|l| l.is_zero()) {
+                let mut message = format!(
+                    "airlock: stopped waiting; call {call_id} is still {status}. It goes on: \
+                     fetch it with GET /v1/calls/{call_id}\n"
+                );
+                if let Some(approval) = &approval {
+                    message.push_str(&format!(
+                        "airlock: it runs once approved: {}\n",
+                        approval_command(connection, "approve", approval)
+                    ));
+                }
+                printer.note(&message);
+                if raw {
+                    printer.out(&pretty(
+                        &json!({"tool_results": [], "calls": [without_result(&call)]}),
+                    ));
+                }
+                return Ok(ExitCode::from(EXIT_NO_RESULT_YET));
+            }
+            let wait_ms = left.map_or(FOLLOW_CHUNK_MS, |l| {
+                (l.as_millis() as u64).clamp(1, FOLLOW_CHUNK_MS)
+            });
+            let url = format!("{}/v1/calls/{call_id}?wait_ms={wait_ms}", target.url);
+            let detail = target
+                .send(client.get(url))
+                .await
+                .with_context(|| format!("while waiting for call {call_id}"))?;
+            result = detail.get("tool_result").cloned();
+            call = without_result(&detail);
         }
-        return Ok(ExitCode::from(2));
-    };
-    if !raw {
-        for block in result["content"].as_array().into_iter().flatten() {
-            println!("{}", block["text"].as_str().unwrap_or_default());
+        let result = result.unwrap_or(Value::Null);
+        if raw {
+            printer.out(&pretty(&json!({"tool_results": [result], "calls": [call]})));
+            return Ok(exit_for(&result, None));
+        }
+        Ok(printer.result(&result))
+    })
+}
+
+/// A `calls[]` entry from a `GET /v1/calls/{id}` body (which adds `tool` and
+/// `tool_result`), so `--json` always prints the shape of `POST /v1/tool_calls`.
+fn without_result(detail: &Value) -> Value {
+    let mut call = detail.clone();
+    if let Some(object) = call.as_object_mut() {
+        object.remove("tool_result");
+        object.remove("tool");
+    }
+    call
+}
+
+fn pretty(value: &Value) -> String {
+    let mut text = serde_json::to_string_pretty(value).unwrap_or_else(|_| value.to_string());
+    text.push('\n');
+    text
+}
+
+/// The exact command that decides `approval`, with the connection flags this
+/// invocation was given on its command line (never the token itself).
+fn approval_command(connection: &Connection, verb: &str, approval: &str) -> String {
+    let mut words = vec![
+        "airlock".to_owned(),
+        "approvals".to_owned(),
+        verb.to_owned(),
+        approval.to_owned(),
+    ];
+    // A flag whose value came from the environment needs no repeating: the approver's
+    // shell has the same variable.
+    let from_flag = |var: &str, value: &str| std::env::var(var).ok().as_deref() != Some(value);
+    if let Some(dir) = &connection.location.data_dir {
+        let dir = dir.display().to_string();
+        if from_flag("AIRLOCK_DATA_DIR", &dir) {
+            words.extend(["--data-dir".to_owned(), dir]);
         }
     }
-    Ok(if result["is_error"].as_bool().unwrap_or(false) {
+    if let Some(config) = &connection.location.config {
+        let config = config.display().to_string();
+        if from_flag("AIRLOCK_CONFIG", &config) {
+            words.extend(["--config".to_owned(), config]);
+        }
+    }
+    if let Some(url) = &connection.url
+        && from_flag("AIRLOCK_URL", url)
+    {
+        words.extend(["--url".to_owned(), url.clone()]);
+    }
+    if let Some(token) = &connection.token
+        && from_flag("AIRLOCK_TOKEN", token)
+    {
+        words.extend(["--token".to_owned(), "<token>".to_owned()]);
+    }
+    words
+        .iter()
+        .map(|w| shell_word(w))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// `word` quoted for a POSIX shell when it needs it.
+fn shell_word(word: &str) -> String {
+    let plain = !word.is_empty()
+        && word
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "_-./:=@%+,".contains(c));
+    if plain {
+        word.to_owned()
+    } else {
+        format!("'{}'", word.replace('\'', r"'\''"))
+    }
+}
+
+/// The exit status for a final `tool_result`: a command's own status when the result
+/// is a command's (`exit_code`, 128 + signal, 124 when it timed out), else 1 for an
+/// error result and 0 otherwise.
+fn exit_for(result: &Value, shell: Option<&ShellResult>) -> ExitCode {
+    let is_error = result["is_error"].as_bool().unwrap_or(true);
+    let shell = shell.cloned().or_else(|| ShellResult::from_result(result));
+    if let Some(shell) = shell {
+        if shell.timed_out {
+            return ExitCode::from(EXIT_TIMED_OUT);
+        }
+        if let Some(signal) = shell.signal {
+            return ExitCode::from(u8::try_from(128 + signal.clamp(0, 127)).unwrap_or(255));
+        }
+        if let Some(code) = shell.exit_code {
+            return ExitCode::from(u8::try_from(code.clamp(0, 255)).unwrap_or(255));
+        }
+    }
+    if is_error {
         ExitCode::FAILURE
     } else {
         ExitCode::SUCCESS
-    })
+    }
+}
+
+/// The parts of a command's result (`execute_shell`, or any tool answering the same
+/// shape) that `airlock call` prints apart.
+#[derive(Debug, Clone)]
+struct ShellResult {
+    stdout: String,
+    stderr: String,
+    exit_code: Option<i64>,
+    signal: Option<i64>,
+    timed_out: bool,
+    stdout_truncated: bool,
+    stderr_truncated: bool,
+}
+
+impl ShellResult {
+    /// Recognised by shape — one text block holding an object with string `stdout` and
+    /// `stderr` and an `exit_code` key — not by tool name, so tools of one's own that
+    /// answer like `execute_shell` print like it.
+    fn from_result(result: &Value) -> Option<Self> {
+        let blocks = result["content"].as_array()?;
+        let [block] = blocks.as_slice() else {
+            return None;
+        };
+        let value: Value = serde_json::from_str(block["text"].as_str()?).ok()?;
+        let object = value.as_object()?;
+        if !object.contains_key("exit_code") {
+            return None;
+        }
+        Some(Self {
+            stdout: object.get("stdout")?.as_str()?.to_owned(),
+            stderr: object.get("stderr")?.as_str()?.to_owned(),
+            exit_code: object.get("exit_code").and_then(Value::as_i64),
+            signal: object.get("signal").and_then(Value::as_i64),
+            timed_out: object
+                .get("timed_out")
+                .and_then(Value::as_bool)
+                .unwrap_or(false),
+            stdout_truncated: object
+                .get("stdout_truncated")
+                .and_then(Value::as_bool)
+                .unwrap_or(false),
+            stderr_truncated: object
+                .get("stderr_truncated")
+                .and_then(Value::as_bool)
+                .unwrap_or(false),
+        })
+    }
+
+    /// One line for stderr when the command did not simply succeed.
+    fn summary(&self) -> Option<String> {
+        let mut parts = Vec::new();
+        if self.timed_out {
+            parts.push("timed out".to_owned());
+        }
+        if let Some(signal) = self.signal {
+            parts.push(format!("killed by signal {signal}"));
+        } else if let Some(code) = self.exit_code.filter(|c| *c != 0) {
+            parts.push(format!("exit code {code}"));
+        } else if self.exit_code.is_none() && !self.timed_out {
+            parts.push("no exit code".to_owned());
+        }
+        if self.stdout_truncated {
+            parts.push("stdout truncated".to_owned());
+        }
+        if self.stderr_truncated {
+            parts.push("stderr truncated".to_owned());
+        }
+        (!parts.is_empty()).then(|| format!("airlock: command {}\n", parts.join(", ")))
+    }
+}
+
+/// Writes what `airlock call` prints. Text bound for a terminal has its control
+/// characters escaped (all of C0 but newline and tab, DEL, and C1; a carriage return
+/// only when no newline follows it): a tool's output is whatever the command or the web
+/// page produced, and raw escape sequences could rewrite the screen, set the window
+/// title or the clipboard. Output redirected to a file or a pipe is written unchanged,
+/// so `airlock call … > out.txt` keeps the command's output as it was.
+struct Printer {
+    stdout_tty: bool,
+    stderr_tty: bool,
+}
+
+impl Printer {
+    fn new() -> Self {
+        use std::io::IsTerminal;
+        Self {
+            stdout_tty: std::io::stdout().is_terminal(),
+            stderr_tty: std::io::stderr().is_terminal(),
+        }
+    }
+
+    fn out(&self, text: &str) {
+        use std::io::Write;
+        let text = if self.stdout_tty {
+            for_terminal(text)
+        } else {
+            std::borrow::Cow::Borrowed(text)
+        };
+        let mut stdout = std::io::stdout().lock();
+        // A closed pipe (`| head`) is the reader's choice, not an error of the call.
+        let _ = stdout.write_all(text.as_bytes());
+        let _ = stdout.flush();
+    }
+
+    fn note(&self, text: &str) {
+        use std::io::Write;
+        let text = if self.stderr_tty {
+            for_terminal(text)
+        } else {
+            std::borrow::Cow::Borrowed(text)
+        };
+        let mut stderr = std::io::stderr().lock();
+        let _ = stderr.write_all(text.as_bytes());
+        let _ = stderr.flush();
+    }
+
+    /// Prints a final `tool_result` for a human and returns the exit status: a command's
+    /// stdout to stdout and stderr to stderr (plus a summary line when it failed), a
+    /// JSON document pretty-printed, other text as it is.
+    fn result(&self, result: &Value) -> ExitCode {
+        if let Some(shell) = ShellResult::from_result(result) {
+            self.out(&shell.stdout);
+            self.note(&shell.stderr);
+            if let Some(summary) = shell.summary() {
+                self.note(&summary);
+            }
+            return exit_for(result, Some(&shell));
+        }
+        for block in result["content"].as_array().into_iter().flatten() {
+            let text = block["text"].as_str().unwrap_or_default();
+            match serde_json::from_str::<Value>(text) {
+                Ok(document @ (Value::Object(_) | Value::Array(_))) => {
+                    self.out(&pretty(&document));
+                }
+                _ => {
+                    let mut line = text.to_owned();
+                    if !line.ends_with('\n') {
+                        line.push('\n');
+                    }
+                    self.out(&line);
+                }
+            }
+        }
+        exit_for(result, None)
+    }
+}
+
+/// `text` with its control characters escaped for a terminal (see [`Printer`]).
+fn for_terminal(text: &str) -> std::borrow::Cow<'_, str> {
+    let needs = |c: char, next: Option<char>| {
+        c.is_control() && c != '\n' && c != '\t' && !(c == '\r' && next == Some('\n'))
+    };
+    let mut chars = text.chars().peekable();
+    let mut clean = true;
+    while let Some(c) = chars.next() {
+        if needs(c, chars.peek().copied()) {
+            clean = false;
+            break;
+        }
+    }
+    if clean {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len() + 16);
+    let mut chars = text.chars().peekable();
+    while let Some(c) = chars.next() {
+        if needs(c, chars.peek().copied()) {
+            let code = u32::from(c);
+            if code < 0x80 {
+                out.push_str(&format!("\\x{code:02x}"));
+            } else {
+                out.push_str(&format!("\\u{{{code:x}}}"));
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    std::borrow::Cow::Owned(out)
 }
 
 /// `airlock approvals list|approve|deny`.
@@ -177,9 +527,11 @@ pub fn approvals(
             if approvals.is_empty() {
                 println!("no {}approvals", if *all { "" } else { "pending " });
             }
+            // Tool names and inputs come from a model: escaped like `airlock call` output.
+            let printer = Printer::new();
             for a in approvals {
-                println!(
-                    "{}  {:<8} {:<14} by {:<12} session {:<10} expires {}\n    {}",
+                printer.out(&format!(
+                    "{}  {:<8} {:<14} by {:<12} session {:<10} expires {}\n    {}\n",
                     a["approval_id"].as_str().unwrap_or("?"),
                     a["status"].as_str().unwrap_or("?"),
                     a["tool"].as_str().unwrap_or("?"),
@@ -187,7 +539,7 @@ pub fn approvals(
                     a["session_id"].as_str().unwrap_or("-"),
                     a["expires_at"].as_str().unwrap_or("?"),
                     a["input"],
-                );
+                ));
             }
         }
         ApprovalAction::Approve { id, reason } | ApprovalAction::Deny { id, reason } => {
@@ -430,5 +782,84 @@ impl AgentPrinter {
             }
             _ => {}
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn control_characters_are_escaped_for_a_terminal_and_text_is_kept() {
+        assert!(matches!(
+            for_terminal("plain\ttext\nand more\r\n"),
+            std::borrow::Cow::Borrowed(_)
+        ));
+        assert_eq!(
+            for_terminal("\u{1b}]0;title\u{7}\u{1b}[31mred"),
+            "\\x1b]0;title\\x07\\x1b[31mred"
+        );
+        assert_eq!(
+            for_terminal("a\rb\u{7f}\u{9b}c\u{0}"),
+            "a\\x0db\\x7f\\u{9b}c\\x00"
+        );
+        assert_eq!(for_terminal("é — ok"), "é — ok");
+    }
+
+    fn shell_result(body: Value, is_error: bool) -> Value {
+        json!({"type": "tool_result", "tool_use_id": "cli", "is_error": is_error,
+               "content": [{"type": "text", "text": body.to_string()}]})
+    }
+
+    #[test]
+    fn a_commands_status_becomes_the_exit_status() {
+        let base =
+            json!({"stdout": "", "stderr": "", "exit_code": 0, "signal": null, "timed_out": false});
+        let with = |patch: Value| {
+            let mut body = base.clone();
+            for (k, v) in patch.as_object().unwrap() {
+                body[k] = v.clone();
+            }
+            body
+        };
+        let code = |body: Value, is_error| exit_for(&shell_result(body, is_error), None);
+        assert_eq!(code(base.clone(), false), ExitCode::SUCCESS);
+        assert_eq!(code(with(json!({"exit_code": 3})), true), ExitCode::from(3));
+        assert_eq!(
+            code(with(json!({"exit_code": null, "signal": 9})), true),
+            ExitCode::from(137)
+        );
+        assert_eq!(
+            code(
+                with(json!({"exit_code": null, "signal": 9, "timed_out": true})),
+                true
+            ),
+            ExitCode::from(124)
+        );
+        let plain = json!({"type": "tool_result", "is_error": true, "content": [{"type": "text", "text": "denied by policy"}]});
+        assert_eq!(exit_for(&plain, None), ExitCode::FAILURE);
+
+        let failed = ShellResult::from_result(&shell_result(
+            with(json!({"exit_code": 2, "stdout_truncated": true})),
+            true,
+        ))
+        .unwrap();
+        assert_eq!(
+            failed.summary().as_deref(),
+            Some("airlock: command exit code 2, stdout truncated\n")
+        );
+        let ok = ShellResult::from_result(&shell_result(base, false)).unwrap();
+        assert_eq!(ok.summary(), None);
+        // A JSON object without the shape of a command's result is not one.
+        assert!(ShellResult::from_result(&shell_result(json!({"rows": []}), false)).is_none());
+    }
+
+    #[test]
+    fn printed_commands_quote_what_a_shell_would_split() {
+        assert_eq!(shell_word("apr_0123abc"), "apr_0123abc");
+        assert_eq!(shell_word("/tmp/data dir"), "'/tmp/data dir'");
+        assert_eq!(shell_word("it's"), r"'it'\''s'");
+        assert_eq!(shell_word("<token>"), "'<token>'");
+        assert_eq!(shell_word(""), "''");
     }
 }

@@ -114,6 +114,8 @@ enum Command {
         /// Print the whole JSON response instead of the result text.
         #[arg(long)]
         json: bool,
+        #[command(flatten)]
+        options: client::CallOptions,
     },
     /// Run the agent loop with the configured model provider ([agent] in airlock.toml).
     Agent {
@@ -222,7 +224,15 @@ fn main() -> ExitCode {
             connection,
             session,
             json,
-        } => client::call(&connection, &tool, &input, session.as_deref(), json),
+            options,
+        } => client::call(
+            &connection,
+            &tool,
+            &input,
+            session.as_deref(),
+            json,
+            &options,
+        ),
         Command::Agent {
             prompt,
             connection,

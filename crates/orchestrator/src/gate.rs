@@ -27,7 +27,8 @@ use crate::catalog::{Catalog, CatalogTool};
 use crate::config::{ApprovalsConfig, AuditConfig};
 use crate::dispatch::{self, DispatchError, WorkerEvent};
 use crate::store::{
-    ApprovalStatus, CallOutcome, CallState, NewApproval, NewCall, Store, StoredCall, now_millis,
+    Approval, ApprovalStatus, CallOutcome, CallState, NewApproval, NewCall, Store, StoredCall,
+    now_millis,
 };
 
 /// How many schema violations are listed in one error result.
@@ -76,6 +77,30 @@ fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     match mutex.lock() {
         Ok(guard) => guard,
         Err(poisoned) => poisoned.into_inner(),
+    }
+}
+
+/// How long a call was held for approval.
+#[derive(Debug, Clone, Copy, Default)]
+struct Held {
+    /// Measured here (monotonic clock): taken out of the call's `duration_ms`, which is
+    /// the time the call itself took.
+    local: Duration,
+    /// Reported as `approval_wait_ms`: from the approval's creation to its decision as
+    /// the store recorded them, so every replica reports the same number.
+    reported_ms: u64,
+}
+
+impl Held {
+    fn new(approval: Option<&Approval>, local: Duration) -> Self {
+        let from_store = approval.and_then(|a| {
+            let decided = a.decided_at?;
+            u64::try_from(decided.saturating_sub(a.created_at)).ok()
+        });
+        Self {
+            local,
+            reported_ms: from_store.unwrap_or(local.as_millis() as u64),
+        }
     }
 }
 
@@ -244,6 +269,7 @@ impl Gate {
         let session = session.clone();
         tokio::spawn(async move {
             let started = Instant::now();
+            let mut held = None;
             let ending = gate
                 .run(
                     &call_id,
@@ -253,6 +279,7 @@ impl Gate {
                     &tool_use,
                     events,
                     &cancel,
+                    &mut held,
                 )
                 .await;
             gate.conclude(
@@ -260,6 +287,7 @@ impl Gate {
                 &principal.name,
                 Some(session.as_str()),
                 started,
+                held,
                 ending,
             )
             .await;
@@ -281,27 +309,35 @@ impl Gate {
         record.status = CallStatus::Error;
         record.duration_ms = Some(0);
         record.result = Some(ToolOutcome::error(message));
+        record.checked = true;
         self.calls.insert(record, CancellationToken::new())
     }
 
-    /// Records the end of a call: memory, store (once), audit.
+    /// Records the end of a call: memory, store (once), audit. `duration_ms` is the
+    /// time since `started` without the time the call was `held` for approval: a 2 ms
+    /// write that waited a minute for a human reports 2 ms, and the minute separately.
     async fn conclude(
         &self,
         call_id: &str,
         principal: &str,
         session: Option<&str>,
         started: Instant,
+        held: Option<Held>,
         ending: Ending,
     ) {
-        let duration_ms = started.elapsed().as_millis() as u64;
+        let local_wait = held.map(|h| h.local).unwrap_or_default();
+        let duration_ms = started.elapsed().saturating_sub(local_wait).as_millis() as u64;
+        let approval_wait_ms = held.map(|h| h.reported_ms);
         let status = ending.status;
         if !ending.owned {
             // The replica that won the claim records the outcome and its audit event.
             self.calls.update(call_id, |r| {
                 r.status = status;
                 r.duration_ms = Some(duration_ms);
+                r.approval_wait_ms = approval_wait_ms;
                 r.replica = ending.replica;
                 r.result = Some(ending.outcome);
+                r.checked = true;
             });
             return;
         }
@@ -319,21 +355,22 @@ impl Gate {
             Ok(false) => return,
             Err(e) => tracing::error!(call_id, error = %e, "cannot record the call's outcome"),
         }
+        let mut completed = json!({
+            "status": status.as_str(),
+            "is_error": ending.outcome.is_error,
+            "duration_ms": duration_ms,
+            "replica": ending.replica,
+            "result_sha256": digest,
+            "isolation": ending.outcome.isolation,
+        });
+        if let Some(ms) = approval_wait_ms {
+            completed["approval_wait_ms"] = json!(ms);
+        }
         self.audit(
-            NewAuditEvent::new(
-                "completed",
-                json!({
-                    "status": status.as_str(),
-                    "is_error": ending.outcome.is_error,
-                    "duration_ms": duration_ms,
-                    "replica": ending.replica,
-                    "result_sha256": digest,
-                    "isolation": ending.outcome.isolation,
-                }),
-            )
-            .call_id(call_id)
-            .principal(principal)
-            .session_id(session.map(str::to_owned)),
+            NewAuditEvent::new("completed", completed)
+                .call_id(call_id)
+                .principal(principal)
+                .session_id(session.map(str::to_owned)),
         )
         .await;
         tracing::info!(
@@ -341,13 +378,16 @@ impl Gate {
             principal,
             status = status.as_str(),
             duration_ms,
+            approval_wait_ms,
             "call finished"
         );
         self.calls.update(call_id, |r| {
             r.status = status;
             r.duration_ms = Some(duration_ms);
+            r.approval_wait_ms = approval_wait_ms;
             r.replica = ending.replica;
             r.result = Some(ending.outcome);
+            r.checked = true;
         });
     }
 
@@ -361,6 +401,7 @@ impl Gate {
         tool_use: &ToolUse,
         events: Option<mpsc::Sender<WorkerEvent>>,
         cancel: &CancellationToken,
+        held: &mut Option<Held>,
     ) -> Ending {
         let event = |kind: &str, data: Value| {
             NewAuditEvent::new(kind, data)
@@ -516,6 +557,7 @@ impl Gate {
                     new_call(CallState::PendingApproval),
                     reasons,
                     cancel,
+                    held,
                 )
                 .await
             {
@@ -531,6 +573,7 @@ impl Gate {
             }
             false
         };
+        self.calls.update(call_id, |r| r.checked = true);
         let ending = self
             .dispatch_claimed(
                 call_id,
@@ -551,14 +594,16 @@ impl Gate {
     }
 
     /// Creates the durable pending approval and waits for its decision (taken on any
-    /// replica), its expiry, or the caller's cancellation.
+    /// replica), its expiry, or the caller's cancellation; `held` is how long it waited.
     async fn await_approval(
         &self,
         call_id: &str,
         call: NewCall,
         reasons: &[String],
         cancel: &CancellationToken,
+        held: &mut Option<Held>,
     ) -> Result<(), Ending> {
+        let since = Instant::now();
         let approval_id = format!("apr_{}", uuid::Uuid::new_v4().simple());
         let now = now_millis();
         let expires_at = now
@@ -584,6 +629,7 @@ impl Gate {
         self.calls.update(call_id, |r| {
             r.status = CallStatus::PendingApproval;
             r.approval_id = Some(approval_id.clone());
+            r.checked = true;
         });
         self.audit(
             NewAuditEvent::new("pending_approval", json!({"approval_id": approval_id, "reasons": reasons, "expires_at": crate::store::rfc3339(expires_at)}))
@@ -600,11 +646,16 @@ impl Gate {
                     }
                     ApprovalStatus::Pending => {}
                     ApprovalStatus::Approved => {
-                        self.calls
-                            .update(call_id, |r| r.status = CallStatus::Running);
+                        let waited = Held::new(Some(&a), since.elapsed());
+                        *held = Some(waited);
+                        self.calls.update(call_id, |r| {
+                            r.status = CallStatus::Running;
+                            r.approval_wait_ms = Some(waited.reported_ms);
+                        });
                         return Ok(());
                     }
                     ApprovalStatus::Denied => {
+                        *held = Some(Held::new(Some(&a), since.elapsed()));
                         let by = a.decided_by.unwrap_or_default();
                         let reason = a.reason.map(|r| format!(": {r}")).unwrap_or_default();
                         return Err(Ending::error(
@@ -613,6 +664,7 @@ impl Gate {
                         ));
                     }
                     ApprovalStatus::Expired => {
+                        *held = Some(Held::new(Some(&a), since.elapsed()));
                         return Err(Ending::error(
                             CallStatus::Denied,
                             "the approval expired before anyone decided; ask an approver and call again",
@@ -620,6 +672,7 @@ impl Gate {
                     }
                 },
                 Ok(None) => {
+                    *held = Some(Held::new(None, since.elapsed()));
                     return Err(Ending::error(
                         CallStatus::Error,
                         "the pending approval disappeared from the store",
@@ -630,7 +683,8 @@ impl Gate {
             tokio::select! {
                 _ = cancel.cancelled() => {
                     // Withdraw the request so that a later approval cannot run it.
-                    let _ = self.store.decide_approval(&approval_id, false, "system:cancelled", Some("the caller cancelled the call"), now_millis()).await;
+                    let withdrawn = self.store.decide_approval(&approval_id, false, "system:cancelled", Some("the caller cancelled the call"), now_millis()).await;
+                    *held = Some(Held::new(withdrawn.as_ref().ok(), since.elapsed()));
                     self.audit(NewAuditEvent::new("approval_withdrawn", json!({"approval_id": approval_id})).call_id(call_id)).await;
                     return Err(Ending::error(CallStatus::Cancelled, "the call was cancelled while it waited for approval"));
                 }
@@ -779,6 +833,11 @@ impl Gate {
         Duration::from_millis(self.limits.default_wait_ms)
     }
 
+    /// How long an MCP request waits on a call held for approval (`[limits] mcp_wait_ms`).
+    pub fn mcp_wait(&self) -> Duration {
+        Duration::from_millis(self.limits.mcp_wait_ms.min(crate::wire::MAX_WAIT_MS))
+    }
+
     /// Marks overdue approvals expired and audits each (once, across replicas).
     pub async fn expire_sweep(&self) -> Result<(), crate::store::StoreError> {
         for approval in self.store.expire_approvals(now_millis()).await? {
@@ -841,6 +900,7 @@ impl Gate {
             &call.principal,
         );
         record.approval_id = call.approval_id.clone();
+        record.checked = true;
         self.calls.insert(record, cancel.clone());
         self.audit(
             NewAuditEvent::new("resumed", json!({"state": call.state.as_str()}))
@@ -851,6 +911,14 @@ impl Gate {
             .session_id
             .clone()
             .unwrap_or_else(|| SessionId::DEFAULT.to_owned());
+        // The wait was on another task (or before a restart): only the store knows it.
+        let held = match &call.approval_id {
+            Some(id) => match self.store.get_approval(id).await {
+                Ok(Some(a)) => Some(Held::new(Some(&a), Duration::ZERO)),
+                _ => None,
+            },
+            None => None,
+        };
         let started = Instant::now();
         let ending = self
             .dispatch_claimed(
@@ -869,6 +937,7 @@ impl Gate {
             &call.principal,
             Some(&session),
             started,
+            held,
             ending,
         )
         .await;
@@ -886,6 +955,13 @@ impl Gate {
         record.approval_id = stored.approval_id.clone();
         record.duration_ms = stored.duration_ms;
         record.replica = stored.replica.clone();
+        record.checked = true;
+        if let Some(id) = &stored.approval_id
+            && let Ok(Some(approval)) = self.store.get_approval(id).await
+            && approval.decided_at.is_some()
+        {
+            record.approval_wait_ms = Some(Held::new(Some(&approval), Duration::ZERO).reported_ms);
+        }
         match stored_ending(&stored) {
             Some(ending) => {
                 record.status = ending.status;

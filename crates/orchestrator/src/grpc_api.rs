@@ -2,7 +2,6 @@
 
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::Duration;
 
 use airlock_policy::{SessionId, ToolOutcome};
 use airlock_proto::v1 as pb;
@@ -17,7 +16,7 @@ use crate::calls::{CallRecord, wait_final};
 use crate::dispatch::WorkerEvent;
 use crate::gate::{Gate, ToolUse};
 use crate::store::ApprovalStatus;
-use crate::wire::MAX_WAIT_MS;
+use crate::wire;
 
 pub struct GrpcFrontDoor {
     pub gate: Arc<Gate>,
@@ -113,6 +112,7 @@ fn call_info(record: &CallRecord) -> pb::CallInfo {
         status: record.status.as_str().to_owned(),
         approval_id: record.approval_id.clone().unwrap_or_default(),
         duration_ms: record.duration_ms.unwrap_or(0),
+        approval_wait_ms: record.approval_wait_ms,
         isolation_json: record
             .isolation()
             .map(|v| v.to_string())
@@ -182,10 +182,8 @@ impl Orchestrator for GrpcFrontDoor {
         if let Err(e) = self.gate.budgets.take(&principal.name, wanted) {
             return Err(Status::resource_exhausted(e.to_string()));
         }
-        let wait = match request.wait_ms {
-            0 => self.gate.default_wait(),
-            ms => Duration::from_millis(ms.min(MAX_WAIT_MS)),
-        };
+        // Unset is the server default; an explicit 0 answers at once, as on HTTP.
+        let wait = wire::wait_for(request.wait_ms, self.gate.default_wait());
         let receivers: Vec<_> = uses
             .into_iter()
             .map(|u| match u {

@@ -397,10 +397,7 @@ async fn tool_calls(
         .session_id
         .clone()
         .unwrap_or_else(airlock_policy::SessionId::default_session);
-    let wait = request
-        .wait_ms
-        .map(Duration::from_millis)
-        .unwrap_or_else(|| gate.default_wait());
+    let wait = wire::wait_for(request.wait_ms, gate.default_wait());
 
     if stream {
         return Ok(crate::streaming::tool_calls(

@@ -26,10 +26,16 @@
 //!   changes on every reconnect (and is gone in the 2026-07-28 revision), which would
 //!   scatter one user's files over throwaway workspaces.
 //! - **Pending approvals.** A call that needs approval waits while its request is open,
-//!   with a progress notification naming the approval. After the configured default wait
-//!   (`limits.default_wait_ms`, 60 s by default) the request answers an `isError` result
-//!   naming the approval id and `airlock approvals approve <id>`; the call keeps
-//!   waiting for the decision and its result is then at `GET /v1/calls/{call_id}`.
+//!   with a progress notification naming the approval sent as soon as it is held. After
+//!   `[limits] mcp_wait_ms` (3 s by default — its own key, not `default_wait_ms`: MCP
+//!   clients time requests out themselves, openai-agents after 5 s and MCP Inspector
+//!   after 60 s, and a client that times out first never sees how to approve) the
+//!   request answers an `isError` result naming the approval id and `airlock approvals
+//!   approve <id>`; the call keeps waiting for the decision and its result is then at
+//!   `GET /v1/calls/{call_id}`. A request that ends *before* that answer — cancelled
+//!   with `notifications/cancelled`, or its connection dropped — was the call's only
+//!   waiter, so the call is cancelled and its approval withdrawn (decided by
+//!   `system:cancelled`) rather than left pending for nobody.
 //! - **Progress.** When the request carries `_meta.progressToken`, every worker event is
 //!   forwarded as `notifications/progress`: worker progress as is, and each chunk of
 //!   output (`execute_shell`'s stdout/stderr while it runs) as a notification whose
@@ -498,7 +504,7 @@ impl AirlockMcp {
             context: &context,
             last: 0.0,
         };
-        let approval_wait = gate.default_wait();
+        let approval_wait = gate.mcp_wait();
         let hard_limit = tokio::time::Instant::now()
             + Duration::from_millis(wire::MAX_WAIT_MS)
             + Duration::from_millis(gate.limits.max_call_timeout_ms);

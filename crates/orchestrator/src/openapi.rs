@@ -161,7 +161,7 @@ pub fn document() -> Value {
                     "input": {"type": "object"}}},
                 "ToolCallsRequest": {"type": "object", "properties": {
                     "session_id": {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"},
-                    "wait_ms": {"type": "integer", "minimum": 0},
+                    "wait_ms": {"type": "integer", "minimum": 0, "description": "How long to wait for results (default [limits] default_wait_ms); 0 answers as soon as the gate has checked the calls: pending_approval with approval_id for a held call, running for one on its worker"},
                     "tool_uses": {"type": "array", "minItems": 1, "items": {"$ref": "#/components/schemas/ToolUse"}},
                     "tool_calls": {"type": "array", "minItems": 1, "description": "OpenAI Chat Completions tool_calls"},
                     "function_calls": {"type": "array", "minItems": 1, "description": "OpenAI Responses function_call items"}}},
@@ -173,7 +173,7 @@ pub fn document() -> Value {
                 "CallSummary": {"type": "object", "required": ["tool_use_id", "call_id", "status"], "properties": {
                     "tool_use_id": {"type": "string"}, "call_id": {"type": "string"},
                     "status": {"type": "string", "enum": ["running", "ok", "error", "denied", "pending_approval", "timeout", "cancelled"]},
-                    "approval_id": {"type": "string"}, "duration_ms": {"type": "integer"}, "isolation": {"type": "object"}}},
+                    "approval_id": {"type": "string"}, "duration_ms": {"type": "integer", "description": "Run time (the gate's checks and the worker), without any approval wait"}, "approval_wait_ms": {"type": "integer", "description": "How long the call was held for approval, to the decision"}, "isolation": {"type": "object"}}},
                 "ToolCallsResponse": {"type": "object", "required": ["calls"], "properties": {
                     "tool_results": {"type": "array", "items": {"$ref": "#/components/schemas/ToolResult"}},
                     "messages": {"type": "array", "items": {"type": "object"}},

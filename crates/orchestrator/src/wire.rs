@@ -14,6 +14,16 @@ use crate::gate::ToolUse;
 /// Longest `wait_ms` honoured.
 pub const MAX_WAIT_MS: u64 = 600_000;
 
+/// How long `POST /v1/tool_calls` (and gRPC `CallTools`) wait for the calls: `wait_ms`
+/// when given, else `default`. `0` is a real value on both doors: answer as soon as the
+/// gate's checks are done, with `pending_approval` and the approval id for a held call
+/// and `running` for one on its worker.
+pub fn wait_for(wait_ms: Option<u64>, default: std::time::Duration) -> std::time::Duration {
+    wait_ms
+        .map(|ms| std::time::Duration::from_millis(ms.min(MAX_WAIT_MS)))
+        .unwrap_or(default)
+}
+
 /// A request-level error: a 4xx with `{"error": {"code", "message"}}`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BadRequest(pub String);
@@ -219,6 +229,9 @@ pub fn call_summary(record: &CallRecord) -> Value {
     if let Some(ms) = record.duration_ms {
         entry["duration_ms"] = json!(ms);
     }
+    if let Some(ms) = record.approval_wait_ms {
+        entry["approval_wait_ms"] = json!(ms);
+    }
     if let Some(isolation) = record.isolation() {
         entry["isolation"] = isolation.clone();
     }
@@ -411,6 +424,21 @@ mod tests {
             let err = parse_tool_calls(&body, 8).unwrap_err();
             assert!(err.0.contains(needle), "{body}: {err:?} lacks {needle:?}");
         }
+    }
+
+    #[test]
+    fn wait_ms_zero_is_a_real_value_and_absence_is_the_default() {
+        use std::time::Duration;
+        let default = Duration::from_secs(60);
+        assert_eq!(wait_for(None, default), default);
+        assert_eq!(wait_for(Some(0), default), Duration::ZERO);
+        assert_eq!(wait_for(Some(2_000), default), Duration::from_secs(2));
+        assert_eq!(
+            wait_for(Some(u64::MAX), default),
+            Duration::from_millis(MAX_WAIT_MS)
+        );
+        let body = json!({"wait_ms": 0, "tool_uses": [{"type": "tool_use", "id": "a", "name": "x", "input": {}}]});
+        assert_eq!(parse_tool_calls(&body, 8).unwrap().wait_ms, Some(0));
     }
 
     #[test]

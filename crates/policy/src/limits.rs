@@ -22,6 +22,11 @@ pub struct Limits {
     pub max_call_timeout_ms: u64,
     /// How long `POST /v1/tool_calls` waits for results when `wait_ms` is absent.
     pub default_wait_ms: u64,
+    /// How long an MCP `tools/call` waits for a call held for approval before it answers
+    /// the `isError` result naming the approval. Kept below the usual MCP client request
+    /// timeouts (5 s in openai-agents, 60 s in MCP Inspector), so the client reads how to
+    /// approve instead of timing out and abandoning the call.
+    pub mcp_wait_ms: u64,
 }
 
 impl Default for Limits {
@@ -33,6 +38,7 @@ impl Default for Limits {
             default_call_timeout_ms: 30_000,
             max_call_timeout_ms: 600_000,
             default_wait_ms: 60_000,
+            mcp_wait_ms: 3_000,
         }
     }
 }
