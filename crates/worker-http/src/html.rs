@@ -1,6 +1,8 @@
 //! Response bodies as text: charset detection and decoding, and HTML turned into
 //! readable markdown or plain text (scripts, styles and other non-content dropped).
 
+use std::collections::HashMap;
+
 use encoding_rs::{Encoding, UTF_8};
 use scraper::{ElementRef, Html, Node};
 use url::Url;
@@ -193,9 +195,18 @@ const BLOCKS: &[&str] = &[
     "caption",
 ];
 
+/// Deepest element nesting rendered with structure; deeper content becomes plain text.
+/// The converter recurses once per nesting level, and a page is free to nest 20 000
+/// `<div>`s: without a bound one page overflows the worker thread's stack and aborts the
+/// process, failing every tenant's calls. 64 levels of structure is beyond what markdown
+/// can show and well within a worker thread's 2 MiB stack, even in a debug build.
+const MAX_DEPTH: usize = 64;
+
 struct Converter<'a> {
     flavor: Flavor,
     base: Option<&'a Url>,
+    /// Current element nesting depth (see [`MAX_DEPTH`]).
+    depth: std::cell::Cell<usize>,
 }
 
 /// Inline content being gathered into one paragraph.
@@ -266,8 +277,20 @@ impl Converter<'_> {
     }
 
     /// Renders one element: inline ones into `inline`, block ones (after flushing the
-    /// paragraph gathered so far) into `out`.
+    /// paragraph gathered so far) into `out`. Beyond [`MAX_DEPTH`] the element's text is
+    /// kept (gathered without recursion) and its structure dropped.
     fn element(&self, el: ElementRef<'_>, inline: &mut Inline, out: &mut Vec<String>) {
+        let depth = self.depth.get();
+        if depth >= MAX_DEPTH {
+            plain_text(el, inline);
+            return;
+        }
+        self.depth.set(depth + 1);
+        self.element_at_depth(el, inline, out);
+        self.depth.set(depth);
+    }
+
+    fn element_at_depth(&self, el: ElementRef<'_>, inline: &mut Inline, out: &mut Vec<String>) {
         let name = el.value().name();
         if SKIPPED.contains(&name) || el.value().attr("hidden").is_some() {
             return;
@@ -487,16 +510,56 @@ impl Converter<'_> {
     }
 }
 
+/// The text below `el` without recursion (a walk over the tree's open/close edges),
+/// leaving out what the converter skips (scripts, styles, hidden elements).
+fn plain_text(el: ElementRef<'_>, inline: &mut Inline) {
+    use ego_tree::iter::Edge;
+    let skipped = |node: &ego_tree::NodeRef<'_, Node>| {
+        node.value()
+            .as_element()
+            .is_some_and(|e| SKIPPED.contains(&e.name()) || e.attr("hidden").is_some())
+    };
+    // Depth inside skipped elements; text counts only at zero.
+    let mut inside_skipped = 0usize;
+    for edge in el.traverse() {
+        match edge {
+            Edge::Open(node) if skipped(&node) => inside_skipped += 1,
+            Edge::Close(node) if skipped(&node) => {
+                inside_skipped = inside_skipped.saturating_sub(1)
+            }
+            Edge::Open(node) if inside_skipped == 0 => {
+                if let Node::Text(text) = node.value() {
+                    inline.push_text(text);
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
 /// Visits the rows of a table (through thead/tbody/tfoot, not into nested tables).
 fn collect_rows<'a>(
     el: ElementRef<'a>,
     row: &mut dyn FnMut(ElementRef<'a>),
     caption: &mut dyn FnMut(ElementRef<'a>),
 ) {
+    collect_rows_below(el, row, caption, 0);
+}
+
+fn collect_rows_below<'a>(
+    el: ElementRef<'a>,
+    row: &mut dyn FnMut(ElementRef<'a>),
+    caption: &mut dyn FnMut(ElementRef<'a>),
+    depth: usize,
+) {
     for child in el.children().filter_map(ElementRef::wrap) {
         match child.value().name() {
             "tr" => row(child),
-            "thead" | "tbody" | "tfoot" => collect_rows(child, row, caption),
+            // Row groups nest only when the tree was built by hand, never by the
+            // parser; the bound keeps even that flat.
+            "thead" | "tbody" | "tfoot" if depth < MAX_DEPTH => {
+                collect_rows_below(child, row, caption, depth + 1)
+            }
             "caption" => caption(child),
             _ => {}
         }
@@ -530,12 +593,161 @@ fn title(doc: &Html) -> Option<String> {
     (!t.is_empty()).then_some(t)
 }
 
+/// A page nested deeper than [`MAX_PAGE_NESTING`]: refused before parsing.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "the page nests elements more than {MAX_PAGE_NESTING} levels deep, which no real document \
+     does; it is not converted"
+)]
+pub struct TooDeep;
+
+/// Deepest element nesting a page may have to be converted at all. The HTML parser's
+/// scope checks walk its stack of open elements for most start tags, so its cost grows
+/// with the page's length times its nesting depth: a few MiB of unclosed `<div>`s would
+/// keep a worker thread busy for minutes. Real pages stay far below this.
+pub const MAX_PAGE_NESTING: usize = 512;
+
+/// An upper estimate of the nesting depth a page reaches, from its tags alone, without
+/// building a tree: a stack of open element names (elements that are void or that the
+/// parser closes implicitly are not counted; an end tag pops up to its match, if open).
+/// Stops as soon as the depth exceeds `limit`. Linear in the page's length: each name is
+/// pushed and popped at most once.
+fn nesting_exceeds(html: &str, limit: usize) -> bool {
+    const UNCOUNTED: [&str; 30] = [
+        "area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "param",
+        "source", "track", "wbr", "p", "li", "dt", "dd", "option", "optgroup", "tr", "td", "th",
+        "thead", "tbody", "tfoot", "rb", "rt", "rp", "colgroup",
+    ];
+    const RAW_TEXT: [&str; 6] = ["script", "style", "textarea", "title", "xmp", "noscript"];
+    let bytes = html.as_bytes();
+    let mut open: Vec<String> = Vec::new();
+    let mut counts: HashMap<String, usize> = HashMap::new();
+    let mut i = 0;
+    while let Some(lt) = bytes[i..].iter().position(|b| *b == b'<') {
+        i += lt + 1;
+        if bytes[i..].starts_with(b"!--") {
+            i = find(&bytes[i..], b"-->").map_or(bytes.len(), |e| i + e + 3);
+            continue;
+        }
+        let closing = bytes.get(i) == Some(&b'/');
+        let name_start = if closing { i + 1 } else { i };
+        let name_len = bytes[name_start..]
+            .iter()
+            .take_while(|b| b.is_ascii_alphanumeric() || **b == b'-' || **b == b':')
+            .count();
+        if name_len == 0 || !bytes[name_start].is_ascii_alphabetic() {
+            continue;
+        }
+        let name = html[name_start..name_start + name_len].to_ascii_lowercase();
+        let end = find(&bytes[name_start..], b">").map_or(bytes.len(), |e| name_start + e);
+        i = end;
+        if closing {
+            if counts.get(&name).copied().unwrap_or(0) > 0 {
+                while let Some(top) = open.pop() {
+                    if let Some(c) = counts.get_mut(&top) {
+                        *c = c.saturating_sub(1);
+                    }
+                    if top == name {
+                        break;
+                    }
+                }
+            }
+            continue;
+        }
+        if RAW_TEXT.contains(&name.as_str()) {
+            // Their content is text up to the matching end tag, never elements.
+            let close = format!("</{name}");
+            i = find_ignore_case(&bytes[i..], close.as_bytes()).map_or(bytes.len(), |e| i + e);
+            continue;
+        }
+        if UNCOUNTED.contains(&name.as_str()) {
+            continue;
+        }
+        // `/>` closes an element only in SVG and MathML; on an HTML element the parser
+        // ignores it (`<div/>` opens a div), and the HTML elements listed by the spec
+        // break out of foreign content even there.
+        let self_closing = end > 0 && bytes.get(end - 1) == Some(&b'/');
+        let in_foreign = ["svg", "math"]
+            .iter()
+            .any(|f| counts.get(*f).copied().unwrap_or(0) > 0);
+        if self_closing && in_foreign && !BREAKS_OUT_OF_FOREIGN.contains(&name.as_str()) {
+            continue;
+        }
+        *counts.entry(name.clone()).or_default() += 1;
+        open.push(name);
+        if open.len() > limit {
+            return true;
+        }
+    }
+    false
+}
+
+/// HTML start tags that end SVG/MathML content (HTML's "in foreign content" rules).
+const BREAKS_OUT_OF_FOREIGN: [&str; 44] = [
+    "b",
+    "big",
+    "blockquote",
+    "body",
+    "br",
+    "center",
+    "code",
+    "dd",
+    "div",
+    "dl",
+    "dt",
+    "em",
+    "embed",
+    "h1",
+    "h2",
+    "h3",
+    "h4",
+    "h5",
+    "h6",
+    "head",
+    "hr",
+    "i",
+    "img",
+    "li",
+    "listing",
+    "menu",
+    "meta",
+    "nobr",
+    "ol",
+    "p",
+    "pre",
+    "ruby",
+    "s",
+    "small",
+    "span",
+    "strong",
+    "strike",
+    "sub",
+    "sup",
+    "table",
+    "tt",
+    "u",
+    "ul",
+    "var",
+];
+
+fn find_ignore_case(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len())
+        .position(|w| w.eq_ignore_ascii_case(needle))
+}
+
 /// Converts an HTML document to markdown or plain text. Links and images are resolved
 /// against `base` (the final URL). The title, when the body does not start with the
-/// same heading, comes first.
-pub fn html_to(html: &str, flavor: Flavor, base: Option<&Url>) -> String {
+/// same heading, comes first. Pages nested deeper than [`MAX_PAGE_NESTING`] are refused.
+pub fn html_to(html: &str, flavor: Flavor, base: Option<&Url>) -> Result<String, TooDeep> {
+    if nesting_exceeds(html, MAX_PAGE_NESTING) {
+        return Err(TooDeep);
+    }
     let doc = Html::parse_document(html);
-    let conv = Converter { flavor, base };
+    let conv = Converter {
+        flavor,
+        base,
+        depth: std::cell::Cell::new(0),
+    };
     let mut blocks = Vec::new();
     conv.blocks(doc.root_element(), &mut blocks);
     if let Some(t) = title(&doc) {
@@ -548,12 +760,152 @@ pub fn html_to(html: &str, flavor: Flavor, base: Option<&Url>) -> String {
             blocks.insert(0, heading);
         }
     }
-    blocks.join("\n\n")
+    Ok(blocks.join("\n\n"))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Converts on a thread with the stack of a worker thread (2 MiB, tokio's default),
+    /// so a converter that recursed once per nesting level would overflow it.
+    fn convert_on_small_stack(html: String, flavor: Flavor) -> Result<String, TooDeep> {
+        std::thread::Builder::new()
+            .stack_size(2 << 20)
+            .spawn(move || html_to(&html, flavor, None))
+            .expect("spawn")
+            .join()
+            .expect("the converter must not crash")
+    }
+
+    fn nested(open: &str, close: &str, levels: usize, inner: &str) -> String {
+        format!(
+            "<html><body>{}{inner}{}</body></html>",
+            open.repeat(levels),
+            close.repeat(levels)
+        )
+    }
+
+    /// Pages an attacker would write to nest deeper than the parser can afford, with
+    /// the variations that slip past a naive tag count; `levels` nested elements each.
+    fn hostile_pages(levels: usize) -> Vec<(&'static str, String)> {
+        let pairs = levels.div_ceil(2);
+        vec![
+            ("div", nested("<div>", "</div>", levels, "deepest")),
+            ("span", nested("<span>", "</span>", levels, "deepest")),
+            (
+                "blockquote",
+                nested("<blockquote>", "</blockquote>", levels, "deepest"),
+            ),
+            ("lists", nested("<ul><li>", "</li></ul>", levels, "deepest")),
+            (
+                "emphasis",
+                nested("<strong><em>", "</em></strong>", pairs, "deepest"),
+            ),
+            (
+                "tables",
+                nested("<table><tr><td>", "</td></tr></table>", levels, "deepest"),
+            ),
+            (
+                "unclosed",
+                format!("<body>{}deepest", "<div><span>".repeat(pairs)),
+            ),
+            // `/>` does not close an HTML element.
+            (
+                "self-closing div",
+                format!("<body>{}deepest", "<div/>".repeat(levels)),
+            ),
+            // Stray end tags close nothing.
+            (
+                "stray end tags",
+                format!("<body>{}deepest", "<div></x></p>".repeat(levels)),
+            ),
+            // A div breaks out of SVG, self-closing or not.
+            (
+                "svg breakout",
+                format!("<body><svg>{}deepest", "<div/>".repeat(levels)),
+            ),
+            (
+                "upper case",
+                format!("<BODY>{}deepest", "<DIV CLASS=a>".repeat(levels)),
+            ),
+        ]
+    }
+
+    #[test]
+    fn pages_nested_past_the_limit_are_refused_before_parsing() {
+        // The page of the report: 20 000 nested divs, about 220 KB.
+        let report = nested("<div>", "</div>", 20_000, "deepest");
+        assert_eq!(html_to(&report, Flavor::Markdown, None), Err(TooDeep));
+        for (what, page) in hostile_pages(MAX_PAGE_NESTING + 2) {
+            for flavor in [Flavor::Markdown, Flavor::Text] {
+                assert_eq!(
+                    convert_on_small_stack(page.clone(), flavor),
+                    Err(TooDeep),
+                    "{what}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn pages_just_within_the_limit_convert_on_a_small_stack_with_their_text() {
+        for (what, page) in hostile_pages(MAX_PAGE_NESTING - 8) {
+            for flavor in [Flavor::Markdown, Flavor::Text] {
+                let text = convert_on_small_stack(page.clone(), flavor)
+                    .unwrap_or_else(|e| panic!("{what}: {e}"));
+                assert!(
+                    text.contains("deepest"),
+                    "{what}: the text is kept: {text:.200}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn wide_real_world_shapes_are_not_mistaken_for_deep_ones() {
+        // Thousands of siblings, unclosed paragraphs and list items, void elements,
+        // self-closing SVG paths and comments or scripts full of tags.
+        let page = format!(
+            "<body>{}{}{}<svg>{}</svg><!-- {} --><script>{}</script><ul>{}</ul>end",
+            "<div>x</div>".repeat(5_000),
+            "<p>para".repeat(2_000),
+            "<br><img src=a><hr>".repeat(2_000),
+            "<path d='M0 0'/>".repeat(2_000),
+            "<div>".repeat(2_000),
+            "document.write('<div>');".repeat(2_000),
+            "<li>item".repeat(2_000),
+        );
+        let text = html_to(&page, Flavor::Text, None).expect("converts");
+        assert!(
+            text.ends_with("end"),
+            "{:.200}",
+            &text[text.len().saturating_sub(200)..]
+        );
+    }
+
+    #[test]
+    fn structure_is_kept_up_to_the_depth_bound() {
+        let page = nested(
+            "<div>",
+            "</div>",
+            MAX_DEPTH - 10,
+            "<h2>Title</h2><ul><li>one</li></ul>",
+        );
+        let md = convert_on_small_stack(page, Flavor::Markdown).expect("converts");
+        assert!(md.contains("## Title") && md.contains("- one"), "{md}");
+        let deeper = nested(
+            "<div>",
+            "</div>",
+            MAX_DEPTH + 10,
+            "<h2>Title</h2><script>x()</script>",
+        );
+        let md = convert_on_small_stack(deeper, Flavor::Markdown).expect("converts");
+        assert_eq!(
+            md, "Title",
+            "beyond the bound: plain text, scripts still skipped"
+        );
+    }
 
     #[test]
     fn charset_detection() {
@@ -611,7 +963,7 @@ mod tests {
             <noscript>enable js</noscript><div hidden>secret</div>
             </body></html>"#;
         let base = Url::parse("https://example.com/menu/").unwrap();
-        let md = html_to(html, Flavor::Markdown, Some(&base));
+        let md = html_to(html, Flavor::Markdown, Some(&base)).expect("converts");
         assert!(md.starts_with("# Menu\n\n# Café du Monde\n\n"), "{md}");
         assert!(
             md.contains(
@@ -627,7 +979,7 @@ mod tests {
         for gone in ["alert", "color:red", "enable js", "secret"] {
             assert!(!md.contains(gone), "{gone} in {md}");
         }
-        let text = html_to(html, Flavor::Text, Some(&base));
+        let text = html_to(html, Flavor::Text, Some(&base)).expect("converts");
         assert!(
             text.contains("Café du Monde\n\nFresh beignets and coffee.\nOpen daily."),
             "{text}"

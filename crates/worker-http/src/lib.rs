@@ -24,7 +24,7 @@
 mod client;
 mod config;
 mod egress;
-mod html;
+pub mod html;
 mod resolve;
 mod tools;
 

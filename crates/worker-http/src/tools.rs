@@ -447,12 +447,18 @@ impl HttpTool {
                 )
             })?
         };
+        let converted = |flavor| {
+            html::html_to(&text, flavor, Some(&resp.final_url)).map_err(|e| {
+                format!(
+                    "{} answered with a page that cannot be converted: {e}; use format \"raw\" to get its source",
+                    resp.final_url
+                )
+            })
+        };
         let content = match (args.format, is_html) {
-            (Format::Markdown, true) => {
-                html::html_to(&text, Flavor::Markdown, Some(&resp.final_url))
-            }
-            (Format::Text, true) => html::html_to(&text, Flavor::Text, Some(&resp.final_url)),
-            _ => text,
+            (Format::Markdown, true) => converted(Flavor::Markdown)?,
+            (Format::Text, true) => converted(Flavor::Text)?,
+            _ => text.clone(),
         };
         let total = content.chars().count() as u64;
         let start = args.start_index.unwrap_or(0);

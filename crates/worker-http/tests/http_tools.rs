@@ -1175,3 +1175,61 @@ async fn dns_rebinding_cannot_win() {
     );
     assert_eq!(server.hits(), 1);
 }
+
+/// A page an attacker serves to crash the converter (20 000 nested `<div>`, about
+/// 220 KB, which once overflowed the worker's stack and aborted the process): an
+/// `is_error` result that says what to do instead, the source still reachable with
+/// `format: raw`, and the worker carrying on with the next page.
+#[tokio::test]
+async fn a_page_nested_too_deep_is_an_error_result_not_a_crash() {
+    let deep = format!(
+        "<html><body>{}deepest{}</body></html>",
+        "<div>".repeat(20_000),
+        "</div>".repeat(20_000)
+    );
+    let unclosed = format!("<body>{}", "<div/><span>".repeat(50_000));
+    let server = Server::start(move |req| match req.target.as_str() {
+        "/deep" => ok("text/html", deep.clone()),
+        "/unclosed" => ok("text/html", unclosed.clone()),
+        _ => ok(
+            "text/html",
+            "<html><body><h1>Fine</h1><p>still here</p></body></html>",
+        ),
+    })
+    .await;
+    let config = allowing(&[&server]);
+    for path in ["/deep", "/unclosed"] {
+        for format in ["markdown", "text"] {
+            let err = call_err(
+                &config,
+                "fetch_url",
+                json!({"url": server.url(path), "format": format}),
+            )
+            .await;
+            assert!(
+                err.contains("nests elements more than 512 levels deep")
+                    && err.contains("format \"raw\""),
+                "{path} {format}: {err}"
+            );
+        }
+    }
+    let raw = call_ok(
+        &config,
+        "fetch_url",
+        json!({"url": server.url("/deep"), "format": "raw", "max_length": 20}),
+    )
+    .await;
+    assert!(
+        raw["content"]
+            .as_str()
+            .is_some_and(|c| c.starts_with("<html><body><div>")),
+        "{raw}"
+    );
+    let fine = call_ok(&config, "fetch_url", json!({"url": server.url("/fine")})).await;
+    assert!(
+        fine["content"]
+            .as_str()
+            .is_some_and(|c| c.contains("# Fine") && c.contains("still here")),
+        "{fine}"
+    );
+}
