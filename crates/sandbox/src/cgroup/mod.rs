@@ -547,7 +547,15 @@ mod tests {
             assert!(valid_parent(good), "{good}");
         }
         for bad in [
-            "", "a/b", ".hidden", "cgroup.procs", "/", "/a//b", "/a/../b", "/a/./b", "/a/",
+            "",
+            "a/b",
+            ".hidden",
+            "cgroup.procs",
+            "/",
+            "/a//b",
+            "/a/../b",
+            "/a/./b",
+            "/a/",
             "/cgroup.kill",
         ] {
             assert!(!valid_parent(bad), "{bad:?}");
