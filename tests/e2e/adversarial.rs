@@ -1952,3 +1952,95 @@ async fn setid_files_cannot_be_planted_through_unnamed_temp_files() {
         .mode();
     assert_eq!(mode & 0o7777, 0o644, "mode {mode:o}");
 }
+
+/// Issue: one request ran 16 sandboxes at once, and 64 calls of 512 MiB each could
+/// reserve 32 GiB. With `[sandbox] max_concurrent = 2`, a request of eight calls (and a
+/// second request beside it) never has more than two sandboxes running; every call
+/// still completes once others finish, and one whose timeout runs out while it waits
+/// fails without running.
+#[tokio::test]
+async fn sandboxes_beyond_max_concurrent_wait_for_a_free_one() {
+    let airlock = Airlock::start_with("[sandbox]\nmax_concurrent = 2\n").await;
+    let ws = airlock.workspace("slots");
+    // Each sandbox records how many ran beside it, then holds its slot until released.
+    let uses: Vec<Value> = (0..8)
+        .map(|i| {
+            let script = format!(
+                "touch running-{i}; ls running-* | wc -l >> counts; \
+                 while [ ! -e release ]; do sleep 0.02; done; rm running-{i}"
+            );
+            json!({"type": "tool_use", "id": format!("c{i}"), "name": "execute_shell",
+                   "input": {"command": script, "timeout_seconds": 120}})
+        })
+        .collect();
+    let body = json!({"session_id": "slots", "wait_ms": 120_000, "tool_uses": uses});
+    let first = {
+        let airlock_url = airlock.url.clone();
+        let token = airlock.token.clone();
+        let body = body.clone();
+        tokio::spawn(async move {
+            reqwest::Client::new()
+                .post(format!("{airlock_url}/v1/tool_calls"))
+                .bearer_auth(token)
+                .json(&body)
+                .send()
+                .await
+                .expect("send")
+                .json::<Value>()
+                .await
+                .expect("json")
+        })
+    };
+    // Two run; wait (bounded) until both are in, then give the rest time to pile up.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let running = |ws: &Path| {
+        std::fs::read_dir(ws)
+            .map(|d| {
+                d.flatten()
+                    .filter(|e| e.file_name().to_string_lossy().starts_with("running-"))
+                    .count()
+            })
+            .unwrap_or(0)
+    };
+    while running(&ws) < 2 {
+        assert!(Instant::now() < deadline, "two sandboxes never started");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // A call that may wait only 1 s while both slots stay taken never starts.
+    let (is_error, text, call) = airlock
+        .call_in(
+            "slots",
+            "execute_shell",
+            json!({"command": "touch impatient-ran", "timeout_seconds": 1}),
+        )
+        .await;
+    assert!(is_error, "{call}");
+    assert!(
+        text.contains("max_concurrent") && text.contains("no sandbox became free"),
+        "{text}"
+    );
+    assert!(!ws.join("impatient-ran").exists(), "it ran without a slot");
+    assert_eq!(
+        running(&ws),
+        2,
+        "still exactly two sandboxes hold the slots"
+    );
+
+    std::fs::write(ws.join("release"), "").expect("release");
+    let answer = first.await.expect("request");
+    let calls = answer["calls"].as_array().expect("calls");
+    assert_eq!(calls.len(), 8, "{answer}");
+    for call in calls {
+        assert_eq!(call["status"], "ok", "{answer}");
+    }
+    let counts = std::fs::read_to_string(ws.join("counts")).expect("counts");
+    let counts: Vec<u32> = counts
+        .lines()
+        .map(|l| l.trim().parse().expect("count"))
+        .collect();
+    assert_eq!(counts.len(), 8, "every call ran once: {counts:?}");
+    assert!(
+        counts.iter().all(|n| *n <= 2),
+        "at most two sandboxes ran at once: {counts:?}"
+    );
+}

@@ -35,6 +35,7 @@ mod rootfs;
 mod sandbox;
 mod seccomp;
 mod self_confine;
+mod slots;
 mod spawn;
 mod step;
 mod sys;
@@ -54,4 +55,5 @@ pub use sandbox::{
 };
 pub use seccomp::{SeccompError, filter_available as seccomp_filter_available};
 pub use self_confine::{SelfConfineError, SelfConfinement, SelfConfinementReport, confine_self};
+pub use slots::{SlotError, default_max_concurrent};
 pub use step::Step;

@@ -241,6 +241,11 @@ pub struct LimitsReport {
     pub output_bytes: u64,
     /// Set per call.
     pub timeout_ms: Option<u64>,
+    /// Sandboxes of this worker that run at once; more wait inside their deadline.
+    pub max_concurrent: usize,
+    /// Memory all of them together may use (the calls' parent cgroup), `None` when the
+    /// parent could not be limited (a delegated parent whose limit files are not ours).
+    pub aggregate_memory_bytes: Option<u64>,
 }
 
 impl IsolationReport {

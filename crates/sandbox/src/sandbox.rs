@@ -11,7 +11,7 @@ use airlock_policy::IsolationLevel;
 use serde::{Deserialize, Serialize};
 
 use crate::caps::CapsError;
-use crate::cgroup::{CgroupBackend, CgroupError};
+use crate::cgroup::{CgroupBackend, CgroupError, CgroupLimits};
 use crate::fds::FdError;
 use crate::landlock_rules::LandlockError;
 use crate::namespaces::{self, NamespaceError};
@@ -60,6 +60,8 @@ pub enum SandboxError {
     Caps(#[from] CapsError),
     #[error(transparent)]
     SelfConfine(#[from] SelfConfineError),
+    #[error(transparent)]
+    Slot(#[from] crate::slots::SlotError),
     #[error("sandbox i/o failed: {0}")]
     Io(#[source] io::Error),
 }
@@ -87,6 +89,8 @@ pub struct SandboxConfig {
     /// Parent cgroup of the calls: a name, created under the worker's own cgroup, or a
     /// path starting with `/` from the root of each hierarchy (a delegated subtree).
     pub cgroup_parent: String,
+    /// Sandboxes that run at once; more wait inside their deadline.
+    pub max_concurrent: usize,
 }
 
 impl Default for SandboxConfig {
@@ -103,6 +107,7 @@ impl Default for SandboxConfig {
             output_cap_bytes: 1 << 20,
             network: false,
             cgroup_parent: "airlock".to_owned(),
+            max_concurrent: crate::slots::default_max_concurrent(),
         }
     }
 }
@@ -227,6 +232,7 @@ pub struct Sandbox {
     cgroup: Option<Arc<dyn CgroupBackend>>,
     seccomp: SeccompPlan,
     report: IsolationReport,
+    slots: crate::slots::Slots,
 }
 
 impl Sandbox {
@@ -269,6 +275,18 @@ impl Sandbox {
         }
         let landlock_abi = host.landlock_abi.clone().unwrap_or(0);
         let cgroup = host.cgroup.ok();
+        // All sandboxes together: max_concurrent times one call's memory and pids.
+        let max_concurrent = config.max_concurrent.max(1);
+        let multiple = u64::try_from(max_concurrent).unwrap_or(u64::MAX);
+        let aggregate = CgroupLimits {
+            memory_bytes: config.memory_bytes.saturating_mul(multiple),
+            pids: config.pids.saturating_mul(multiple),
+            cpu_millis: config.cpu_millis,
+        };
+        let aggregate_memory_bytes = cgroup
+            .as_ref()
+            .and_then(|c| c.limit_parent(&aggregate).ok())
+            .map(|()| aggregate.memory_bytes);
         let strict = level == IsolationLevel::Strict;
         let seccomp = SeccompPlan::compile(seccomp::Profile::sandbox(config.network))?;
         let report = IsolationReport {
@@ -301,6 +319,8 @@ impl Sandbox {
                 tmp_bytes: strict.then_some(config.tmp_bytes),
                 output_bytes: config.output_cap_bytes as u64,
                 timeout_ms: None,
+                max_concurrent,
+                aggregate_memory_bytes,
             },
             network: if config.network { "host" } else { "none" },
         };
@@ -311,6 +331,7 @@ impl Sandbox {
             cgroup,
             seccomp,
             report,
+            slots: crate::slots::Slots::new(max_concurrent),
         })
     }
 
@@ -329,14 +350,34 @@ impl Sandbox {
     }
 
     /// Runs one command to completion (or timeout, or cancellation). Blocking: call it
-    /// from a blocking thread (e.g. `tokio::task::spawn_blocking`).
+    /// from a blocking thread (e.g. `tokio::task::spawn_blocking`). When
+    /// `max_concurrent` sandboxes already run, it first waits for one to finish; the
+    /// wait counts against `spec.timeout`, and a call whose timeout runs out while it
+    /// waits fails with [`SlotError::Busy`](crate::SlotError::Busy) without starting.
     pub fn run(
         &self,
         spec: &CommandSpec,
         sink: &mut dyn OutputSink,
         cancel: &Cancel,
     ) -> Result<RunOutcome, SandboxError> {
-        spawn::run(self, spec, sink, cancel)
+        let accepted = std::time::Instant::now();
+        let _slot = self.slots.take(accepted + spec.timeout, cancel)?;
+        let waited = accepted.elapsed();
+        // Taking a free slot costs microseconds; only a real wait shortens the timeout.
+        if waited < Duration::from_millis(1) {
+            return spawn::run(self, spec, sink, cancel);
+        }
+        let mut spec = spec.clone();
+        spec.timeout = spec
+            .timeout
+            .saturating_sub(waited)
+            .max(Duration::from_millis(1));
+        spawn::run(self, &spec, sink, cancel)
+    }
+
+    /// Sandboxes that may run at once.
+    pub fn max_concurrent(&self) -> usize {
+        self.slots.max()
     }
 
     pub(crate) fn is_strict(&self) -> bool {

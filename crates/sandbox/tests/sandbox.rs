@@ -94,7 +94,19 @@ fn test_cgroup_parents(test: &str) -> Vec<PathBuf> {
     found
 }
 
-/// Asserts that no call cgroup is left under the test's parents, then removes them.
+/// The directory entries (sub-cgroups) of a cgroup directory.
+fn sub_cgroups(dir: &Path) -> Vec<String> {
+    std::fs::read_dir(dir)
+        .expect("read cgroup dir")
+        .flatten()
+        .filter(|e| e.file_type().map(|t| t.is_dir()).unwrap_or(false))
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect()
+}
+
+/// Asserts that no call cgroup is left under the test's parents: below each parent only
+/// the pools of live sandbox factories (`pool-<pid>-<n>`, removed when the factory is
+/// dropped), each of them empty. Removes what is left of the test's parents.
 fn assert_no_cgroup_left(test: &str) {
     let parents = test_cgroup_parents(test);
     assert!(
@@ -102,17 +114,21 @@ fn assert_no_cgroup_left(test: &str) {
         "no cgroup parent airlock-test-{test} was created"
     );
     for parent in parents {
-        let children: Vec<String> = std::fs::read_dir(&parent)
-            .expect("read cgroup parent")
-            .flatten()
-            .filter(|e| e.file_type().map(|t| t.is_dir()).unwrap_or(false))
-            .map(|e| e.file_name().to_string_lossy().into_owned())
-            .collect();
-        assert!(
-            children.is_empty(),
-            "cgroups left in {}: {children:?}",
-            parent.display()
-        );
+        for child in sub_cgroups(&parent) {
+            assert!(
+                child.starts_with(&format!("pool-{}-", std::process::id())),
+                "cgroups left in {}: {child}",
+                parent.display()
+            );
+            let pool = parent.join(&child);
+            let calls = sub_cgroups(&pool);
+            assert!(
+                calls.is_empty(),
+                "cgroups left in {}: {calls:?}",
+                pool.display()
+            );
+            let _ = std::fs::remove_dir(&pool);
+        }
         let _ = std::fs::remove_dir(&parent);
     }
 }
@@ -938,4 +954,72 @@ fn confine_self_refuses_a_multithreaded_process() {
     // The test harness runs this on a thread of a multithreaded process.
     let err = confine_self(&SelfConfinement::default()).expect_err("must refuse");
     assert!(err.to_string().contains("single thread"), "{err}");
+}
+
+#[test]
+fn max_concurrent_sandboxes_run_at_once_and_the_rest_wait_within_their_deadline() {
+    let sandbox = std::sync::Arc::new(strict(SandboxConfig {
+        max_concurrent: 1,
+        ..config("slots")
+    }));
+    let report = sandbox.report();
+    assert_eq!(report.limits.max_concurrent, 1);
+    // Under our own cgroup the parent is ours: all calls together are limited too.
+    assert_eq!(
+        report.limits.aggregate_memory_bytes,
+        report.limits.memory_bytes
+    );
+    let ws = workspace();
+    // The first sandbox holds its slot until the test lets it go.
+    let holder = {
+        let sandbox = sandbox.clone();
+        let spec = spec(
+            &[
+                "sh",
+                "-c",
+                "touch running; while [ ! -e release ]; do sleep 0.02; done",
+            ],
+            ws.path(),
+        );
+        std::thread::spawn(move || run(&sandbox, &spec))
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while !ws.path().join("running").exists() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the first sandbox never started"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // A second call whose whole timeout passes while it waits never starts.
+    let mut second = spec(&["touch", "second-ran"], ws.path());
+    second.timeout = Duration::from_millis(300);
+    let err = sandbox
+        .run(&second, &mut NoSink, &Cancel::new())
+        .expect_err("no free slot");
+    assert!(
+        matches!(
+            err,
+            airlock_sandbox::SandboxError::Slot(airlock_sandbox::SlotError::Busy { max: 1, .. })
+        ),
+        "{err}"
+    );
+    assert!(!ws.path().join("second-ran").exists());
+    // Once the first is done, the next call runs.
+    std::fs::write(ws.path().join("release"), "").expect("release");
+    assert_eq!(holder.join().expect("holder").exit_code, Some(0));
+    let third = run(&sandbox, &spec(&["touch", "third-ran"], ws.path()));
+    assert_eq!(third.exit_code, Some(0));
+    assert!(ws.path().join("third-ran").exists());
+    // Dropping the factory removes its pool from every hierarchy.
+    drop(sandbox);
+    for parent in test_cgroup_parents("slots") {
+        assert_eq!(
+            sub_cgroups(&parent),
+            Vec::<String>::new(),
+            "{}",
+            parent.display()
+        );
+    }
+    assert_no_cgroup_left("slots");
 }

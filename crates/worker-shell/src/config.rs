@@ -33,8 +33,12 @@ pub struct ShellConfig {
     pub network: bool,
     /// Environment variable names a call may set.
     pub allowed_env: Vec<String>,
-    /// Name of the parent cgroup of the sandboxes.
+    /// Parent cgroup of the sandboxes: a name under the worker's own cgroup, or a path
+    /// from the root of each hierarchy (`/…`, a delegated subtree).
     pub cgroup_parent: String,
+    /// Sandboxes that run at once (default: twice the CPUs); more wait inside their
+    /// deadline.
+    pub max_concurrent: usize,
     /// Run at exactly this level instead of the strongest the host offers (set by
     /// `airlock sandbox run --profile`).
     #[serde(skip)]
@@ -61,6 +65,7 @@ impl Default for ShellConfig {
                 .map(String::from)
                 .to_vec(),
             cgroup_parent: "airlock".to_owned(),
+            max_concurrent: airlock_sandbox::default_max_concurrent(),
             force_level: None,
         }
     }
@@ -80,6 +85,7 @@ impl ShellConfig {
             output_cap_bytes: self.output_bytes,
             network: self.network,
             cgroup_parent: self.cgroup_parent.clone(),
+            max_concurrent: self.max_concurrent,
         }
     }
 }

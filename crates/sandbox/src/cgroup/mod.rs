@@ -112,6 +112,9 @@ pub trait CgroupBackend: Send + Sync + fmt::Debug {
     fn limits_swap(&self) -> bool;
     /// Creates the cgroup of one call, with its limits written.
     fn create(&self, limits: &CgroupLimits) -> Result<Box<dyn CallCgroup>, CgroupError>;
+    /// Limits the parent of the calls, so that all calls together stay within `total`
+    /// (memory and pids; CPU is shared by the calls' own bandwidth limits).
+    fn limit_parent(&self, total: &CgroupLimits) -> Result<(), CgroupError>;
 }
 
 /// The cgroup of one call.
@@ -370,6 +373,45 @@ pub(crate) fn own_dir(mount: &CgroupMount, own_path: &str) -> PathBuf {
     } else {
         mount.mount_point.join(rel)
     }
+}
+
+/// The name of one sandbox factory's pool below the shared parent. Several workers (and
+/// tests) may share one parent cgroup; each gets a pool of its own, so that the limit on
+/// all of its calls together (`max_concurrent` × one call's) is its own, and so that the
+/// pool's limit files are created — and owned — by us even in a delegated parent.
+pub(crate) fn pool_name() -> String {
+    static SEQ: AtomicU64 = AtomicU64::new(0);
+    let seq = SEQ.fetch_add(1, Ordering::Relaxed);
+    format!("pool-{}-{seq}", std::process::id())
+}
+
+/// Creates the pool `name` below `parent`, first removing pools whose process is gone
+/// (a worker killed outright leaves its empty pool behind; a pool still holding calls
+/// cannot be removed, so a reused pid does no harm).
+pub(crate) fn create_pool(parent: &Path, name: &str) -> Result<PathBuf, CgroupError> {
+    if let Ok(entries) = std::fs::read_dir(parent) {
+        for entry in entries.flatten() {
+            let file_name = entry.file_name();
+            let Some(pid) = file_name
+                .to_str()
+                .and_then(|n| n.strip_prefix("pool-"))
+                .and_then(|rest| rest.split('-').next())
+            else {
+                continue;
+            };
+            if !Path::new("/proc").join(pid).exists() {
+                let _ = std::fs::remove_dir(entry.path());
+            }
+        }
+    }
+    let pool = parent.join(name);
+    mkdir(&pool)?;
+    Ok(pool)
+}
+
+/// Removes a pool when its factory goes (its calls are gone by then).
+pub(crate) fn remove_pool(pool: &Path) {
+    let _ = std::fs::remove_dir(pool);
 }
 
 /// A unique name for a call's cgroup.

@@ -69,16 +69,26 @@ impl V1 {
         {
             super::mkdir(dir)?;
         }
+        // This factory's pool in every hierarchy (see `super::pool_name`).
+        let name = super::pool_name();
+        let pool = |dir: &PathBuf| super::create_pool(dir, &name);
         let memsw = memory.join("memory.memsw.limit_in_bytes").exists();
-        Ok(V1 {
-            memory,
-            pids,
-            cpu,
-            cpuacct,
-            freezer,
-            unified,
+        let mut v1 = V1 {
+            memory: pool(&memory)?,
+            pids: PathBuf::new(),
+            cpu: PathBuf::new(),
+            cpuacct: None,
+            freezer: None,
+            unified: None,
             memsw,
-        })
+        };
+        // Filled in one by one so that Drop removes whatever was created so far.
+        v1.pids = pool(&pids)?;
+        v1.cpu = pool(&cpu)?;
+        v1.cpuacct = cpuacct.as_ref().map(pool).transpose()?;
+        v1.freezer = freezer.as_ref().map(pool).transpose()?;
+        v1.unified = unified.as_ref().map(pool).transpose()?;
+        Ok(v1)
     }
 }
 
@@ -102,6 +112,21 @@ fn unified_parent(mounts: &[CgroupMount], own: &[OwnCgroup], parent_name: &str) 
     (joined.is_ok() && removed.is_ok()).then_some(parent)
 }
 
+impl Drop for V1 {
+    fn drop(&mut self) {
+        let mut dirs = vec![&self.memory, &self.pids, &self.cpu];
+        dirs.extend(self.cpuacct.iter());
+        dirs.extend(self.freezer.iter());
+        dirs.extend(self.unified.iter());
+        for dir in dirs {
+            // The cpuacct pool may be the cpu pool (a shared hierarchy): removed once.
+            if !dir.as_os_str().is_empty() {
+                super::remove_pool(dir);
+            }
+        }
+    }
+}
+
 impl CgroupBackend for V1 {
     fn version(&self) -> CgroupVersion {
         CgroupVersion::V1
@@ -109,6 +134,15 @@ impl CgroupBackend for V1 {
 
     fn limits_swap(&self) -> bool {
         self.memsw
+    }
+
+    fn limit_parent(&self, total: &CgroupLimits) -> Result<(), CgroupError> {
+        let bytes = total.memory_bytes.to_string();
+        super::write(&self.memory.join("memory.limit_in_bytes"), &bytes)?;
+        if self.memsw {
+            super::write(&self.memory.join("memory.memsw.limit_in_bytes"), &bytes)?;
+        }
+        super::write(&self.pids.join("pids.max"), &total.pids.to_string())
     }
 
     fn create(&self, limits: &CgroupLimits) -> Result<Box<dyn CallCgroup>, CgroupError> {

@@ -19,6 +19,7 @@ const CONTROLLERS: [&str; 3] = ["memory", "pids", "cpu"];
 
 #[derive(Debug)]
 pub struct V2 {
+    /// This factory's pool below the shared parent; calls are its children.
     parent: PathBuf,
     has_swap: bool,
 }
@@ -74,8 +75,22 @@ impl V2 {
             enable_controllers(&base, parent_name)?;
         }
         super::write(&parent.join("cgroup.subtree_control"), "+memory +pids +cpu")?;
-        let has_swap = parent.join("memory.swap.max").exists();
-        Ok(V2 { parent, has_swap })
+        let pool = super::create_pool(&parent, &super::pool_name())?;
+        let v2 = V2 {
+            parent: pool,
+            has_swap: parent.join("memory.swap.max").exists(),
+        };
+        super::write(
+            &v2.parent.join("cgroup.subtree_control"),
+            "+memory +pids +cpu",
+        )?;
+        Ok(v2)
+    }
+}
+
+impl Drop for V2 {
+    fn drop(&mut self) {
+        super::remove_pool(&self.parent);
     }
 }
 
@@ -106,6 +121,17 @@ impl CgroupBackend for V2 {
 
     fn limits_swap(&self) -> bool {
         self.has_swap
+    }
+
+    fn limit_parent(&self, total: &CgroupLimits) -> Result<(), CgroupError> {
+        super::write(
+            &self.parent.join("memory.max"),
+            &total.memory_bytes.to_string(),
+        )?;
+        if self.has_swap {
+            super::write(&self.parent.join("memory.swap.max"), "0")?;
+        }
+        super::write(&self.parent.join("pids.max"), &total.pids.to_string())
     }
 
     fn create(&self, limits: &CgroupLimits) -> Result<Box<dyn CallCgroup>, CgroupError> {
