@@ -110,6 +110,7 @@ impl Loaded {
             },
         };
         let data_dir = absolute(&data_dir)?;
+        check_worker_memory(parsed.limits.worker_memory_bytes)?;
         Ok(Self {
             file,
             config: parsed,
@@ -239,6 +240,23 @@ impl Loaded {
     }
 }
 
+/// The smallest `[limits] worker_memory_bytes` a worker starts with: its runtime, thread
+/// stacks and buffers take tens of MiB before the first call.
+const MIN_WORKER_MEMORY: u64 = 64 * 1024 * 1024;
+
+/// Refuses a worker memory ceiling under which no worker could run, at load time, so
+/// `airlock up` says what to change instead of restarting workers that die at start.
+fn check_worker_memory(bytes: u64) -> anyhow::Result<()> {
+    if bytes != 0 && bytes < MIN_WORKER_MEMORY {
+        anyhow::bail!(
+            "[limits] worker_memory_bytes = {bytes} is below the {MIN_WORKER_MEMORY} bytes \
+             (64 MiB) a worker needs to start; raise it (the default is 1073741824, 1 GiB), \
+             or set 0 for no ceiling"
+        );
+    }
+    Ok(())
+}
+
 fn default_data_dir() -> anyhow::Result<PathBuf> {
     if let Some(dir) = std::env::var_os("AIRLOCK_DATA_DIR").filter(|d| !d.is_empty()) {
         return Ok(PathBuf::from(dir));
@@ -268,6 +286,22 @@ mod tests {
         assert_eq!(config.orchestrator.http_listen, "127.0.0.1:7070");
         assert_eq!(config.limits.max_request_bytes, 10 * 1024 * 1024);
         assert_eq!(config.fs.max_read_bytes, 262_144);
+    }
+
+    #[test]
+    fn worker_memory_has_a_default_and_a_floor() {
+        let config: AirlockConfig = toml::from_str("").unwrap();
+        assert_eq!(config.limits.worker_memory_bytes, 1 << 30);
+        let config: AirlockConfig =
+            toml::from_str("[limits]\nworker_memory_bytes = 536870912\n").unwrap();
+        assert_eq!(config.limits.worker_memory_bytes, 512 << 20);
+        assert!(check_worker_memory(0).is_ok());
+        assert!(check_worker_memory(MIN_WORKER_MEMORY).is_ok());
+        let err = check_worker_memory(1_000_000).unwrap_err().to_string();
+        assert!(
+            err.contains("worker_memory_bytes = 1000000") && err.contains("raise it"),
+            "{err}"
+        );
     }
 
     #[test]

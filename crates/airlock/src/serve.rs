@@ -1,9 +1,10 @@
 //! `airlock serve orchestrator|worker <group>`: one component in the foreground.
 //!
 //! Every component starts the same way: bind its sockets and open what it needs from
-//! outside its own directories, confine itself (no_new_privs, Landlock, capabilities,
-//! a seccomp filter without exec for all but the shell worker) while the process still
-//! has one thread, and only then start the async runtime and serve.
+//! outside its own directories, take its memory ceiling (the fs, http and db workers),
+//! confine itself (no_new_privs, Landlock, capabilities, a seccomp filter without exec
+//! for all but the shell worker) while the process still has one thread, and only then
+//! start the async runtime and serve.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -102,6 +103,51 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
         .context("cannot start the async runtime")
 }
 
+/// Puts this worker under `[limits] worker_memory_bytes` (DESIGN §16): `RLIMIT_DATA`,
+/// soft and hard, so that a compromised worker cannot raise it again.
+///
+/// `RLIMIT_DATA` (private writable mappings, Linux 4.7 and later) rather than
+/// `RLIMIT_AS`: the address-space limit also counts what is only reserved — glibc's
+/// 64 MiB malloc arenas per thread, the PROT_NONE guard regions — so a healthy
+/// multi-threaded worker can hit it without using the memory. A cgroup would need a
+/// delegated subtree per worker that `airlock up` does not have. An allocation past the
+/// ceiling fails (SQLite answers it as an error; Rust aborts the worker, which the
+/// launcher restarts): it is the backstop behind the result caps, under which a call
+/// fails before it allocates.
+///
+/// Never above a hard limit that is already lower: raising it needs a privilege the
+/// worker may not have, and the stricter ceiling wins anyway.
+fn limit_memory(component: &str, loaded: &Loaded) -> anyhow::Result<()> {
+    use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+    let wanted = loaded.config.limits.worker_memory_bytes;
+    if wanted == 0 {
+        tracing::info!(
+            component,
+            "no memory ceiling: [limits] worker_memory_bytes = 0"
+        );
+        return Ok(());
+    }
+    let ceiling = getrlimit(Resource::Data)
+        .maximum
+        .map_or(wanted, |hard| hard.min(wanted));
+    setrlimit(
+        Resource::Data,
+        Rlimit {
+            current: Some(ceiling),
+            maximum: Some(ceiling),
+        },
+    )
+    .with_context(|| {
+        format!("the {component} cannot set its memory ceiling (RLIMIT_DATA to {ceiling} bytes)")
+    })?;
+    tracing::info!(
+        component,
+        bytes = ceiling,
+        "memory ceiling set (RLIMIT_DATA)"
+    );
+    Ok(())
+}
+
 /// Confines this process; refuses to go on (fail closed) when it cannot.
 fn confine(component: &str, spec: SelfConfinement) -> anyhow::Result<()> {
     let report = confine_self(&spec)
@@ -176,6 +222,7 @@ fn fs_worker(loaded: &Loaded, listen: Option<String>) -> anyhow::Result<ExitCode
     ensure_dir(&fs.workspaces_root)?;
     let listener = BoundListener::bind(&listen_addr(loaded, "fs", listen)?)?;
     tracing::info!(listen = %listener.local_addr(), root = %fs.workspaces_root.display(), "fs worker starting");
+    limit_memory("fs worker", loaded)?;
     confine(
         "fs worker",
         SelfConfinement {
@@ -198,6 +245,10 @@ fn shell_worker(loaded: &Loaded, listen: Option<String>) -> anyhow::Result<ExitC
         .context("the shell worker cannot provide the configured isolation; refusing to start")?;
     let report = serde_json::to_string(sandbox.report()).unwrap_or_default();
     tracing::info!(listen = %listener.local_addr(), isolation = %report, "shell worker starting");
+    // No RLIMIT_DATA here: the sandboxes inherit the worker's rlimits, and one set here
+    // would cap every sandboxed command below its own `[sandbox]` memory limit, which
+    // the sandbox's cgroup already enforces per call. The worker itself holds little:
+    // captured output is capped per stream and per call.
     confine(
         "shell worker",
         SelfConfinement {
@@ -215,6 +266,7 @@ fn http_worker(loaded: &Loaded, listen: Option<String>) -> anyhow::Result<ExitCo
         .context("invalid [http] configuration")?;
     let listener = BoundListener::bind(&listen_addr(loaded, "http", listen)?)?;
     tracing::info!(listen = %listener.local_addr(), "http worker starting");
+    limit_memory("http worker", loaded)?;
     confine(
         "http worker",
         SelfConfinement {
@@ -241,6 +293,7 @@ fn db_worker(loaded: &Loaded, listen: Option<String>) -> anyhow::Result<ExitCode
         airlock_worker_db::tools(databases).context("invalid [[databases]] configuration")?;
     let listener = BoundListener::bind(&listen_addr(loaded, "db", listen)?)?;
     tracing::info!(listen = %listener.local_addr(), "db worker starting");
+    limit_memory("db worker", loaded)?;
     confine(
         "db worker",
         SelfConfinement {

@@ -10,6 +10,9 @@ pub const GIB: u64 = 1024 * MIB;
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Limits {
+    /// Each worker's memory ceiling (DESIGN §16), enforced by the kernel as the
+    /// worker's `RLIMIT_DATA`; 0 sets none (e.g. where the pod's cgroup limits it).
+    pub worker_memory_bytes: u64,
     /// Largest accepted HTTP request body.
     pub max_request_bytes: u64,
     /// Largest accepted arguments object of one tool call (serialized JSON).
@@ -32,6 +35,7 @@ pub struct Limits {
 impl Default for Limits {
     fn default() -> Self {
         Self {
+            worker_memory_bytes: GIB,
             max_request_bytes: 10 * MIB,
             max_argument_bytes: 4 * MIB,
             max_tool_uses_per_request: 64,

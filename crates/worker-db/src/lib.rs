@@ -15,9 +15,16 @@
 //!
 //! Results are one JSON object per call (see [`tools`]). Passwords are read at start
 //! and never appear in an error, a log line or a result.
+//!
+//! Memory is bounded by what a result may hold, while the result is produced: SQLite
+//! builds no value over 4 MiB (`SQLITE_LIMIT_LENGTH`) and no more than 256 MiB in all
+//! (`hard_heap_limit`); PostgreSQL row messages over 4 MiB close the connection before
+//! they are buffered (`pgwire.rs`); rows are counted value by value against the 1 MiB
+//! result cap before each value is converted.
 #![forbid(unsafe_code)]
 
 mod config;
+mod pgwire;
 mod postgres;
 mod readonly;
 mod sqlite;

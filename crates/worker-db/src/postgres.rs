@@ -23,13 +23,13 @@ use serde_json::Value;
 use tokio_postgres::config::Host;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::types::ToSql;
-use tokio_postgres::{Client, NoTls, Transaction};
+use tokio_postgres::{NoTls, Transaction};
 
 use crate::config::Engine;
+use crate::pgwire::{self, Connected, WireError};
 use crate::readonly::{self, ReadOnlyError};
-use crate::sqlite::approx_len;
 use crate::tools::{Limits, Output};
-use crate::values::{PgJson, TextParam, ValueError, pg_params};
+use crate::values::{PgJson, RawLen, TextParam, ValueError, approx_len, pg_json_len, pg_params};
 
 /// Failures of a PostgreSQL call, worded for the model. Never holds the password.
 #[derive(Debug, thiserror::Error)]
@@ -57,7 +57,14 @@ pub enum PgError {
     #[error("the call was cancelled")]
     Cancelled,
     #[error(transparent)]
-    Param(#[from] ValueError),
+    Value(#[from] ValueError),
+    #[error(
+        "PostgreSQL sent a message of {size} bytes (a row of the result, or an error quoting \
+         a value), more than the {max} bytes the db worker reads at once, so nothing is \
+         returned; select fewer or shorter columns, e.g. left(column, 1000), length(column) \
+         or md5(column)"
+    )]
+    MessageTooLarge { size: usize, max: usize },
     #[error("the statement has {expected} parameter(s) ($1, $2, ...) but params has {given}")]
     ParamCount { expected: usize, given: usize },
     #[error("PostgreSQL error: {0}")]
@@ -74,23 +81,23 @@ pub(crate) struct Postgres {
     pub skip_parser: bool,
     pub skip_engine: bool,
     pub permits: Arc<tokio::sync::Semaphore>,
-    pub idle: Mutex<Vec<Client>>,
+    pub idle: Mutex<Vec<Connected>>,
 }
 
 /// A connection taken from the pool; only [`Pooled::release`] gives it back, so a
 /// connection left in an unknown state (error, timeout, cancel) is closed on drop.
 struct Pooled<'a> {
-    client: Client,
+    conn: Connected,
     pool: &'a Postgres,
     _permit: tokio::sync::OwnedSemaphorePermit,
 }
 
 impl Pooled<'_> {
     fn release(self) {
-        if !self.client.is_closed()
+        if !self.conn.client.is_closed()
             && let Ok(mut idle) = self.pool.idle.lock()
         {
-            idle.push(self.client);
+            idle.push(self.conn);
         }
     }
 }
@@ -184,6 +191,35 @@ impl Postgres {
         }
     }
 
+    fn wire_error(&self, e: &WireError) -> PgError {
+        match e {
+            WireError::Postgres(e) => self.connect_error(e),
+            WireError::Io(io) => PgError::Unreachable {
+                name: self.name.clone(),
+                reason: self.io_reason(io),
+                at: self.at(),
+            },
+            WireError::SessionAttrs(reason) => PgError::Connect {
+                name: self.name.clone(),
+                reason: (*reason).to_owned(),
+            },
+            WireError::NoHost => PgError::Unreachable {
+                name: self.name.clone(),
+                reason: e.to_string(),
+                at: self.at(),
+            },
+        }
+    }
+
+    fn io_reason(&self, io: &std::io::Error) -> String {
+        match io.kind() {
+            std::io::ErrorKind::ConnectionRefused => "connection refused".to_owned(),
+            std::io::ErrorKind::TimedOut => "connection timed out".to_owned(),
+            std::io::ErrorKind::NotFound => "no such host or socket".to_owned(),
+            _ => self.scrub(io.to_string()),
+        }
+    }
+
     fn connect_error(&self, e: &tokio_postgres::Error) -> PgError {
         let name = self.name.clone();
         if let Some(db) = e.as_db_error() {
@@ -195,12 +231,7 @@ impl Postgres {
         let mut source = e.source();
         while let Some(s) = source {
             if let Some(io) = s.downcast_ref::<std::io::Error>() {
-                let reason = match io.kind() {
-                    std::io::ErrorKind::ConnectionRefused => "connection refused".to_owned(),
-                    std::io::ErrorKind::TimedOut => "connection timed out".to_owned(),
-                    std::io::ErrorKind::NotFound => "no such host or socket".to_owned(),
-                    _ => self.scrub(io.to_string()),
-                };
+                let reason = self.io_reason(io);
                 return PgError::Unreachable {
                     name,
                     reason,
@@ -252,21 +283,22 @@ impl Postgres {
         };
         let reused = match self.idle.lock() {
             Ok(mut idle) => {
-                idle.retain(|c| !c.is_closed());
+                idle.retain(|c| !c.client.is_closed());
                 idle.pop()
             }
             Err(_) => None,
         };
-        if let Some(client) = reused {
+        if let Some(conn) = reused {
+            conn.guard.set_limit(limits.max_value_bytes);
             return Ok(Pooled {
-                client,
+                conn,
                 pool: self,
                 _permit: permit,
             });
         }
-        let connect = self.config.connect(NoTls);
-        let (client, connection) = tokio::select! {
-            r = connect => r.map_err(|e| self.connect_error(&e))?,
+        let connect = pgwire::connect(&self.config, limits.max_value_bytes, &self.name);
+        let conn = tokio::select! {
+            r = connect => r.map_err(|e| self.wire_error(&e))?,
             () = limits.cancel.cancelled() => return Err(PgError::Cancelled),
             () = tokio::time::sleep_until(limits.deadline.into()) => return Err(PgError::Unreachable {
                 name: self.name.clone(),
@@ -274,22 +306,16 @@ impl Postgres {
                 at: self.at(),
             }),
         };
-        let name = self.name.clone();
-        tokio::spawn(async move {
-            if let Err(e) = connection.await {
-                tracing::debug!(database = %name, error = %e, "postgres connection ended");
-            }
-        });
         Ok(Pooled {
-            client,
+            conn,
             pool: self,
             _permit: permit,
         })
     }
 
-    /// Runs one statement in one transaction and returns its rows (at most `max_rows`,
-    /// about `max_bytes`). `read_only` selects the engine layer; `write` reports rows
-    /// affected and commits.
+    /// Runs one statement in one transaction and returns its rows (at most `max_rows` and
+    /// `max_bytes`; no row message over `max_value_bytes` is read). `read_only` selects
+    /// the engine layer; `write` reports rows affected and commits.
     async fn run(
         &self,
         sql: &str,
@@ -299,19 +325,22 @@ impl Postgres {
         write: bool,
     ) -> Result<Output, PgError> {
         let mut pooled = self.get(limits).await?;
-        let cancel_token = pooled.client.cancel_token();
+        let cancel_token = pooled.conn.client.cancel_token();
+        let guard = Arc::clone(&pooled.conn.guard);
+        let addr = pooled.conn.addr.clone();
         let budget = limits.budget_ms();
         let (max_rows, max_bytes) = (limits.max_rows, limits.max_bytes);
         let work = async {
             let tx = if read_only {
                 pooled
+                    .conn
                     .client
                     .build_transaction()
                     .read_only(true)
                     .start()
                     .await
             } else {
-                pooled.client.transaction().await
+                pooled.conn.client.transaction().await
             }
             .map_err(|e| self.sql_error(&e, budget))?;
             let ms = limits.remaining_ms().max(1);
@@ -335,10 +364,19 @@ impl Postgres {
             () = limits.cancel.cancelled() => Err(PgError::Cancelled),
             () = tokio::time::sleep_until(limits.deadline.into()) => Err(PgError::Timeout(budget)),
         };
+        // A refused row message closed the connection: whatever error the statement saw
+        // ("connection closed"), the reason is the size.
+        let result = match (result, guard.tripped()) {
+            (Err(_), Some(size)) => Err(PgError::MessageTooLarge {
+                size,
+                max: limits.max_value_bytes,
+            }),
+            (result, _) => result,
+        };
         match result {
             Ok(out) => {
                 // Reset the session (advisory locks, prepared statements, settings).
-                match pooled.client.batch_execute("DISCARD ALL").await {
+                match pooled.conn.client.batch_execute("DISCARD ALL").await {
                     Ok(()) => pooled.release(),
                     Err(e) => {
                         tracing::debug!(database = %self.name, error = %e, "discard failed; dropping connection")
@@ -347,13 +385,16 @@ impl Postgres {
                 Ok(out)
             }
             Err(e) => {
-                if matches!(e, PgError::Cancelled | PgError::Timeout(_)) {
+                if matches!(
+                    e,
+                    PgError::Cancelled | PgError::Timeout(_) | PgError::MessageTooLarge { .. }
+                ) {
                     // Stop the statement on the server too; the connection is dropped.
-                    let _ = tokio::time::timeout(
-                        Duration::from_secs(2),
-                        cancel_token.cancel_query(NoTls),
-                    )
-                    .await;
+                    let cancel = async {
+                        let socket = pgwire::open(&self.config, &addr).await.ok()?;
+                        cancel_token.cancel_query_raw(socket, NoTls).await.ok()
+                    };
+                    let _ = tokio::time::timeout(Duration::from_secs(2), cancel).await;
                 }
                 Err(e)
             }
@@ -397,12 +438,9 @@ impl Postgres {
         params: Vec<TextParam>,
         limits: &Limits,
     ) -> Result<Option<Value>, PgError> {
-        let limits = Limits {
-            max_rows: 1,
-            max_bytes: usize::MAX,
-            ..limits.clone()
-        };
-        let out = self.run(sql, params, &limits, true, false).await?;
+        let out = self
+            .run(sql, params, &limits.metadata(), true, false)
+            .await?;
         Ok(out
             .rows
             .into_iter()
@@ -471,11 +509,18 @@ async fn statement(
             .await
             .map_err(|e| pg.sql_error(&e, budget))?
         {
-            if out.rows.len() as u64 >= max_rows || bytes > max_bytes {
+            // Run a write to the end, but keep no more rows once they were cut.
+            if out.truncated {
+                continue;
+            }
+            if out.rows.len() as u64 >= max_rows {
                 out.truncated = true;
                 continue;
             }
-            out.rows.push(convert(pg, &row, &mut bytes, budget)?);
+            match convert(pg, &row, &mut bytes, max_bytes, budget)? {
+                Some(values) => out.rows.push(values),
+                None => out.over_cap(true, max_bytes)?,
+            }
         }
         out.rows_affected = stream.rows_affected();
     } else {
@@ -497,30 +542,51 @@ async fn statement(
             if out.truncated {
                 continue;
             }
-            if out.rows.len() as u64 >= max_rows || bytes > max_bytes {
+            if out.rows.len() as u64 >= max_rows {
                 out.truncated = true;
                 continue;
             }
-            out.rows.push(convert(pg, &row, &mut bytes, budget)?);
+            match convert(pg, &row, &mut bytes, max_bytes, budget)? {
+                Some(values) => out.rows.push(values),
+                // The rest is not read: the transaction is rolled back anyway.
+                None => {
+                    out.over_cap(false, max_bytes)?;
+                    break;
+                }
+            }
         }
     }
     Ok(out)
 }
 
+/// Converts one row, value by value, each only after its wire size shows that it fits in
+/// what is left of `max_bytes`; `None` (with `bytes` unchanged) when the row does not fit.
 fn convert(
     pg: &Postgres,
     row: &tokio_postgres::Row,
     bytes: &mut usize,
+    max_bytes: usize,
     budget: u64,
-) -> Result<Vec<Value>, PgError> {
-    (0..row.len())
-        .map(|i| {
-            let v = row
-                .try_get::<_, PgJson>(i)
-                .map_err(|e| pg.sql_error(&e, budget))?
-                .0;
-            *bytes += approx_len(&v);
-            Ok(v)
-        })
-        .collect()
+) -> Result<Option<Vec<Value>>, PgError> {
+    let mut values = Vec::with_capacity(row.len());
+    let mut row_bytes = 0usize;
+    for (i, column) in row.columns().iter().enumerate() {
+        let RawLen(raw) = row
+            .try_get::<_, RawLen>(i)
+            .map_err(|e| pg.sql_error(&e, budget))?;
+        if *bytes + row_bytes + pg_json_len(column.type_(), raw) > max_bytes {
+            return Ok(None);
+        }
+        let v = row
+            .try_get::<_, PgJson>(i)
+            .map_err(|e| pg.sql_error(&e, budget))?
+            .0;
+        row_bytes += approx_len(&v);
+        values.push(v);
+    }
+    if *bytes + row_bytes > max_bytes {
+        return Ok(None);
+    }
+    *bytes += row_bytes;
+    Ok(Some(values))
 }

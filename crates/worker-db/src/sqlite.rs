@@ -13,13 +13,16 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use rusqlite::hooks::{AuthAction, AuthContext, Authorization};
+use rusqlite::limits::Limit;
 use rusqlite::{Connection, OpenFlags, TransactionBehavior};
 use serde_json::{Map, Value, json};
 
 use crate::config::Engine;
 use crate::readonly::{self, ReadOnlyError, denied_function, sqlite_pragma_reads};
-use crate::tools::{Limits, Output};
-use crate::values::{ValueError, sqlite_params, sqlite_storage_class, sqlite_value};
+use crate::tools::{Limits, Output, SQLITE_HEAP_LIMIT};
+use crate::values::{
+    ValueError, approx_len, sqlite_json_len, sqlite_params, sqlite_storage_class, sqlite_value,
+};
 
 /// Failures of a SQLite call, worded for the model.
 #[derive(Debug, thiserror::Error)]
@@ -45,7 +48,19 @@ pub enum SqliteError {
     #[error("the call was cancelled")]
     Cancelled,
     #[error(transparent)]
-    Param(#[from] ValueError),
+    Value(#[from] ValueError),
+    #[error(
+        "a value grew larger than the {max} bytes the db worker lets one value hold (SQLite: \
+         string or blob too big), so nothing is returned; work on a shorter part of it, e.g. \
+         substr(column, 1, 1000) or length(column), or aggregate in smaller groups"
+    )]
+    ValueTooLarge { max: usize },
+    #[error(
+        "SQLite needed more than the {max} bytes of memory the db worker allows it (many or \
+         large values at once), so nothing is returned; select fewer or shorter columns, or \
+         fewer rows at a time"
+    )]
+    OutOfMemory { max: i64 },
     #[error("SQLite error: {0}")]
     Sql(String),
     #[error("table or view {0:?} not found; call list_tables to see what exists")]
@@ -99,6 +114,7 @@ impl Sqlite {
             name: self.name.clone(),
             path: self.path.clone(),
             stop: stop.clone(),
+            max_value_bytes: limits.max_value_bytes,
         };
         let flag = Arc::clone(&stop.cancelled);
         let cancel = limits.cancel.clone();
@@ -228,6 +244,8 @@ struct SqliteCall {
     name: String,
     path: PathBuf,
     stop: Stop,
+    /// `SQLITE_LIMIT_LENGTH` of the call's connection.
+    max_value_bytes: usize,
 }
 
 impl SqliteCall {
@@ -252,6 +270,22 @@ impl SqliteCall {
         conn.set_db_config(DbConfig::SQLITE_DBCONFIG_DEFENSIVE, true)
             .map_err(|e| self.error(e))?;
         conn.set_db_config(DbConfig::SQLITE_DBCONFIG_TRUSTED_SCHEMA, false)
+            .map_err(|e| self.error(e))?;
+        // No string, blob or row larger than this is ever built: SQLite checks the
+        // length before it allocates (randomblob, zeroblob, ||, replace, printf,
+        // group_concat, reading a stored value), so a statement cannot make the worker
+        // allocate far beyond what one result could return.
+        let length = i32::try_from(self.max_value_bytes).unwrap_or(i32::MAX);
+        conn.set_limit(Limit::SQLITE_LIMIT_LENGTH, length)
+            .map_err(|e| self.error(e))?;
+        // Process-wide, and it only ever lowers the ceiling: setting it on every
+        // connection is idempotent. Neither authorizer lets a statement change it.
+        conn.pragma_update(None, "hard_heap_limit", SQLITE_HEAP_LIMIT)
+            .map_err(|e| self.error(e))?;
+        // Sorts, recursive CTE queues and other temporary tables stay in memory, under
+        // the heap ceiling above: the confined worker may not create files in the
+        // temporary directory, where SQLite would otherwise spill them.
+        conn.pragma_update(None, "temp_store", "MEMORY")
             .map_err(|e| self.error(e))?;
         let wait = self.stop.deadline.saturating_duration_since(Instant::now());
         conn.busy_timeout(wait).map_err(|e| self.error(e))?;
@@ -279,6 +313,16 @@ impl SqliteCall {
                 }
                 ErrorCode::ReadOnly | ErrorCode::AuthorizationForStatementDenied => {
                     return SqliteError::EngineRefused(text);
+                }
+                ErrorCode::TooBig => {
+                    return SqliteError::ValueTooLarge {
+                        max: self.max_value_bytes,
+                    };
+                }
+                ErrorCode::OutOfMemory => {
+                    return SqliteError::OutOfMemory {
+                        max: SQLITE_HEAP_LIMIT,
+                    };
                 }
                 _ => return SqliteError::Sql(text),
             }
@@ -328,8 +372,10 @@ fn write_authorizer(ctx: AuthContext<'_>) -> Authorization {
     }
 }
 
-/// Steps `stmt` to the end, keeping at most `max_rows` rows and about `max_bytes` of
-/// values. With `changes_from`, also reports rows affected (execute_sql).
+/// Steps `stmt` to the end, keeping at most `max_rows` rows and `max_bytes` of values
+/// (counted value by value, each from its raw size before it is converted, so no row is
+/// converted past the cap). With `changes_from`, also reports rows affected
+/// (execute_sql).
 fn collect(
     c: &SqliteCall,
     stmt: &mut rusqlite::Statement<'_>,
@@ -361,7 +407,7 @@ fn collect(
             }
             break;
         }
-        if out.rows.len() as u64 >= max_rows || bytes > max_bytes {
+        if out.rows.len() as u64 >= max_rows {
             out.truncated = true;
             if writing {
                 continue;
@@ -369,8 +415,14 @@ fn collect(
             break;
         }
         let mut values = Vec::with_capacity(names.len());
+        let mut row_bytes = 0usize;
+        let mut fits = true;
         for (i, decl) in decls.iter().enumerate() {
             let v = row.get_ref(i).map_err(|e| c.error(e))?;
+            if bytes + row_bytes + sqlite_json_len(v) > max_bytes {
+                fits = false;
+                break;
+            }
             if let Some(slot) = types.get_mut(i)
                 && slot.is_none()
                 && !matches!(v, rusqlite::types::ValueRef::Null)
@@ -378,9 +430,17 @@ fn collect(
                 *slot = Some(sqlite_storage_class(v).to_owned());
             }
             let json = sqlite_value(v, decl);
-            bytes += approx_len(&json);
+            row_bytes += approx_len(&json);
             values.push(json);
         }
+        if !fits || bytes + row_bytes > max_bytes {
+            out.over_cap(writing, max_bytes)?;
+            if writing {
+                continue;
+            }
+            break;
+        }
+        bytes += row_bytes;
         out.rows.push(values);
     }
     drop(rows);
@@ -393,15 +453,6 @@ fn collect(
         out.rows_affected = Some(conn.changes());
     }
     Ok(out)
-}
-
-pub(crate) fn approx_len(v: &Value) -> usize {
-    match v {
-        Value::String(s) => s.len() + 2,
-        Value::Array(a) => a.iter().map(approx_len).sum::<usize>() + 2,
-        Value::Object(o) => o.iter().map(|(k, v)| k.len() + approx_len(v) + 4).sum(),
-        _ => 8,
-    }
 }
 
 fn describe(c: &SqliteCall, conn: &Connection, table: &str) -> Result<Value, SqliteError> {

@@ -15,9 +15,26 @@ use serde_json::{Value, json};
 use crate::config::{DatabaseConfig, DbError, Engine, Target};
 use crate::postgres::Postgres;
 use crate::sqlite::Sqlite;
+use crate::values::ValueError;
 
-/// Values in one result are cut (flagged `truncated`) past about this many bytes.
+/// One result holds at most about this many bytes of values: rows that would take it
+/// further are left out (flagged `truncated`, like rows past `max_rows`), and a first
+/// row that alone does not fit fails the call. Counted while the rows are produced.
 pub(crate) const MAX_RESULT_BYTES: usize = 1024 * 1024;
+/// The largest value SQLite may build (`SQLITE_LIMIT_LENGTH`) and the largest row
+/// message the worker reads from PostgreSQL: four times the result cap, so a query may
+/// still filter or measure values larger than it could return (`WHERE body LIKE ...`,
+/// `length(body)`, `substr(body, 1, 100)`), while no value is ever allocated much beyond
+/// what a result could hold (`randomblob(1e9)`, `repeat('x', 2e8)` fail at once).
+pub(crate) const MAX_VALUE_BYTES: usize = 4 * MAX_RESULT_BYTES;
+/// SQLite's heap ceiling for the whole worker (`PRAGMA hard_heap_limit`): a statement
+/// that builds many values below [`MAX_VALUE_BYTES`] at once (hundreds of columns of
+/// `randomblob(4000000)`) fails with an error naming it, well below the worker's kernel
+/// memory ceiling (`[limits] worker_memory_bytes`, 1 GiB by default).
+pub(crate) const SQLITE_HEAP_LIMIT: i64 = 256 * 1024 * 1024;
+/// The largest row message the metadata queries (list_tables, describe_table: one JSON
+/// row each) read from PostgreSQL.
+const METADATA_MAX_VALUE_BYTES: usize = 16 * MAX_VALUE_BYTES;
 /// `list_databases` waits at most this long for each database to answer.
 const PING_BUDGET: Duration = Duration::from_secs(5);
 /// Longest SQL text accepted.
@@ -31,6 +48,8 @@ pub(crate) struct Limits {
     pub cancel: CancellationToken,
     pub max_rows: u64,
     pub max_bytes: usize,
+    /// Largest single value (SQLite) or row message (PostgreSQL) held while producing.
+    pub max_value_bytes: usize,
 }
 
 impl Limits {
@@ -45,6 +64,18 @@ impl Limits {
             cancel: ctx.cancel.clone(),
             max_rows,
             max_bytes: MAX_RESULT_BYTES,
+            max_value_bytes: MAX_VALUE_BYTES,
+        }
+    }
+
+    /// The limits of a metadata query: one row of any size up to
+    /// [`METADATA_MAX_VALUE_BYTES`].
+    pub fn metadata(&self) -> Self {
+        Self {
+            max_rows: 1,
+            max_bytes: usize::MAX,
+            max_value_bytes: METADATA_MAX_VALUE_BYTES,
+            ..self.clone()
         }
     }
 
@@ -74,10 +105,25 @@ pub(crate) struct Output {
     pub columns: Vec<(String, String)>,
     pub rows: Vec<Vec<Value>>,
     pub truncated: bool,
+    /// The rows stopped at the byte cap rather than at `max_rows`.
+    pub byte_capped: bool,
     pub rows_affected: Option<u64>,
 }
 
 impl Output {
+    /// A row does not fit in what is left of the byte cap: the rows so far are the
+    /// result, flagged truncated — unless there are none and the call only reads, where
+    /// an empty "truncated" result would say nothing useful and the call fails instead.
+    /// A write keeps going (its statement runs to the end) with its rows_affected.
+    pub fn over_cap(&mut self, writing: bool, max_bytes: usize) -> Result<(), ValueError> {
+        if self.rows.is_empty() && !writing {
+            return Err(ValueError::FirstRowTooLarge { max: max_bytes });
+        }
+        self.truncated = true;
+        self.byte_capped = true;
+        Ok(())
+    }
+
     fn to_json(&self, max_rows: u64) -> Value {
         let mut v = json!({
             "columns": self.columns.iter().map(|(n, t)| json!({"name": n, "type": t})).collect::<Vec<_>>(),
@@ -88,7 +134,11 @@ impl Output {
         if let Some(n) = self.rows_affected {
             v["rows_affected"] = json!(n);
         }
-        if self.truncated {
+        if self.byte_capped {
+            v["note"] = json!(format!(
+                "more rows exist than were returned: the next row would have taken the result past about {MAX_RESULT_BYTES} bytes, the most one result holds; select fewer or shorter columns (substr, length), or narrow the query with WHERE, aggregates or LIMIT/OFFSET"
+            ));
+        } else if self.truncated {
             v["note"] = json!(format!(
                 "more rows exist than were returned (limit {max_rows} rows or about {MAX_RESULT_BYTES} bytes); narrow the query with WHERE, fewer columns, aggregates or LIMIT/OFFSET"
             ));

@@ -11,13 +11,74 @@ use chrono::{DateTime, Duration, NaiveDate, NaiveDateTime, NaiveTime, SecondsFor
 use serde_json::{Map, Number, Value, json};
 use tokio_postgres::types::{Format, FromSql, IsNull, Kind, ToSql, Type, to_sql_checked};
 
-/// A value that cannot be used as a parameter, or a PostgreSQL value that did not decode.
+/// A value that cannot be used as a parameter, a PostgreSQL value that did not decode, or
+/// a result row too large to return.
 #[derive(Debug, thiserror::Error)]
 pub enum ValueError {
     #[error("params[{index}] is {kind}; parameters must be strings, numbers, booleans or null")]
     NotScalar { index: usize, kind: &'static str },
     #[error("malformed {0} value from the server")]
     Malformed(&'static str),
+    #[error(
+        "the first row of the result alone is larger than the {max} bytes one result may \
+         hold, so nothing is returned; select fewer or shorter columns, e.g. \
+         substr(column, 1, 1000), length(column) or a hash of the column"
+    )]
+    FirstRowTooLarge { max: usize },
+}
+
+/// The approximate size of a JSON value in a result, as the result caps count it.
+pub(crate) fn approx_len(v: &Value) -> usize {
+    match v {
+        Value::String(s) => s.len() + 2,
+        Value::Array(a) => a.iter().map(approx_len).sum::<usize>() + 2,
+        Value::Object(o) => o.iter().map(|(k, v)| k.len() + approx_len(v) + 4).sum(),
+        _ => 8,
+    }
+}
+
+/// The size a SQLite value will have in the result, known before it is converted.
+pub(crate) fn sqlite_json_len(value: rusqlite::types::ValueRef<'_>) -> usize {
+    use rusqlite::types::ValueRef as V;
+    match value {
+        V::Text(t) => t.len() + 2,
+        V::Blob(b) => base64_len(b.len()) + 2,
+        V::Null | V::Integer(_) | V::Real(_) => 8,
+    }
+}
+
+/// The size a PostgreSQL value of `raw_len` wire bytes will have in the result, at least
+/// roughly, known before it is decoded (bytes grow by a third as base64).
+pub(crate) fn pg_json_len(ty: &Type, raw_len: usize) -> usize {
+    if *ty == Type::BYTEA {
+        base64_len(raw_len) + 2
+    } else {
+        raw_len.max(6) + 2
+    }
+}
+
+fn base64_len(n: usize) -> usize {
+    n.div_ceil(3).saturating_mul(4)
+}
+
+/// The wire size of one PostgreSQL value (0 for NULL), read without decoding it.
+pub(crate) struct RawLen(pub usize);
+
+impl<'a> FromSql<'a> for RawLen {
+    fn from_sql(
+        _ty: &Type,
+        raw: &'a [u8],
+    ) -> Result<Self, Box<dyn std::error::Error + Sync + Send>> {
+        Ok(RawLen(raw.len()))
+    }
+
+    fn from_sql_null(_ty: &Type) -> Result<Self, Box<dyn std::error::Error + Sync + Send>> {
+        Ok(RawLen(0))
+    }
+
+    fn accepts(_ty: &Type) -> bool {
+        true
+    }
 }
 
 pub(crate) fn base64(bytes: &[u8]) -> String {
@@ -559,6 +620,28 @@ mod tests {
         );
         assert!(pg_params(&[json!([1])]).is_err());
         assert!(sqlite_params(&[json!({"a": 1})]).is_err());
+    }
+
+    #[test]
+    fn sizes_are_known_before_conversion() {
+        use rusqlite::types::ValueRef as V;
+        for (raw, decl) in [
+            (V::Text(b"hello"), ""),
+            (V::Blob(b"hello!!"), "BLOB"),
+            (V::Blob(&[0u8; 3000]), ""),
+            (V::Integer(7), ""),
+        ] {
+            assert_eq!(
+                sqlite_json_len(raw),
+                approx_len(&sqlite_value(raw, decl)),
+                "{raw:?}"
+            );
+        }
+        assert_eq!(
+            pg_json_len(&Type::BYTEA, 3000),
+            base64(&[0; 3000]).len() + 2
+        );
+        assert_eq!(pg_json_len(&Type::TEXT, 100), 102);
     }
 
     #[test]

@@ -6,7 +6,7 @@ use rustix::fs::{AtFlags, FileType, OFlags};
 
 use crate::atomic::{AtomicError, write_atomic};
 use crate::resolve::{ResolveError, Workspace, open_beneath};
-use crate::text::{FileError, kind_name, looks_binary, read_capped};
+use crate::text::{FileError, escape_name, kind_name, looks_binary, read_capped};
 
 #[derive(Debug, thiserror::Error)]
 pub enum EditError {
@@ -46,10 +46,11 @@ pub enum EditError {
         count: usize,
     },
     #[error(
-        "the edited text would be {size} bytes, more than the {max} bytes allowed; nothing was \
-         changed"
+        "edit {index}: the edited text would be {size} bytes, more than the {max} bytes \
+         edit_file handles; nothing was changed. Replace fewer matches (fewer replace_all \
+         edits, a shorter new_text) or write the file with write_file"
     )]
-    ResultTooLarge { size: u64, max: u64 },
+    ResultTooLarge { index: usize, size: u64, max: u64 },
 }
 
 #[derive(Debug, serde::Deserialize)]
@@ -70,8 +71,18 @@ pub struct EditArgs {
     pub dry_run: bool,
 }
 
-/// Applies `edits` in order to `text`. Edit numbers in errors are 1-based.
-pub fn apply_edits(text: &str, edits: &[Edit], path: &str) -> Result<(String, usize), EditError> {
+/// Applies `edits` in order to `text`, never building a text longer than `max_bytes`.
+/// Edit numbers in errors are 1-based.
+///
+/// The size each edit would give is computed from its match count before anything is
+/// allocated: chained `replace_all` edits double the text each time, so checking only the
+/// final result would let a dry run of a few edits allocate gigabytes first.
+pub fn apply_edits(
+    text: &str,
+    edits: &[Edit],
+    path: &str,
+    max_bytes: u64,
+) -> Result<(String, usize), EditError> {
     if edits.is_empty() {
         return Err(EditError::NoEdits);
     }
@@ -90,10 +101,8 @@ pub fn apply_edits(text: &str, edits: &[Edit], path: &str) -> Result<(String, us
                     path: path.to_owned(),
                 });
             }
-            1 => current = current.replacen(edit.old_text.as_str(), &edit.new_text, 1),
-            _ if edit.replace_all => {
-                current = current.replace(edit.old_text.as_str(), &edit.new_text);
-            }
+            1 => {}
+            _ if edit.replace_all => {}
             _ => {
                 return Err(EditError::Ambiguous {
                     index,
@@ -102,13 +111,45 @@ pub fn apply_edits(text: &str, edits: &[Edit], path: &str) -> Result<(String, us
                 });
             }
         }
+        let size = projected_len(current.len(), count, edit);
+        if size > max_bytes {
+            return Err(EditError::ResultTooLarge {
+                index,
+                size,
+                max: max_bytes,
+            });
+        }
+        current = replace_exact(&current, &edit.old_text, &edit.new_text, size);
         replacements += count;
     }
     Ok((current, replacements))
 }
 
+/// The length of a text of `len` bytes after `count` matches of `edit` are replaced, in
+/// u128 so that no count of matches times a long `new_text` can overflow.
+fn projected_len(len: usize, count: usize, edit: &Edit) -> u64 {
+    let removed = count as u128 * edit.old_text.len() as u128;
+    let added = count as u128 * edit.new_text.len() as u128;
+    let size = (len as u128).saturating_sub(removed) + added;
+    u64::try_from(size).unwrap_or(u64::MAX)
+}
+
+/// Replaces every match of `old` in `text` into a string allocated once at `size` bytes
+/// (the checked projection), so the replacement never grows past what was checked.
+fn replace_exact(text: &str, old: &str, new: &str, size: u64) -> String {
+    let mut out = String::with_capacity(usize::try_from(size).unwrap_or(0));
+    let mut rest = 0;
+    for (at, _) in text.match_indices(old) {
+        out.push_str(&text[rest..at]);
+        out.push_str(new);
+        rest = at + old.len();
+    }
+    out.push_str(&text[rest..]);
+    out
+}
+
 pub fn unified_diff(old: &str, new: &str, path: &str) -> String {
-    let clean = path.trim_start_matches("./");
+    let clean = escape_name(path.trim_start_matches("./"));
     similar::TextDiff::configure()
         .timeout(Duration::from_secs(2))
         .diff_lines(old, new)
@@ -174,15 +215,9 @@ pub fn edit_file(ws: &Workspace, args: &EditArgs, max_bytes: u64) -> Result<Stri
         path: display.to_owned(),
     })?;
 
-    let (new, replacements) = apply_edits(&old, &args.edits, display)?;
-    let size = new.len() as u64;
-    if size > max_bytes {
-        return Err(EditError::ResultTooLarge {
-            size,
-            max: max_bytes,
-        });
-    }
+    let (new, replacements) = apply_edits(&old, &args.edits, display, max_bytes)?;
     let diff = unified_diff(&old, &new, display);
+    let shown = escape_name(display);
     let edits = args.edits.len();
     let plural = |n: usize, word: &str| format!("{n} {word}{}", if n == 1 { "" } else { "s" });
     let summary = format!(
@@ -193,16 +228,16 @@ pub fn edit_file(ws: &Workspace, args: &EditArgs, max_bytes: u64) -> Result<Stri
     if old == new {
         let what = if args.dry_run { "dry run: " } else { "" };
         return Ok(format!(
-            "{what}{summary} leave {display} unchanged; nothing was written"
+            "{what}{summary} leave {shown} unchanged; nothing was written"
         ));
     }
     if args.dry_run {
         return Ok(format!(
-            "dry run: {summary} would change {display}; nothing was written\n{diff}"
+            "dry run: {summary} would change {shown}; nothing was written\n{diff}"
         ));
     }
     write_atomic(&dir, &name, new.as_bytes(), display)?;
-    Ok(format!("applied {summary} to {display}\n{diff}"))
+    Ok(format!("applied {summary} to {shown}\n{diff}"))
 }
 
 #[cfg(test)]
@@ -217,14 +252,21 @@ mod tests {
         }
     }
 
+    const MAX: u64 = 1 << 20;
+
     #[test]
     fn sequential_and_all_or_nothing() {
         let text = "a b a\nc\n";
-        let (out, n) =
-            apply_edits(text, &[edit("c", "d", false), edit("d", "e", false)], "f").unwrap();
+        let (out, n) = apply_edits(
+            text,
+            &[edit("c", "d", false), edit("d", "e", false)],
+            "f",
+            MAX,
+        )
+        .unwrap();
         assert_eq!(out, "a b a\ne\n");
         assert_eq!(n, 2);
-        let err = apply_edits(text, &[edit("a", "x", false)], "f").unwrap_err();
+        let err = apply_edits(text, &[edit("a", "x", false)], "f", MAX).unwrap_err();
         assert!(
             matches!(
                 err,
@@ -236,19 +278,50 @@ mod tests {
             ),
             "{err}"
         );
-        let (out, n) = apply_edits(text, &[edit("a", "x", true)], "f").unwrap();
+        let (out, n) = apply_edits(text, &[edit("a", "x", true)], "f", MAX).unwrap();
         assert_eq!((out.as_str(), n), ("x b x\nc\n", 2));
-        let err =
-            apply_edits(text, &[edit("c", "d", false), edit("zz", "y", false)], "f").unwrap_err();
+        let err = apply_edits(
+            text,
+            &[edit("c", "d", false), edit("zz", "y", false)],
+            "f",
+            MAX,
+        )
+        .unwrap_err();
         assert!(matches!(err, EditError::NotFound { index: 2, .. }), "{err}");
         assert!(matches!(
-            apply_edits(text, &[], "f"),
+            apply_edits(text, &[], "f", MAX),
             Err(EditError::NoEdits)
         ));
         assert!(matches!(
-            apply_edits(text, &[edit("", "x", false)], "f"),
+            apply_edits(text, &[edit("", "x", false)], "f", MAX),
             Err(EditError::EmptyOldText { index: 1 })
         ));
+    }
+
+    #[test]
+    fn growth_is_refused_before_it_is_built() {
+        // Each edit doubles the text: the fourth would pass 64 bytes.
+        let doubling: Vec<Edit> = (0..20).map(|_| edit("a", "aa", true)).collect();
+        let err = apply_edits(&"a".repeat(8), &doubling, "f", 64).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                EditError::ResultTooLarge {
+                    index: 4,
+                    size: 128,
+                    max: 64
+                }
+            ),
+            "{err}"
+        );
+        // Exactly at the cap is allowed, and the text is what str::replace gives.
+        let (out, n) = apply_edits("xaxa", &[edit("a", "bbb", true)], "f", 8).unwrap();
+        assert_eq!((out.as_str(), n), ("xbbbxbbb", 2));
+        // A huge count times a huge new_text does not overflow the projection.
+        let e = edit("a", "b", true);
+        assert_eq!(projected_len(usize::MAX, usize::MAX, &e), u64::MAX);
+        // Shrinking edits project below the original length.
+        assert_eq!(projected_len(10, 2, &edit("abc", "", true)), 4);
     }
 
     #[test]

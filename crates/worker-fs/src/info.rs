@@ -6,7 +6,7 @@ use rustix::fs::{AtFlags, FileType, Mode, OFlags, Stat};
 use rustix::io::Errno;
 
 use crate::resolve::{Last, ResolveError, Workspace, map_errno, open_beneath, split_last};
-use crate::text::{kind_name, looks_binary};
+use crate::text::{escape_name, kind_name, looks_binary};
 
 /// Regular text files up to this size get a line count.
 const LINE_COUNT_LIMIT: u64 = 1024 * 1024;
@@ -46,7 +46,7 @@ pub fn rfc3339(secs: i64) -> String {
 fn stat_lines(path: &str, st: &Stat) -> Vec<String> {
     let kind = FileType::from_raw_mode(st.st_mode);
     let mut lines = vec![
-        format!("path: {path}"),
+        format!("path: {}", escape_name(path)),
         format!("type: {}", kind_name(kind)),
     ];
     if kind != FileType::Directory {
@@ -115,7 +115,7 @@ pub fn get_file_info(ws: &Workspace, args: &InfoArgs) -> Result<String, InfoErro
         }
         FileType::Symlink => {
             let target = rustix::fs::readlinkat(&dir, name, Vec::new())
-                .map(|t| t.to_string_lossy().into_owned())
+                .map(|t| escape_name(&t.to_string_lossy()).into_owned())
                 .map_err(io)?;
             lines.push(format!("target: {target}"));
             let points = match open_beneath(&dir, name, OFlags::PATH, Mode::empty()) {

@@ -4,6 +4,7 @@ use rustix::fs::FileType;
 use rustix::io::Errno;
 
 use crate::resolve::{ResolveError, Workspace};
+use crate::text::escape_name;
 use crate::walk::{MAX_DEPTH, Visit, WalkError, open_directory, walk};
 
 pub const DEFAULT_MAX_ENTRIES: usize = 1000;
@@ -29,17 +30,19 @@ pub struct ListArgs {
 }
 
 /// Formats one entry: `dir/`, `link -> target`, a special file with its kind, or a name.
+/// Names and link targets are escaped ([`escape_name`]), so each entry is one line.
 pub fn describe(entry: &crate::walk::Entry<'_>) -> String {
+    let rel = escape_name(entry.rel);
     match entry.kind {
-        FileType::Directory => format!("{}/", entry.rel),
+        FileType::Directory => format!("{rel}/"),
         FileType::Symlink => {
             let target = rustix::fs::readlinkat(entry.dir, entry.name, Vec::new())
-                .map(|t| t.to_string_lossy().into_owned())
+                .map(|t| escape_name(&t.to_string_lossy()).into_owned())
                 .unwrap_or_else(|_| "?".to_owned());
-            format!("{} -> {target}", entry.rel)
+            format!("{rel} -> {target}")
         }
-        FileType::RegularFile => entry.rel.to_owned(),
-        other => format!("{} ({})", entry.rel, crate::text::kind_name(other)),
+        FileType::RegularFile => rel.into_owned(),
+        other => format!("{rel} ({})", crate::text::kind_name(other)),
     }
 }
 

@@ -7,6 +7,7 @@ use rustix::fs::{AtFlags, FileType, RenameFlags};
 use rustix::io::Errno;
 
 use crate::resolve::{Last, ResolveError, Workspace, map_errno, open_child_dir, split_last};
+use crate::text::escape_name;
 use crate::walk::read_entries;
 
 /// Deepest nesting `delete_path` removes recursively.
@@ -86,9 +87,9 @@ pub fn create_directory(ws: &Workspace, args: &CreateDirArgs) -> Result<String, 
     }
     let (_, created) = ws.make_dirs(&rel, display)?;
     Ok(if created {
-        format!("created directory {display}")
+        format!("created directory {}", escape_name(display))
     } else {
-        format!("directory {display} already exists")
+        format!("directory {} already exists", escape_name(display))
     })
 }
 
@@ -144,7 +145,11 @@ pub fn move_path(ws: &Workspace, args: &MoveArgs) -> Result<String, MutateError>
     })?;
     let _ = rustix::fs::fsync(&ddir);
     let kind = crate::text::kind_name(FileType::from_raw_mode(st.st_mode));
-    Ok(format!("moved {kind} {src} to {dst}"))
+    Ok(format!(
+        "moved {kind} {} to {}",
+        escape_name(src),
+        escape_name(dst)
+    ))
 }
 
 pub fn delete_path(
@@ -172,7 +177,7 @@ pub fn delete_path(
                 },
                 e => del(e),
             })?;
-            Ok(format!("deleted empty directory {display}"))
+            Ok(format!("deleted empty directory {}", escape_name(display)))
         }
         FileType::Directory => {
             let child = open_child_dir(&dir, name).map_err(del)?;
@@ -181,20 +186,23 @@ pub fn delete_path(
             drop(child);
             rustix::fs::unlinkat(&dir, name, AtFlags::REMOVEDIR).map_err(del)?;
             Ok(format!(
-                "deleted directory {display} and the {deleted} entries inside it"
+                "deleted directory {} and the {deleted} entries inside it",
+                escape_name(display)
             ))
         }
         FileType::Symlink => {
             rustix::fs::unlinkat(&dir, name, AtFlags::empty()).map_err(del)?;
             Ok(format!(
-                "deleted symbolic link {display} (its target was not touched)"
+                "deleted symbolic link {} (its target was not touched)",
+                escape_name(display)
             ))
         }
         kind => {
             rustix::fs::unlinkat(&dir, name, AtFlags::empty()).map_err(del)?;
             Ok(format!(
-                "deleted {} {display}",
-                crate::text::kind_name(kind)
+                "deleted {} {}",
+                crate::text::kind_name(kind),
+                escape_name(display)
             ))
         }
     }

@@ -3,7 +3,7 @@
 use rustix::fs::{FileType, Mode, OFlags};
 
 use crate::resolve::{ResolveError, Workspace, open_beneath};
-use crate::text::{SNIFF_BYTES, read_capped};
+use crate::text::{SNIFF_BYTES, escape_name, read_capped};
 use crate::walk::{Entry, Visit, WalkError, open_directory, walk};
 
 pub const DEFAULT_MAX_RESULTS: usize = 100;
@@ -155,7 +155,7 @@ pub fn search_files(
         if matcher.as_ref().is_some_and(|m| !m.is_match(entry)) {
             return Visit::Continue;
         }
-        let shown = format!("{prefix}{}", entry.rel);
+        let shown = escape_name(&format!("{prefix}{}", entry.rel)).into_owned();
         let Some(regex) = regex.as_ref() else {
             if tally.results.len() >= max_results {
                 tally.more_results = true;

@@ -1,4 +1,4 @@
-//! Opening regular files for reading, and telling text from binary.
+//! Opening regular files for reading, telling text from binary, and printing file names.
 
 use std::fs::File;
 use std::io::{BufRead, Read};
@@ -32,6 +32,42 @@ impl FileError {
             errno: Errno::from_io_error(err).unwrap_or(Errno::IO),
         }
     }
+}
+
+/// A file name or path as the fs tools print it: control characters (C0, DEL, C1), the
+/// bidirectional controls (U+061C, U+200E, U+200F, U+202A–U+202E, U+2066–U+2069) and the
+/// line and paragraph separators U+2028, U+2029 are written as Rust writes them in a
+/// string literal (`\n`, `\r`, `\t`, `\u{1b}`, `\u{202e}`), and a backslash as `\\`, so
+/// that a name can neither forge a line of a listing nor send escape sequences to the
+/// terminal that shows the result, and every printed name reads back to exactly one name.
+/// Error messages quote paths with `{:?}`, which escapes the same way.
+pub fn escape_name(name: &str) -> std::borrow::Cow<'_, str> {
+    if !name.chars().any(|c| c == '\\' || needs_escape(c)) {
+        return std::borrow::Cow::Borrowed(name);
+    }
+    let mut out = String::with_capacity(name.len() + 8);
+    for c in name.chars() {
+        if c == '\\' {
+            out.push_str("\\\\");
+        } else if needs_escape(c) {
+            out.extend(c.escape_debug());
+        } else {
+            out.push(c);
+        }
+    }
+    std::borrow::Cow::Owned(out)
+}
+
+fn needs_escape(c: char) -> bool {
+    c.is_control()
+        || matches!(
+            c,
+            '\u{061c}'
+                | '\u{200e}'
+                | '\u{200f}'
+                | '\u{2028}'..='\u{202e}'
+                | '\u{2066}'..='\u{2069}'
+        )
 }
 
 pub fn kind_name(ft: FileType) -> &'static str {
@@ -166,6 +202,24 @@ mod tests {
         assert_eq!(next_line(&mut r, &mut buf, 0).unwrap(), Some(true));
         assert!(buf.is_empty());
         assert_eq!(next_line(&mut r, &mut buf, 10).unwrap(), None);
+    }
+
+    #[test]
+    fn names_are_escaped_unambiguously() {
+        assert_eq!(escape_name("plain/é.txt"), "plain/é.txt");
+        assert!(matches!(escape_name("x"), std::borrow::Cow::Borrowed(_)));
+        assert_eq!(escape_name("a\nb\rc\td"), "a\\nb\\rc\\td");
+        assert_eq!(escape_name("\u{1b}[2J"), "\\u{1b}[2J");
+        assert_eq!(escape_name("\u{7f}\u{85}"), "\\u{7f}\\u{85}");
+        assert_eq!(escape_name("ab\u{202e}txt.exe"), "ab\\u{202e}txt.exe");
+        assert_eq!(escape_name("\u{2066}\u{2028}"), "\\u{2066}\\u{2028}");
+        // A real backslash followed by "n" stays distinct from an escaped newline.
+        assert_eq!(escape_name("a\\nb"), "a\\\\nb");
+        assert_ne!(escape_name("a\\nb"), escape_name("a\nb"));
+        // What is printed is what Rust's Debug prints, without the quotes.
+        for name in ["a\nb", "\u{1b}x", "q\u{202e}", "\\", "t\tu"] {
+            assert_eq!(format!("\"{}\"", escape_name(name)), format!("{name:?}"));
+        }
     }
 
     #[test]

@@ -2,6 +2,7 @@
 
 use crate::atomic::{AtomicError, write_atomic};
 use crate::resolve::{Last, ResolveError, Workspace, split_last};
+use crate::text::escape_name;
 
 #[derive(Debug, thiserror::Error)]
 pub enum WriteError {
@@ -57,5 +58,8 @@ pub fn write_file(ws: &Workspace, args: &WriteArgs, max_bytes: u64) -> Result<St
     } else {
         ""
     };
-    Ok(format!("{verb} {display}{dirs}: wrote {size} bytes"))
+    Ok(format!(
+        "{verb} {}{dirs}: wrote {size} bytes",
+        escape_name(display)
+    ))
 }

@@ -1394,3 +1394,279 @@ async fn cancelled_calls_stop_walking() {
         out.content
     );
 }
+
+// ---------------------------------------------------------------------------------------
+// Memory: edit_file refuses growth before it allocates
+
+/// What one attack may add to this process's peak resident memory.
+const MAX_GROWTH: u64 = 64 << 20;
+
+/// The memory measurements of this binary run one at a time: each resets the process's
+/// peak, which another measuring test would see.
+static MEMORY_LOCK: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// A field of /proc/self/status in bytes (`VmHWM`, `VmRSS`).
+fn status_bytes(field: &str) -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let line = status
+        .lines()
+        .find(|l| l.starts_with(field))
+        .unwrap_or_else(|| panic!("no {field} in /proc/self/status"));
+    let kib: u64 = line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("unreadable {line:?}"));
+    kib * 1024
+}
+
+/// Runs one `edit_file` call that must fail with every one of `expect` in its message,
+/// while this process's peak resident memory grows by less than [`MAX_GROWTH`].
+async fn refused_edit(env: &Env, args: Value, expect: &[&str]) {
+    // Reset the peak to the current resident size (Linux 4.0 and later).
+    std::fs::write("/proc/self/clear_refs", "5").unwrap();
+    let base = status_bytes("VmRSS");
+    let out = env.call("edit_file", args).await;
+    let growth = status_bytes("VmHWM").saturating_sub(base);
+    let text = out.content.join("\n");
+    eprintln!("edit_file: peak resident memory +{} MiB", growth >> 20);
+    assert!(out.is_error, "should fail: {text:.300}");
+    for e in expect {
+        assert!(text.contains(e), "{e:?} not in: {text}");
+    }
+    assert!(
+        growth < MAX_GROWTH,
+        "peak resident memory grew by {} MiB: {text}",
+        growth >> 20
+    );
+}
+
+#[tokio::test]
+async fn edit_growth_is_refused_before_it_is_allocated() {
+    let _one = MEMORY_LOCK.lock().await;
+    let env = Env::new();
+    let original = "a".repeat(1024);
+    env.put("f.txt", &original);
+    let doubling = |n: usize| -> Vec<Value> {
+        (0..n)
+            .map(|_| json!({"old_text": "a", "new_text": "aa", "replace_all": true}))
+            .collect()
+    };
+    // The attack pass's payload: 17 doublings of 1 KiB (128 MiB, 210 MB before). The
+    // 14th would pass the 10 MiB cap (1 KiB << 14 = 16 MiB) and is refused unbuilt.
+    for dry_run in [true, false] {
+        refused_edit(
+            &env,
+            json!({"path": "f.txt", "dry_run": dry_run, "edits": doubling(17)}),
+            &[
+                "edit 14",
+                "16777216 bytes",
+                "10485760 bytes",
+                "nothing was changed",
+            ],
+        )
+        .await;
+    }
+    // Many more doublings: still refused at the 14th, before anything larger is built.
+    refused_edit(
+        &env,
+        json!({"path": "f.txt", "dry_run": true, "edits": doubling(64)}),
+        &["edit 14"],
+    )
+    .await;
+    // One edit: a long new_text times many matches (1024 × 1 MB = 1 GiB).
+    let long = "b".repeat(1 << 20);
+    refused_edit(
+        &env,
+        json!({"path": "f.txt", "dry_run": true, "edits": [
+            {"old_text": "a", "new_text": long, "replace_all": true}
+        ]}),
+        &["edit 1:", "1073741824 bytes", "10485760 bytes"],
+    )
+    .await;
+    // A shrinking edit first does not hide a later growth.
+    refused_edit(
+        &env,
+        json!({"path": "f.txt", "dry_run": true, "edits": [
+            {"old_text": "aa", "new_text": "a", "replace_all": true},
+            {"old_text": "a", "new_text": "b".repeat(100_000), "replace_all": true}
+        ]}),
+        &["edit 2:", "51200000 bytes"],
+    )
+    .await;
+    assert_eq!(env.get("f.txt"), original, "nothing was written");
+    assert!(env.temp_leftovers().is_empty());
+    // The worker still answers, and growth up to the cap is allowed.
+    let out = env
+        .ok(
+            "edit_file",
+            json!({"path": "f.txt", "dry_run": true, "edits": doubling(13)}),
+        )
+        .await;
+    assert!(out.starts_with("dry run: 13 edits"), "{out:.200}");
+    let out = env.ok("read_file", json!({"path": "f.txt"})).await;
+    assert_eq!(out, original);
+}
+
+#[tokio::test]
+async fn edit_cap_follows_max_write_bytes() {
+    let env = Env::with(|c| c.max_write_bytes = 4096);
+    env.put("f.txt", &"a".repeat(1024));
+    let edit = |new: &str| {
+        json!({"path": "f.txt", "edits": [
+            {"old_text": "a", "new_text": new, "replace_all": true}
+        ]})
+    };
+    // 1024 × 4 = 4096 bytes: exactly the cap.
+    env.ok("edit_file", edit("bbbb")).await;
+    assert_eq!(env.get("f.txt").len(), 4096);
+    let err = env
+        .err(
+            "edit_file",
+            json!({"path": "f.txt", "edits": [
+                {"old_text": "b", "new_text": "cc", "replace_all": true}
+            ]}),
+        )
+        .await;
+    assert!(
+        err.contains("8192 bytes") && err.contains("4096 bytes") && err.contains("write_file"),
+        "{err}"
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// Control characters in file names
+
+/// Names the test creates on disk, each with how the tools must print it.
+const HOSTILE_NAMES: &[(&str, &str)] = &[
+    ("x\nforged.txt", "x\\nforged.txt"),
+    ("cr\rover.txt", "cr\\rover.txt"),
+    ("esc\u{1b}[2Jclear", "esc\\u{1b}[2Jclear"),
+    ("bidi\u{202e}txt.exe", "bidi\\u{202e}txt.exe"),
+    ("iso\u{2066}late", "iso\\u{2066}late"),
+    ("c1\u{85}next", "c1\\u{85}next"),
+    ("del\u{7f}", "del\\u{7f}"),
+    ("tab\tname", "tab\\tname"),
+    ("back\\slash", "back\\\\slash"),
+    // A real backslash and "n": distinct from the escaped newline above.
+    ("x\\nforged.txt", "x\\\\nforged.txt"),
+];
+
+/// No control character (but the line breaks between entries) and no bidi control
+/// reaches the result text.
+fn assert_no_raw_controls(text: &str) {
+    for c in text.chars() {
+        assert!(
+            c == '\n'
+                || !(c.is_control()
+                    || matches!(c, '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')),
+            "raw {c:?} in {text:?}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn control_characters_in_names_are_escaped() {
+    let env = Env::new();
+    std::fs::create_dir(env.ws().join("d\nforged-dir")).unwrap();
+    for (name, _) in HOSTILE_NAMES {
+        std::fs::write(env.ws().join(name), "x\n").unwrap();
+    }
+    std::fs::write(env.ws().join("d\nforged-dir/in\u{7}bell"), "x\n").unwrap();
+    env.link("link\u{1b}]0;title\u{7}", "t\nforged-target");
+
+    let out = env
+        .ok("list_directory", json!({"path": ".", "recursive": true}))
+        .await;
+    assert_no_raw_controls(&out);
+    let lines: Vec<&str> = out.lines().collect();
+    for (_, shown) in HOSTILE_NAMES {
+        assert_eq!(
+            lines.iter().filter(|l| **l == *shown).count(),
+            1,
+            "{shown} in:\n{out}"
+        );
+    }
+    for shown in [
+        "d\\nforged-dir/",
+        "d\\nforged-dir/in\\u{7}bell",
+        "link\\u{1b}]0;title\\u{7} -> t\\nforged-target",
+    ] {
+        assert_eq!(
+            lines.iter().filter(|l| **l == shown).count(),
+            1,
+            "{shown} in:\n{out}"
+        );
+    }
+    // One line per entry: nothing was forged.
+    assert_eq!(lines.len(), HOSTILE_NAMES.len() + 3, "{out}");
+    for forged in ["forged.txt", "forged-dir/", "over.txt", "forged-target"] {
+        assert!(!lines.contains(&forged), "{forged} forged in:\n{out}");
+    }
+
+    let out = env.ok("search_files", json!({"path": "."})).await;
+    assert_no_raw_controls(&out);
+    let lines: Vec<&str> = out.lines().collect();
+    for (_, shown) in HOSTILE_NAMES {
+        assert_eq!(lines.iter().filter(|l| **l == *shown).count(), 1, "{out}");
+    }
+    assert!(lines.contains(&"d\\nforged-dir/in\\u{7}bell"), "{out}");
+    let out = env
+        .ok(
+            "search_files",
+            json!({"path": ".", "glob": "x*", "content_regex": "x"}),
+        )
+        .await;
+    assert_no_raw_controls(&out);
+    // Sorted by the names on disk: the newline (0x0a) before the backslash (0x5c).
+    assert_eq!(out, "x\\nforged.txt:1: x\nx\\\\nforged.txt:1: x", "{out}");
+
+    let out = env
+        .ok("get_file_info", json!({"path": "esc\u{1b}[2Jclear"}))
+        .await;
+    assert_no_raw_controls(&out);
+    assert!(out.starts_with("path: esc\\u{1b}[2Jclear\n"), "{out}");
+    let out = env
+        .ok("get_file_info", json!({"path": "link\u{1b}]0;title\u{7}"}))
+        .await;
+    assert_no_raw_controls(&out);
+    assert!(out.contains("target: t\\nforged-target\n"), "{out}");
+
+    // Errors and confirmations name paths escaped too.
+    let err = env
+        .err("read_file", json!({"path": "gone\u{1b}[2J\n"}))
+        .await;
+    assert_no_raw_controls(&err);
+    assert!(err.contains("gone\\u{1b}[2J\\n"), "{err}");
+    let out = env
+        .ok(
+            "move_path",
+            json!({"source": "cr\rover.txt", "destination": "moved\u{202e}"}),
+        )
+        .await;
+    assert_no_raw_controls(&out);
+    assert!(out.contains("cr\\rover.txt to moved\\u{202e}"), "{out}");
+    let out = env
+        .ok(
+            "delete_path",
+            json!({"path": "d\nforged-dir", "recursive": true}),
+        )
+        .await;
+    assert_no_raw_controls(&out);
+    assert!(out.contains("d\\nforged-dir"), "{out}");
+    let out = env
+        .ok(
+            "edit_file",
+            json!({"path": "tab\tname", "dry_run": true, "edits": [{"old_text": "x", "new_text": "y"}]}),
+        )
+        .await;
+    assert!(
+        out.contains("--- a/tab\\tname\n+++ b/tab\\tname\n"),
+        "{out}"
+    );
+    let out = env
+        .ok("write_file", json!({"path": "new\u{1b}", "content": "z"}))
+        .await;
+    assert_no_raw_controls(&out);
+    assert!(out.contains("new\\u{1b}"), "{out}");
+}
