@@ -32,6 +32,8 @@ struct Recorded {
     path: String,
     headers: Vec<(String, String)>,
     body: Value,
+    /// When the request arrived (for figures the test prints, never for assertions).
+    at: Instant,
 }
 
 impl Recorded {
@@ -142,6 +144,7 @@ async fn serve_one(
         path,
         headers,
         body,
+        at: Instant::now(),
     });
     let reply = replies.lock().expect("lock").pop_front();
     let reply = reply.unwrap_or_else(|| {
@@ -631,11 +634,19 @@ async fn anthropic_plain_responses_max_tokens_refusal_and_provider_errors() {
         !raw.contains(KEY),
         "the key echoed by the provider reached the stream"
     );
+    let requests = provider.requests();
+    assert_eq!(requests.len(), 5, "one retry after the 529");
+    // The retry repeats the overloaded request.
+    assert_eq!(requests[4].body, requests[3].body);
     assert!(
-        started.elapsed() >= Duration::from_millis(900),
-        "the 529 is retried after a pause"
+        airlock.log().contains("model provider busy; retrying"),
+        "the 529 was retried as busy: {}",
+        airlock.log()
     );
-    assert_eq!(provider.requests().len(), 5, "one retry after the 529");
+    eprintln!(
+        "the 529 was retried {:?} after it (backoff 1 s; measured, not asserted)",
+        requests[4].at - requests[3].at
+    );
 
     let (events, _) = run(&airlock, json!({"prompt": "stop"})).await;
     assert_eq!(
@@ -921,9 +932,11 @@ async fn a_call_that_waits_for_approval_still_gets_exactly_one_result() {
 
 #[tokio::test]
 async fn closing_the_stream_cancels_the_run_and_its_calls() {
+    let marker = format!("airlock-agent-cancel-{}", std::process::id());
+    let command = json!({"command": format!("sleep 30 # {marker}")}).to_string();
     let provider = ScriptedProvider::start(vec![anthropic_stream(
         "",
-        &[("toolu_s", "execute_shell", &["{\"command\": \"sleep 30\"}"])],
+        &[("toolu_s", "execute_shell", &[command.as_str()])],
         "tool_use",
     )])
     .await;
@@ -944,9 +957,13 @@ async fn closing_the_stream_cancels_the_run_and_its_calls() {
             .expect("the stream goes on");
         seen.push_str(&String::from_utf8_lossy(&chunk));
     }
-    tokio::time::sleep(Duration::from_millis(800)).await;
+    // The sandboxed command runs; then the client goes away.
+    airlock.wait_started(&marker, "the agent's command").await;
     drop(response);
-    let started = Instant::now();
+    airlock
+        .wait_gone(&marker, "closing the run did not kill the sandbox")
+        .await;
+    let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let (_, audit) = airlock.get("/v1/audit?session_id=cancel1&limit=1000").await;
         let events = audit["events"].as_array().unwrap();
@@ -960,12 +977,11 @@ async fn closing_the_stream_cancels_the_run_and_its_calls() {
             break;
         }
         assert!(
-            started.elapsed() < Duration::from_secs(15),
+            Instant::now() < deadline,
             "the call was not cancelled: {audit}"
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    assert!(started.elapsed() < Duration::from_secs(15));
     assert_eq!(
         provider.requests().len(),
         1,

@@ -102,8 +102,10 @@ async fn write_read_edit_list_search_move_delete() {
     assert!(text.contains("main.txt"), "{text}");
 
     let (err, text, _) = call("get_file_info", json!({"path": "src/app/main.txt"})).await;
-    assert!(!err);
-    assert!(text.contains("17") || text.contains("size"), "{text}");
+    assert!(!err, "{text}");
+    // "alpha\nBETA\nGAMMA\n": 17 bytes in 3 lines.
+    assert!(text.lines().any(|l| l == "size: 17 bytes"), "{text}");
+    assert!(text.lines().any(|l| l == "type: file"), "{text}");
 
     let (err, text, _) = call(
         "move_path",

@@ -468,7 +468,29 @@ async fn policy_hides_and_denies_and_a_broken_policy_is_refused() {
         .find(|p| cmdline(*p).contains("serve orchestrator"))
         .expect("orchestrator");
     signal(orchestrator, rustix::process::Signal::HUP);
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The reload has been tried (and failed) once its audit event is there.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let (_, audit, _) = send(
+            &airlock,
+            "root-token",
+            reqwest::Method::GET,
+            "/v1/audit?latest=true&limit=50",
+            None,
+        )
+        .await;
+        if audit["events"]
+            .as_array()
+            .is_some_and(|events| events.iter().any(|e| e["kind"] == "policy_reload_failed"))
+        {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the failed reload was never audited: {audit}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     let still = call_as(
         &airlock,
         "alice-token",
@@ -586,7 +608,11 @@ async fn an_approved_call_survives_an_orchestrator_crash_and_runs_once() {
         done["status"], "ok",
         "the call was resumed and finished: {done}"
     );
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // The store holds the call's final outcome, so no replica claims it again; once no
+    // sandbox of it runs any more, every run there was has written its line.
+    airlock
+        .wait_gone(&marker, "the resumed command kept running")
+        .await;
     let lines = std::fs::read_to_string(ws.join("count.txt")).expect("count");
     assert_eq!(lines, "ran\nran\n", "each approved call ran exactly once");
 }

@@ -11,6 +11,7 @@ mod adversarial_workers;
 mod agent;
 mod api_contract;
 mod as_user;
+mod claims;
 mod cli;
 mod fs_tools;
 mod gate;

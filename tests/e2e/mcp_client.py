@@ -1,11 +1,14 @@
 #!/usr/bin/env python3
 """Drive Airlock's /mcp endpoint with the official MCP Python SDK (PyPI `mcp`).
 
-Usage: mcp_client.py <base_url> <token> [session_id]
+Usage: mcp_client.py <base_url> <token> [session_id [workspace_dir]]
 
-Lists the tools, calls `execute_shell` with a command that prints, sleeps and prints
+Lists the tools, calls `execute_shell` with a command that prints, waits and prints
 (asking for progress), sends arguments that violate the schema, calls an unknown tool,
-and abandons a long call after 1.5 s. Prints one JSON object on stdout,
+and abandons a long call once it runs. The command's wait ends when the file it waits for
+appears in the session's workspace (`workspace_dir`, the host path): this client creates
+it on receiving the progress notification for the first line, so the call can finish
+only if that notification was streamed while the command ran. Prints one JSON object on stdout,
 `{"<mode>": {...}}`, for tests/e2e/mcp.rs to check; with the SDK's 2.x API (`mcp.Client`)
 both "auto" (2026-07-28, no handshake) and "legacy" (initialize handshake) run, with the
 1.x API (`ClientSession`) only "legacy". Exits 3 when the SDK is not installed.
@@ -29,8 +32,13 @@ except ImportError as e:  # pragma: no cover - the Rust test reports this
     sys.exit(3)
 
 
-SHELL_COMMAND = "echo a; sleep 1; echo b"
 CANCEL_MARKER = "cancel-me"
+WORKSPACE = sys.argv[4] if len(sys.argv) > 4 else None
+
+
+def shell_command(release):
+    """Prints `a`, waits (bounded by the call's timeout) for the file `release`, prints `b`."""
+    return f"echo a; while [ ! -e {release} ]; do sleep 0.05; done; echo b"
 
 
 def wire(model):
@@ -57,20 +65,30 @@ def tool_summary(tool):
     }
 
 
-async def exercise(list_tools, call_tool):
+async def exercise(list_tools, call_tool, mode):
     """The checks, given the SDK's list and call functions."""
     out = {"sdk_version": SDK_VERSION}
     listed = await list_tools()
     out["tools"] = [tool_summary(t) for t in listed.tools]
 
     progress = []
+    release = f"release-{mode}"
+    released = {"on_progress": None}
 
     async def on_progress(value, total, message):
         progress.append({"progress": value, "total": total, "message": message})
+        if released["on_progress"] is None and message and "[stdout] a" in message:
+            # The first line arrived while the command waits: let it finish.
+            if WORKSPACE is not None:
+                open(f"{WORKSPACE}/{release}", "w").close()
+            released["on_progress"] = len(progress)
 
-    shell = await call_tool("execute_shell", {"command": SHELL_COMMAND}, on_progress)
+    shell = await call_tool(
+        "execute_shell", {"command": shell_command(release), "timeout_seconds": 60}, on_progress
+    )
     out["shell"] = {"is_error": is_error(shell), "text": text_of(shell), "meta": wire(shell).get("_meta")}
     out["progress"] = progress
+    out["released_at_progress"] = released["on_progress"]
 
     bad = await call_tool("execute_shell", {"command": 5}, None)
     out["schema_error"] = {"is_error": is_error(bad), "text": text_of(bad)}
@@ -78,13 +96,28 @@ async def exercise(list_tools, call_tool):
     unknown = await call_tool("no_such_tool", {}, None)
     out["unknown_tool"] = {"is_error": is_error(unknown), "text": text_of(unknown)}
 
-    # Give up on a long call: the SDK closes its response stream (2026-07-28) or sends
-    # notifications/cancelled (earlier revisions); Airlock must cancel the call.
+    # Give up on a long call once it runs (its first line came as progress): the SDK
+    # closes its response stream (2026-07-28) or sends notifications/cancelled (earlier
+    # revisions); Airlock must cancel the call.
     started = time.monotonic()
     finished = False
-    with anyio.move_on_after(1.5):
-        await call_tool("execute_shell", {"command": f"sleep 20; echo {CANCEL_MARKER}"}, None)
+    running = anyio.Event()
+
+    async def on_running(value, total, message):
+        if message and "[stdout] running" in message:
+            running.set()
+
+    async def long_call():
+        nonlocal finished
+        command = f"echo running; sleep 20; echo {CANCEL_MARKER}"
+        await call_tool("execute_shell", {"command": command}, on_running)
         finished = True
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(long_call)
+        with anyio.fail_after(60):
+            await running.wait()
+        group.cancel_scope.cancel()
     out["cancel"] = {"finished": finished, "waited_s": round(time.monotonic() - started, 2)}
     return out
 
@@ -105,7 +138,7 @@ async def run_v2(url, headers):
                 async def call(name, args, on_progress):
                     return await client.call_tool(name, args, progress_callback=on_progress)
 
-                out = await exercise(client.list_tools, call)
+                out = await exercise(client.list_tools, call, mode)
                 out["protocol_version"] = client.protocol_version
                 runs[mode] = out
         return runs
@@ -128,14 +161,14 @@ async def run_v1(url, headers):
             async def call(name, args, on_progress):
                 return await session.call_tool(name, args, progress_callback=on_progress)
 
-            out = await exercise(session.list_tools, call)
+            out = await exercise(session.list_tools, call, "legacy")
             out["protocol_version"] = init.protocolVersion
             return {"legacy": out}
 
 
 async def main():
     if len(sys.argv) < 3:
-        print("usage: mcp_client.py <base_url> <token> [session_id]", file=sys.stderr)
+        print("usage: mcp_client.py <base_url> <token> [session_id [workspace_dir]]", file=sys.stderr)
         sys.exit(2)
     base, token = sys.argv[1].rstrip("/"), sys.argv[2]
     session = sys.argv[3] if len(sys.argv) > 3 else None

@@ -12,7 +12,12 @@ use crate::support::Airlock;
 
 /// A loopback HTTP server answering every request with a small page; counts connections.
 fn page_server() -> (u16, Arc<AtomicUsize>) {
-    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    page_server_on("127.0.0.1:0")
+}
+
+/// [`page_server`] on a given address (`[::1]:<port>` for an IPv6 canary).
+fn page_server_on(addr: &str) -> (u16, Arc<AtomicUsize>) {
+    let listener = TcpListener::bind(addr).unwrap_or_else(|e| panic!("bind {addr}: {e}"));
     let port = listener.local_addr().expect("addr").port();
     let hits = Arc::new(AtomicUsize::new(0));
     let counter = hits.clone();
@@ -72,20 +77,52 @@ async fn http_tools_follow_the_egress_policy_and_approvals_by_method() {
     );
     assert_eq!(parse(&text)["status"], 200);
 
-    for url in [
-        format!("http://127.0.0.1:{refused}/"),
-        format!("http://2130706433:{refused}/"),
-        "http://169.254.169.254/latest/meta-data/".to_owned(),
-        format!("http://[::1]:{allowed}/"),
-        format!("http://0x7f000001:{refused}/"),
+    // A canary listens behind every refused URL but the metadata address (which cannot
+    // be bound without changing the host's network): a refusal must come from the
+    // egress rules before any connection, so every canary sees none, and the message
+    // names the rule (a plain "connection refused" would not).
+    let (_, v6_hits) = page_server_on(&format!("[::1]:{allowed}"));
+    let special = |addr: &str, kind: &str, target: &str| {
+        format!(
+            "refused: {addr} is {kind} (special-purpose); internal and special addresses are \
+             not reachable unless an operator adds \"{target}\" to [http] allow"
+        )
+    };
+    let v4_loopback = special(
+        "127.0.0.1",
+        "a loopback address",
+        &format!("127.0.0.1:{refused}"),
+    );
+    for (url, expected) in [
+        (format!("http://127.0.0.1:{refused}/"), v4_loopback.clone()),
+        (format!("http://2130706433:{refused}/"), v4_loopback.clone()),
+        (
+            "http://169.254.169.254/latest/meta-data/".to_owned(),
+            special(
+                "169.254.169.254",
+                "a link-local address (cloud metadata lives here)",
+                "169.254.169.254:80",
+            ),
+        ),
+        (
+            format!("http://[::1]:{allowed}/"),
+            special("::1", "the loopback address", &format!("[::1]:{allowed}")),
+        ),
+        (format!("http://0x7f000001:{refused}/"), v4_loopback),
     ] {
         let (err, text, _) = airlock.call("fetch_url", json!({"url": url})).await;
-        assert!(err && text.contains("refused"), "{url}: {text}");
+        assert!(err, "{url}: {text}");
+        assert_eq!(text, expected, "{url}");
     }
     assert_eq!(
         refused_hits.load(Ordering::SeqCst),
         0,
         "the refused server saw no connection"
+    );
+    assert_eq!(
+        v6_hits.load(Ordering::SeqCst),
+        0,
+        "the IPv6 loopback canary saw no connection"
     );
 
     // A POST needs a human.
@@ -96,7 +133,8 @@ async fn http_tools_follow_the_egress_policy_and_approvals_by_method() {
         response["calls"][0]["status"], "pending_approval",
         "{response}"
     );
-    assert!(hits.load(Ordering::SeqCst) >= 2);
+    // fetch_url and the GET reached it; the POST waits for a human and has not.
+    assert_eq!(hits.load(Ordering::SeqCst), 2);
 }
 
 #[tokio::test]

@@ -274,11 +274,12 @@ async fn two_orchestrators_share_approvals_and_one_audit_chain() {
 
     // --- 1. pending on A, approved through B, run exactly once ------------------------
     let session = "replicas";
+    let marker = format!("airlock-replicas-{}", std::process::id());
     let answer = door_a
         .call(
             Some(session),
             "execute_shell",
-            json!({"command": "echo ran >> count.txt"}),
+            json!({"command": format!("echo ran >> count.txt # {marker}")}),
             300,
         )
         .await;
@@ -338,8 +339,10 @@ async fn two_orchestrators_share_approvals_and_one_audit_chain() {
         done_a["tool_result"]["content"], done_b["tool_result"]["content"],
         "both replicas return the same result"
     );
-    // Give a second run (if any) time to show up.
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // Both replicas read the call's final outcome from the store, so neither can claim
+    // it any more; once no sandbox of it runs, every run there was has written its line.
+    a.wait_gone(&marker, "a run of the approved call kept going")
+        .await;
     let workspace = a
         .data_dir()
         .join("workspaces")
@@ -428,9 +431,9 @@ async fn two_orchestrators_share_approvals_and_one_audit_chain() {
         .filter_map(|e| e["data"]["claimant"].as_str())
         .collect();
     assert_eq!(claimants.len(), 2, "{claimants:?}");
-    assert!(
-        started.elapsed() < Duration::from_secs(240),
-        "took {:?}",
+    eprintln!(
+        "two replicas, one approval and {} calls: {:?} (measured, not asserted)",
+        2 * PER_REPLICA,
         started.elapsed()
     );
     drop(b);

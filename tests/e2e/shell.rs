@@ -92,14 +92,34 @@ async fn execute_shell_runs_in_the_workspace_with_an_isolation_report() {
 #[tokio::test]
 async fn the_sandbox_environment_holds_no_secrets() {
     let airlock = Airlock::start().await;
-    let (_, text, _) = airlock
+    let (err, text, _) = airlock
         .call(
             "execute_shell",
             json!({"command": "env; cat /proc/1/environ | tr '\\0' '\\n'"}),
         )
         .await;
+    assert!(!err, "{text}");
     let result = parse(&text);
+    assert_eq!(result["exit_code"], 0, "{result}");
     let stdout = result["stdout"].as_str().expect("stdout");
+    // The command's environment is exactly what the sandbox sets (the shell adds PWD).
+    let mut variables: Vec<&str> = stdout.lines().collect();
+    variables.sort_unstable();
+    assert_eq!(
+        variables,
+        [
+            "HOME=/workspace",
+            "PATH=/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin",
+            "PWD=/workspace",
+            "TMPDIR=/tmp",
+        ],
+        "{stdout}"
+    );
+    // The sandbox's init (pid 1 of its pid namespace) keeps its environment unreadable.
+    assert_eq!(
+        result["stderr"], "cat: /proc/1/environ: Permission denied\n",
+        "{result}"
+    );
     assert!(
         !stdout.contains(&airlock.token),
         "the token reached the sandbox"
@@ -123,10 +143,14 @@ async fn a_command_that_outlives_its_timeout_is_killed() {
         .await;
     assert!(err);
     let result = parse(&text);
+    // Only the 1 s timeout can end a command that sleeps 30 s before its last line.
     assert_eq!(result["timed_out"], true, "{result}");
     assert_eq!(result["stdout"], "start\n");
     assert_eq!(call["status"], "timeout");
-    assert!(started.elapsed() < Duration::from_secs(20));
+    eprintln!(
+        "a 1 s timeout answered after {:?} (measured, not asserted)",
+        started.elapsed()
+    );
 }
 
 #[tokio::test]
@@ -177,7 +201,7 @@ async fn output_streams_over_grpc_while_the_command_runs() {
         tool_use: Some(pb::ToolUse {
             id: "s".into(),
             name: "execute_shell".into(),
-            input_json: json!({"command": "echo first; sleep 2; echo second"}).to_string(),
+            input_json: json!({"command": RELEASED_BY_THE_TEST, "timeout_seconds": 60}).to_string(),
         }),
     });
     request.metadata_mut().insert(
@@ -191,30 +215,71 @@ async fn output_streams_over_grpc_while_the_command_runs() {
         .await
         .expect("stream")
         .into_inner();
-    let started = Instant::now();
-    let mut first_at = None;
-    let mut completed_at = None;
-    while let Some(event) = stream.message().await.expect("event") {
+    // The command cannot finish before the test has seen its first line: the file it
+    // waits for is created only then. Output held back until the end never arrives.
+    let go = airlock.workspace("stream").join("go");
+    let mut released = false;
+    let mut completed = false;
+    for _ in 0..10_000 {
+        let event = tokio::time::timeout(Duration::from_secs(90), stream.message())
+            .await
+            .expect("the stream went quiet")
+            .expect("event");
+        let Some(event) = event else { break };
         match event.event {
             Some(pb::call_event::Event::Output(chunk)) if chunk.data.contains("first") => {
-                first_at.get_or_insert(started.elapsed());
+                assert!(!completed, "output after completion");
+                if !released {
+                    std::fs::write(&go, "").expect("release the command");
+                    released = true;
+                }
             }
             Some(pb::call_event::Event::Completed(done)) => {
-                completed_at = Some(started.elapsed());
+                assert!(
+                    released,
+                    "the call completed before its first output was streamed: {done:?}"
+                );
+                completed = true;
                 let result = done.result.expect("result");
-                assert!(result.content[0].contains("second"));
+                let shell = parse(&result.content[0]);
+                assert_eq!(shell["stdout"], "first\nsecond\n", "{shell}");
+                assert_eq!(shell["exit_code"], 0, "{shell}");
             }
             _ => {}
         }
     }
-    let first_at = first_at.expect("output arrived as an event");
-    let completed_at = completed_at.expect("completed");
-    // "first" was delivered before the command finished (it sleeps in between): an
-    // ordering check, not a timing threshold.
     assert!(
-        first_at < completed_at,
-        "first output {first_at:?} came with completion {completed_at:?}"
+        released && completed,
+        "released {released}, completed {completed}"
     );
+}
+
+/// Prints `first`, then waits (bounded by its timeout) for the file `go` the test creates
+/// once it has received that line, then prints `second`.
+const RELEASED_BY_THE_TEST: &str =
+    "echo first; while [ ! -e go ]; do sleep 0.05; done; echo second";
+
+/// The complete Server-Sent Events in `text`: (event name, parsed data).
+fn sse_events(text: &str) -> Vec<(String, Value)> {
+    let complete = match text.rfind("\n\n") {
+        Some(end) => &text[..end],
+        None => return Vec::new(),
+    };
+    complete
+        .split("\n\n")
+        .filter_map(|block| {
+            let mut name = None;
+            let mut data = String::new();
+            for line in block.lines() {
+                if let Some(n) = line.strip_prefix("event: ") {
+                    name = Some(n.to_owned());
+                } else if let Some(d) = line.strip_prefix("data: ") {
+                    data.push_str(d);
+                }
+            }
+            Some((name?, serde_json::from_str(&data).ok()?))
+        })
+        .collect()
 }
 
 #[tokio::test]
@@ -296,8 +361,8 @@ async fn the_sandbox_cannot_leave_setid_files_in_the_workspace() {
 async fn tool_calls_stream_server_sent_events_and_closing_cancels() {
     let airlock = Airlock::start().await;
     let body = json!({"session_id": "sse", "tool_uses": [{"type": "tool_use", "id": "s1", "name": "execute_shell",
-        "input": {"command": "echo first; sleep 2; echo second"}}]});
-    let response = airlock
+        "input": {"command": RELEASED_BY_THE_TEST, "timeout_seconds": 60}}]});
+    let mut response = airlock
         .request(reqwest::Method::POST, "/v1/tool_calls?stream=true")
         .json(&body)
         .send()
@@ -310,21 +375,46 @@ async fn tool_calls_stream_server_sent_events_and_closing_cancels() {
             .expect("type")
             .starts_with("text/event-stream")
     );
-    let text = response.text().await.expect("body");
-    let names: Vec<&str> = text
-        .lines()
-        .filter_map(|l| l.strip_prefix("event: "))
-        .collect();
+    // The command finishes only after the test has read its first line from the stream
+    // (see RELEASED_BY_THE_TEST): a stream that held output back would never get there.
+    let go = airlock.workspace("sse").join("go");
+    let mut text = String::new();
+    let mut released = false;
+    for _ in 0..10_000 {
+        let chunk = tokio::time::timeout(Duration::from_secs(90), response.chunk())
+            .await
+            .expect("the stream went quiet")
+            .expect("read the stream");
+        let Some(chunk) = chunk else { break };
+        text.push_str(&String::from_utf8_lossy(&chunk));
+        if !released {
+            let events = sse_events(&text);
+            assert!(
+                !events.iter().any(|(name, _)| name == "call.completed"),
+                "the call completed before its first output was streamed: {text}"
+            );
+            if events
+                .iter()
+                .any(|(name, data)| name == "call.output" && data["data"] == "first\n")
+            {
+                std::fs::write(&go, "").expect("release the command");
+                released = true;
+            }
+        }
+    }
+    assert!(released, "no output event for the first line: {text}");
+    let events = sse_events(&text);
+    let names: Vec<&str> = events.iter().map(|(name, _)| name.as_str()).collect();
     assert_eq!(names.first(), Some(&"call.started"), "{text}");
     assert_eq!(names.last(), Some(&"call.completed"), "{text}");
-    let first_output = text.find("first").expect("output event");
-    let second_output = text.find("second").expect("second output");
-    let completed = text.find("event: call.completed").expect("completed");
-    assert!(names.contains(&"call.output"));
-    assert!(
-        first_output < completed && second_output < completed,
-        "outputs precede completion"
-    );
+    let outputs: Vec<&Value> = events
+        .iter()
+        .filter(|(name, _)| name == "call.output")
+        .map(|(_, data)| &data["data"])
+        .collect();
+    assert_eq!(outputs, [&json!("first\n"), &json!("second\n")], "{text}");
+    let (_, completed) = events.last().expect("completed");
+    assert_eq!(completed["call"]["status"], "ok", "{completed}");
 
     // Closing the stream cancels the call and kills its sandbox.
     let marker = format!("airlock-sse-{}", std::process::id());

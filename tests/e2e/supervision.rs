@@ -40,7 +40,27 @@ async fn a_worker_killed_mid_call_gives_a_clear_error_and_comes_back() {
                 .expect("json")
         })
     };
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The call has been handed to the frozen worker once the orchestrator has audited
+    // its dispatch (the second one of this test).
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let (status, audit) = airlock.get("/v1/audit?limit=1000").await;
+        assert_eq!(status, 200, "{audit}");
+        let dispatched = audit["events"]
+            .as_array()
+            .expect("events")
+            .iter()
+            .filter(|e| e["kind"] == "dispatched")
+            .count();
+        if dispatched == 2 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the read_file call was never dispatched: {audit}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     assert!(
         !call.is_finished(),
         "the call should be waiting on the frozen worker"

@@ -1,6 +1,7 @@
 //! Escape attempts through every path-taking fs tool. Each must fail, and nothing outside
 //! the workspace may be read or changed.
 
+use std::collections::BTreeSet;
 use std::os::unix::fs::symlink;
 
 use serde_json::{Value, json};
@@ -110,7 +111,27 @@ async fn traversal_battery() {
         ),
         ("delete_path", json!({"path": "/etc/passwd"})),
     ];
-    assert!(attempts.len() >= 15);
+    // The battery covers every tool that takes a workspace path (`path`, or `source` and
+    // `destination`), as the catalog lists them.
+    let (status, catalog) = airlock.get("/v1/tools").await;
+    assert_eq!(status, 200, "{catalog}");
+    let path_tools: BTreeSet<&str> = catalog["tools"]
+        .as_array()
+        .expect("tools")
+        .iter()
+        .filter(|t| {
+            let properties = &t["input_schema"]["properties"];
+            ["path", "source", "destination"]
+                .iter()
+                .any(|p| properties.get(*p).is_some())
+        })
+        .map(|t| t["name"].as_str().expect("name"))
+        .collect();
+    let attempted: BTreeSet<&str> = attempts.iter().map(|(tool, _)| *tool).collect();
+    assert_eq!(
+        attempted, path_tools,
+        "every path-taking tool gets escape attempts"
+    );
     for (tool, input) in &attempts {
         let (is_error, text, _) = airlock.call(tool, input.clone()).await;
         assert!(is_error, "{tool} {input} succeeded: {text}");
@@ -125,16 +146,20 @@ async fn traversal_battery() {
     }
 
     // Search that starts inside does not follow the symlink out either.
-    let (_, text, _) = airlock
+    let (is_error, text, _) = airlock
         .call(
             "search_files",
             json!({"path": ".", "content_regex": "SECRET"}),
         )
         .await;
+    assert!(!is_error, "{text}");
     assert!(
         !text.contains("link_out/secret.txt"),
         "search followed a symlink out: {text}"
     );
+    // The one match is the hard link planted in the workspace (a name of its own there);
+    // none comes through link_out, rel_out, file_link, chain1 or proc_root.
+    assert_eq!(text, "hard.txt:1: TOP-SECRET-CANARY", "{text}");
 
     // Writing to a hard-linked file replaces the workspace's name, not the shared inode.
     let (is_error, text, _) = airlock

@@ -6,7 +6,7 @@
 
 use std::fs::File;
 use std::io::{Read, Write};
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{DirBuilderExt, FileTypeExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::{ExitCode, Stdio};
 use std::time::{Duration, Instant};
@@ -213,6 +213,7 @@ async fn supervise(loaded: Loaded) -> anyhow::Result<ExitCode> {
         e = wait_for_orchestrator(&loaded.data_dir, &mut components) => e,
         _ = &mut shutdown => {
             stop_all(&mut components).await;
+            remove_sockets(&loaded.data_dir);
             return Ok(ExitCode::SUCCESS);
         }
     };
@@ -220,6 +221,7 @@ async fn supervise(loaded: Loaded) -> anyhow::Result<ExitCode> {
         Ok(e) => e,
         Err(e) => {
             stop_all(&mut components).await;
+            remove_sockets(&loaded.data_dir);
             return Err(e);
         }
     };
@@ -245,8 +247,24 @@ async fn supervise(loaded: Loaded) -> anyhow::Result<ExitCode> {
         spawn(&exe, component)?;
     }
     stop_all(&mut components).await;
+    remove_sockets(&loaded.data_dir);
     let _ = std::fs::remove_file(loaded.data_dir.join("endpoints.json"));
     Ok(ExitCode::SUCCESS)
+}
+
+/// Once every component has stopped: removes the Unix sockets they listened on in
+/// `<data_dir>/sockets`, so a stopped `airlock up` leaves no socket file behind.
+fn remove_sockets(data_dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(data_dir.join("sockets")) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        if entry.file_type().is_ok_and(|t| t.is_socket())
+            && let Err(e) = std::fs::remove_file(entry.path())
+        {
+            tracing::warn!(socket = %entry.path().display(), error = %e, "cannot remove a socket");
+        }
+    }
 }
 
 /// `host:0` becomes `host:<a free port>`; anything else stays as it is.

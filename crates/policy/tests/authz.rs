@@ -982,21 +982,21 @@ fn a_forbid_that_fails_to_evaluate_denies() {
     );
 }
 
+/// Repeated decisions on one authorizer give one answer. The cost of a decision is a
+/// figure printed for the reader (a benchmark number), never a pass/fail threshold.
 #[test]
-fn decisions_are_fast_enough_for_the_gate() {
+fn repeated_decisions_agree_and_report_their_cost() {
     let authorizer = load(
         &with_default(&example("fs-paths.cedar")),
         ApprovalKnob::default(),
     );
     let call = agent("write_file", json!({"path": "src/lib.rs", "content": "x"}));
+    let first = decide(&authorizer, &call);
+    assert!(!first.is_deny(), "{first:?}");
     let started = std::time::Instant::now();
     for _ in 0..200 {
-        assert!(!decide(&authorizer, &call).is_deny());
+        assert_eq!(decide(&authorizer, &call), first);
     }
     let per_call = started.elapsed() / 200;
-    eprintln!("decide: {per_call:?} per call");
-    assert!(
-        per_call < std::time::Duration::from_millis(50),
-        "{per_call:?}"
-    );
+    eprintln!("decide: {per_call:?} per call (measured, not asserted)");
 }

@@ -606,10 +606,10 @@ async fn slow_server_hits_the_timeout_and_cancel_stops_a_call() {
         json!({"method": "GET", "url": server.url("/"), "timeout_seconds": 0.5}),
     )
     .await;
+    // The server never answers: only the call's own 0.5 s timeout can end it.
     assert!(e.contains("timed out after 0.5 s (timeout_seconds)"), "{e}");
-    assert!(
-        started.elapsed() < Duration::from_secs(5),
-        "{:?}",
+    eprintln!(
+        "a 0.5 s timeout ended the call after {:?} (measured, not asserted)",
         started.elapsed()
     );
 
@@ -624,27 +624,38 @@ async fn slow_server_hits_the_timeout_and_cancel_stops_a_call() {
         "{e}"
     );
 
+    // The cancel is sent once the server holds the request: the call is in flight.
     let cancel = CancellationToken::new();
     let set = tools(config).unwrap();
-    let trigger = cancel.clone();
-    tokio::spawn(async move {
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        trigger.cancel();
-    });
+    let before = server.seen().len();
+    let trigger = async {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while server.seen().len() == before {
+            assert!(
+                Instant::now() < deadline,
+                "the request never reached the server"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        cancel.cancel();
+    };
     let started = Instant::now();
-    let out = set
-        .get("http_request")
-        .unwrap()
-        .execute(
+    let tool = set.get("http_request").unwrap();
+    let (out, ()) = tokio::join!(
+        tool.execute(
             json!({"method": "GET", "url": server.url("/")}),
-            ctx_with(cancel),
-        )
-        .await;
+            ctx_with(cancel.clone()),
+        ),
+        trigger
+    );
     assert!(
         out.is_error && out.content[0].contains("was cancelled"),
         "{out:?}"
     );
-    assert!(started.elapsed() < Duration::from_secs(5));
+    eprintln!(
+        "cancelled after {:?} (measured, not asserted)",
+        started.elapsed()
+    );
 }
 
 #[tokio::test]
@@ -685,9 +696,8 @@ async fn endless_body_is_capped() {
     assert_eq!(out["body_truncated"], true);
     assert_eq!(out["total_chars"], 50_000);
     assert_eq!(out["content"], "aaaaaaaaaa");
-    assert!(
-        started.elapsed() < Duration::from_secs(20),
-        "{:?}",
+    eprintln!(
+        "three capped reads of an endless body: {:?} (measured, not asserted)",
         started.elapsed()
     );
 }
@@ -777,9 +787,9 @@ async fn gzip_bomb_is_bounded_and_gzip_is_decoded() {
     );
     let default_cap = get(&config, &server.url("/bomb")).await;
     assert_eq!(default_cap["body_bytes"], 5 * 1024 * 1024);
-    assert!(
-        started.elapsed() < Duration::from_secs(20),
-        "bomb took {:?}",
+    assert_eq!(default_cap["truncated"], true);
+    eprintln!(
+        "two capped reads of a 1 GiB gzip bomb: {:?} (measured, not asserted)",
         started.elapsed()
     );
 

@@ -18,7 +18,8 @@ use airlock_worker::{
 use tokio::sync::oneshot;
 use tonic::transport::{Channel, Endpoint, Uri};
 
-/// Sleeps for `millis`, reporting progress, unless cancelled first.
+/// Sleeps for `millis`, reporting progress, unless cancelled first. With `until` (a
+/// file path) it runs until that file exists instead: the test decides when it ends.
 struct Sleeper {
     cancelled: Arc<AtomicBool>,
     finished: Arc<AtomicUsize>,
@@ -41,11 +42,34 @@ impl Tool for Sleeper {
 
     async fn execute(&self, arguments: serde_json::Value, ctx: CallContext) -> ToolOutcome {
         let millis = arguments["millis"].as_u64().unwrap_or(0);
+        let until = arguments["until"].as_str().map(std::path::PathBuf::from);
         ctx.progress(0.0, Some(1.0), "starting");
+        let released = async {
+            match &until {
+                // A bounded wait on the file; the 10 ms pause only paces the poll.
+                Some(file) => {
+                    for _ in 0..6000 {
+                        if file.exists() {
+                            return true;
+                        }
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                    }
+                    false
+                }
+                None => {
+                    tokio::time::sleep(Duration::from_millis(millis)).await;
+                    true
+                }
+            }
+        };
         tokio::select! {
-            _ = tokio::time::sleep(Duration::from_millis(millis)) => {
+            released = released => {
                 self.finished.fetch_add(1, Ordering::SeqCst);
-                ToolOutcome::text(format!("slept {millis} ms"))
+                match until {
+                    Some(_) if released => ToolOutcome::text("released"),
+                    Some(_) => ToolOutcome::error("never released"),
+                    None => ToolOutcome::text(format!("slept {millis} ms")),
+                }
             }
             _ = ctx.cancel.cancelled() => {
                 self.cancelled.store(true, Ordering::SeqCst);
@@ -126,13 +150,57 @@ async fn result_of(
     client: &mut ToolWorkerClient<Channel>,
     req: pb::ExecuteRequest,
 ) -> Result<pb::ToolResult, tonic::Status> {
-    let mut stream = client.execute(req).await?.into_inner();
+    let stream = client.execute(req).await?.into_inner();
+    result_from(stream).await
+}
+
+/// The result at the end of a call's event stream.
+async fn result_from(
+    mut stream: tonic::Streaming<pb::ExecuteEvent>,
+) -> Result<pb::ToolResult, tonic::Status> {
     while let Some(event) = stream.message().await? {
         if let Some(pb::execute_event::Event::Result(r)) = event.event {
             return Ok(r);
         }
     }
     Err(tonic::Status::unknown("no result"))
+}
+
+/// Starts a call and returns its event stream once the tool runs: its first event, the
+/// tool's "starting" progress, has arrived (within a generous bound).
+async fn running(
+    client: &mut ToolWorkerClient<Channel>,
+    req: pb::ExecuteRequest,
+) -> tonic::Streaming<pb::ExecuteEvent> {
+    let mut stream = client.execute(req).await.unwrap().into_inner();
+    let first = tokio::time::timeout(Duration::from_secs(20), stream.message())
+        .await
+        .expect("the tool never started")
+        .unwrap()
+        .expect("the stream ended before the tool started");
+    match first.event {
+        Some(pb::execute_event::Event::Progress(p)) => assert_eq!(p.message, "starting"),
+        other => panic!("the first event is not the tool's progress: {other:?}"),
+    }
+    stream
+}
+
+/// A request for a call that runs until the file `until` exists.
+fn held_request(call_id: &str, until: &std::path::Path) -> pb::ExecuteRequest {
+    pb::ExecuteRequest {
+        call_id: call_id.into(),
+        arguments_json: serde_json::json!({ "until": until }).to_string(),
+        ..request(0, 0)
+    }
+}
+
+/// Polls `done` until it holds, within a generous bound (the pause only paces the poll).
+async fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !done() {
+        assert!(Instant::now() < deadline, "{what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 }
 
 #[tokio::test]
@@ -158,15 +226,14 @@ async fn a_call_streams_progress_then_one_result() {
 async fn the_workers_own_timer_answers_deadline_exceeded() {
     let h = start(WorkerSettings::default()).await;
     let mut c = client(&h.socket).await;
-    let started = Instant::now();
+    // The tool would sleep 30 s; the 200 ms deadline answers first and stops it.
     let err = result_of(&mut c, request(30_000, 200)).await.unwrap_err();
     assert_eq!(err.code(), tonic::Code::DeadlineExceeded, "{err}");
-    assert!(
-        started.elapsed() < Duration::from_secs(20),
-        "the call was not stopped"
-    );
-    // The tool saw the cancellation.
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // The tool saw the cancellation, and never finished its sleep.
+    wait_until("the tool never saw the cancellation", || {
+        h.cancelled.load(Ordering::SeqCst)
+    })
+    .await;
     assert_eq!(h.finished.load(Ordering::SeqCst), 0);
 }
 
@@ -188,42 +255,78 @@ async fn the_configured_maximum_caps_a_requested_deadline() {
 async fn a_caller_that_goes_away_cancels_the_call() {
     let h = start(WorkerSettings::default()).await;
     let mut c = client(&h.socket).await;
-    let stream = c.execute(request(30_000, 0)).await.unwrap().into_inner();
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    let stream = running(&mut c, request(30_000, 0)).await;
     drop(stream);
     drop(c);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !h.cancelled.load(Ordering::SeqCst) {
-        assert!(
-            Instant::now() < deadline,
-            "the tool never saw the cancellation"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_until("the tool never saw the cancellation", || {
+        h.cancelled.load(Ordering::SeqCst)
+    })
+    .await;
+    assert_eq!(h.finished.load(Ordering::SeqCst), 0);
 }
 
 #[tokio::test]
 async fn shutdown_drains_in_flight_calls_and_refuses_new_ones() {
     let h = start(WorkerSettings::default()).await;
     let mut c = client(&h.socket).await;
-    let in_flight = tokio::spawn({
-        let mut c = c.clone();
-        async move { result_of(&mut c, request(700, 0)).await }
-    });
-    tokio::time::sleep(Duration::from_millis(150)).await;
+    // The in-flight call runs until the test releases it, so the drain is observed
+    // while it is certainly still running.
+    let release = h.socket.with_file_name("release");
+    let stream = running(&mut c, held_request("in-flight", &release)).await;
+    let in_flight = tokio::spawn(result_from(stream));
     let mut h = h;
     h.stop.take().unwrap().send(()).unwrap();
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    // A new connection is refused while the old call finishes.
-    let fresh = tokio::net::UnixStream::connect(&h.socket).await;
-    let new_call_refused = match fresh {
-        Err(_) => true,
-        Ok(_) => result_of(&mut c, request(10, 0)).await.is_err(),
-    };
-    assert!(new_call_refused, "a new call was accepted during the drain");
-    let result = in_flight.await.unwrap().expect("in-flight call finished");
-    assert_eq!(result.content, vec!["slept 700 ms".to_owned()]);
-    tokio::time::timeout(Duration::from_secs(10), h.server)
+    // A new call is refused while the old call runs: probe until the drain has begun
+    // (a probe accepted before it began runs to its end like any call).
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut accepted = 0;
+    loop {
+        let refused = match tokio::net::UnixStream::connect(&h.socket).await {
+            Err(e) => Some(format!("connect: {e}")),
+            Ok(_) => {
+                let mut probe = request(1, 0);
+                probe.call_id = format!("probe-{accepted}");
+                match tokio::time::timeout(Duration::from_secs(5), result_of(&mut c, probe)).await {
+                    Err(_) => Some("a call never answered".to_owned()),
+                    Ok(Err(status)) => Some(format!("a call: {status}")),
+                    Ok(Ok(_)) => None,
+                }
+            }
+        };
+        if let Some(how) = refused {
+            eprintln!("refused ({how}) after {accepted} accepted probe call(s)");
+            break;
+        }
+        accepted += 1;
+        assert!(Instant::now() < deadline, "new calls were still accepted");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // Nor does the connection the in-flight call uses take a new call.
+    let mut late = request(1, 0);
+    late.call_id = "late".into();
+    let late = tokio::time::timeout(Duration::from_secs(5), result_of(&mut c, late)).await;
+    assert!(
+        !matches!(late, Ok(Ok(_))),
+        "a new call ran during the drain"
+    );
+    assert!(!in_flight.is_finished(), "the in-flight call ended early");
+    assert_eq!(
+        h.finished.load(Ordering::SeqCst),
+        accepted,
+        "only the accepted probes finished"
+    );
+    std::fs::write(&release, "").unwrap();
+    let result = tokio::time::timeout(Duration::from_secs(20), in_flight)
+        .await
+        .expect("the in-flight call finished")
+        .unwrap()
+        .expect("the in-flight call succeeded");
+    assert_eq!(result.content, vec!["released".to_owned()]);
+    assert!(
+        !h.cancelled.load(Ordering::SeqCst),
+        "the drain cancelled nothing"
+    );
+    tokio::time::timeout(Duration::from_secs(20), h.server)
         .await
         .expect("server stopped")
         .unwrap();
@@ -237,8 +340,8 @@ async fn drain_grace_cancels_calls_that_run_too_long() {
     };
     let mut h = start(settings).await;
     let mut c = client(&h.socket).await;
-    let in_flight = tokio::spawn(async move { result_of(&mut c, request(60_000, 0)).await });
-    tokio::time::sleep(Duration::from_millis(150)).await;
+    let stream = running(&mut c, request(60_000, 0)).await;
+    let in_flight = tokio::spawn(result_from(stream));
     h.stop.take().unwrap().send(()).unwrap();
     tokio::time::timeout(Duration::from_secs(10), h.server)
         .await
@@ -248,6 +351,7 @@ async fn drain_grace_cancels_calls_that_run_too_long() {
         h.cancelled.load(Ordering::SeqCst),
         "the long call was cancelled"
     );
+    assert_eq!(h.finished.load(Ordering::SeqCst), 0);
     let _ = in_flight.await;
 }
 
@@ -291,11 +395,8 @@ async fn a_repeated_call_id_joins_the_original_run() {
     first.detached = true;
     let mut second = first.clone();
     second.arguments_json = "{\"millis\": 1}".into();
-    let a = tokio::spawn({
-        let mut c = c.clone();
-        async move { result_of(&mut c, first).await }
-    });
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    // The first run is under way before the second request arrives.
+    let a = tokio::spawn(result_from(running(&mut c, first).await));
     let b = result_of(&mut c, second).await.unwrap();
     assert_eq!(
         b.content,
@@ -313,8 +414,7 @@ async fn a_detached_call_survives_its_caller_and_can_be_fetched_again() {
     let mut req = request(400, 0);
     req.call_id = "durable".into();
     req.detached = true;
-    let stream = c.execute(req.clone()).await.unwrap().into_inner();
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    let stream = running(&mut c, req.clone()).await;
     drop(stream);
     drop(c);
     let mut c = client(&h.socket).await;

@@ -527,6 +527,21 @@ mod tests {
 612 600 0:31 / /sys/fs/cgroup ro,nosuid - cgroup2 cgroup rw,nsdelegate
 ";
     const V2_CGROUP: &str = "0::/\n";
+    /// A v1-only host (no cgroup2 tree at all), the hierarchies mounted from a
+    /// sub-cgroup as a container runtime shows them.
+    const V1_MOUNTINFO: &str = "\
+25 20 0:22 / /sys/fs/cgroup ro,nosuid - tmpfs tmpfs ro,mode=755
+26 25 0:23 /docker/3f2a /sys/fs/cgroup/memory rw,nosuid - cgroup cgroup rw,memory
+27 25 0:24 /docker/3f2a /sys/fs/cgroup/pids rw,nosuid - cgroup cgroup rw,pids
+28 25 0:25 /docker/3f2a /sys/fs/cgroup/cpu,cpuacct rw,nosuid - cgroup cgroup rw,cpu,cpuacct
+29 25 0:26 /docker/3f2a /sys/fs/cgroup/systemd rw,nosuid - cgroup cgroup rw,xattr,name=systemd
+";
+    const V1_CGROUP: &str = "\
+4:cpu,cpuacct:/docker/3f2a/worker
+3:pids:/docker/3f2a/worker
+2:memory:/docker/3f2a/worker
+1:name=systemd:/docker/3f2a
+";
 
     #[test]
     fn hybrid_mountinfo_yields_every_hierarchy_with_its_controllers() {
@@ -581,6 +596,51 @@ mod tests {
             parent_dir(&v2[0], &v2_own[0].path, "airlock"),
             Path::new("/sys/fs/cgroup/airlock")
         );
+    }
+
+    #[test]
+    fn a_v1_only_host_has_no_unified_tree_and_maps_paths_below_the_mount_root() {
+        let mounts = parse_mountinfo(V1_MOUNTINFO);
+        let points: Vec<&str> = mounts
+            .iter()
+            .map(|m| m.mount_point.to_str().unwrap_or(""))
+            .collect();
+        assert_eq!(
+            points,
+            [
+                "/sys/fs/cgroup/memory",
+                "/sys/fs/cgroup/pids",
+                "/sys/fs/cgroup/cpu,cpuacct",
+                "/sys/fs/cgroup/systemd",
+            ]
+        );
+        assert!(mounts.iter().all(|m| m.fstype == "cgroup"));
+        assert_eq!(mounts[0].root, "/docker/3f2a");
+        assert!(mounts[3].controllers.iter().any(|c| c == "name=systemd"));
+        let own = parse_own_cgroups(V1_CGROUP);
+        assert_eq!(own.len(), 4);
+        assert!(own.iter().all(|o| !o.controllers.is_empty()), "{own:?}");
+        assert_eq!(own[0].controllers, ["cpu", "cpuacct"]);
+        // Our cgroup and the parents, below the mount root the container sees.
+        let memory = &mounts[0];
+        assert_eq!(
+            own_dir(memory, &own[2].path),
+            Path::new("/sys/fs/cgroup/memory/worker")
+        );
+        assert_eq!(
+            parent_dir(memory, &own[2].path, "airlock"),
+            Path::new("/sys/fs/cgroup/memory/worker/airlock")
+        );
+        assert_eq!(
+            parent_dir(memory, &own[2].path, "/airlock-alice"),
+            Path::new("/sys/fs/cgroup/memory/airlock-alice")
+        );
+        // The unified backend declines before touching anything.
+        match v2::V2::detect(&mounts, &own, "airlock") {
+            Err(CgroupError::Unsuitable(why)) => assert_eq!(why, "no cgroup2 mount"),
+            Err(other) => panic!("unexpected error: {other}"),
+            Ok(_) => panic!("a v2 backend on a host without cgroup2"),
+        }
     }
 
     #[test]
