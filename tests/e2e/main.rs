@@ -7,6 +7,7 @@
 )]
 
 mod adversarial;
+mod adversarial_paths;
 mod adversarial_workers;
 mod agent;
 mod api_contract;

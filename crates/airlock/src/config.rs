@@ -86,6 +86,8 @@ pub struct Loaded {
     pub file: Option<PathBuf>,
     pub config: AirlockConfig,
     pub data_dir: PathBuf,
+    /// `workspaces_root` (or `<data_dir>/workspaces`) with symlinks resolved.
+    workspaces_root: PathBuf,
 }
 
 impl Loaded {
@@ -111,18 +113,26 @@ impl Loaded {
         };
         let data_dir = absolute(&data_dir)?;
         check_worker_memory(parsed.limits.worker_memory_bytes)?;
+        airlock_worker_fs::Hidden::new(&parsed.fs.hidden).context("invalid [fs] hidden")?;
+        let configured = match &parsed.workspaces_root {
+            Some(root) => absolute(root)?,
+            None => data_dir.join("workspaces"),
+        };
+        // Resolved once, here, and handed to the policy and the workers alike: the fs
+        // worker accepts an absolute path only under this spelling (or /workspace), and
+        // the policy makes exactly those relative, so a path rule cannot be dodged by
+        // spelling the workspace another way.
+        let workspaces_root = canonical_prefix(&configured)?;
         Ok(Self {
             file,
             config: parsed,
             data_dir,
+            workspaces_root,
         })
     }
 
     pub fn workspaces_root(&self) -> PathBuf {
-        self.config
-            .workspaces_root
-            .clone()
-            .unwrap_or_else(|| self.data_dir.join("workspaces"))
+        self.workspaces_root.clone()
     }
 
     pub fn socket_path(&self, group: &str) -> PathBuf {
@@ -265,6 +275,36 @@ fn default_data_dir() -> anyhow::Result<PathBuf> {
         .filter(|h| !h.is_empty())
         .context("neither --data-dir, AIRLOCK_DATA_DIR nor HOME is set; pass --data-dir")?;
     Ok(PathBuf::from(home).join(".airlock"))
+}
+
+/// `path` with symlinks resolved: its longest existing ancestor canonicalised, the
+/// components that do not exist yet (created later as plain directories) appended.
+fn canonical_prefix(path: &Path) -> anyhow::Result<PathBuf> {
+    let mut missing = Vec::new();
+    let mut existing = path;
+    loop {
+        match std::fs::canonicalize(existing) {
+            Ok(canonical) => {
+                return Ok(missing
+                    .iter()
+                    .rev()
+                    .fold(canonical, |dir, name| dir.join(name)));
+            }
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
+                match (existing.parent(), existing.file_name()) {
+                    (Some(parent), Some(name)) => {
+                        missing.push(name.to_owned());
+                        existing = parent;
+                    }
+                    _ => anyhow::bail!("cannot resolve {}: {error}", path.display()),
+                }
+            }
+            Err(error) => {
+                return Err(error)
+                    .with_context(|| format!("cannot resolve {}", existing.display()));
+            }
+        }
+    }
 }
 
 fn absolute(path: &Path) -> anyhow::Result<PathBuf> {

@@ -8,6 +8,7 @@ pub mod call;
 pub mod isolation;
 pub mod limits;
 pub mod names;
+pub mod paths;
 pub mod tool;
 
 #[cfg(feature = "cedar")]

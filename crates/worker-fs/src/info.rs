@@ -5,7 +5,9 @@ use std::io::Read;
 use rustix::fs::{AtFlags, FileType, Mode, OFlags, Stat};
 use rustix::io::Errno;
 
-use crate::resolve::{Last, ResolveError, Workspace, map_errno, open_beneath, split_last};
+use crate::resolve::{
+    Last, ResolveError, Workspace, map_errno, open_beneath, open_following, split_last,
+};
 use crate::text::{escape_name, kind_name, looks_binary};
 
 /// Regular text files up to this size get a line count.
@@ -118,7 +120,9 @@ pub fn get_file_info(ws: &Workspace, args: &InfoArgs) -> Result<String, InfoErro
                 .map(|t| escape_name(&t.to_string_lossy()).into_owned())
                 .map_err(io)?;
             lines.push(format!("target: {target}"));
-            let points = match open_beneath(&dir, name, OFlags::PATH, Mode::empty()) {
+            // Described by following the link (inside the workspace only); every tool
+            // that reads or changes refuses to go through it.
+            let points = match open_following(&dir, name) {
                 Ok(fd) => match rustix::fs::fstat(&fd) {
                     Ok(t) => format!(
                         "a {} inside the workspace",

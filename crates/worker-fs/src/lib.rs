@@ -16,6 +16,7 @@
 
 mod atomic;
 mod edit;
+mod hidden;
 mod info;
 mod list;
 mod mutate;
@@ -30,6 +31,7 @@ mod write;
 
 use std::path::PathBuf;
 
+pub use hidden::{Hidden, HiddenError};
 pub use tools::tools;
 
 /// The `[fs]` section of `airlock.toml`.
@@ -51,6 +53,11 @@ pub struct FsConfig {
     pub max_search_files: usize,
     /// Files larger than this are not searched for content.
     pub max_search_file_bytes: u64,
+    /// Globs relative to the workspace root (`[".git", ".env", "**/.env", "secrets"]`):
+    /// matching paths, and everything beneath them, are never listed, searched, read or
+    /// changed by any fs tool; a call naming one is refused. Cedar path rules judge the
+    /// paths a call names; this is what keeps subtrees out of recursive tools.
+    pub hidden: Vec<String>,
 }
 
 impl Default for FsConfig {
@@ -63,6 +70,7 @@ impl Default for FsConfig {
             max_list_entries: 10_000,
             max_search_files: 20_000,
             max_search_file_bytes: 4 * 1024 * 1024,
+            hidden: Vec::new(),
         }
     }
 }

@@ -75,10 +75,12 @@ pub fn list_directory(
         lines.push(describe(entry));
         Visit::Continue
     };
-    let end = walk(&dir, args.recursive, &mut visit, stop).map_err(|errno| ListError::Io {
-        path: display.to_owned(),
-        errno,
-    })?;
+    let hidden = ws.hidden_beneath(&rel);
+    let end =
+        walk(&dir, args.recursive, &mut visit, stop, &hidden).map_err(|errno| ListError::Io {
+            path: display.to_owned(),
+            errno,
+        })?;
 
     let mut notes = Vec::new();
     if truncated {

@@ -8,7 +8,7 @@ use rustix::io::Errno;
 
 use crate::resolve::{Last, ResolveError, Workspace, map_errno, open_child_dir, split_last};
 use crate::text::escape_name;
-use crate::walk::read_entries;
+use crate::walk::{Visit, read_entries};
 
 /// Deepest nesting `delete_path` removes recursively.
 const MAX_DELETE_DEPTH: usize = 256;
@@ -120,6 +120,10 @@ pub fn move_path(ws: &Workspace, args: &MoveArgs) -> Result<String, MutateError>
                 e => map_errno(e, src).into(),
             },
         )?;
+    // Moving a directory would carry a hidden entry to a name that may not be hidden.
+    if FileType::from_raw_mode(st.st_mode) == FileType::Directory {
+        refuse_hidden_inside(ws, &sdir, &sname, src)?;
+    }
     rustix::fs::renameat_with(
         &sdir,
         sname.as_str(),
@@ -180,6 +184,7 @@ pub fn delete_path(
             Ok(format!("deleted empty directory {}", escape_name(display)))
         }
         FileType::Directory => {
+            refuse_hidden_inside(ws, &dir, name, display)?;
             let child = open_child_dir(&dir, name).map_err(del)?;
             let mut deleted = 0;
             remove_contents(&child, display, 0, &mut deleted, stop)?;
@@ -205,6 +210,49 @@ pub fn delete_path(
                 escape_name(display)
             ))
         }
+    }
+}
+
+/// Refuses to move or delete the directory `name` in `parent` (`display` as the model
+/// named it) when it holds a `[fs] hidden` entry: the fs tools do not change those.
+fn refuse_hidden_inside(
+    ws: &Workspace,
+    parent: &OwnedFd,
+    name: &str,
+    display: &str,
+) -> Result<(), MutateError> {
+    if !ws.hides_anything() {
+        return Ok(());
+    }
+    let rel = ws.relative(display)?;
+    let hidden = ws.hidden_beneath(&rel);
+    let mut found = None;
+    let mut visit = |entry: &crate::walk::Entry<'_>| {
+        if hidden(entry.rel) {
+            found = Some(entry.rel.to_owned());
+            return Visit::Stop;
+        }
+        Visit::Continue
+    };
+    let child = open_child_dir(parent, name).map_err(|e| map_errno(e, display))?;
+    let end =
+        crate::walk::walk(&child, true, &mut visit, &|| false, &|_| false).map_err(|errno| {
+            MutateError::Delete {
+                path: display.to_owned(),
+                errno,
+            }
+        })?;
+    // Parts the walk did not see might hold hidden entries: refuse (fail closed).
+    if found.is_none() && (end.depth_limited || end.dir_cut) {
+        found = Some("(too deep or too large to check)".to_owned());
+    }
+    match found {
+        Some(entry) => Err(ResolveError::Hidden {
+            path: display.to_owned(),
+            hidden: format!("{}/{entry}", display.trim_end_matches('/')),
+        }
+        .into()),
+        None => Ok(()),
     }
 }
 

@@ -2,16 +2,24 @@
 //!
 //! The workspace directory is opened once per call; every later open is
 //! `openat2(workspace_fd or a dirfd beneath it, path, RESOLVE_BENEATH |
-//! RESOLVE_NO_MAGICLINKS)`. The kernel refuses (`EXDEV`) any resolution that would leave
-//! the starting directory, through `..`, an absolute path, an absolute or escaping
-//! symlink, or a `/proc` magic link. No safety decision is made on strings.
+//! RESOLVE_NO_SYMLINKS)`. The kernel refuses (`EXDEV`) any resolution that would leave
+//! the starting directory, through `..` or an absolute path, and (`ELOOP`) any that
+//! would go through a symbolic link, escaping or not. Refusing every link is what makes
+//! the path a policy judged (lexically normalised, see
+//! `airlock_policy::paths::normalize_path`) the file the kernel touches: `src/h/../config` with `src/h` a link
+//! to `.git/hooks` would otherwise be judged as `src/config` and read `.git/config`.
+//! Tools that act on a final name itself (delete, move, get_file_info) still see a link
+//! there as a link. Containment is never decided on strings; `[fs] hidden` is (after
+//! the same normalisation), which is sound only because no link is followed.
 
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 
-use rustix::fs::{Mode, OFlags, ResolveFlags};
+use rustix::fs::{FileType, Mode, OFlags, ResolveFlags};
 use rustix::io::Errno;
+
+use crate::hidden::Hidden;
 
 /// Where the shell sandbox mounts the workspace; absolute paths under it are accepted.
 pub const SANDBOX_ROOT: &str = "/workspace";
@@ -42,6 +50,17 @@ pub enum ResolveError {
     Permission { path: String },
     #[error("{path:?} exists and is not a directory; choose another path")]
     NotADirectoryAt { path: String },
+    #[error(
+        "{path:?} goes through the symbolic link {link:?}; the file tools do not follow \
+         symbolic links inside a path, use the path of the link's target instead \
+         (get_file_info on the link shows its target)"
+    )]
+    Symlink { path: String, link: String },
+    #[error(
+        "{path:?} is hidden by [fs] hidden ({hidden:?}); the file tools do not list, \
+         search, read or change it"
+    )]
+    Hidden { path: String, hidden: String },
     #[error("cannot access {path:?}: {errno}")]
     Io { path: String, errno: Errno },
     #[error("cannot open the workspace {dir}: {reason}")]
@@ -109,10 +128,30 @@ pub fn split_last(rel: &str) -> Last<'_> {
 pub struct Workspace {
     root: OwnedFd,
     host: PathBuf,
+    hidden: Hidden,
 }
 
 fn resolve_flags() -> ResolveFlags {
-    ResolveFlags::BENEATH | ResolveFlags::NO_MAGICLINKS
+    ResolveFlags::BENEATH | ResolveFlags::NO_SYMLINKS
+}
+
+/// Opens `path` beneath `dir` following symlinks that stay inside: only to describe
+/// where a link points (get_file_info), never to act on or read what is there.
+pub fn open_following(dir: impl AsFd, path: &str) -> Result<OwnedFd, Errno> {
+    let dir = dir.as_fd();
+    let mut attempt = 0;
+    loop {
+        match rustix::fs::openat2(
+            dir,
+            path,
+            OFlags::PATH | OFlags::CLOEXEC,
+            Mode::empty(),
+            ResolveFlags::BENEATH | ResolveFlags::NO_MAGICLINKS,
+        ) {
+            Err(Errno::AGAIN) if attempt < EAGAIN_RETRIES => attempt += 1,
+            other => return other,
+        }
+    }
 }
 
 /// `openat2` beneath `dir`, retried while the kernel reports a concurrent rename.
@@ -198,14 +237,57 @@ impl Workspace {
         Ok(Self {
             root: fd,
             host: dir,
+            hidden: Hidden::default(),
         })
     }
 
+    /// The `[fs] hidden` patterns this call's paths and walks are checked against.
+    pub fn with_hidden(mut self, hidden: Hidden) -> Self {
+        self.hidden = hidden;
+        self
+    }
+
+    /// Whether `[fs] hidden` names anything.
+    pub fn hides_anything(&self) -> bool {
+        !self.hidden.is_empty()
+    }
+
+    /// A test for the entries of a walk started at `rel` (relative to the workspace
+    /// root): whether an entry, by its path relative to `rel`, is hidden itself (its
+    /// ancestors were checked when the walk entered them, `rel` by [`Self::relative`]).
+    pub fn hidden_beneath(&self, rel: &str) -> impl Fn(&str) -> bool + '_ {
+        let base = airlock_policy::paths::normalize_path(rel, None);
+        move |entry: &str| {
+            if self.hidden.is_empty() {
+                return false;
+            }
+            if base == "." {
+                self.hidden.matches(entry)
+            } else {
+                self.hidden.matches(&format!("{base}/{entry}"))
+            }
+        }
+    }
+
     /// Turns a path as the model gave it into a path relative to the workspace root
-    /// (`"."` for the root). Absolute paths are accepted under `/workspace` and under the
-    /// workspace's host path; the result is still resolved by the kernel, so `..` in it
-    /// can never reach outside.
+    /// (`"."` for the root), refusing it when it is or lies beneath a `[fs] hidden`
+    /// path. Absolute paths are accepted under `/workspace` and under the workspace's
+    /// host path (canonical when the binary starts the worker, the one spelling the
+    /// policy also makes relative); the result is still resolved by the kernel, so `..`
+    /// in it can never reach outside.
     pub fn relative(&self, input: &str) -> Result<String, ResolveError> {
+        let rel = self.unchecked_relative(input)?;
+        let normal = airlock_policy::paths::normalize_path(&rel, None);
+        if let Some(hidden) = self.hidden.covering(&normal) {
+            return Err(ResolveError::Hidden {
+                path: input.to_owned(),
+                hidden: hidden.to_owned(),
+            });
+        }
+        Ok(rel)
+    }
+
+    fn unchecked_relative(&self, input: &str) -> Result<String, ResolveError> {
         if input.contains('\0') {
             return Err(ResolveError::Nul {
                 path: input.to_owned(),
@@ -224,10 +306,6 @@ impl Workspace {
             .or_else(|_| path.strip_prefix(&self.host))
             .ok()
             .map(Path::to_path_buf)
-            .or_else(|| {
-                let canonical = std::fs::canonicalize(&self.host).ok()?;
-                path.strip_prefix(canonical).ok().map(Path::to_path_buf)
-            })
             .ok_or_else(|| ResolveError::Outside {
                 path: input.to_owned(),
             })?;
@@ -239,9 +317,45 @@ impl Workspace {
         })
     }
 
-    /// Opens `rel` (following symlinks that stay inside) with `flags`.
+    /// Opens `rel` (no symlink followed anywhere in it) with `flags`.
     pub fn open(&self, rel: &str, flags: OFlags, display: &str) -> Result<OwnedFd, ResolveError> {
-        open_beneath(&self.root, rel, flags, Mode::empty()).map_err(|e| map_errno(e, display))
+        open_beneath(&self.root, rel, flags, Mode::empty()).map_err(|e| match e {
+            Errno::LOOP => match self.symlink_in(rel) {
+                Some(link) => ResolveError::Symlink {
+                    path: display.to_owned(),
+                    link,
+                },
+                None => map_errno(e, display),
+            },
+            e => map_errno(e, display),
+        })
+    }
+
+    /// The first prefix of `rel` that is a symbolic link, to name it in the error.
+    fn symlink_in(&self, rel: &str) -> Option<String> {
+        let mut prefix = String::new();
+        for component in rel.split('/') {
+            if component.is_empty() || component == "." {
+                continue;
+            }
+            if !prefix.is_empty() {
+                prefix.push('/');
+            }
+            prefix.push_str(component);
+            // O_PATH | O_NOFOLLOW returns the link itself even under RESOLVE_NO_SYMLINKS.
+            let fd = open_beneath(
+                &self.root,
+                &prefix,
+                OFlags::PATH | OFlags::NOFOLLOW,
+                Mode::empty(),
+            )
+            .ok()?;
+            let st = rustix::fs::fstat(&fd).ok()?;
+            if FileType::from_raw_mode(st.st_mode) == FileType::Symlink {
+                return Some(prefix);
+            }
+        }
+        None
     }
 
     /// Opens the directory `rel` for reading.
@@ -307,6 +421,13 @@ impl Workspace {
                 }
                 Err(Errno::NOTDIR) => {
                     return Err(ResolveError::NotADirectoryAt { path: walked });
+                }
+                // One component under RESOLVE_NO_SYMLINKS: it is the link.
+                Err(Errno::LOOP) => {
+                    return Err(ResolveError::Symlink {
+                        path: display.to_owned(),
+                        link: walked,
+                    });
                 }
                 Err(Errno::XDEV) => {
                     return Err(ResolveError::Outside {
@@ -421,6 +542,9 @@ mod tests {
         let err = ws
             .open("etc/passwd", OFlags::RDONLY, "etc/passwd")
             .unwrap_err();
-        assert!(matches!(err, ResolveError::Outside { .. }), "{err}");
+        assert!(
+            matches!(&err, ResolveError::Symlink { link, .. } if link == "etc"),
+            "{err}"
+        );
     }
 }

@@ -180,7 +180,8 @@ pub fn search_files(
         }
         Visit::Continue
     };
-    let end = walk(&dir, true, &mut visit, stop).map_err(|errno| SearchError::Io {
+    let hidden = ws.hidden_beneath(&rel);
+    let end = walk(&dir, true, &mut visit, stop, &hidden).map_err(|errno| SearchError::Io {
         path: display.to_owned(),
         errno,
     })?;

@@ -293,7 +293,9 @@ fn run(
     tool: &str,
 ) -> Result<String, String> {
     let ws = |config: &FsConfig| {
+        let hidden = crate::Hidden::new(&config.hidden).map_err(|e| e.to_string())?;
         Workspace::open_session(&config.workspaces_root, principal, session)
+            .map(|ws| ws.with_hidden(hidden))
             .map_err(|e| e.to_string())
     };
     match kind {

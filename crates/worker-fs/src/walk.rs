@@ -113,65 +113,81 @@ pub fn read_entries(dir: impl AsFd) -> Result<(Vec<(String, FileType)>, bool), E
 /// Walks `dir` depth-first in name order, calling `visit` for every entry. Symlinks are
 /// reported, never followed; subdirectories are opened by name with `O_NOFOLLOW` and
 /// `RESOLVE_NO_SYMLINKS`, so a directory swapped for a link is skipped, not entered.
+/// Entries for which `hidden` holds (by their path relative to `dir`) are neither
+/// visited nor entered: `[fs] hidden` subtrees stay out of listings and searches.
 pub fn walk(
     dir: &OwnedFd,
     recursive: bool,
     visit: &mut dyn FnMut(&Entry<'_>) -> Visit,
     stop: &dyn Fn() -> bool,
+    hidden: &dyn Fn(&str) -> bool,
 ) -> Result<WalkEnd, Errno> {
     let mut end = WalkEnd::default();
-    walk_dir(dir, "", 0, recursive, visit, stop, &mut end)?;
+    let mut walker = Walker {
+        recursive,
+        visit,
+        stop,
+        hidden,
+        end: &mut end,
+    };
+    walker.walk_dir(dir, "", 0)?;
     Ok(end)
 }
 
-fn walk_dir(
-    dir: &OwnedFd,
-    prefix: &str,
-    depth: usize,
+struct Walker<'a, 'b> {
     recursive: bool,
-    visit: &mut dyn FnMut(&Entry<'_>) -> Visit,
-    stop: &dyn Fn() -> bool,
-    end: &mut WalkEnd,
-) -> Result<bool, Errno> {
-    let (entries, cut) = match read_entries(dir) {
-        Ok(read) => read,
-        // Only the starting directory's errors are the caller's; deeper ones are skipped.
-        Err(e) if depth == 0 => return Err(e),
-        Err(_) => return Ok(true),
-    };
-    end.dir_cut |= cut;
-    for (name, kind) in entries {
-        if stop() {
-            end.stopped = true;
-            return Ok(false);
-        }
-        let rel = if prefix.is_empty() {
-            name.clone()
-        } else {
-            format!("{prefix}/{name}")
+    visit: &'a mut dyn FnMut(&Entry<'_>) -> Visit,
+    stop: &'a dyn Fn() -> bool,
+    hidden: &'a dyn Fn(&str) -> bool,
+    end: &'b mut WalkEnd,
+}
+
+impl Walker<'_, '_> {
+    fn walk_dir(&mut self, dir: &OwnedFd, prefix: &str, depth: usize) -> Result<bool, Errno> {
+        let (recursive, stop, hidden) = (self.recursive, self.stop, self.hidden);
+        let (entries, cut) = match read_entries(dir) {
+            Ok(read) => read,
+            // Only the starting directory's errors are the caller's; deeper ones are skipped.
+            Err(e) if depth == 0 => return Err(e),
+            Err(_) => return Ok(true),
         };
-        let entry = Entry {
-            rel: &rel,
-            name: &name,
-            kind,
-            dir: dir.as_fd(),
-        };
-        if visit(&entry) == Visit::Stop {
-            end.visitor_stopped = true;
-            return Ok(false);
-        }
-        if recursive && kind == FileType::Directory {
-            if depth + 1 >= MAX_DEPTH {
-                end.depth_limited = true;
-                continue;
-            }
-            let Ok(child) = open_child_dir(dir, &name) else {
-                continue;
-            };
-            if !walk_dir(&child, &rel, depth + 1, recursive, visit, stop, end)? {
+        self.end.dir_cut |= cut;
+        for (name, kind) in entries {
+            if stop() {
+                self.end.stopped = true;
                 return Ok(false);
             }
+            let rel = if prefix.is_empty() {
+                name.clone()
+            } else {
+                format!("{prefix}/{name}")
+            };
+            if hidden(&rel) {
+                continue;
+            }
+            let entry = Entry {
+                rel: &rel,
+                name: &name,
+                kind,
+                dir: dir.as_fd(),
+            };
+            if (self.visit)(&entry) == Visit::Stop {
+                self.end.visitor_stopped = true;
+                return Ok(false);
+            }
+            if recursive && kind == FileType::Directory {
+                if depth + 1 >= MAX_DEPTH {
+                    self.end.depth_limited = true;
+                    continue;
+                }
+                let Ok(child) = open_child_dir(dir, &name) else {
+                    continue;
+                };
+                if !self.walk_dir(&child, &rel, depth + 1)? {
+                    return Ok(false);
+                }
+            }
         }
+        Ok(true)
     }
-    Ok(true)
 }

@@ -10,6 +10,8 @@ use std::path::Path;
 
 use serde_json::{Map, Value, json};
 
+use crate::paths::normalize_path;
+
 /// The type of one argument field, as the schema declares it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Kind {
@@ -262,6 +264,17 @@ pub(crate) fn context_json(
     }
     let mut context = Map::new();
     context.insert("session_id".to_owned(), Value::from(session_id));
+    if spec.group == "fs" {
+        // Every path the call touches, so that one rule covers every fs tool (move_path
+        // has `source` and `destination`, not `path`).
+        let paths: Vec<Value> = spec
+            .fields
+            .iter()
+            .filter(|field| field.kind == Kind::Path)
+            .filter_map(|field| projected.get(field.name).cloned())
+            .collect();
+        context.insert("paths".to_owned(), Value::Array(paths));
+    }
     match spec.extra {
         Extra::None => {}
         Extra::Shell => shell_facts(spec.name, object, &mut context)?,
@@ -402,49 +415,6 @@ fn command_program(command: &str) -> String {
         .unwrap_or_default()
 }
 
-/// Lexical normalisation of a workspace path (see the schema's header).
-pub(crate) fn normalize_path(raw: &str, workspace: Option<&str>) -> String {
-    let absolute = raw.starts_with('/');
-    let mut parts: Vec<&str> = Vec::new();
-    for part in raw.split('/') {
-        match part {
-            "" | "." => {}
-            ".." => {
-                if parts.last().is_some_and(|last| *last != "..") {
-                    parts.pop();
-                } else if !absolute {
-                    parts.push("..");
-                }
-            }
-            other => parts.push(other),
-        }
-    }
-    if absolute {
-        // The host path of the workspace, and `/workspace`, where the shell sandbox and
-        // the fs tools also accept it.
-        for root in workspace.into_iter().chain(["/workspace"]) {
-            let root: Vec<&str> = root
-                .split('/')
-                .filter(|part| !part.is_empty() && *part != ".")
-                .collect();
-            if !root.is_empty() && parts.starts_with(&root) {
-                let rest = &parts[root.len()..];
-                return if rest.is_empty() {
-                    ".".to_owned()
-                } else {
-                    rest.join("/")
-                };
-            }
-        }
-        return format!("/{}", parts.join("/"));
-    }
-    if parts.is_empty() {
-        ".".to_owned()
-    } else {
-        parts.join("/")
-    }
-}
-
 fn parse_url(tool: &str, raw: &str) -> Result<Value, ArgumentError> {
     let url = url::Url::parse(raw).map_err(|error| ArgumentError::BadUrl {
         tool: tool.to_owned(),
@@ -464,30 +434,35 @@ mod tests {
     use super::*;
 
     #[test]
-    fn paths_are_normalised_lexically() {
-        let cases = [
-            ("src/main.rs", None, "src/main.rs"),
-            ("./src//a/../b.rs", None, "src/b.rs"),
-            ("src/../.env", None, ".env"),
-            ("../outside", None, "../outside"),
-            ("a/../../x", None, "../x"),
-            ("", None, "."),
-            ("./", None, "."),
-            ("src/", None, "src"),
-            ("/etc/passwd", None, "/etc/passwd"),
-            ("/../etc", None, "/etc"),
-            ("/ws/alice/s1/src/a.rs", Some("/ws/alice/s1"), "src/a.rs"),
-            ("/ws/alice/s1", Some("/ws/alice/s1/"), "."),
-            (
-                "/ws/alice/s1/../s2/x",
-                Some("/ws/alice/s1"),
-                "/ws/alice/s2/x",
-            ),
-            ("/ws/alice/s10/x", Some("/ws/alice/s1"), "/ws/alice/s10/x"),
-        ];
-        for (raw, workspace, expected) in cases {
-            assert_eq!(normalize_path(raw, workspace), expected, "{raw:?}");
-        }
+    fn fs_calls_carry_every_path_they_name() {
+        let ws = Some(Path::new("/data/workspaces/alice/s1"));
+        let moved = context_json(
+            spec("move_path").unwrap(),
+            &json!({"source": "./.env", "destination": "/data/workspaces/alice/s1/pub/x"}),
+            "s1",
+            ws,
+        )
+        .unwrap();
+        assert_eq!(moved["paths"], json!([".env", "pub/x"]));
+        assert_eq!(moved["arguments"]["source"], ".env");
+        assert_eq!(moved["arguments"]["destination"], "pub/x");
+        let read = context_json(
+            spec("read_file").unwrap(),
+            &json!({"path": "src/h/../../.git/config"}),
+            "s1",
+            ws,
+        )
+        .unwrap();
+        assert_eq!(read["paths"], json!([".git/config"]));
+        // Only fs tools have `paths`; the shell's `cwd` stays an argument.
+        let shell = context_json(
+            spec("execute_shell").unwrap(),
+            &json!({"argv": ["ls"], "cwd": "src"}),
+            "s1",
+            ws,
+        )
+        .unwrap();
+        assert!(shell.get("paths").is_none());
     }
 
     #[test]
