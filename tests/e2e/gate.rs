@@ -770,6 +770,7 @@ async fn approvals_are_decided_over_grpc_and_the_cli_too() {
             &airlock.token,
             pb::ListApprovalsRequest {
                 status: "pending".into(),
+                ..Default::default()
             },
         ))
         .await
@@ -786,6 +787,7 @@ async fn approvals_are_decided_over_grpc_and_the_cli_too() {
             &airlock.token,
             pb::ListApprovalsRequest {
                 status: "maybe".into(),
+                ..Default::default()
             },
         ))
         .await

@@ -505,6 +505,9 @@ fn for_terminal(text: &str) -> std::borrow::Cow<'_, str> {
     std::borrow::Cow::Owned(out)
 }
 
+/// Most pages `airlock approvals list` reads (100 approvals each).
+const MAX_APPROVAL_PAGES: usize = 10_000;
+
 /// `airlock approvals list|approve|deny`.
 pub fn approvals(
     connection: &Connection,
@@ -516,30 +519,64 @@ pub fn approvals(
     let client = reqwest::Client::new();
     match action {
         ApprovalAction::List { all, json } => {
-            let query = if *all { "" } else { "?status=pending" };
-            let body = runtime
-                .block_on(target.send(client.get(format!("{}/v1/approvals{query}", target.url))))?;
+            let status = if *all { "" } else { "status=pending&" };
+            // The server answers a page at a time; every page is fetched, in order, and
+            // each is printed as it arrives (`--json` prints them as one list).
+            let printer = Printer::new();
+            let mut listed = Vec::new();
+            let mut count = 0usize;
+            let mut after: Option<String> = None;
+            for _ in 0..MAX_APPROVAL_PAGES {
+                let cursor = after
+                    .as_deref()
+                    .map(|c| format!("&after={c}"))
+                    .unwrap_or_default();
+                let url = format!("{}/v1/approvals?{status}limit=100{cursor}", target.url);
+                let body = runtime.block_on(target.send(client.get(url)))?;
+                let approvals = body["approvals"].as_array().cloned().unwrap_or_default();
+                count += approvals.len();
+                if *json {
+                    listed.extend(approvals);
+                } else {
+                    // Tool names and inputs come from a model: escaped like `airlock call`
+                    // output.
+                    for a in approvals {
+                        printer.out(&format!(
+                            "{}  {:<8} {:<14} by {:<12} session {:<10} expires {}\n    {}\n",
+                            a["approval_id"].as_str().unwrap_or("?"),
+                            a["status"].as_str().unwrap_or("?"),
+                            a["tool"].as_str().unwrap_or("?"),
+                            a["principal"].as_str().unwrap_or("?"),
+                            a["session_id"].as_str().unwrap_or("-"),
+                            a["expires_at"].as_str().unwrap_or("?"),
+                            a["input"],
+                        ));
+                    }
+                }
+                match body["next_cursor"].as_str() {
+                    // A cursor that does not move would page forever.
+                    Some(next) if after.as_deref() == Some(next) => {
+                        bail!("the server answered the same page twice (cursor {next})")
+                    }
+                    Some(next) => after = Some(next.to_owned()),
+                    None => {
+                        after = None;
+                        break;
+                    }
+                }
+            }
+            if after.is_some() {
+                bail!("more than {MAX_APPROVAL_PAGES} pages of approvals; decide some first");
+            }
             if *json {
-                println!("{}", serde_json::to_string_pretty(&body)?);
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&json!({"approvals": listed}))?
+                );
                 return Ok(ExitCode::SUCCESS);
             }
-            let approvals = body["approvals"].as_array().cloned().unwrap_or_default();
-            if approvals.is_empty() {
+            if count == 0 {
                 println!("no {}approvals", if *all { "" } else { "pending " });
-            }
-            // Tool names and inputs come from a model: escaped like `airlock call` output.
-            let printer = Printer::new();
-            for a in approvals {
-                printer.out(&format!(
-                    "{}  {:<8} {:<14} by {:<12} session {:<10} expires {}\n    {}\n",
-                    a["approval_id"].as_str().unwrap_or("?"),
-                    a["status"].as_str().unwrap_or("?"),
-                    a["tool"].as_str().unwrap_or("?"),
-                    a["principal"].as_str().unwrap_or("?"),
-                    a["session_id"].as_str().unwrap_or("-"),
-                    a["expires_at"].as_str().unwrap_or("?"),
-                    a["input"],
-                ));
             }
         }
         ApprovalAction::Approve { id, reason } | ApprovalAction::Deny { id, reason } => {

@@ -165,7 +165,8 @@ fn confine(component: &str, spec: SelfConfinement) -> anyhow::Result<()> {
 }
 
 fn orchestrator(loaded: &Loaded) -> anyhow::Result<ExitCode> {
-    let config = loaded.orchestrator()?;
+    let mut config = loaded.orchestrator()?;
+    fit_descriptors(&mut config.limits);
     std::fs::create_dir_all(&config.data_dir)
         .with_context(|| format!("cannot create data dir {}", config.data_dir.display()))?;
     let listeners = BoundListeners::bind(&config)?;
@@ -194,6 +195,43 @@ fn orchestrator(loaded: &Loaded) -> anyhow::Result<ExitCode> {
         Orchestrator::serve(config, prepared, listeners, signals::shutdown(), reload).await
     })?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// Descriptors the orchestrator keeps for itself besides front-door connections: the
+/// store, worker channels, log, listeners, and calls in flight.
+const RESERVED_DESCRIPTORS: u64 = 256;
+
+/// Raises the soft `NOFILE` limit to the hard one (the default soft limit, often 1024,
+/// is what an anonymous flood of connections would exhaust), then lowers `[limits]
+/// max_connections` if both front doors at their cap would still not fit.
+fn fit_descriptors(limits: &mut airlock_policy::Limits) {
+    use rustix::process::{Resource, getrlimit, setrlimit};
+    let mut nofile = getrlimit(Resource::Nofile);
+    // An unlimited hard limit is refused for NOFILE; the kernel's usual ceiling is asked for.
+    let wanted = nofile.maximum.unwrap_or(1 << 20);
+    if nofile.current.is_some_and(|soft| soft < wanted) {
+        let raised = rustix::process::Rlimit {
+            current: Some(wanted),
+            maximum: nofile.maximum,
+        };
+        match setrlimit(Resource::Nofile, raised) {
+            Ok(()) => nofile = getrlimit(Resource::Nofile),
+            Err(e) => tracing::warn!(error = %e, "cannot raise the open-file limit"),
+        }
+    }
+    let Some(soft) = nofile.current else { return };
+    let per_door = usize::try_from(soft.saturating_sub(RESERVED_DESCRIPTORS) / 2)
+        .unwrap_or(usize::MAX)
+        .max(1);
+    if limits.max_connections > per_door {
+        tracing::warn!(
+            configured = limits.max_connections,
+            used = per_door,
+            open_file_limit = soft,
+            "[limits] max_connections does not fit the open-file limit for both front doors; using less"
+        );
+        limits.max_connections = per_door;
+    }
 }
 
 fn listen_addr(loaded: &Loaded, group: &str, listen: Option<String>) -> anyhow::Result<ListenAddr> {

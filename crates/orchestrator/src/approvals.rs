@@ -5,7 +5,7 @@ use serde_json::json;
 use crate::audit::{NewAuditEvent, redact};
 use crate::auth::Principal;
 use crate::gate::Gate;
-use crate::store::{Approval, ApprovalStatus, StoreError, now_millis};
+use crate::store::{Approval, ApprovalPage, ApprovalQuery, StoreError, now_millis};
 
 #[derive(Debug, thiserror::Error)]
 pub enum DecideError {
@@ -21,13 +21,10 @@ pub enum DecideError {
     Store(StoreError),
 }
 
-/// Approvals with `status`, their inputs redacted like audit records.
-pub async fn list(
-    gate: &Gate,
-    status: Option<ApprovalStatus>,
-) -> Result<Vec<Approval>, StoreError> {
-    let mut approvals = gate.store.list_approvals(status).await?;
-    for approval in &mut approvals {
+/// One page of approvals, their inputs redacted like audit records.
+pub async fn list(gate: &Gate, query: &ApprovalQuery) -> Result<ApprovalPage, StoreError> {
+    let mut page = gate.store.approvals_page(query).await?;
+    for approval in &mut page.approvals {
         let schema = gate
             .catalog
             .get(&approval.tool)
@@ -35,7 +32,7 @@ pub async fn list(
             .unwrap_or(serde_json::Value::Null);
         approval.input = redact(&approval.input, &schema, &gate.audit_config.secret_fields);
     }
-    Ok(approvals)
+    Ok(page)
 }
 
 /// Approves or denies; the caller has checked the approver role.

@@ -411,20 +411,33 @@ impl Gate {
         };
         // Resolve: unknown and hidden tools get the same answer (no catalog probing).
         let tool = self.visible_tool(principal, &tool_use.name);
+        // Resolved and size-checked before the first audit event (DESIGN §16), so what the
+        // append-only log keeps of a call does not grow with what the caller sends:
+        // arguments over the cap, and any sent to a tool that does not exist (they never
+        // run, and no schema says which of them are secret), are recorded as their digest
+        // and size.
+        let size = json_size(&tool_use.input);
+        let oversized = size > self.limits.max_argument_bytes;
         // Strict-mode clients send `null` for optional fields and pairs for maps; from here
         // on (audit redaction, schema, policy, worker) the tool's own spelling is used.
-        let normalized = tool.as_deref().and_then(|t| {
+        let normalized = tool.as_deref().filter(|_| !oversized).and_then(|t| {
             t.normalized_input(&tool_use.input).map(|input| ToolUse {
                 input,
                 ..tool_use.clone()
             })
         });
         let tool_use = normalized.as_ref().unwrap_or(tool_use);
-        self.audit(event(
-            "requested",
-            json!({"tool": tool_use.name, "tool_use_id": tool_use.id, "arguments": self.redacted(tool.as_deref(), &tool_use.input)}),
-        ))
-        .await;
+        let mut requested =
+            json!({"tool": bounded(&tool_use.name), "tool_use_id": bounded(&tool_use.id)});
+        if oversized || tool.is_none() {
+            requested["arguments_sha256"] = json!(hex::encode(Sha256::digest(
+                crate::audit::canonical_json(&tool_use.input).as_bytes()
+            )));
+            requested["arguments_bytes"] = json!(size);
+        } else {
+            requested["arguments"] = self.redacted(tool.as_deref(), &tool_use.input);
+        }
+        self.audit(event("requested", requested)).await;
         let Some(tool) = tool else {
             self.audit(event("rejected", json!({"reason": "unknown_tool"})))
                 .await;
@@ -432,15 +445,12 @@ impl Gate {
                 CallStatus::Error,
                 format!(
                     "unknown tool {:?}; list the available tools with GET /v1/tools",
-                    tool_use.name
+                    bounded(&tool_use.name)
                 ),
             );
         };
         // Size cap before the schema, so a huge argument is never walked.
-        let size = serde_json::to_vec(&tool_use.input)
-            .map(|v| v.len())
-            .unwrap_or(usize::MAX);
-        if size as u64 > self.limits.max_argument_bytes {
+        if oversized {
             self.audit(event(
                 "rejected",
                 json!({"reason": "arguments_too_large", "bytes": size}),
@@ -1044,4 +1054,29 @@ fn validate(tool: &CatalogTool, input: &Value) -> Result<(), Vec<String>> {
     } else {
         Err(violations)
     }
+}
+
+/// The length of `value`'s compact JSON text, counted without building the text.
+fn json_size(value: &Value) -> u64 {
+    struct Count(u64);
+    impl std::io::Write for Count {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0 += buf.len() as u64;
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut count = Count(0);
+    match serde_json::to_writer(&mut count, value) {
+        Ok(()) => count.0,
+        Err(_) => u64::MAX,
+    }
+}
+
+/// A caller-chosen name or id as the audit log records it: at most 256 characters (what
+/// HTTP and gRPC accept), so no front door can make one event large.
+fn bounded(text: &str) -> String {
+    text.chars().take(256).collect()
 }

@@ -15,7 +15,7 @@ use crate::auth::{Principal, Principals, Role, bearer_token};
 use crate::calls::{CallRecord, wait_final};
 use crate::dispatch::WorkerEvent;
 use crate::gate::{Gate, ToolUse};
-use crate::store::ApprovalStatus;
+use crate::store::{ApprovalQuery, ApprovalStatus, StoreError};
 use crate::wire;
 
 pub struct GrpcFrontDoor {
@@ -65,6 +65,12 @@ fn tool_use(
     if wire.id.is_empty() || wire.name.is_empty() {
         return Err(Status::invalid_argument(format!(
             "tool_uses[{index}] needs an id and a name"
+        )));
+    }
+    // The same bounds as on HTTP: both end up in the audit log.
+    if wire.id.len() > 256 || wire.name.len() > 256 {
+        return Err(Status::invalid_argument(format!(
+            "tool_uses[{index}]: id and name must be at most 256 characters"
         )));
     }
     let input_json = if wire.input_json.trim().is_empty() {
@@ -317,11 +323,31 @@ impl Orchestrator for GrpcFrontDoor {
                 Status::invalid_argument("status must be one of pending, approved, denied, expired")
             })?),
         };
-        let approvals = crate::approvals::list(&self.gate, status)
+        let request = request.into_inner();
+        let after = match request.after.as_str() {
+            "" => None,
+            cursor => Some(
+                crate::http_api::approval_cursor(cursor)
+                    .map_err(|e| Status::invalid_argument(e.0))?,
+            ),
+        };
+        let query = ApprovalQuery {
+            status,
+            after,
+            limit: usize::try_from(request.limit).unwrap_or(usize::MAX),
+            ..ApprovalQuery::default()
+        };
+        let page = crate::approvals::list(&self.gate, &query)
             .await
-            .map_err(|e| Status::unavailable(format!("the store is unavailable: {e}")))?;
+            .map_err(|e| match e {
+                StoreError::NotFound { id, .. } => Status::invalid_argument(format!(
+                    "after: no approval {id:?}; pass the next_cursor of the previous page"
+                )),
+                e => Status::unavailable(format!("the store is unavailable: {e}")),
+            })?;
         Ok(Response::new(pb::ListApprovalsResponse {
-            approvals: approvals.iter().map(approval_info).collect(),
+            approvals: page.approvals.iter().map(approval_info).collect(),
+            next_cursor: page.next_cursor.unwrap_or_default(),
         }))
     }
 

@@ -24,7 +24,7 @@ use crate::auth::{Principal, Principals, Role, Unauthenticated};
 use crate::budget::BudgetError;
 use crate::calls::wait_final;
 use crate::gate::Gate;
-use crate::store::ApprovalStatus;
+use crate::store::{ApprovalQuery, ApprovalStatus, MAX_APPROVAL_PAGE, StoreError};
 use crate::wire::{self, BadRequest, CatalogFormat};
 
 #[derive(Clone)]
@@ -550,10 +550,49 @@ async fn list_approvals(
             ApiError::bad_request("status must be one of pending, approved, denied, expired")
         })?),
     };
-    let approvals = approvals::list(&state.gate, status)
+    let limit = match q.get("limit").map(String::as_str) {
+        None | Some("") => 0,
+        Some(v) => v.parse::<usize>().map_err(|_| {
+            ApiError::bad_request(format!(
+                "limit must be a non-negative integer (at most {MAX_APPROVAL_PAGE} are listed per page)"
+            ))
+        })?,
+    };
+    let after = match q.get("after").map(String::as_str) {
+        None | Some("") => None,
+        Some(cursor) => Some(approval_cursor(cursor)?),
+    };
+    let query = ApprovalQuery {
+        status,
+        after,
+        limit,
+        ..ApprovalQuery::default()
+    };
+    let page = approvals::list(&state.gate, &query)
         .await
-        .map_err(store_error)?;
-    Ok(axum::Json(json!({"approvals": approvals})))
+        .map_err(|e| match e {
+            StoreError::NotFound { id, .. } => ApiError::bad_request(format!(
+                "after: no approval {id:?}; pass the next_cursor of the previous page"
+            )),
+            e => store_error(e),
+        })?;
+    Ok(axum::Json(
+        json!({"approvals": page.approvals, "next_cursor": page.next_cursor}),
+    ))
+}
+
+/// A paging cursor as sent: an approval id, checked before it reaches the store.
+pub(crate) fn approval_cursor(cursor: &str) -> Result<String, BadRequest> {
+    if cursor.len() > 128
+        || !cursor
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_')
+    {
+        return Err(BadRequest(
+            "after must be the next_cursor of the previous page (an approval id)".into(),
+        ));
+    }
+    Ok(cursor.to_owned())
 }
 
 async fn approve_approval(

@@ -14,6 +14,7 @@ mod cache;
 mod calls;
 pub mod catalog;
 pub mod config;
+mod connections;
 mod dispatch;
 mod gate;
 mod grpc_api;

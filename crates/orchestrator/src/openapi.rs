@@ -106,10 +106,17 @@ pub fn document() -> Value {
             }},
             "/v1/approvals": {"get": {
                 "operationId": "listApprovals",
-                "summary": "Approvals (approver role); inputs redacted like audit records",
-                "parameters": [query_parameter("status",
-                    json!({"type": "string", "enum": ["pending", "approved", "denied", "expired", "all"], "default": "all"}),
-                    "Only approvals with this status")],
+                "summary": "Approvals (approver role), oldest first, a page at a time; inputs redacted like audit records",
+                "description": "A page holds at most limit approvals and stops early once their inputs add up to 8 MiB. While next_cursor is a string, more follow: pass it as after.",
+                "parameters": [
+                    query_parameter("status",
+                        json!({"type": "string", "enum": ["pending", "approved", "denied", "expired", "all"], "default": "all"}),
+                        "Only approvals with this status"),
+                    query_parameter("limit", json!({"type": "integer", "minimum": 0, "maximum": 1000, "default": 100}),
+                        "At most this many approvals (0: the default; more than 1000: 1000)"),
+                    query_parameter("after", json!({"type": "string"}),
+                        "The next_cursor of the previous page"),
+                ],
                 "responses": with_errors(json!({"200": json_response("The approvals", json!({"$ref": "#/components/schemas/ApprovalList"}))})),
             }},
             "/v1/approvals/{approval_id}/approve": decision(true),
@@ -196,7 +203,8 @@ pub fn document() -> Value {
                         "decided_by": {"type": "string"}, "reason": {"type": "string"},
                         "decided_at": {"type": "string", "format": "date-time"}}},
                 "ApprovalList": {"type": "object", "required": ["approvals"], "properties": {
-                    "approvals": {"type": "array", "items": {"$ref": "#/components/schemas/Approval"}}}},
+                    "approvals": {"type": "array", "items": {"$ref": "#/components/schemas/Approval"}},
+                    "next_cursor": {"type": ["string", "null"], "description": "Pass as after for the next page; null on the last page"}}},
                 "DecisionRequest": {"type": "object", "properties": {
                     "reason": {"type": ["string", "null"], "maxLength": 4096}}},
                 "AuditEvent": {"type": "object", "required": ["seq", "ts", "kind", "data", "prev_hash", "hash"], "properties": {

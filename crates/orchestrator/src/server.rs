@@ -4,6 +4,7 @@ use std::future::Future;
 use std::net::TcpListener;
 use std::path::Path;
 use std::sync::Arc;
+use std::time::Duration;
 
 use airlock_proto::v1::orchestrator_server::OrchestratorServer;
 use tokio_util::sync::CancellationToken;
@@ -14,12 +15,25 @@ use crate::budget::Budgets;
 use crate::cache::ResultCache;
 use crate::catalog::{Catalog, CatalogError};
 use crate::config::OrchestratorConfig;
+use crate::connections::{self, ConnectionLimits};
 use crate::gate::Gate;
 use crate::grpc_api::GrpcFrontDoor;
 use crate::http_api::{self, HttpState};
 use airlock_policy::authz::{Authorizer, PolicyError};
 
+/// Largest gRPC message the orchestrator sends (a page of approvals, a call's results);
+/// what it accepts is `[limits] max_request_bytes`, like the HTTP body cap.
 const MAX_GRPC_MESSAGE_BYTES: usize = 32 * 1024 * 1024;
+/// HTTP/2 keep-alive: a ping this often, and a peer that has not answered within the
+/// timeout is disconnected (a vanished client, or one that stopped reading).
+const GRPC_KEEPALIVE: Duration = Duration::from_secs(30);
+const GRPC_KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(20);
+/// Calls in flight on one gRPC connection; more wait for one to finish.
+const GRPC_STREAMS_PER_CONNECTION: u32 = 256;
+/// No handler legitimately runs longer than the longest `wait_ms` (streams answer at
+/// once and then stream); past this a gRPC request is answered `cancelled`, and the call
+/// itself goes on in the gate.
+const GRPC_HANDLER_TIMEOUT: Duration = Duration::from_millis(crate::wire::MAX_WAIT_MS + 60_000);
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
@@ -48,8 +62,6 @@ pub enum ServeError {
     Reflection(#[from] tonic_reflection::server::Error),
     #[error("grpc server failed: {0}")]
     Grpc(#[from] tonic::transport::Error),
-    #[error("http server failed: {0}")]
-    Http(std::io::Error),
 }
 
 /// The orchestrator's sockets, bound before the process confines itself.
@@ -173,13 +185,19 @@ impl Orchestrator {
             principals: prepared.principals.clone(),
             agent: agent.clone(),
         };
+        let max_request = usize::try_from(config.limits.max_request_bytes).unwrap_or(usize::MAX);
         let grpc_router = tonic::transport::Server::builder()
+            .timeout(GRPC_HANDLER_TIMEOUT)
+            .concurrency_limit_per_connection(GRPC_STREAMS_PER_CONNECTION as usize)
+            .max_concurrent_streams(GRPC_STREAMS_PER_CONNECTION)
+            .http2_keepalive_interval(Some(GRPC_KEEPALIVE))
+            .http2_keepalive_timeout(Some(GRPC_KEEPALIVE_TIMEOUT))
             .add_service(health_service)
             .add_service(reflection_v1)
             .add_service(reflection_v1alpha)
             .add_service(
                 OrchestratorServer::new(front_door)
-                    .max_decoding_message_size(MAX_GRPC_MESSAGE_BYTES)
+                    .max_decoding_message_size(max_request)
                     .max_encoding_message_size(MAX_GRPC_MESSAGE_BYTES),
             );
         let http_router = http_api::router(HttpState {
@@ -214,17 +232,16 @@ impl Orchestrator {
             shutdown.await;
             trigger.cancel();
         });
-        let http_stop = shutting_down.clone();
-        let http = axum::serve(http_listener, http_router)
-            .with_graceful_shutdown(async move { http_stop.cancelled().await });
+        let limits = ConnectionLimits::from_limits(&config.limits);
+        let http =
+            connections::serve_http(http_listener, http_router, limits, shutting_down.clone());
         let grpc_stop = shutting_down.clone();
         let grpc = grpc_router.serve_with_incoming_shutdown(
-            tokio_stream::wrappers::TcpListenerStream::new(grpc_listener),
+            connections::grpc_incoming(grpc_listener, limits, shutting_down.clone()),
             async move { grpc_stop.cancelled().await },
         );
-        let (http_result, grpc_result) = tokio::join!(http, grpc);
+        let ((), grpc_result) = tokio::join!(http, grpc);
         stop.cancel();
-        http_result.map_err(ServeError::Http)?;
         grpc_result?;
         Ok(())
     }

@@ -15,8 +15,8 @@ use std::time::Duration;
 
 use airlock_orchestrator::audit::{GENESIS_HASH, chain_hash};
 use airlock_orchestrator::store::{
-    self, ApprovalStatus, AuditQuery, CallOutcome, CallState, NewApproval, NewAuditEvent, NewCall,
-    Store, StoreError, Timestamp, now_millis,
+    self, ApprovalPage, ApprovalQuery, ApprovalStatus, AuditQuery, CallOutcome, CallState,
+    NewApproval, NewAuditEvent, NewCall, Store, StoreError, Timestamp, now_millis,
 };
 use serde_json::json;
 
@@ -135,6 +135,8 @@ both_backends!(
     claim_for_dispatch_exactly_once_under_concurrency,
     resumable_calls_after_restart,
     calls_and_session_usage,
+    approval_pages_walk_every_approval_once_in_order,
+    approval_pages_stop_at_their_byte_budget,
 );
 
 // ---------------------------------------------------------------------------------
@@ -200,6 +202,48 @@ async fn assert_bad(store: &Arc<dyn Store>, first_bad_seq: u64) {
         report.reason.as_deref().is_some_and(|r| !r.is_empty()),
         "{report:?}"
     );
+}
+
+/// An approval created at `created_at` whose call carries `content`.
+fn approval_at(approval_id: &str, created_at: Timestamp, content: String) -> NewApproval {
+    let mut call = new_call(&format!("call-{approval_id}"), CallState::PendingApproval);
+    call.input = json!({"path": format!("{approval_id}.txt"), "content": content});
+    call.created_at = created_at;
+    NewApproval {
+        approval_id: approval_id.to_owned(),
+        call,
+        created_at,
+        expires_at: created_at + 3_600_000,
+    }
+}
+
+/// Every page of `query`, following `next_cursor` (bounded: a cursor must move).
+async fn all_pages(store: &Arc<dyn Store>, mut query: ApprovalQuery) -> Vec<ApprovalPage> {
+    let mut pages = Vec::new();
+    for _ in 0..1000 {
+        let page = store.approvals_page(&query).await.unwrap();
+        let next = page.next_cursor.clone();
+        pages.push(page);
+        match next {
+            Some(cursor) => {
+                assert_ne!(
+                    query.after.as_ref(),
+                    Some(&cursor),
+                    "the cursor did not move"
+                );
+                query.after = Some(cursor);
+            }
+            None => return pages,
+        }
+    }
+    panic!("more than 1000 pages");
+}
+
+fn ids(pages: &[ApprovalPage]) -> Vec<String> {
+    pages
+        .iter()
+        .flat_map(|p| p.approvals.iter().map(|a| a.approval_id.clone()))
+        .collect()
 }
 
 // ---------------------------------------------------------------------------------
@@ -958,6 +1002,248 @@ async fn calls_and_session_usage(backend: Backend) {
         store.finish_call("missing", &outcome("ok")).await,
         Err(StoreError::NotFound { .. })
     ));
+}
+
+// ---------------------------------------------------------------------------------
+// Approval pages (GET /v1/approvals, gRPC ListApprovals)
+// ---------------------------------------------------------------------------------
+
+/// A reader walking the pages sees every approval exactly once, oldest first (ties in
+/// `created_at` broken by id), with or without a status filter, whatever the page size
+/// and whatever is decided between pages; a cursor that names nothing is refused.
+async fn approval_pages_walk_every_approval_once_in_order(backend: Backend) {
+    let store = backend.open().await;
+    let base = now_millis();
+    // Ids deliberately not in creation order; every third pair shares a timestamp.
+    let mut expected: Vec<(Timestamp, String)> = Vec::new();
+    for i in 0..25i64 {
+        let id = format!("apr_{:02}", (i * 7) % 25);
+        let at = base + (i / 3) * 10;
+        store
+            .create_approval(approval_at(&id, at, format!("content {i}")))
+            .await
+            .unwrap();
+        expected.push((at, id));
+    }
+    expected.sort();
+    let expected: Vec<String> = expected.into_iter().map(|(_, id)| id).collect();
+
+    for limit in [1, 7, 25, 0, 5000] {
+        let pages = all_pages(
+            &store,
+            ApprovalQuery {
+                limit,
+                ..ApprovalQuery::default()
+            },
+        )
+        .await;
+        assert_eq!(ids(&pages), expected, "limit {limit}");
+        let largest = pages.iter().map(|p| p.approvals.len()).max().unwrap();
+        assert!(
+            largest <= if limit == 0 { 100 } else { limit },
+            "limit {limit}"
+        );
+    }
+    assert_eq!(
+        ApprovalQuery {
+            limit: 5000,
+            ..ApprovalQuery::default()
+        }
+        .effective_limit(),
+        1000
+    );
+
+    // Decide a few; the pending listing skips them, the full one still has them all.
+    let mut decided = Vec::new();
+    for id in expected.iter().step_by(4) {
+        store
+            .decide_approval(id, false, "bob", None, now_millis())
+            .await
+            .unwrap();
+        decided.push(id.clone());
+    }
+    let pending: Vec<String> = expected
+        .iter()
+        .filter(|id| !decided.contains(id))
+        .cloned()
+        .collect();
+    let pages = all_pages(
+        &store,
+        ApprovalQuery {
+            status: Some(ApprovalStatus::Pending),
+            limit: 4,
+            ..ApprovalQuery::default()
+        },
+    )
+    .await;
+    assert_eq!(ids(&pages), pending);
+    let denied = all_pages(
+        &store,
+        ApprovalQuery {
+            status: Some(ApprovalStatus::Denied),
+            limit: 2,
+            ..ApprovalQuery::default()
+        },
+    )
+    .await;
+    assert_eq!(ids(&denied), decided);
+    assert_eq!(
+        ids(&all_pages(&store, ApprovalQuery::default()).await),
+        expected
+    );
+    // The convenience listing agrees.
+    let listed: Vec<String> = store
+        .list_approvals(Some(ApprovalStatus::Pending))
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|a| a.approval_id)
+        .collect();
+    assert_eq!(listed, pending);
+
+    // A cursor decided since it was handed out still marks its place.
+    let first = store
+        .approvals_page(&ApprovalQuery {
+            status: Some(ApprovalStatus::Pending),
+            limit: 3,
+            ..ApprovalQuery::default()
+        })
+        .await
+        .unwrap();
+    let cursor = first.next_cursor.clone().unwrap();
+    store
+        .decide_approval(&cursor, true, "bob", None, now_millis())
+        .await
+        .unwrap();
+    let rest = all_pages(
+        &store,
+        ApprovalQuery {
+            status: Some(ApprovalStatus::Pending),
+            after: Some(cursor.clone()),
+            limit: 3,
+            ..ApprovalQuery::default()
+        },
+    )
+    .await;
+    let position = pending.iter().position(|id| *id == cursor).unwrap();
+    assert_eq!(ids(&rest), pending[position + 1..].to_vec());
+
+    // Forged or stale cursors are refused, not treated as "from the start".
+    for bogus in ["apr_nope", "", "' OR 1=1 --"] {
+        let refused = store
+            .approvals_page(&ApprovalQuery {
+                after: Some(bogus.to_owned()),
+                ..ApprovalQuery::default()
+            })
+            .await;
+        assert!(
+            matches!(refused, Err(StoreError::NotFound { .. })),
+            "{bogus:?}: {refused:?}"
+        );
+    }
+
+    // An empty listing is one page without a cursor.
+    let none = store
+        .approvals_page(&ApprovalQuery {
+            status: Some(ApprovalStatus::Expired),
+            ..ApprovalQuery::default()
+        })
+        .await
+        .unwrap();
+    assert!(none.approvals.is_empty() && none.next_cursor.is_none());
+}
+
+/// Pages of approvals whose inputs are megabytes each: every input comes back whole, a
+/// page stops once it holds its byte budget (never empty), and the listing keeps
+/// working after everything is decided.
+async fn approval_pages_stop_at_their_byte_budget(backend: Backend) {
+    let store = backend.open().await;
+    let base = now_millis();
+    let sizes = [
+        1_000_000usize,
+        1_500_000,
+        10,
+        1_500_000,
+        2_000_000,
+        20,
+        1_500_000,
+        3_000_000,
+    ];
+    for (i, size) in sizes.iter().enumerate() {
+        let content = char::from(b'a' + i as u8).to_string().repeat(*size);
+        store
+            .create_approval(approval_at(
+                &format!("apr_big{i}"),
+                base + i as i64,
+                content,
+            ))
+            .await
+            .unwrap();
+    }
+    let content_len = |a: &store::Approval| a.input["content"].as_str().unwrap().len();
+    // What the budget counts: the stored JSON text of the input.
+    let input_len = |a: &store::Approval| a.input.to_string().len();
+
+    for max_bytes in [4 * 1024 * 1024, 1, store::APPROVAL_PAGE_BYTES] {
+        let pages = all_pages(
+            &store,
+            ApprovalQuery {
+                max_bytes,
+                ..ApprovalQuery::default()
+            },
+        )
+        .await;
+        let all: Vec<&store::Approval> = pages.iter().flat_map(|p| &p.approvals).collect();
+        assert_eq!(all.len(), sizes.len(), "budget {max_bytes}");
+        for (approval, size) in all.iter().zip(sizes) {
+            assert_eq!(content_len(approval), size, "an input came back cut");
+        }
+        for (i, page) in pages.iter().enumerate() {
+            assert!(!page.approvals.is_empty(), "an empty page with a cursor");
+            // Within its budget, unless it holds a single approval larger than that...
+            let held: usize = page.approvals.iter().map(input_len).sum();
+            assert!(
+                held <= max_bytes || page.approvals.len() == 1,
+                "budget {max_bytes}: a page of {held} bytes"
+            );
+            // ...and it stopped only because the next approval did not fit.
+            if let Some(next) = pages.get(i + 1) {
+                let first = input_len(&next.approvals[0]);
+                assert!(
+                    held + first > max_bytes,
+                    "budget {max_bytes}: stopped early"
+                );
+            }
+        }
+        if max_bytes == 1 {
+            assert_eq!(pages.len(), sizes.len());
+        }
+    }
+
+    // Decided, the approvals are still listed, whole.
+    for i in 0..sizes.len() {
+        store
+            .decide_approval(
+                &format!("apr_big{i}"),
+                i % 2 == 0,
+                "bob",
+                None,
+                now_millis(),
+            )
+            .await
+            .unwrap();
+    }
+    let pages = all_pages(&store, ApprovalQuery::default()).await;
+    assert_eq!(ids(&pages).len(), sizes.len());
+    assert!(pages.len() >= 2, "12.5 MB of inputs fit one 8 MiB page");
+    let pending = store
+        .approvals_page(&ApprovalQuery {
+            status: Some(ApprovalStatus::Pending),
+            ..ApprovalQuery::default()
+        })
+        .await
+        .unwrap();
+    assert!(pending.approvals.is_empty());
 }
 
 // ---------------------------------------------------------------------------------

@@ -30,6 +30,16 @@ pub struct Limits {
     /// timeouts (5 s in openai-agents, 60 s in MCP Inspector), so the client reads how to
     /// approve instead of timing out and abandoning the call.
     pub mcp_wait_ms: u64,
+    /// Connections each front door (HTTP, gRPC) holds open at once; more wait in the
+    /// listen backlog until one closes. Lowered at start when the file-descriptor limit
+    /// cannot hold both front doors' connections.
+    pub max_connections: usize,
+    /// How long a connection may take to deliver what the server waits for before it is
+    /// closed. HTTP: a complete request head, counted from when the connection is ready
+    /// for one (just accepted, or its previous response sent), so one timer closes slow
+    /// headers and idle keep-alive connections alike. gRPC: the client's HTTP/2 preface,
+    /// counted from accept. 0 turns the timeout off.
+    pub header_read_timeout_ms: u64,
 }
 
 impl Default for Limits {
@@ -43,6 +53,8 @@ impl Default for Limits {
             max_call_timeout_ms: 600_000,
             default_wait_ms: 60_000,
             mcp_wait_ms: 3_000,
+            max_connections: 1024,
+            header_read_timeout_ms: 10_000,
         }
     }
 }

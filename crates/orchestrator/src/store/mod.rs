@@ -99,6 +99,15 @@ CREATE TABLE IF NOT EXISTS approvals (
 CREATE INDEX IF NOT EXISTS approvals_status ON approvals (status, created_at);
 ";
 
+/// Indexes added after schema version 1 was pinned, created (if missing) at every open.
+/// They change no table, so a store that has them still opens with older builds.
+/// `GET /v1/approvals` reads a page's ids from them in order (with or without a status
+/// filter) and never sorts rows that carry call inputs.
+pub(super) const PAGING_INDEXES: &str = "
+CREATE INDEX IF NOT EXISTS approvals_page ON approvals (created_at, approval_id);
+CREATE INDEX IF NOT EXISTS approvals_status_page ON approvals (status, created_at, approval_id);
+";
+
 /// The schema-1 DDL for an engine whose 64-bit integer type is `integer`.
 pub(super) fn schema_v1(integer: &str) -> String {
     SCHEMA_V1_TEMPLATE.replace("{int}", integer)
@@ -114,6 +123,15 @@ pub(super) const CALL_COLUMNS: &str = "call_id, tool_use_id, tool, input, princi
 pub(super) const APPROVAL_SELECT: &str = "SELECT a.approval_id, a.call_id, c.tool, c.input, c.principal, \
      c.session_id, a.status, a.created_at, a.expires_at, a.decided_by, a.reason, a.decided_at \
      FROM approvals a JOIN calls c ON c.call_id = a.call_id";
+
+/// Approvals in one page when the caller does not say.
+pub const DEFAULT_APPROVAL_PAGE: usize = 100;
+/// Most approvals in one page.
+pub const MAX_APPROVAL_PAGE: usize = 1000;
+/// The inputs of one page add up to at most this many bytes (a page always holds at
+/// least one approval, however large): inputs are up to `[limits] max_argument_bytes`
+/// each, and a page of them must fit in memory and in one gRPC message.
+pub const APPROVAL_PAGE_BYTES: usize = 8 * 1024 * 1024;
 
 /// Unix time in milliseconds, UTC.
 pub type Timestamp = i64;
@@ -342,6 +360,88 @@ pub struct Approval {
     pub decided_at: Option<Timestamp>,
 }
 
+/// Which page of approvals to list: oldest first, by `(created_at, approval_id)`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApprovalQuery {
+    /// Only approvals with this status (all when `None`).
+    pub status: Option<ApprovalStatus>,
+    /// Only approvals listed after this one: the `next_cursor` of the previous page.
+    /// [`StoreError::NotFound`] when no approval has this id.
+    pub after: Option<String>,
+    /// At most this many; 0 means [`DEFAULT_APPROVAL_PAGE`], and more than
+    /// [`MAX_APPROVAL_PAGE`] means that.
+    pub limit: usize,
+    /// The listed inputs add up to at most this many bytes of JSON, unless the page holds
+    /// a single approval (one is always listed when any is left).
+    pub max_bytes: usize,
+}
+
+impl Default for ApprovalQuery {
+    fn default() -> Self {
+        Self {
+            status: None,
+            after: None,
+            limit: DEFAULT_APPROVAL_PAGE,
+            max_bytes: APPROVAL_PAGE_BYTES,
+        }
+    }
+}
+
+impl ApprovalQuery {
+    /// The page size actually used.
+    pub fn effective_limit(&self) -> usize {
+        match self.limit {
+            0 => DEFAULT_APPROVAL_PAGE,
+            n => n.min(MAX_APPROVAL_PAGE),
+        }
+    }
+}
+
+/// One page of approvals.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ApprovalPage {
+    pub approvals: Vec<Approval>,
+    /// Pass as [`ApprovalQuery::after`] for the next page; `None` when this page is the
+    /// last.
+    pub next_cursor: Option<String>,
+}
+
+/// Builds a page from ids read in order (`limit + 1` of them, to know whether more
+/// follow), fetching one approval at a time so that only the page's inputs are ever in
+/// memory. `fetch` answers an approval and the size of its stored input, or `None` for
+/// one that vanished since its id was read. An approval that would take the page past
+/// `max_bytes` is left for the next page, unless the page is still empty.
+pub(super) fn fill_page<F>(
+    ids: Vec<String>,
+    query: &ApprovalQuery,
+    mut fetch: F,
+) -> Result<ApprovalPage, StoreError>
+where
+    F: FnMut(&str) -> Result<Option<(Approval, usize)>, StoreError>,
+{
+    let limit = query.effective_limit();
+    let mut approvals = Vec::new();
+    let mut bytes = 0usize;
+    let mut examined = 0usize;
+    for id in ids.iter().take(limit) {
+        if let Some((approval, size)) = fetch(id)? {
+            if !approvals.is_empty() && bytes.saturating_add(size) > query.max_bytes {
+                break;
+            }
+            bytes = bytes.saturating_add(size);
+            approvals.push(approval);
+        }
+        examined += 1;
+    }
+    let next_cursor = (examined < ids.len())
+        .then(|| ids.get(examined.saturating_sub(1)).cloned())
+        .flatten();
+    Ok(ApprovalPage {
+        approvals,
+        next_cursor,
+    })
+}
+
 /// How much one session has used, for budgets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
 pub struct SessionUsage {
@@ -384,11 +484,33 @@ pub trait Store: Send + Sync {
     /// transaction. [`StoreError::AlreadyExists`] if the approval id is taken.
     async fn create_approval(&self, approval: NewApproval) -> Result<Approval, StoreError>;
 
-    /// Approvals with `status` (all when `None`), oldest first.
+    /// One page of approvals, oldest first (see [`ApprovalQuery`]). The page's ids are
+    /// read in index order and its approvals fetched one by one, so no row holding a
+    /// call's input is ever sorted.
+    async fn approvals_page(&self, query: &ApprovalQuery) -> Result<ApprovalPage, StoreError>;
+
+    /// Every approval with `status` (all when `None`), oldest first, read page by page.
+    /// For tests and tools: what it returns grows with the store, so the front doors
+    /// answer pages instead.
     async fn list_approvals(
         &self,
         status: Option<ApprovalStatus>,
-    ) -> Result<Vec<Approval>, StoreError>;
+    ) -> Result<Vec<Approval>, StoreError> {
+        let mut query = ApprovalQuery {
+            status,
+            limit: MAX_APPROVAL_PAGE,
+            ..ApprovalQuery::default()
+        };
+        let mut out = Vec::new();
+        loop {
+            let page = self.approvals_page(&query).await?;
+            out.extend(page.approvals);
+            match page.next_cursor {
+                Some(cursor) => query.after = Some(cursor),
+                None => return Ok(out),
+            }
+        }
+    }
 
     async fn get_approval(&self, approval_id: &str) -> Result<Option<Approval>, StoreError>;
 

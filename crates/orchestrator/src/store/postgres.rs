@@ -17,10 +17,11 @@ use tokio_postgres::error::SqlState;
 use tokio_postgres::{IsolationLevel, NoTls, Row};
 
 use super::{
-    APPROVAL_SELECT, AUDIT_COLUMNS, Approval, ApprovalStatus, AuditQuery, AuditRecord,
-    CALL_COLUMNS, CallOutcome, CallState, NewApproval, NewAuditEvent, NewCall, SCHEMA_VERSION,
-    SessionUsage, Store, StoreError, StoredCall, Timestamp, VerifyReport, from_json_text,
-    now_millis, rfc3339, schema_v1, to_i64, to_json_text, to_u64,
+    APPROVAL_SELECT, AUDIT_COLUMNS, Approval, ApprovalPage, ApprovalQuery, ApprovalStatus,
+    AuditQuery, AuditRecord, CALL_COLUMNS, CallOutcome, CallState, NewApproval, NewAuditEvent,
+    NewCall, PAGING_INDEXES, SCHEMA_VERSION, SessionUsage, Store, StoreError, StoredCall,
+    Timestamp, VerifyReport, fill_page, from_json_text, now_millis, rfc3339, schema_v1, to_i64,
+    to_json_text, to_u64,
 };
 use crate::audit::{ChainVerifier, GENESIS_HASH, chain_hash};
 
@@ -159,6 +160,8 @@ async fn migrate(client: &mut Object) -> Result<(), StoreError> {
         }
         Some(_) => {}
     }
+    // Under the migration lock, so replicas starting together do not race to create them.
+    tx.batch_execute(PAGING_INDEXES).await?;
     tx.commit().await?;
     Ok(())
 }
@@ -259,6 +262,76 @@ async fn select_approval<C: GenericClient>(
         )
         .await?;
     row.as_ref().map(approval_from_row).transpose()
+}
+
+/// An approval and the size of its stored input.
+async fn select_approval_sized<C: GenericClient>(
+    client: &C,
+    id: &str,
+) -> Result<Option<(Approval, usize)>, StoreError> {
+    let row = client
+        .query_opt(
+            &format!("{APPROVAL_SELECT} WHERE a.approval_id = $1"),
+            &[&id],
+        )
+        .await?;
+    match row {
+        Some(row) => {
+            let input: &str = row.try_get(3)?;
+            let size = input.len();
+            Ok(Some((approval_from_row(&row)?, size)))
+        }
+        None => Ok(None),
+    }
+}
+
+/// The ids of a page of approvals, in index order, `limit + 1` of them.
+async fn approval_page_ids<C: GenericClient>(
+    client: &C,
+    query: &ApprovalQuery,
+) -> Result<Vec<String>, StoreError> {
+    let (from_at, from_id) = match &query.after {
+        Some(id) => {
+            let row = client
+                .query_opt(
+                    "SELECT created_at FROM approvals WHERE approval_id = $1",
+                    &[id],
+                )
+                .await?
+                .ok_or_else(|| StoreError::NotFound {
+                    what: "approval",
+                    id: id.clone(),
+                })?;
+            let at: Timestamp = row.try_get(0)?;
+            (at, id.clone())
+        }
+        None => (Timestamp::MIN, String::new()),
+    };
+    let fetch = i64::try_from(query.effective_limit() + 1).unwrap_or(i64::MAX);
+    // Two statements rather than `$1 IS NULL OR status = $1`, which no index serves.
+    let rows =
+        match query.status {
+            Some(status) => {
+                client
+                    .query(
+                        "SELECT approval_id FROM approvals WHERE status = $1 \
+                     AND (created_at, approval_id) > ($2, $3) \
+                     ORDER BY created_at ASC, approval_id ASC LIMIT $4",
+                        &[&status.as_str(), &from_at, &from_id, &fetch],
+                    )
+                    .await?
+            }
+            None => client
+                .query(
+                    "SELECT approval_id FROM approvals WHERE (created_at, approval_id) > ($1, $2) \
+                     ORDER BY created_at ASC, approval_id ASC LIMIT $3",
+                    &[&from_at, &from_id, &fetch],
+                )
+                .await?,
+        };
+    rows.iter()
+        .map(|row| row.try_get(0).map_err(StoreError::from))
+        .collect()
 }
 
 async fn call_exists<C: GenericClient>(client: &C, call_id: &str) -> Result<bool, StoreError> {
@@ -529,22 +602,37 @@ impl Store for PostgresStore {
         Ok(created)
     }
 
-    async fn list_approvals(
-        &self,
-        status: Option<ApprovalStatus>,
-    ) -> Result<Vec<Approval>, StoreError> {
-        let client = self.client().await?;
-        let status = status.map(ApprovalStatus::as_str);
-        let rows = client
-            .query(
-                &format!(
-                    "{APPROVAL_SELECT} WHERE ($1::text IS NULL OR a.status = $1::text) \
-                     ORDER BY a.created_at ASC, a.approval_id ASC"
-                ),
-                &[&status],
-            )
+    async fn approvals_page(&self, query: &ApprovalQuery) -> Result<ApprovalPage, StoreError> {
+        let mut client = self.client().await?;
+        // One snapshot for the ids and the rows.
+        let tx = client
+            .build_transaction()
+            .isolation_level(IsolationLevel::RepeatableRead)
+            .read_only(true)
+            .start()
             .await?;
-        rows.iter().map(approval_from_row).collect()
+        let ids = approval_page_ids(&tx, query).await?;
+        let limit = query.effective_limit();
+        // `fill_page` fetches synchronously; here the rows are fetched first, one at a
+        // time and by the same rule (up to the first that would not fit), then handed
+        // over in order.
+        let mut fetched = Vec::new();
+        let (mut bytes, mut listed) = (0usize, 0usize);
+        for id in ids.iter().take(limit) {
+            let found = select_approval_sized(&tx, id).await?;
+            let size = found.as_ref().map(|(_, size)| *size);
+            fetched.push(found);
+            if let Some(size) = size {
+                if listed > 0 && bytes.saturating_add(size) > query.max_bytes {
+                    break;
+                }
+                bytes = bytes.saturating_add(size);
+                listed += 1;
+            }
+        }
+        tx.commit().await?;
+        let mut fetched = fetched.into_iter();
+        fill_page(ids, query, |_| Ok(fetched.next().flatten()))
     }
 
     async fn get_approval(&self, approval_id: &str) -> Result<Option<Approval>, StoreError> {
@@ -678,16 +766,28 @@ impl Store for PostgresStore {
 
     async fn resumable_calls(&self, now: Timestamp) -> Result<Vec<StoredCall>, StoreError> {
         let client = self.client().await?;
-        let rows = client
+        // Ids first, then each row: the sort never holds a call's input.
+        let ids = client
             .query(
-                &format!(
-                    "SELECT {CALL_COLUMNS} FROM calls WHERE state = 'approved' OR (state = 'dispatched' \
-                     AND (lease_until IS NULL OR lease_until <= $1)) ORDER BY created_at ASC, call_id ASC"
-                ),
+                "SELECT call_id FROM calls WHERE state = 'approved' OR (state = 'dispatched' \
+                 AND (lease_until IS NULL OR lease_until <= $1)) ORDER BY created_at ASC, call_id ASC",
                 &[&now],
             )
             .await?;
-        rows.iter().map(call_from_row).collect()
+        let mut out = Vec::with_capacity(ids.len());
+        for id in &ids {
+            let id: &str = id.try_get(0)?;
+            let row = client
+                .query_opt(
+                    &format!("SELECT {CALL_COLUMNS} FROM calls WHERE call_id = $1"),
+                    &[&id],
+                )
+                .await?;
+            if let Some(row) = row {
+                out.push(call_from_row(&row)?);
+            }
+        }
+        Ok(out)
     }
 
     async fn expire_approvals(&self, now: Timestamp) -> Result<Vec<Approval>, StoreError> {

@@ -15,10 +15,11 @@ use rusqlite::{
 };
 
 use super::{
-    APPROVAL_SELECT, AUDIT_COLUMNS, Approval, ApprovalStatus, AuditQuery, AuditRecord,
-    CALL_COLUMNS, CallOutcome, CallState, NewApproval, NewAuditEvent, NewCall, SCHEMA_VERSION,
-    SessionUsage, Store, StoreError, StoredCall, Timestamp, VerifyReport, from_json_text,
-    now_millis, rfc3339, schema_v1, to_i64, to_json_text, to_u64,
+    APPROVAL_SELECT, AUDIT_COLUMNS, Approval, ApprovalPage, ApprovalQuery, ApprovalStatus,
+    AuditQuery, AuditRecord, CALL_COLUMNS, CallOutcome, CallState, NewApproval, NewAuditEvent,
+    NewCall, PAGING_INDEXES, SCHEMA_VERSION, SessionUsage, Store, StoreError, StoredCall,
+    Timestamp, VerifyReport, fill_page, from_json_text, now_millis, rfc3339, schema_v1, to_i64,
+    to_json_text, to_u64,
 };
 use crate::audit::{ChainVerifier, GENESIS_HASH, chain_hash};
 
@@ -89,6 +90,13 @@ fn open_blocking(path: &PathBuf) -> Result<Connection, StoreError> {
     // (several per tool call). Deployments that need that durability use PostgreSQL.
     conn.pragma_update(None, "synchronous", "NORMAL")
         .map_err(|e| open_err(e.to_string()))?;
+    // Sorts and temporary tables stay in memory: SQLite would otherwise spill them to a
+    // file in /var/tmp or /tmp, which the confined orchestrator may not open (Landlock
+    // lets it write only its data dir), and the statement would fail with "unable to
+    // open database file". What they hold stays small because no query sorts rows that
+    // carry call inputs or results (pages are read by id through an index).
+    conn.pragma_update(None, "temp_store", "MEMORY")
+        .map_err(|e| open_err(e.to_string()))?;
     migrate(&mut conn)?;
     Ok(conn)
 }
@@ -120,6 +128,7 @@ fn migrate(conn: &mut Connection) -> Result<(), StoreError> {
         }
         Some(_) => {}
     }
+    tx.execute_batch(PAGING_INDEXES)?;
     tx.commit()?;
     Ok(())
 }
@@ -237,12 +246,70 @@ fn approval_from_row(row: &Row<'_>) -> Result<Approval, StoreError> {
 }
 
 fn select_approval(conn: &Connection, id: &str) -> Result<Option<Approval>, StoreError> {
+    Ok(select_approval_sized(conn, id)?.map(|(approval, _)| approval))
+}
+
+/// An approval and the size of its stored input.
+fn select_approval_sized(
+    conn: &Connection,
+    id: &str,
+) -> Result<Option<(Approval, usize)>, StoreError> {
     let mut stmt = conn.prepare_cached(&format!("{APPROVAL_SELECT} WHERE a.approval_id = ?1"))?;
     let mut rows = stmt.query([id])?;
     match rows.next()? {
-        Some(row) => Ok(Some(approval_from_row(row)?)),
+        Some(row) => {
+            let size = row.get_ref(3)?.as_bytes().map_or(0, <[u8]>::len);
+            Ok(Some((approval_from_row(row)?, size)))
+        }
         None => Ok(None),
     }
+}
+
+/// The ids of a page of approvals, in index order, `limit + 1` of them.
+fn approval_page_ids(
+    tx: &Transaction<'_>,
+    query: &ApprovalQuery,
+) -> Result<Vec<String>, StoreError> {
+    // Where the page starts: after the cursor's (created_at, approval_id), or anywhere.
+    let (from_at, from_id) = match &query.after {
+        Some(id) => {
+            let at: Option<Timestamp> = tx
+                .query_row(
+                    "SELECT created_at FROM approvals WHERE approval_id = ?1",
+                    [id],
+                    |row| row.get(0),
+                )
+                .optional()?;
+            let at = at.ok_or_else(|| StoreError::NotFound {
+                what: "approval",
+                id: id.clone(),
+            })?;
+            (at, id.clone())
+        }
+        None => (Timestamp::MIN, String::new()),
+    };
+    let fetch = i64::try_from(query.effective_limit() + 1).unwrap_or(i64::MAX);
+    // Two statements rather than `?1 IS NULL OR status = ?1`, which no index serves.
+    let ids = match query.status {
+        Some(status) => {
+            let mut stmt = tx.prepare_cached(
+                "SELECT approval_id FROM approvals WHERE status = ?1                  AND (created_at, approval_id) > (?2, ?3)                  ORDER BY created_at ASC, approval_id ASC LIMIT ?4",
+            )?;
+            let rows = stmt
+                .query_map(params![status.as_str(), from_at, from_id, fetch], |row| {
+                    row.get(0)
+                })?;
+            rows.collect::<Result<Vec<String>, _>>()?
+        }
+        None => {
+            let mut stmt = tx.prepare_cached(
+                "SELECT approval_id FROM approvals WHERE (created_at, approval_id) > (?1, ?2)                  ORDER BY created_at ASC, approval_id ASC LIMIT ?3",
+            )?;
+            let rows = stmt.query_map(params![from_at, from_id, fetch], |row| row.get(0))?;
+            rows.collect::<Result<Vec<String>, _>>()?
+        }
+    };
+    Ok(ids)
 }
 
 fn call_exists(conn: &Connection, call_id: &str) -> Result<bool, StoreError> {
@@ -505,21 +572,15 @@ impl Store for SqliteStore {
         .await
     }
 
-    async fn list_approvals(
-        &self,
-        status: Option<ApprovalStatus>,
-    ) -> Result<Vec<Approval>, StoreError> {
+    async fn approvals_page(&self, query: &ApprovalQuery) -> Result<ApprovalPage, StoreError> {
+        let query = query.clone();
         self.run(move |conn| {
-            let mut stmt = conn.prepare_cached(&format!(
-                "{APPROVAL_SELECT} WHERE (?1 IS NULL OR a.status = ?1) \
-                 ORDER BY a.created_at ASC, a.approval_id ASC"
-            ))?;
-            let mut rows = stmt.query([status.map(ApprovalStatus::as_str)])?;
-            let mut out = Vec::new();
-            while let Some(row) = rows.next()? {
-                out.push(approval_from_row(row)?);
-            }
-            Ok(out)
+            // One read transaction: the ids and the rows come from the same snapshot.
+            let tx = conn.transaction_with_behavior(TransactionBehavior::Deferred)?;
+            let ids = approval_page_ids(&tx, &query)?;
+            let page = fill_page(ids, &query, |id| select_approval_sized(&tx, id))?;
+            tx.finish()?;
+            Ok(page)
         })
         .await
     }
@@ -646,15 +707,29 @@ impl Store for SqliteStore {
 
     async fn resumable_calls(&self, now: Timestamp) -> Result<Vec<StoredCall>, StoreError> {
         self.run(move |conn| {
-            let mut stmt = conn.prepare_cached(&format!(
-                "SELECT {CALL_COLUMNS} FROM calls WHERE state = 'approved' OR (state = 'dispatched' \
-                 AND (lease_until IS NULL OR lease_until <= ?1)) ORDER BY created_at ASC, call_id ASC"
-            ))?;
-            let mut rows = stmt.query([now])?;
-            let mut out = Vec::new();
-            while let Some(row) = rows.next()? {
-                out.push(call_from_row(row)?);
+            // Ids first, then each row: the sort never holds a call's input.
+            let tx = conn.transaction_with_behavior(TransactionBehavior::Deferred)?;
+            let ids: Vec<String> = {
+                let mut stmt = tx.prepare_cached(
+                    "SELECT call_id FROM calls WHERE state = 'approved' OR (state = 'dispatched' \
+                     AND (lease_until IS NULL OR lease_until <= ?1)) ORDER BY created_at ASC, call_id ASC",
+                )?;
+                let rows = stmt.query_map([now], |row| row.get(0))?;
+                rows.collect::<Result<_, _>>()?
+            };
+            let mut out = Vec::with_capacity(ids.len());
+            {
+                let mut stmt = tx.prepare_cached(&format!(
+                    "SELECT {CALL_COLUMNS} FROM calls WHERE call_id = ?1"
+                ))?;
+                for id in &ids {
+                    let mut rows = stmt.query([id])?;
+                    if let Some(row) = rows.next()? {
+                        out.push(call_from_row(row)?);
+                    }
+                }
             }
+            tx.finish()?;
             Ok(out)
         })
         .await
