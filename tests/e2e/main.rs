@@ -7,6 +7,7 @@
 )]
 
 mod adversarial;
+mod adversarial_policy;
 mod adversarial_service;
 mod adversarial_paths;
 mod adversarial_workers;

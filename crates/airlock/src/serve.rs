@@ -9,7 +9,7 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use airlock_orchestrator::{BoundListeners, Orchestrator};
+use airlock_orchestrator::{BoundListeners, Orchestrator, Reload};
 use airlock_sandbox::{SelfConfinement, confine_self};
 use airlock_worker::{BoundListener, ListenAddr, ToolSet, WorkerServer, WorkerSettings};
 use anyhow::Context;
@@ -191,7 +191,7 @@ fn orchestrator(loaded: &Loaded) -> anyhow::Result<ExitCode> {
         },
     )?;
     runtime()?.block_on(async {
-        let reload = signals::reloads();
+        let reload = config_reloads(loaded);
         Orchestrator::serve(config, prepared, listeners, signals::shutdown(), reload).await
     })?;
     Ok(ExitCode::SUCCESS)
@@ -232,6 +232,25 @@ fn fit_descriptors(limits: &mut airlock_policy::Limits) {
         );
         limits.max_connections = per_door;
     }
+}
+
+/// One [`Reload`] per SIGHUP, with the `[[principals]]` of the config file as it reads
+/// then (its directory stays readable after confinement for this).
+fn config_reloads(loaded: &Loaded) -> tokio::sync::mpsc::Receiver<Reload> {
+    let (file, data_dir) = (loaded.file.clone(), loaded.data_dir.clone());
+    let mut hangups = signals::reloads();
+    let (tx, rx) = tokio::sync::mpsc::channel(1);
+    tokio::spawn(async move {
+        while hangups.recv().await.is_some() {
+            let principals = Loaded::load(file.as_deref(), Some(&data_dir))
+                .map(|reloaded| reloaded.config.principals)
+                .map_err(|e| format!("{e:#}"));
+            if tx.send(Reload { principals }).await.is_err() {
+                return;
+            }
+        }
+    });
+    rx
 }
 
 fn listen_addr(loaded: &Loaded, group: &str, listen: Option<String>) -> anyhow::Result<ListenAddr> {

@@ -16,7 +16,7 @@ pub async fn shutdown() {
     }
 }
 
-/// A message per SIGHUP: reload the policy.
+/// A message per SIGHUP: reload the policy and the principals.
 pub fn reloads() -> tokio::sync::mpsc::Receiver<()> {
     use tokio::signal::unix::{SignalKind, signal};
     let (tx, rx) = tokio::sync::mpsc::channel(1);
@@ -24,12 +24,14 @@ pub fn reloads() -> tokio::sync::mpsc::Receiver<()> {
         Ok(mut hangups) => {
             tokio::spawn(async move {
                 while hangups.recv().await.is_some() {
-                    tracing::info!("SIGHUP received: reloading the policy");
+                    tracing::info!("SIGHUP received: reloading the policy and the principals");
                     let _ = tx.try_send(());
                 }
             });
         }
-        Err(e) => tracing::error!(error = %e, "cannot watch SIGHUP; policy reload is unavailable"),
+        Err(e) => {
+            tracing::error!(error = %e, "cannot watch SIGHUP; reloading the policy and the principals is unavailable")
+        }
     }
     rx
 }

@@ -5,7 +5,7 @@ use serde_json::json;
 use crate::audit::{NewAuditEvent, redact};
 use crate::auth::Principal;
 use crate::gate::Gate;
-use crate::store::{Approval, ApprovalPage, ApprovalQuery, StoreError, now_millis};
+use crate::store::{Approval, ApprovalPage, ApprovalQuery, ApprovalStatus, StoreError, now_millis};
 
 #[derive(Debug, thiserror::Error)]
 pub enum DecideError {
@@ -17,6 +17,10 @@ pub enum DecideError {
     SelfApproval,
     #[error("{0}")]
     Conflict(StoreError),
+    /// The requester lost the right to the call since it asked: the approval was
+    /// turned into a denial instead.
+    #[error("the call can no longer be approved, so it was denied: {0}")]
+    Revoked(String),
     #[error("the store is unavailable: {0}")]
     Store(StoreError),
 }
@@ -35,7 +39,13 @@ pub async fn list(gate: &Gate, query: &ApprovalQuery) -> Result<ApprovalPage, St
     Ok(page)
 }
 
-/// Approves or denies; the caller has checked the approver role.
+/// Who decided an approval that a re-check turned into a denial.
+pub const REVOKED_BY: &str = "system:revoked";
+
+/// Approves or denies; the caller has checked the approver role. An approval is
+/// checked against the principals and the policy in force first
+/// ([`Gate::reauthorize`]); one that no longer holds denies the call instead
+/// ([`DecideError::Revoked`]).
 pub async fn decide(
     gate: &Gate,
     approver: &Principal,
@@ -52,17 +62,62 @@ pub async fn decide(
     if gate.approvals.distinct_approver && approval.principal == approver.name {
         return Err(DecideError::SelfApproval);
     }
+    let store_error = |e| match e {
+        StoreError::NotFound { .. } => DecideError::NotFound,
+        e @ (StoreError::AlreadyDecided { .. } | StoreError::Expired { .. }) => {
+            DecideError::Conflict(e)
+        }
+        e => DecideError::Store(e),
+    };
+    // The requester may have lost the right since it asked (a policy reload, a principal
+    // removed or stripped of the agent role): an approval must not revive the call.
+    if approve
+        && approval.status == ApprovalStatus::Pending
+        && let Err(reasons) = gate.reauthorize(
+            &approval.principal,
+            &approval.tool,
+            approval
+                .session_id
+                .as_deref()
+                .unwrap_or(airlock_policy::SessionId::DEFAULT),
+            &approval.input,
+        )
+    {
+        let why = reasons.join("; ");
+        let denial = format!("checked again when {} approved it: {why}", approver.name);
+        let denied = gate
+            .store
+            .decide_approval(approval_id, false, REVOKED_BY, Some(&denial), now_millis())
+            .await
+            .map_err(store_error)?;
+        gate.audit(
+            NewAuditEvent::new(
+                "revoked",
+                json!({"stage": "decision", "approval_id": approval_id, "attempted_by": approver.name, "reasons": reasons}),
+            )
+            .call_id(denied.call_id.clone())
+            .principal(denied.principal.clone())
+            .session_id(denied.session_id.clone()),
+        )
+        .await;
+        gate.audit(
+            NewAuditEvent::new(
+                "approval_denied",
+                json!({"approval_id": approval_id, "decided_by": REVOKED_BY, "reason": denial}),
+            )
+            .call_id(denied.call_id.clone())
+            .principal(denied.principal.clone())
+            .session_id(denied.session_id.clone()),
+        )
+        .await;
+        gate.notify_decided();
+        return Err(DecideError::Revoked(why));
+    }
     let decided = gate
         .store
         .decide_approval(approval_id, approve, &approver.name, reason, now_millis())
         .await
-        .map_err(|e| match e {
-            StoreError::NotFound { .. } => DecideError::NotFound,
-            e @ (StoreError::AlreadyDecided { .. } | StoreError::Expired { .. }) => {
-                DecideError::Conflict(e)
-            }
-            e => DecideError::Store(e),
-        })?;
+        .map_err(store_error)?;
     gate.audit(
         NewAuditEvent::new(
             if approve {

@@ -44,9 +44,9 @@ pub const GENESIS_HASH: &str = "000000000000000000000000000000000000000000000000
 pub const REDACTED: &str = "[redacted]";
 
 /// Argument names that are always treated as secrets (compared case-insensitively,
-/// with `-` and `_` treated alike). A key also counts as secret when it ends in
-/// `_password`, `_passwd`, `_token`, `_secret` or `_api_key` (e.g. `GITHUB_TOKEN`,
-/// `db-password`).
+/// with `-` and `_` treated alike). A name also counts as secret when one of its words
+/// is in [`SECRET_WORDS`] (see [`is_secret_name`]), e.g. `GITHUB_TOKEN`, `db-password`,
+/// `Ocp-Apim-Subscription-Key`, `X-Amz-Signature`, `clientSecret`.
 pub const DEFAULT_SECRET_FIELDS: &[&str] = &[
     "password",
     "passwd",
@@ -68,7 +68,44 @@ pub const DEFAULT_SECRET_FIELDS: &[&str] = &[
     "private_key",
 ];
 
-const SECRET_SUFFIXES: &[&str] = &["_password", "_passwd", "_token", "_secret", "_api_key"];
+/// Words that make a name a secret's when the name holds one as a whole word. Words
+/// are split at every character that is not a letter or digit and where a lower-case
+/// letter or digit meets an upper-case one (`X-Secret-Key`, `api_key`, `accessToken`
+/// all qualify; `max_tokens` and `tokens` do not). `pwd` counts only inside a longer
+/// name (`MYSQL_PWD`): alone it is the working directory.
+pub const SECRET_WORDS: &[&str] = &[
+    "password",
+    "passwd",
+    "passphrase",
+    "secret",
+    "secrets",
+    "token",
+    "key",
+    "apikey",
+    "auth",
+    "oauth",
+    "authorization",
+    "signature",
+    "sig",
+    "credential",
+    "credentials",
+    "cookie",
+    "jwt",
+    "bearer",
+    "privatekey",
+];
+
+/// Endings that make a glued-together word secret (`accesstoken`, `clientsecret`).
+const SECRET_ENDINGS: &[&str] = &[
+    "token",
+    "secret",
+    "password",
+    "passwd",
+    "apikey",
+    "signature",
+    "credential",
+    "credentials",
+];
 
 /// One event to append. The store assigns `seq`, `ts` and the hashes.
 #[derive(Debug, Clone, PartialEq)]
@@ -387,17 +424,20 @@ impl ChainVerifier {
     }
 }
 
-/// A copy of `input` fit for the audit log: the value of every property that is a
-/// secret is replaced with `"[redacted]"`.
+/// A copy of `input` fit for the audit log and for approvers: the value of every
+/// property that is a secret is replaced with `"[redacted]"`, and secrets written
+/// inline in any string are cut out of it.
 ///
 /// A property is a secret when its schema (found through `properties`, `items`,
 /// `prefixItems`, `additionalProperties` and the subschemas of `allOf`/`anyOf`/
 /// `oneOf`) has `"writeOnly": true` or `"x-airlock-secret": true`, or when its key
-/// matches [`DEFAULT_SECRET_FIELDS`] or `extra_secret_fields` (case-insensitive,
-/// `-` = `_`). Header lists given as `[{"name": "Authorization", "value": …}]` or
-/// `[["Authorization", …]]` have the values of secret names redacted, and the
-/// password of a URL's user-info (`scheme://user:password@host`) in any string is
-/// redacted too.
+/// is a secret's name ([`is_secret_name`]). Header lists given as
+/// `[{"name": "Authorization", "value": …}]` or `[["Authorization", …]]` have the
+/// values of secret names redacted. In every string (see [`redact_text`]): URL
+/// user-info, `name=value` pairs (query strings, forms, shell assignments,
+/// `--name=value`), `--name value` flags, `Name: value` header lines, `"name": value`
+/// pairs of embedded JSON, bearer tokens, SQL `PASSWORD '…'` literals and PEM private
+/// keys, each where the name is a secret's.
 pub fn redact(input: &Value, schema: &Value, extra_secret_fields: &[String]) -> Value {
     let extra: Vec<String> = extra_secret_fields
         .iter()
@@ -406,7 +446,9 @@ pub fn redact(input: &Value, schema: &Value, extra_secret_fields: &[String]) -> 
     redact_value(input, &[schema], &extra)
 }
 
-/// Whether a property or header name is a secret by name alone.
+/// Whether a property, header, query parameter or variable name is a secret's by name
+/// alone: one of [`DEFAULT_SECRET_FIELDS`] or `extra_secret_fields` (case-insensitive,
+/// `-` = `_`), or a name with a word of [`SECRET_WORDS`] in it.
 pub fn is_secret_name(name: &str, extra_secret_fields: &[String]) -> bool {
     let extra: Vec<String> = extra_secret_fields
         .iter()
@@ -420,10 +462,40 @@ fn normalize_key(key: &str) -> String {
 }
 
 fn secret_by_name(key: &str, extra: &[String]) -> bool {
-    let key = normalize_key(key);
-    DEFAULT_SECRET_FIELDS.contains(&key.as_str())
-        || SECRET_SUFFIXES.iter().any(|suffix| key.ends_with(suffix))
-        || extra.contains(&key)
+    let normalized = normalize_key(key);
+    if DEFAULT_SECRET_FIELDS.contains(&normalized.as_str()) || extra.contains(&normalized) {
+        return true;
+    }
+    let words = name_words(key);
+    let compound = words.len() > 1;
+    words.iter().any(|word| {
+        SECRET_WORDS.contains(&word.as_str())
+            || (compound && word == "pwd")
+            || SECRET_ENDINGS
+                .iter()
+                .any(|end| word.len() > end.len() && word.ends_with(end))
+    })
+}
+
+/// The lower-cased words of a name: split at non-alphanumerics and at each lower-case
+/// letter or digit followed by an upper-case letter (`XApiKey` → `xapi`, `key`).
+fn name_words(name: &str) -> Vec<String> {
+    let mut words = Vec::new();
+    for part in name.split(|c: char| !c.is_alphanumeric()) {
+        let mut word = String::new();
+        let mut previous_lower = false;
+        for c in part.chars() {
+            if c.is_uppercase() && previous_lower && !word.is_empty() {
+                words.push(std::mem::take(&mut word));
+            }
+            previous_lower = c.is_lowercase() || c.is_ascii_digit();
+            word.extend(c.to_lowercase());
+        }
+        if !word.is_empty() {
+            words.push(word);
+        }
+    }
+    words
 }
 
 fn schema_marks_secret(schema: &Value) -> bool {
@@ -516,7 +588,7 @@ fn redact_value(value: &Value, schemas: &[&Value], extra: &[String]) -> Value {
                 .collect();
             Value::Array(out)
         }
-        Value::String(text) => Value::String(redact_url_password(text)),
+        Value::String(text) => Value::String(redact_text(text, extra)),
         other => other.clone(),
     }
 }
@@ -534,9 +606,164 @@ fn redact_name_value_pair(map: &serde_json::Map<String, Value>, extra: &[String]
     Some(Value::Object(out))
 }
 
-/// `scheme://user:password@host…` → `scheme://user:[redacted]@host…`, anywhere in
-/// the text.
-fn redact_url_password(text: &str) -> String {
+/// `text` with the secrets written inline in it replaced by `[redacted]`, each rule
+/// applied anywhere in the text (a URL, a command line, a file's content, SQL):
+///
+/// - URL user-info: `scheme://user:password@host` keeps the user; an `http(s)` URL
+///   whose user-info has no password (`https://<token>@host`) loses all of it;
+/// - `"name": value` and `'name': value` (JSON, Python, YAML flow) with a secret name;
+/// - `name=value` after the start, white space, `?`, `&`, `;`, `,`, a quote or a
+///   bracket, with a secret name: query strings and forms (`?access_token=…`), shell
+///   assignments (`PGPASSWORD=… psql`, `export API_KEY=…`), `--password=…` flags,
+///   `password = '…'` in SQL or config text;
+/// - `--name value` (and `-name value`) flags with a secret name, and `-u`/`--user
+///   user:password` (the part after the colon);
+/// - `Name: value` header lines with a secret name (`Authorization: …`,
+///   `X-Api-Key: …`, `Cookie: …`), up to the end of the line or a quote;
+/// - `Bearer <token>`;
+/// - SQL `PASSWORD '…'` and `IDENTIFIED BY '…'` literals;
+/// - PEM private keys (`-----BEGIN … PRIVATE KEY-----` to its `END` line).
+///
+/// Values in quotes keep their quotes. The rules are deliberately wide: a value that
+/// did not need hiding costs an approver a look at the real call, a secret that leaks
+/// into the append-only audit log cannot be taken back.
+pub fn redact_text(text: &str, extra: &[String]) -> String {
+    let Some(rules) = TEXT_RULES.as_ref() else {
+        // The patterns are constants and compile; should they ever not, nothing is shown
+        // rather than a secret.
+        return REDACTED.to_owned();
+    };
+    if text.is_empty() {
+        return String::new();
+    }
+    let secret = |name: &str| secret_by_name(name.trim_start_matches('-'), extra);
+    let quoted = |value: &str| -> String {
+        match value.chars().next() {
+            Some(q @ ('"' | '\'')) if value.len() >= 2 && value.ends_with(q) => {
+                format!("{q}{REDACTED}{q}")
+            }
+            _ => REDACTED.to_owned(),
+        }
+    };
+    let mut out = rules
+        .pem
+        .replace_all(
+            text,
+            format!("-----BEGIN $kind-----{REDACTED}-----END $kind-----"),
+        )
+        .into_owned();
+    out = redact_url_userinfo(&out);
+    out = rules
+        .json_pair
+        .replace_all(&out, |c: &regex::Captures<'_>| {
+            if secret(&c["name"]) {
+                format!("{}{}", &c["head"], quoted(&c["value"]))
+            } else {
+                c[0].to_owned()
+            }
+        })
+        .into_owned();
+    out = rules
+        .assignment
+        .replace_all(&out, |c: &regex::Captures<'_>| {
+            if secret(&c["name"]) {
+                format!("{}{}{}", &c["pre"], &c["name"], &c["eq"]) + &quoted(&c["value"])
+            } else {
+                c[0].to_owned()
+            }
+        })
+        .into_owned();
+    out = rules
+        .flag
+        .replace_all(&out, |c: &regex::Captures<'_>| {
+            let flag = &c["flag"];
+            let value = &c["value"];
+            let head = format!("{}{flag}{}", &c["pre"], &c["sp"]);
+            if matches!(flag, "-u" | "--user") {
+                return match value.split_once(':') {
+                    Some((user, _)) => format!("{head}{user}:{REDACTED}"),
+                    None => c[0].to_owned(),
+                };
+            }
+            if secret(flag) {
+                head + &quoted(value)
+            } else {
+                c[0].to_owned()
+            }
+        })
+        .into_owned();
+    out = rules
+        .header_line
+        .replace_all(&out, |c: &regex::Captures<'_>| {
+            if secret(&c["name"]) {
+                format!("{}{}{}{REDACTED}", &c["pre"], &c["name"], &c["sep"])
+            } else {
+                c[0].to_owned()
+            }
+        })
+        .into_owned();
+    out = rules
+        .sql_password
+        .replace_all(&out, |c: &regex::Captures<'_>| {
+            format!("{}{}", &c["head"], quoted(&c["value"]))
+        })
+        .into_owned();
+    rules
+        .bearer
+        .replace_all(&out, format!("${{scheme}}${{sp}}{REDACTED}"))
+        .into_owned()
+}
+
+/// The compiled patterns of [`redact_text`].
+struct TextRules {
+    pem: regex::Regex,
+    json_pair: regex::Regex,
+    assignment: regex::Regex,
+    flag: regex::Regex,
+    header_line: regex::Regex,
+    sql_password: regex::Regex,
+    bearer: regex::Regex,
+}
+
+/// A quoted value (escapes allowed) or a bare one up to a delimiter.
+const VALUE: &str = r#"(?:"(?:[^"\\]|\\.)*"|'(?:[^'\\]|\\.)*'|[^\s&;"'`|<>),}\]]+)"#;
+
+static TEXT_RULES: std::sync::LazyLock<Option<TextRules>> = std::sync::LazyLock::new(|| {
+    let build = || -> Result<TextRules, regex::Error> {
+        Ok(TextRules {
+            pem: regex::Regex::new(
+                r"(?s)-----BEGIN (?P<kind>[A-Z0-9 ]*PRIVATE KEY)-----.*?(?:-----END [A-Z0-9 ]*PRIVATE KEY-----|\z)",
+            )?,
+            json_pair: regex::Regex::new(&format!(
+                r#"(?P<head>["'](?P<name>[^"'\r\n]{{1,128}})["']\s*:\s*)(?P<value>{VALUE})"#
+            ))?,
+            assignment: regex::Regex::new(&format!(
+                r#"(?P<pre>^|[\s?&;,"'(\[{{])(?P<name>-{{0,2}}[A-Za-z_][A-Za-z0-9_.\-\[\]]*)(?P<eq>[ \t]*=[ \t]*)(?P<value>{VALUE})"#
+            ))?,
+            flag: regex::Regex::new(
+                r#"(?P<pre>^|\s)(?P<flag>--?[A-Za-z][A-Za-z0-9_\-]*)(?P<sp>[ \t]+)(?P<value>"(?:[^"\\]|\\.)*"|'(?:[^'\\]|\\.)*'|[^\s\-][^\s]*)"#,
+            )?,
+            header_line: regex::Regex::new(
+                r#"(?m)(?P<pre>^|[\s"'])(?P<name>[A-Za-z][A-Za-z0-9_\-]*)(?P<sep>:[ \t]*)(?P<value>[^\s"'][^\r\n"']*)"#,
+            )?,
+            sql_password: regex::Regex::new(
+                r#"(?i)(?P<head>\b(?:password|identified\s+by)\s+)(?P<value>'(?:[^']|'')*'|"[^"]*")"#,
+            )?,
+            bearer: regex::Regex::new(r"(?i)\b(?P<scheme>bearer)(?P<sp>\s+)[A-Za-z0-9._~+/=\-]+")?,
+        })
+    };
+    match build() {
+        Ok(rules) => Some(rules),
+        Err(e) => {
+            tracing::error!(error = %e, "redaction patterns do not compile; strings are redacted whole");
+            None
+        }
+    }
+});
+
+/// `scheme://user:password@host…` → `scheme://user:[redacted]@host…`, and
+/// `http(s)://token@host…` → `http(s)://[redacted]@host…`, anywhere in the text.
+fn redact_url_userinfo(text: &str) -> String {
     if !text.contains("://") || !text.contains('@') {
         return text.to_owned();
     }
@@ -545,8 +772,17 @@ fn redact_url_password(text: &str) -> String {
     while let Some(pos) = rest.find("://") {
         let (head, tail) = rest.split_at(pos + 3);
         out.push_str(head);
+        let scheme: String = head[..pos]
+            .chars()
+            .rev()
+            .take_while(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'))
+            .collect::<Vec<_>>()
+            .into_iter()
+            .rev()
+            .collect::<String>()
+            .to_ascii_lowercase();
         let authority_end = tail
-            .find(|c: char| matches!(c, '/' | '?' | '#') || c.is_whitespace())
+            .find(|c: char| matches!(c, '/' | '?' | '#' | '"' | '\'') || c.is_whitespace())
             .unwrap_or(tail.len());
         let authority = &tail[..authority_end];
         match authority.rfind('@') {
@@ -555,6 +791,13 @@ fn redact_url_password(text: &str) -> String {
                 match userinfo.find(':') {
                     Some(colon) => {
                         out.push_str(&userinfo[..colon + 1]);
+                        out.push_str(REDACTED);
+                        out.push_str(&authority[at..]);
+                    }
+                    // A bare user name in an http URL is how tokens ride along
+                    // (`https://<token>@github.com/…`); elsewhere it is a user name
+                    // (`ssh://git@…`, `postgres://app@…`).
+                    None if matches!(scheme.as_str(), "http" | "https") && at > 0 => {
                         out.push_str(REDACTED);
                         out.push_str(&authority[at..]);
                     }
@@ -784,5 +1027,153 @@ mod tests {
         assert_eq!(out, json!({"a": REDACTED, "b": 2, "m": {"k": REDACTED}}));
         assert!(is_secret_name("Proxy-Authorization", &[]));
         assert!(!is_secret_name("tokens", &[]));
+    }
+
+    #[test]
+    fn secret_names_are_found_by_their_words() {
+        for name in [
+            "Ocp-Apim-Subscription-Key",
+            "X-Secret-Key",
+            "x-goog-api-key",
+            "X-Amz-Security-Token",
+            "X-Amz-Signature",
+            "X-Amz-Credential",
+            "sig",
+            "X-Auth",
+            "Authorization",
+            "Cookie",
+            "accessToken",
+            "clientSecret",
+            "XApiKey",
+            "APIKEY",
+            "PGPASSWORD",
+            "MYSQL_PWD",
+            "AWS_SECRET_ACCESS_KEY",
+            "private-token",
+            "--password",
+            "user[password]",
+        ] {
+            assert!(is_secret_name(name, &[]), "{name}");
+        }
+        for name in [
+            "max_tokens",
+            "tokens",
+            "PWD",
+            "path",
+            "author",
+            "monkey",
+            "Accept",
+            "X-Request-Id",
+            "session_id",
+            "GIT_AUTHOR_NAME",
+            "timeout_seconds",
+        ] {
+            assert!(!is_secret_name(name, &[]), "{name}");
+        }
+    }
+
+    #[test]
+    fn redacts_inline_secrets_in_urls_commands_and_text() {
+        let r = |text: &str| redact_text(text, &[]);
+        // Query strings and forms.
+        assert_eq!(
+            r("https://api.test/v1?access_token=abc123&page=2"),
+            "https://api.test/v1?access_token=[redacted]&page=2"
+        );
+        // A bare value runs to a delimiter; `#` is not one (it may be part of a secret
+        // in a command), so a fragment after a secret goes with it.
+        assert_eq!(
+            r("https://x.test/?page=1&api_key=K1;sig=S2#top"),
+            "https://x.test/?page=1&api_key=[redacted];sig=[redacted]"
+        );
+        assert_eq!(
+            r("https://s3.test/o?X-Amz-Credential=AKIA%2F1&X-Amz-Signature=ff00&X-Amz-Date=1"),
+            "https://s3.test/o?X-Amz-Credential=[redacted]&X-Amz-Signature=[redacted]&X-Amz-Date=1"
+        );
+        assert_eq!(
+            r("grant_type=password&client_secret=cs&password=hunter2&username=ann"),
+            "grant_type=password&client_secret=[redacted]&password=[redacted]&username=ann"
+        );
+        // URL user-info.
+        assert_eq!(
+            r("git clone https://ghp_abc@github.com/o/r.git"),
+            "git clone https://[redacted]@github.com/o/r.git"
+        );
+        assert_eq!(
+            r("ssh://git@github.com/o/r and postgres://app:pw@db/x"),
+            "ssh://git@github.com/o/r and postgres://app:[redacted]@db/x"
+        );
+        // Shell assignments and flags.
+        assert_eq!(
+            r("PGPASSWORD=s3cr3t psql -h db -U app"),
+            "PGPASSWORD=[redacted] psql -h db -U app"
+        );
+        assert_eq!(
+            r("export GITHUB_TOKEN='ghp x'; env API_KEY=\"k k\" run"),
+            "export GITHUB_TOKEN='[redacted]'; env API_KEY=\"[redacted]\" run"
+        );
+        assert_eq!(
+            r("mysql --password=hunter2 --user=root db"),
+            "mysql --password=[redacted] --user=root db"
+        );
+        assert_eq!(
+            r("tool --api-key abc --token 'x y' --verbose -n 3"),
+            "tool --api-key [redacted] --token '[redacted]' --verbose -n 3"
+        );
+        assert_eq!(
+            r("curl -u admin:pa55 https://x.test/"),
+            "curl -u admin:[redacted] https://x.test/"
+        );
+        // Header lines and bearer tokens.
+        assert_eq!(
+            r("curl -H 'Authorization: Bearer eyJ.a.b' -H 'Accept: */*' https://x.test/"),
+            "curl -H 'Authorization: [redacted]' -H 'Accept: */*' https://x.test/"
+        );
+        assert_eq!(
+            r("curl -H \"X-Secret-Key:abc\" -H 'Ocp-Apim-Subscription-Key: k2' x"),
+            "curl -H \"X-Secret-Key:[redacted]\" -H 'Ocp-Apim-Subscription-Key: [redacted]' x"
+        );
+        assert_eq!(
+            r("send it with bearer abc.def-123"),
+            "send it with bearer [redacted]"
+        );
+        assert_eq!(
+            r("db:\n  password: hunter2\n  host: db\n"),
+            "db:\n  password: [redacted]\n  host: db\n"
+        );
+        // Embedded JSON, SQL and keys.
+        assert_eq!(
+            r(r#"{"user":"ann","password":"p\"w","apiKey": "k","n":1,"token":42}"#),
+            r#"{"user":"ann","password":"[redacted]","apiKey": "[redacted]","n":1,"token":[redacted]}"#
+        );
+        assert_eq!(
+            r("ALTER ROLE app WITH PASSWORD 'it''s'; CREATE USER b IDENTIFIED BY \"x\""),
+            "ALTER ROLE app WITH PASSWORD '[redacted]'; CREATE USER b IDENTIFIED BY \"[redacted]\""
+        );
+        assert_eq!(
+            r("k = '-----BEGIN OPENSSH PRIVATE KEY-----\nb3Bl\n-----END OPENSSH PRIVATE KEY-----'"),
+            "k = '-----BEGIN OPENSSH PRIVATE KEY-----[redacted]-----END OPENSSH PRIVATE KEY-----'"
+        );
+        // Ordinary text is left alone.
+        for plain in [
+            "ls -la /workspace && echo done",
+            "https://example.com/a?page=2&sort=asc",
+            "SELECT name FROM customers WHERE id = ?",
+            "max_tokens=5 tokens=3 PWD=/root",
+            "Content-Type: application/json",
+            "the key to success",
+        ] {
+            assert_eq!(r(plain), plain);
+        }
+        // Through `redact`, every string of the input is checked.
+        let out = redact(
+            &json!({"command": "PGPASSWORD=x psql", "headers": {"X-Secret-Key": "v", "Accept": "a"}, "url": "https://h.test/?token=t"}),
+            &json!({"type": "object"}),
+            &[],
+        );
+        assert_eq!(
+            out,
+            json!({"command": "PGPASSWORD=[redacted] psql", "headers": {"X-Secret-Key": REDACTED, "Accept": "a"}, "url": "https://h.test/?token=[redacted]"})
+        );
     }
 }

@@ -7,6 +7,7 @@ use std::collections::HashMap;
 use std::io::Write;
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use airlock_policy::validate_segment;
 use sha2::{Digest, Sha256};
@@ -90,9 +91,16 @@ const GENERATED_TOKEN_HINT: &str = "airlock up writes the token to <data_dir>/to
 /// Where a caller finds a token when principals are configured.
 const CONFIGURED_TOKEN_HINT: &str = "use the token configured for your principal in airlock.toml ([[principals]]) and CLI clients also read AIRLOCK_TOKEN; there is no OAuth flow";
 
-/// The table of known tokens, by digest.
-#[derive(Debug, Clone, Default)]
+/// The table of known tokens, by digest. It can be replaced while the orchestrator
+/// runs (a SIGHUP reloads `[[principals]]`): a removed principal's token stops working
+/// at once, and calls it left waiting for approval are checked against the new table.
+#[derive(Debug, Default)]
 pub struct Principals {
+    table: std::sync::RwLock<Arc<Table>>,
+}
+
+#[derive(Debug, Default)]
+struct Table {
     by_digest: HashMap<[u8; 32], Principal>,
     /// The single token is the generated `<data_dir>/token`.
     generated: bool,
@@ -102,7 +110,81 @@ impl Principals {
     /// Builds the table from `[[principals]]`; with none configured, the data dir's token
     /// file (created on first start, owner-only) names one principal with every role.
     pub fn load(configs: &[PrincipalConfig], data_dir: &Path) -> Result<Self, AuthError> {
-        let mut table = Principals::default();
+        let table = Table::load(configs, data_dir)?;
+        Ok(Self {
+            table: std::sync::RwLock::new(Arc::new(table)),
+        })
+    }
+
+    fn current(&self) -> Arc<Table> {
+        match self.table.read() {
+            Ok(table) => table.clone(),
+            Err(poisoned) => poisoned.into_inner().clone(),
+        }
+    }
+
+    /// Puts `other`'s table in force, for every later request.
+    pub fn replace(&self, other: Principals) {
+        let fresh = other.current();
+        match self.table.write() {
+            Ok(mut table) => *table = fresh,
+            Err(poisoned) => *poisoned.into_inner() = fresh,
+        }
+    }
+
+    /// The principal a bearer token belongs to.
+    pub fn authenticate(&self, token: &str) -> Option<Principal> {
+        if token.is_empty() {
+            return None;
+        }
+        self.current().by_digest.get(&digest(token)).cloned()
+    }
+
+    /// The principal of an `Authorization` header value (`None`: no header).
+    pub fn authenticate_header(&self, header: Option<&str>) -> Result<Principal, Unauthenticated> {
+        let header = header.ok_or(Unauthenticated::Missing)?;
+        let token = bearer_token(header).ok_or(Unauthenticated::NotBearer)?;
+        self.authenticate(token)
+            .ok_or(Unauthenticated::InvalidToken)
+    }
+
+    /// The principal named `name` as the table in force knows it (its roles now), or
+    /// `None` when no principal of that name is configured any more.
+    pub fn by_name(&self, name: &str) -> Option<Principal> {
+        self.current()
+            .by_digest
+            .values()
+            .find(|p| p.name == name)
+            .cloned()
+    }
+
+    /// The names of the configured principals, sorted.
+    pub fn names(&self) -> Vec<String> {
+        let mut names: Vec<String> = self
+            .current()
+            .by_digest
+            .values()
+            .map(|p| p.name.clone())
+            .collect();
+        names.sort();
+        names
+    }
+
+    /// Where a caller gets a valid token: one line of plain ASCII without quotes, fit
+    /// for an error message and for a `WWW-Authenticate` quoted-string. It names the
+    /// place, never the token or the data dir's real path (the caller is unauthenticated).
+    pub fn token_hint(&self) -> &'static str {
+        if self.current().generated {
+            GENERATED_TOKEN_HINT
+        } else {
+            CONFIGURED_TOKEN_HINT
+        }
+    }
+}
+
+impl Table {
+    fn load(configs: &[PrincipalConfig], data_dir: &Path) -> Result<Self, AuthError> {
+        let mut table = Table::default();
         if configs.is_empty() {
             table.generated = true;
             let token = ensure_token_file(&token_file_path(data_dir))?;
@@ -126,33 +208,6 @@ impl Principals {
             }
         }
         Ok(table)
-    }
-
-    /// The principal a bearer token belongs to.
-    pub fn authenticate(&self, token: &str) -> Option<&Principal> {
-        if token.is_empty() {
-            return None;
-        }
-        self.by_digest.get(&digest(token))
-    }
-
-    /// The principal of an `Authorization` header value (`None`: no header).
-    pub fn authenticate_header(&self, header: Option<&str>) -> Result<&Principal, Unauthenticated> {
-        let header = header.ok_or(Unauthenticated::Missing)?;
-        let token = bearer_token(header).ok_or(Unauthenticated::NotBearer)?;
-        self.authenticate(token)
-            .ok_or(Unauthenticated::InvalidToken)
-    }
-
-    /// Where a caller gets a valid token: one line of plain ASCII without quotes, fit
-    /// for an error message and for a `WWW-Authenticate` quoted-string. It names the
-    /// place, never the token or the data dir's real path (the caller is unauthenticated).
-    pub fn token_hint(&self) -> &'static str {
-        if self.generated {
-            GENERATED_TOKEN_HINT
-        } else {
-            CONFIGURED_TOKEN_HINT
-        }
     }
 }
 
@@ -338,6 +393,37 @@ mod tests {
             );
         }
         assert!(table.token_hint().contains("<data_dir>/token"));
+    }
+
+    #[test]
+    fn a_replaced_table_revokes_removed_principals_at_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = |name: &str, token: &str, roles: &[&str]| PrincipalConfig {
+            name: name.into(),
+            token_env: None,
+            token_sha256: Some(hex::encode(digest(token))),
+            roles: roles.iter().map(|r| (*r).to_owned()).collect(),
+        };
+        let table = Principals::load(
+            &[
+                config("ann", "ann-token", &["agent"]),
+                config("bob", "bob-token", &["approver"]),
+            ],
+            dir.path(),
+        )
+        .unwrap();
+        assert_eq!(table.names(), ["ann", "bob"]);
+        assert!(table.by_name("ann").unwrap().has(Role::Agent));
+        let reloaded = Principals::load(
+            &[config("bob", "bob-token", &["approver", "agent"])],
+            dir.path(),
+        )
+        .unwrap();
+        table.replace(reloaded);
+        assert!(table.authenticate("ann-token").is_none());
+        assert!(table.by_name("ann").is_none());
+        assert!(table.by_name("bob").unwrap().has(Role::Agent));
+        assert_eq!(table.names(), ["bob"]);
     }
 
     #[test]

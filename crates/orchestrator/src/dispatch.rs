@@ -18,6 +18,9 @@ const MAX_MESSAGE_BYTES: usize = 32 * 1024 * 1024;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// Grace beyond the worker's own deadline before the orchestrator gives up on it.
 const DEADLINE_SLACK: Duration = Duration::from_secs(5);
+/// How long a cancelled call may take to end on its worker once the worker was asked
+/// to stop it: the worker's own cleanup grace (5 s) and slack.
+const STOP_BOUND: Duration = Duration::from_secs(15);
 
 #[derive(Debug, thiserror::Error)]
 pub enum EndpointError {
@@ -215,6 +218,12 @@ pub struct Dispatched {
 
 /// Runs `request` on one replica of `group`. A replica that cannot be reached is
 /// skipped; a call that reached a worker is never retried, so it runs at most once.
+///
+/// When `cancel` fires after the request went out, the worker is asked to stop the call
+/// (`Cancel`, which kills its sandbox, detached or not) and this returns only once the
+/// call's stream has ended: [`DispatchError::Cancelled`] then means the worker stopped
+/// it, and a call that finished before the cancel reached it keeps its result. Nothing
+/// here reports a call cancelled while it may still run.
 pub async fn execute(
     group: &crate::catalog::WorkerGroup,
     request: pb::ExecuteRequest,
@@ -225,14 +234,19 @@ pub async fn execute(
     let overall = Duration::from_millis(timeout_ms) + DEADLINE_SLACK;
     let mut last_unreachable = String::from("no replicas are known");
     for replica in group.replicas_in_turn() {
+        if cancel.is_cancelled() {
+            // Nothing has gone out: there is nothing to stop.
+            return Err(DispatchError::Cancelled);
+        }
         let mut wire_request = tonic::Request::new(request.clone());
         wire_request.set_timeout(overall);
         let mut client = replica.client();
-        let started = tokio::select! {
-            _ = cancel.cancelled() => return Err(DispatchError::Cancelled),
-            r = client.execute(wire_request) => r,
-        };
-        let stream = match started {
+        // Not raced against `cancel`: once the request is out the worker may be running
+        // the call (a detached one even if this side goes away), so a cancel is dealt
+        // with on the stream the worker answers with, below. Starting is quick (the
+        // worker answers before the tool runs) and bounded by the deadline.
+        let started = client.execute(wire_request).await;
+        let mut stream = match started {
             Ok(response) => response.into_inner(),
             Err(status) if is_unreachable(&status) => {
                 tracing::warn!(group = %group.name, endpoint = %replica.endpoint, %status, "replica unreachable");
@@ -241,9 +255,12 @@ pub async fn execute(
             }
             Err(status) => return Err(status_error(&group.name, status, timeout_ms)),
         };
+        let deadline = tokio::time::Instant::now() + overall;
         let consumed = tokio::select! {
-            _ = cancel.cancelled() => return Err(DispatchError::Cancelled),
-            r = tokio::time::timeout(overall, consume(stream, events.as_ref())) => r,
+            _ = cancel.cancelled() => {
+                return stop(group, &replica, &request, &mut stream, events.as_ref(), deadline).await;
+            }
+            r = tokio::time::timeout_at(deadline, consume(&mut stream, events.as_ref())) => r,
         };
         return match consumed {
             Ok(Ok(outcome)) => Ok(Dispatched {
@@ -266,8 +283,86 @@ pub async fn execute(
     })
 }
 
+/// Asks `replica` to stop the call whose `stream` is open and waits for the stream's
+/// last word: the call's result if it finished first, else the worker's CANCELLED.
+async fn stop(
+    group: &crate::catalog::WorkerGroup,
+    replica: &Replica,
+    request: &pb::ExecuteRequest,
+    stream: &mut tonic::Streaming<pb::ExecuteEvent>,
+    events: Option<&mpsc::Sender<WorkerEvent>>,
+    deadline: tokio::time::Instant,
+) -> Result<Dispatched, DispatchError> {
+    let asked = tokio::time::timeout(
+        STOP_BOUND,
+        replica.client().cancel(pb::CancelRequest {
+            call_id: request.call_id.clone(),
+        }),
+    )
+    .await;
+    let refusal = match asked {
+        Ok(Ok(_)) => None,
+        Ok(Err(status)) => Some(status.to_string()),
+        Err(_) => Some(format!("no answer within {} s", STOP_BOUND.as_secs())),
+    };
+    let until = match refusal {
+        None => tokio::time::Instant::now() + STOP_BOUND,
+        Some(why) if !request.detached => {
+            // A worker that cannot take `Cancel` (an external one predating it) stops an
+            // attached call when its stream goes away, which returning here does.
+            tracing::warn!(call_id = %request.call_id, endpoint = %replica.endpoint, %why, "the worker did not take Cancel; dropping the call's stream to stop it");
+            return Err(DispatchError::Cancelled);
+        }
+        Some(why) => {
+            // Nothing else stops a detached call: it runs to its end and is reported as
+            // what it did, not as cancelled.
+            tracing::warn!(call_id = %request.call_id, endpoint = %replica.endpoint, %why, "the worker did not take Cancel; the detached call runs to its end");
+            deadline
+        }
+    };
+    match tokio::time::timeout_at(until, consume(stream, events)).await {
+        Ok(Ok(outcome)) => Ok(Dispatched {
+            outcome,
+            replica: replica.endpoint.clone(),
+        }),
+        Ok(Err(status)) => Err(status_error(&group.name, status, request.timeout_ms)),
+        Err(_) if until == deadline => Err(DispatchError::DeadlineExceeded {
+            timeout_ms: request.timeout_ms,
+        }),
+        Err(_) => Err(DispatchError::Failed {
+            group: group.name.clone(),
+            detail: "it was asked to cancel the call and did not report the call's end".to_owned(),
+        }),
+    }
+}
+
+/// Asks every replica of `group` to stop `call_id` (a call another orchestrator
+/// replica dispatched: only its worker knows where it runs). Best effort; the replica
+/// that dispatched it records how it ended.
+pub async fn cancel_everywhere(group: &crate::catalog::WorkerGroup, call_id: &str) {
+    for replica in group.replicas_in_turn() {
+        let asked = tokio::time::timeout(
+            STOP_BOUND,
+            replica.client().cancel(pb::CancelRequest {
+                call_id: call_id.to_owned(),
+            }),
+        )
+        .await;
+        match asked {
+            Ok(Ok(answer)) if answer.get_ref().found => return,
+            Ok(Ok(_)) => {}
+            Ok(Err(status)) => {
+                tracing::warn!(call_id, endpoint = %replica.endpoint, %status, "cannot cancel the call on this replica")
+            }
+            Err(_) => {
+                tracing::warn!(call_id, endpoint = %replica.endpoint, "cancelling the call on this replica timed out")
+            }
+        }
+    }
+}
+
 async fn consume(
-    mut stream: tonic::Streaming<pb::ExecuteEvent>,
+    stream: &mut tonic::Streaming<pb::ExecuteEvent>,
     events: Option<&mpsc::Sender<WorkerEvent>>,
 ) -> Result<ToolOutcome, tonic::Status> {
     use pb::execute_event::Event;

@@ -19,7 +19,7 @@ use tokio::sync::{Notify, mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
 use crate::audit::{NewAuditEvent, redact};
-use crate::auth::{Principal, Role};
+use crate::auth::{Principal, Principals, Role};
 use crate::budget::Budgets;
 use crate::cache::ResultCache;
 use crate::calls::{CallRecord, CallRegistry};
@@ -40,6 +40,9 @@ const LEASE: Duration = Duration::from_secs(15);
 const POLL: Duration = Duration::from_millis(250);
 /// A call this young is left to its own task by the resume loop.
 const RESUME_AFTER: Duration = Duration::from_secs(5);
+/// How long a replica that lost the dispatch claim waits, once cancelled, for the
+/// winner to record how the call ended.
+const STOPPED_ELSEWHERE: Duration = Duration::from_secs(30);
 
 /// One proposed call, already in domain form.
 #[derive(Debug, Clone)]
@@ -61,6 +64,9 @@ pub struct Gate {
     /// This replica's name in dispatch claims.
     pub replica_id: String,
     pub workspaces_root: Option<std::path::PathBuf>,
+    /// The principals in force (the front doors' table, reloaded on SIGHUP): an approved
+    /// call is checked against them again before it runs.
+    pub principals: Arc<Principals>,
     authorizer: RwLock<Arc<Authorizer>>,
     /// Woken when an approval is decided through this replica.
     decided: Notify,
@@ -166,6 +172,7 @@ impl Gate {
             audit_config,
             replica_id: format!("orchestrator-{}", uuid::Uuid::new_v4().simple()),
             workspaces_root: None,
+            principals: Arc::new(Principals::default()),
             authorizer: RwLock::new(Arc::new(authorizer)),
             decided: Notify::new(),
             visibility: std::sync::Mutex::default(),
@@ -184,6 +191,13 @@ impl Gate {
             Ok(mut a) => *a = Arc::new(authorizer),
             Err(poisoned) => *poisoned.into_inner() = Arc::new(authorizer),
         }
+        lock(&self.visibility).clear();
+    }
+
+    /// Puts a reloaded principal table in force. Remembered visibility answers go too:
+    /// they are keyed by principal name, and a principal's roles may have changed.
+    pub fn replace_principals(&self, principals: Principals) {
+        self.principals.replace(principals);
         lock(&self.visibility).clear();
     }
 
@@ -594,6 +608,7 @@ impl Gate {
                 events,
                 cancel,
                 approved,
+                approved.then_some("dispatch"),
             )
             .await;
         self.budgets.record(&repeat_key, ending.outcome.is_error);
@@ -705,7 +720,10 @@ impl Gate {
     }
 
     /// Claims the call (exactly one replica wins) and runs it on a worker; a loser waits
-    /// for the winner's outcome in the store.
+    /// for the winner's outcome in the store. With `recheck` (the stage's name), the
+    /// winner first checks the call against the principals and the policy in force now
+    /// ([`Gate::reauthorize`]): an approval granted to a principal that has since lost
+    /// the right does not run.
     #[allow(clippy::too_many_arguments, reason = "the call's whole context")]
     async fn dispatch_claimed(
         &self,
@@ -717,15 +735,21 @@ impl Gate {
         events: Option<mpsc::Sender<WorkerEvent>>,
         cancel: &CancellationToken,
         durable: bool,
+        recheck: Option<&'static str>,
     ) -> Ending {
         let lease_until = || now_millis() + LEASE.as_millis() as i64;
+        let group = self.catalog.group(&tool.group);
         match self
             .store
             .claim_for_dispatch(call_id, &self.replica_id, now_millis(), lease_until())
             .await
         {
             Ok(true) => {}
-            Ok(false) => return self.await_stored_outcome(call_id, cancel).await,
+            Ok(false) => {
+                return self
+                    .await_stored_outcome(call_id, group.as_deref(), cancel)
+                    .await;
+            }
             Err(e) => {
                 return Ending::error(
                     CallStatus::Error,
@@ -733,7 +757,27 @@ impl Gate {
                 );
             }
         }
-        let Some(group) = self.catalog.group(&tool.group) else {
+        // After the claim, so that exactly one replica decides whether the call runs.
+        if let Some(stage) = recheck
+            && let Err(reasons) =
+                self.reauthorize(&principal.name, &tool.definition.name, session, input)
+        {
+            self.audit(
+                NewAuditEvent::new("revoked", json!({"stage": stage, "reasons": reasons}))
+                    .call_id(call_id)
+                    .principal(&principal.name)
+                    .session_id(Some(session.to_owned())),
+            )
+            .await;
+            return Ending::error(
+                CallStatus::Denied,
+                format!(
+                    "denied: the approved call was checked again before it ran, and {}",
+                    reasons.join("; ")
+                ),
+            );
+        }
+        let Some(group) = group else {
             return Ending::error(
                 CallStatus::Error,
                 format!("no worker group serves {}", tool.definition.name),
@@ -808,21 +852,134 @@ impl Gate {
         }
     }
 
-    /// Waits until another replica records the call's outcome.
-    async fn await_stored_outcome(&self, call_id: &str, cancel: &CancellationToken) -> Ending {
+    /// Waits until another replica records the call's outcome. Cancelled, it asks the
+    /// tool's workers to stop the call (only they know where it runs) and goes on
+    /// waiting for that outcome, so that this replica never reports a call cancelled
+    /// while it may still run elsewhere.
+    async fn await_stored_outcome(
+        &self,
+        call_id: &str,
+        group: Option<&crate::catalog::WorkerGroup>,
+        cancel: &CancellationToken,
+    ) -> Ending {
+        let mut gave_up_at = None;
         loop {
             if let Ok(Some(stored)) = self.store.get_call(call_id).await
                 && let Some(ending) = stored_ending(&stored)
             {
                 return ending;
             }
+            if gave_up_at.is_some_and(|at: Instant| at.elapsed() > STOPPED_ELSEWHERE) {
+                return Ending::error(
+                    CallStatus::Error,
+                    format!(
+                        "the call was cancelled, and the replica running it has not recorded how it ended; GET /v1/calls/{call_id} later shows its outcome"
+                    ),
+                )
+                .observed();
+            }
             tokio::select! {
-                _ = cancel.cancelled() => {
-                    // Another replica runs the call; stop waiting without touching it.
-                    return Ending::error(CallStatus::Cancelled, "stopped waiting; another replica runs the call").observed();
+                _ = cancel.cancelled(), if gave_up_at.is_none() => {
+                    gave_up_at = Some(Instant::now());
+                    if let Some(group) = group {
+                        dispatch::cancel_everywhere(group, call_id).await;
+                    }
                 }
                 _ = tokio::time::sleep(POLL) => {}
             }
+        }
+    }
+
+    /// Checks an approved call again against the principals and the policy in force
+    /// now: its principal must still be configured with the agent role, its tool still
+    /// in the catalog, and the policy must not deny it (needing approval is fine: it
+    /// has been approved). `Err` holds why not, for the audit and the caller.
+    pub(crate) fn reauthorize(
+        &self,
+        principal: &str,
+        tool: &str,
+        session: &str,
+        input: &Value,
+    ) -> Result<(), Vec<String>> {
+        let Some(current) = self.principals.by_name(principal) else {
+            return Err(vec![format!(
+                "principal {principal:?} is no longer configured"
+            )]);
+        };
+        if !current.has(Role::Agent) {
+            return Err(vec![format!(
+                "principal {principal:?} no longer has the agent role"
+            )]);
+        }
+        let Some(tool) = self.catalog.get(tool) else {
+            return Err(vec![format!("tool {tool:?} is no longer in the catalog")]);
+        };
+        let roles = role_names(&current);
+        let workspace = self
+            .workspaces_root
+            .as_ref()
+            .map(|root| root.join(principal).join(session));
+        let decision = self.authorizer().decide(&CallRequest {
+            principal,
+            roles: &roles,
+            tool: &tool.definition,
+            arguments: input,
+            session_id: session,
+            workspace: workspace.as_deref(),
+        });
+        match decision {
+            Decision::Deny { reasons } => Err(reasons
+                .into_iter()
+                .map(|r| format!("the policy in force denies it: {r}"))
+                .collect()),
+            Decision::Allow | Decision::RequireApproval { .. } => Ok(()),
+        }
+    }
+
+    /// Cancels a call this replica holds no task for (another replica's, or one only
+    /// the store knows): a pending approval is withdrawn, a dispatched call is stopped
+    /// on its worker. The replica running it records how it ended.
+    pub async fn cancel_elsewhere(&self, call_id: &str) {
+        let Ok(Some(stored)) = self.store.get_call(call_id).await else {
+            return;
+        };
+        match stored.state {
+            CallState::PendingApproval => {
+                let Some(approval_id) = stored.approval_id else {
+                    return;
+                };
+                let withdrawn = self
+                    .store
+                    .decide_approval(
+                        &approval_id,
+                        false,
+                        "system:cancelled",
+                        Some("the caller cancelled the call"),
+                        now_millis(),
+                    )
+                    .await;
+                if withdrawn.is_ok() {
+                    self.audit(
+                        NewAuditEvent::new(
+                            "approval_withdrawn",
+                            json!({"approval_id": approval_id}),
+                        )
+                        .call_id(call_id),
+                    )
+                    .await;
+                    self.notify_decided();
+                }
+            }
+            CallState::Approved | CallState::Dispatched => {
+                let group = self
+                    .catalog
+                    .get(&stored.tool)
+                    .and_then(|tool| self.catalog.group(&tool.group));
+                if let Some(group) = group {
+                    dispatch::cancel_everywhere(&group, call_id).await;
+                }
+            }
+            CallState::Finished | CallState::Rejected => {}
         }
     }
 
@@ -930,6 +1087,9 @@ impl Gate {
             None => None,
         };
         let started = Instant::now();
+        // A call that never reached a worker is checked again like a fresh dispatch; one
+        // that did is joined on its worker, where it started while it was allowed.
+        let recheck = (call.state == CallState::Approved).then_some("resume");
         let ending = self
             .dispatch_claimed(
                 &call.call_id,
@@ -940,6 +1100,7 @@ impl Gate {
                 None,
                 &cancel,
                 true,
+                recheck,
             )
             .await;
         self.conclude(

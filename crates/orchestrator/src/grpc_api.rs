@@ -35,7 +35,6 @@ impl GrpcFrontDoor {
             })?;
         bearer_token(header)
             .and_then(|t| self.principals.authenticate(t))
-            .cloned()
             .ok_or_else(|| Status::unauthenticated("the bearer token is not valid"))
     }
 
@@ -376,7 +375,9 @@ impl Orchestrator for GrpcFrontDoor {
                 Status::not_found(format!("no approval {:?}", request.approval_id))
             }
             DecideError::SelfApproval => Status::permission_denied(e.to_string()),
-            DecideError::Conflict(_) => Status::failed_precondition(e.to_string()),
+            DecideError::Conflict(_) | DecideError::Revoked(_) => {
+                Status::failed_precondition(e.to_string())
+            }
             DecideError::Store(_) => Status::unavailable(e.to_string()),
         })?;
         Ok(Response::new(approval_info(&approval)))

@@ -222,7 +222,6 @@ pub(crate) fn authenticated_principal(
     state
         .principals
         .authenticate_header(header)
-        .cloned()
         .map_err(|why| ApiError::unauthenticated(why, state.principals.token_hint()))
 }
 
@@ -511,7 +510,15 @@ async fn cancel_call(
     axum::Extension(principal): axum::Extension<Principal>,
     Path(call_id): Path<String>,
 ) -> Result<axum::Json<Value>, ApiError> {
+    // The answer is the call as it is after a short wait: `cancelled` only once its
+    // worker has stopped it, else still `running` (`GET /v1/calls/{id}` follows it).
     let Some(rx) = visible_call(&state, &principal, &call_id)? else {
+        // Another replica's call, or one only the store knows.
+        let record = stored_call(&state, &principal, &call_id).await?;
+        if record.status.is_final() {
+            return Ok(axum::Json(wire::call_detail(&record)));
+        }
+        state.gate.cancel_elsewhere(&call_id).await;
         let record = stored_call(&state, &principal, &call_id).await?;
         return Ok(axum::Json(wire::call_detail(&record)));
     };
@@ -658,6 +665,7 @@ async fn decide_approval(
             ApiError::new(StatusCode::FORBIDDEN, "forbidden", e.to_string())
         }
         DecideError::Conflict(_) => ApiError::new(StatusCode::CONFLICT, "conflict", e.to_string()),
+        DecideError::Revoked(_) => ApiError::new(StatusCode::CONFLICT, "revoked", e.to_string()),
         DecideError::Store(_) => ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
             "unavailable",

@@ -35,4 +35,4 @@ pub use config::{
 };
 /// The (method, path) of every authenticated HTTP route, as the router serves them.
 pub use http_api::route_table as http_route_table;
-pub use server::{BoundListeners, Orchestrator, Prepared, ServeError};
+pub use server::{BoundListeners, Orchestrator, Prepared, Reload, ServeError};

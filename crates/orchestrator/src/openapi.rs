@@ -188,7 +188,7 @@ pub fn document() -> Value {
                     "calls": {"type": "array", "items": {"$ref": "#/components/schemas/CallSummary"}}}},
                 "AgentRunRequest": {"type": "object", "required": ["prompt"], "additionalProperties": false, "properties": {
                     "prompt": {"type": "string", "minLength": 1},
-                    "session_id": {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$", "description": "Default: a fresh session agent-<uuid>"},
+                    "session_id": {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$", "description": "Default: the session default, as for POST /v1/tool_calls"},
                     "max_turns": {"type": "integer", "minimum": 1, "description": "At most [agent] max_turns"}}},
                 "Approval": {"type": "object",
                     "required": ["approval_id", "call_id", "tool", "input", "principal", "session_id", "status", "created_at", "expires_at"],

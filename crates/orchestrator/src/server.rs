@@ -130,7 +130,7 @@ impl Orchestrator {
         prepared: Prepared,
         listeners: BoundListeners,
         shutdown: impl Future<Output = ()> + Send + 'static,
-        mut reload: tokio::sync::mpsc::Receiver<()>,
+        mut reload: tokio::sync::mpsc::Receiver<Reload>,
     ) -> Result<(), ServeError> {
         // Channels need the runtime, so the catalog is built here, not in `prepare`.
         let catalog = Arc::new(Catalog::new(&config.workers)?);
@@ -151,6 +151,8 @@ impl Orchestrator {
             config.audit.clone(),
         );
         gate.workspaces_root = config.workspaces_root.clone();
+        // The front doors' table, so that a reload reaches the gate's re-checks too.
+        gate.principals = prepared.principals.clone();
         let gate = Arc::new(gate);
         let stop = CancellationToken::new();
         // Probe every worker group once before serving, so a ready launcher means a
@@ -167,7 +169,8 @@ impl Orchestrator {
             let gate = gate.clone();
             let config = config.clone();
             tokio::spawn(async move {
-                while reload.recv().await.is_some() {
+                while let Some(request) = reload.recv().await {
+                    reload_principals(&gate, request.principals, &config).await;
                     reload_policy(&gate, &config).await;
                 }
             });
@@ -278,6 +281,48 @@ fn load_policy(config: &OrchestratorConfig) -> Result<Authorizer, PolicyError> {
     match &config.policy_file {
         Some(path) => Authorizer::load_file(path, config.approvals.knob()),
         None => Authorizer::default_policy(config.approvals.knob()),
+    }
+}
+
+/// What one SIGHUP asks the orchestrator to load again: the policy file (named at
+/// start) always, and the `[[principals]]` the binary read from the config file again.
+#[derive(Debug, Clone)]
+pub struct Reload {
+    /// The `[[principals]]` as the config file reads now, or why it could not be read
+    /// (the principals in force then stay).
+    pub principals: Result<Vec<crate::config::PrincipalConfig>, String>,
+}
+
+/// SIGHUP: put the reloaded `[[principals]]` in force. A removed principal's token stops
+/// working at once, and approved calls are checked against the new table before they
+/// run; a table that does not load keeps the old one in force.
+async fn reload_principals(
+    gate: &Gate,
+    principals: Result<Vec<crate::config::PrincipalConfig>, String>,
+    config: &OrchestratorConfig,
+) {
+    let loaded = principals.and_then(|configs| {
+        Principals::load(&configs, &config.data_dir).map_err(|e| e.to_string())
+    });
+    match loaded {
+        Ok(table) => {
+            gate.replace_principals(table);
+            let names = gate.principals.names();
+            tracing::info!(?names, "principals reloaded");
+            gate.audit(NewAuditEvent::new(
+                "principals_reloaded",
+                serde_json::json!({"principals": names}),
+            ))
+            .await;
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "principals reload failed; the previous principals stay in force");
+            gate.audit(NewAuditEvent::new(
+                "principals_reload_failed",
+                serde_json::json!({"error": e}),
+            ))
+            .await;
+        }
     }
 }
 

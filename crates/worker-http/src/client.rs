@@ -404,7 +404,7 @@ pub fn gunzip(wire: &[u8], cap: usize) -> (Vec<u8>, bool, Option<String>) {
 
 /// Header names a caller may not set: hop-by-hop headers, the ones the client owns
 /// (`Host`, `Content-Length`, `Accept-Encoding` so that every body stays bounded,
-/// `User-Agent`), and `Expect`.
+/// `User-Agent`), `Expect`, and the method-override headers.
 pub fn forbidden_header(name: &HeaderName) -> bool {
     let n = name.as_str();
     matches!(
@@ -423,6 +423,18 @@ pub fn forbidden_header(name: &HeaderName) -> bool {
             | "expect"
             | "http2-settings"
     ) || n.starts_with("proxy-")
+        || is_method_override(name)
+}
+
+/// Headers that ask the server to treat the request as another method. The request
+/// goes out with the method the call names, nothing else: with one of these a GET,
+/// which needs no approval, could act as a DELETE. (The gate's approval rule holds such
+/// a call for a human as well; this refusal stands even where approvals are off.)
+pub fn is_method_override(name: &HeaderName) -> bool {
+    matches!(
+        name.as_str(),
+        "x-http-method-override" | "x-http-method" | "x-method-override"
+    )
 }
 
 #[cfg(test)]
@@ -457,6 +469,9 @@ mod tests {
             "transfer-encoding",
             "TE",
             "content-length",
+            "X-HTTP-Method-Override",
+            "x-http-method",
+            "X-Method-Override",
         ] {
             assert!(
                 forbidden_header(&HeaderName::from_bytes(h.as_bytes()).unwrap()),

@@ -132,6 +132,9 @@ fn header_reason(name: &str) -> &'static str {
         }
         "user-agent" => "the worker sends a fixed User-Agent",
         "expect" => "the worker sends the body directly",
+        "x-http-method-override" | "x-http-method" | "x-method-override" => {
+            "it would make the server treat the request as another method; set `method` instead"
+        }
         _ => "it is a hop-by-hop or proxy header that belongs to the connection, not the request",
     }
 }
@@ -199,7 +202,8 @@ impl HttpTool {
                      {}), each one re-checked. The body is cut at `max_response_bytes` (default \
                      and maximum {}) and then `truncated` is true and `note` says where. Host, \
                      Content-Length, User-Agent, Accept-Encoding and hop-by-hop headers are set \
-                     by the worker and cannot be given. Request bodies up to {} bytes. Timeout \
+                     by the worker and cannot be given, nor can method-override headers \
+                     (X-HTTP-Method-Override and the like). Request bodies up to {} bytes. Timeout \
                      `timeout_seconds` (default and maximum {max_timeout}). Any status code, \
                      4xx and 5xx included, is a normal result. To read a web page, prefer \
                      fetch_url. {EGRESS}",
@@ -627,5 +631,13 @@ mod tests {
                 .unwrap_err()
                 .contains("not a valid")
         );
+        for name in [
+            "X-HTTP-Method-Override",
+            "x-http-method",
+            " X-Method-Override ",
+        ] {
+            let e = h(&[("Accept", "*/*"), (name, "DELETE")]).unwrap_err();
+            assert!(e.contains("another method"), "{name}: {e}");
+        }
     }
 }

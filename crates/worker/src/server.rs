@@ -1,8 +1,10 @@
 //! The `airlock.v1.ToolWorker` gRPC server.
 //!
-//! Three promises are kept here rather than in each tool: the worker's own timer ends a
-//! call at its deadline (`DEADLINE_EXCEEDED`), a caller that goes away cancels its call,
-//! and shutdown drains (no new calls, in-flight calls finish up to a grace period).
+//! Four promises are kept here rather than in each tool: the worker's own timer ends a
+//! call at its deadline (`DEADLINE_EXCEEDED`), a caller that goes away cancels its call
+//! (unless it is detached), `Cancel` stops any call by its id and answers once it has
+//! ended, and shutdown drains (no new calls, in-flight calls finish up to a grace
+//! period).
 
 use std::future::Future;
 use std::io;
@@ -178,6 +180,7 @@ impl WorkerServer {
             all_calls: all_calls.clone(),
             in_flight: in_flight.clone(),
             ledger: Ledger::default(),
+            running: Running::default(),
         };
         let router = tonic::transport::Server::builder()
             .add_service(health_service)
@@ -251,6 +254,7 @@ struct WorkerService {
     all_calls: CancellationToken,
     in_flight: TaskTracker,
     ledger: Ledger,
+    running: Running,
 }
 
 impl WorkerService {
@@ -329,6 +333,12 @@ impl ToolWorker for WorkerService {
         let timeout = self.call_timeout(request.timeout_ms, grpc_timeout);
         let deadline = Instant::now() + timeout;
         let cancel = self.all_calls.child_token();
+        // Every call with an id can be cancelled by it, detached ones included (nothing
+        // else stops those), until it ends.
+        let registered = (!request.call_id.is_empty()).then(|| {
+            self.running
+                .register(&request.call_id, cancel.clone(), ledger.subscribe())
+        });
         let (event_tx, event_rx) = mpsc::channel(256);
         let (out_tx, out_rx) = mpsc::channel(256);
         let ctx = CallContext::new(
@@ -349,6 +359,7 @@ impl ToolWorker for WorkerService {
             timeout,
             detached,
             ledger,
+            registered,
         ));
         let stream = ReceiverStream::new(out_rx);
         if detached {
@@ -359,6 +370,41 @@ impl ToolWorker for WorkerService {
             _guard: cancel.drop_guard(),
         })))
     }
+
+    async fn cancel(
+        &self,
+        request: Request<pb::CancelRequest>,
+    ) -> Result<Response<pb::CancelResponse>, Status> {
+        let call_id = request.into_inner().call_id;
+        if call_id.is_empty() {
+            return Err(Status::invalid_argument("call_id is required"));
+        }
+        let answer = match self.running.cancel(&call_id) {
+            Some(answer) => Some(answer),
+            // A detached call that already ended is still known: nothing to stop.
+            None => self.ledger.answer(&call_id),
+        };
+        let Some(mut answer) = answer else {
+            return Ok(Response::new(pb::CancelResponse {
+                found: false,
+                stopped: false,
+            }));
+        };
+        // Answered once the call has ended, so that a caller never reports a call
+        // cancelled while its sandbox still runs. A closed channel means the call's task
+        // is gone, which is an end too.
+        let stopped = tokio::time::timeout(
+            CANCEL_GRACE + CANCEL_ANSWER_SLACK,
+            answer.wait_for(Option::is_some),
+        )
+        .await
+        .is_ok();
+        tracing::info!(%call_id, stopped, "cancel requested");
+        Ok(Response::new(pb::CancelResponse {
+            found: true,
+            stopped,
+        }))
+    }
 }
 
 /// The final answer of a call: its result, or the status that ended it.
@@ -366,7 +412,10 @@ type Final = Result<pb::ToolResult, Status>;
 
 /// Drives one call: forwards its events, then its result; ends it at the deadline;
 /// cancels it when the caller goes away (unless detached). The final answer is also
-/// published to `ledger`, for a caller that asks again with the same call id.
+/// published to `ledger`, for a caller that asks again with the same call id, and to a
+/// `Cancel` waiting for the end; the call leaves the table of running calls (`_running`)
+/// after that.
+#[allow(clippy::too_many_arguments, reason = "the call's whole context")]
 async fn run_call(
     call: impl Future<Output = ToolOutcome> + Send,
     mut events: mpsc::Receiver<ToolEvent>,
@@ -375,6 +424,7 @@ async fn run_call(
     timeout: Duration,
     detached: bool,
     ledger: watch::Sender<Option<Final>>,
+    _running: Option<RunningGuard>,
 ) {
     tokio::pin!(call);
     let expiry = tokio::time::sleep(timeout);
@@ -459,6 +509,100 @@ impl Ledger {
             calls.insert(call_id.to_owned(), (Instant::now(), rx));
         }
         Ok(tx)
+    }
+}
+
+impl Ledger {
+    /// Where the answer of a known detached call appears.
+    fn answer(&self, call_id: &str) -> Option<watch::Receiver<Option<Final>>> {
+        let calls = match self.calls.lock() {
+            Ok(guard) => guard,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        calls.get(call_id).map(|(_, answer)| answer.clone())
+    }
+}
+
+/// Extra time a `Cancel` waits beyond the call's cleanup grace for its answer.
+const CANCEL_ANSWER_SLACK: Duration = Duration::from_secs(1);
+
+/// The calls running now, by id: how to cancel each and where its answer appears.
+#[derive(Default)]
+struct Running {
+    calls: std::sync::Arc<std::sync::Mutex<RunningTable>>,
+}
+
+#[derive(Default)]
+struct RunningTable {
+    next: u64,
+    calls: std::collections::HashMap<String, RunningCall>,
+}
+
+struct RunningCall {
+    /// Tells this registration from a later one with the same id.
+    generation: u64,
+    cancel: CancellationToken,
+    answer: watch::Receiver<Option<Final>>,
+}
+
+/// Removes its call from [`Running`] when the call's task ends.
+struct RunningGuard {
+    table: std::sync::Arc<std::sync::Mutex<RunningTable>>,
+    call_id: String,
+    generation: u64,
+}
+
+fn lock_running(table: &std::sync::Mutex<RunningTable>) -> std::sync::MutexGuard<'_, RunningTable> {
+    match table.lock() {
+        Ok(guard) => guard,
+        Err(poisoned) => poisoned.into_inner(),
+    }
+}
+
+impl Running {
+    fn register(
+        &self,
+        call_id: &str,
+        cancel: CancellationToken,
+        answer: watch::Receiver<Option<Final>>,
+    ) -> RunningGuard {
+        let mut table = lock_running(&self.calls);
+        table.next += 1;
+        let generation = table.next;
+        table.calls.insert(
+            call_id.to_owned(),
+            RunningCall {
+                generation,
+                cancel,
+                answer,
+            },
+        );
+        RunningGuard {
+            table: self.calls.clone(),
+            call_id: call_id.to_owned(),
+            generation,
+        }
+    }
+
+    /// Cancels the running call `call_id`; returns where its answer appears.
+    fn cancel(&self, call_id: &str) -> Option<watch::Receiver<Option<Final>>> {
+        let table = lock_running(&self.calls);
+        let call = table.calls.get(call_id)?;
+        call.cancel.cancel();
+        Some(call.answer.clone())
+    }
+}
+
+impl Drop for RunningGuard {
+    fn drop(&mut self) {
+        let mut table = lock_running(&self.table);
+        if table
+            .calls
+            .get(&self.call_id)
+            .is_some_and(|c| c.generation == self.generation)
+        {
+            table.calls.remove(&self.call_id);
+        }
     }
 }
 

@@ -426,3 +426,104 @@ async fn a_detached_call_survives_its_caller_and_can_be_fetched_again() {
     );
     assert_eq!(h.finished.load(Ordering::SeqCst), 1);
 }
+
+/// Waits for the call's first event (its "starting" progress): the tool is running.
+async fn started(
+    client: &mut ToolWorkerClient<Channel>,
+    req: pb::ExecuteRequest,
+) -> tonic::Streaming<pb::ExecuteEvent> {
+    let mut stream = client.execute(req).await.unwrap().into_inner();
+    let first = tokio::time::timeout(Duration::from_secs(10), stream.message())
+        .await
+        .expect("the call started")
+        .unwrap()
+        .expect("an event");
+    assert!(matches!(
+        first.event,
+        Some(pb::execute_event::Event::Progress(_))
+    ));
+    stream
+}
+
+#[tokio::test]
+async fn cancel_stops_detached_and_attached_calls_and_answers_after_they_ended() {
+    for detached in [true, false] {
+        let h = start(WorkerSettings::default()).await;
+        let mut c = client(&h.socket).await;
+        let mut req = request(60_000, 0);
+        req.call_id = format!("cancel-me-{detached}");
+        req.detached = detached;
+        let mut stream = started(&mut c, req.clone()).await;
+        let answer = c
+            .cancel(pb::CancelRequest {
+                call_id: req.call_id.clone(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(answer.found && answer.stopped, "{answer:?}");
+        // The answer came after the tool had ended, not merely after it was told to.
+        assert!(h.cancelled.load(Ordering::SeqCst), "detached: {detached}");
+        let end = tokio::time::timeout(Duration::from_secs(10), stream.message())
+            .await
+            .expect("the stream ended");
+        assert_eq!(
+            end.unwrap_err().code(),
+            tonic::Code::Cancelled,
+            "detached: {detached}"
+        );
+        assert_eq!(h.finished.load(Ordering::SeqCst), 0);
+        // Cancelling again, or an id the worker never ran, changes nothing.
+        let again = c
+            .cancel(pb::CancelRequest {
+                call_id: req.call_id.clone(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(
+            again.found, detached,
+            "a detached call stays known: {again:?}"
+        );
+        let unknown = c
+            .cancel(pb::CancelRequest {
+                call_id: "never-ran".into(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(!unknown.found);
+        assert_eq!(
+            c.cancel(pb::CancelRequest {
+                call_id: String::new()
+            })
+            .await
+            .unwrap_err()
+            .code(),
+            tonic::Code::InvalidArgument
+        );
+    }
+}
+
+#[tokio::test]
+async fn cancelling_a_call_that_already_finished_keeps_its_result() {
+    let h = start(WorkerSettings::default()).await;
+    let mut c = client(&h.socket).await;
+    let mut req = request(1, 0);
+    req.call_id = "done".into();
+    req.detached = true;
+    let result = result_of(&mut c, req.clone()).await.unwrap();
+    assert_eq!(result.content, vec!["slept 1 ms".to_owned()]);
+    let answer = c
+        .cancel(pb::CancelRequest {
+            call_id: "done".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(answer.found && answer.stopped);
+    assert!(!h.cancelled.load(Ordering::SeqCst));
+    // A repeated Execute still gets the original answer.
+    let again = result_of(&mut c, req).await.unwrap();
+    assert_eq!(again.content, result.content);
+}

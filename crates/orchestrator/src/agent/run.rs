@@ -54,7 +54,7 @@ const SETTLE: Duration = Duration::from_secs(10);
 #[derive(Debug, Clone)]
 pub struct RunRequest {
     pub prompt: String,
-    /// The caller's session; `agent-<uuid>` when absent.
+    /// The caller's session; the session `default` when absent, like `airlock call`.
     pub session_id: Option<SessionId>,
     /// At most the configured `max_turns`.
     pub max_turns: Option<u32>,
@@ -70,11 +70,15 @@ pub fn start(
     request: RunRequest,
 ) -> Result<mpsc::Receiver<AgentEvent>, AgentError> {
     let resolved = config.resolve(|name| std::env::var(name).ok())?;
-    let session = match request.session_id {
-        Some(s) => s,
-        None => SessionId::parse(&format!("agent-{}", uuid::Uuid::new_v4().simple()))
-            .map_err(|e| AgentError::Config(e.to_string()))?,
-    };
+    // Without a session the run works where `airlock call` does (DESIGN §16), so the
+    // model sees the user's files. Its calls then count like any call that names no
+    // session: not against the session budgets, which would otherwise soon refuse every
+    // run in the long-lived `default` (its calls and age accumulate across all use);
+    // the run's own `max_tool_calls` and `max_seconds` bound it instead.
+    let session_named = request.session_id.is_some();
+    let session = request
+        .session_id
+        .unwrap_or_else(SessionId::default_session);
     let max_turns = request
         .max_turns
         .filter(|n| *n > 0)
@@ -86,6 +90,7 @@ pub fn start(
         resolved,
         principal,
         session,
+        session_named,
         run_id: format!("run_{}", uuid::Uuid::new_v4().simple()),
         max_turns,
         client: HttpClient::default(),
@@ -103,6 +108,8 @@ struct Run {
     resolved: Resolved,
     principal: Principal,
     session: SessionId,
+    /// The request named the session (only then do session budgets apply).
+    session_named: bool,
     run_id: String,
     max_turns: u32,
     client: HttpClient,
@@ -520,7 +527,7 @@ impl Run {
                 (Ok(()), Ok(input)) => self.gate.submit(
                     &self.principal,
                     &self.session,
-                    true,
+                    self.session_named,
                     ToolUse {
                         id: u.id.clone(),
                         name: u.name.clone(),

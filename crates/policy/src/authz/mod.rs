@@ -48,7 +48,9 @@ use cedar_policy as cedar;
 use serde::Serialize;
 use serde_json::Value;
 
-pub use approval::{ApprovalKnob, DEFAULT_APPROVAL_TOOLS, SAFE_HTTP_METHODS};
+pub use approval::{
+    ApprovalKnob, DEFAULT_APPROVAL_TOOLS, METHOD_OVERRIDE_HEADERS, SAFE_HTTP_METHODS,
+};
 pub use catalog::ArgumentError;
 
 use crate::tool::ToolDefinition;
