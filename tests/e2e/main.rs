@@ -7,9 +7,9 @@
 )]
 
 mod adversarial;
+mod adversarial_paths;
 mod adversarial_policy;
 mod adversarial_service;
-mod adversarial_paths;
 mod adversarial_workers;
 mod agent;
 mod api_contract;
