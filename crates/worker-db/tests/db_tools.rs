@@ -1112,8 +1112,12 @@ fn sqlite_paths_are_the_configured_files() {
 /// message the worker holds (`MAX_VALUE_BYTES`), as the error messages name them.
 const RESULT_CAP: &str = "1048576 bytes";
 const VALUE_CAP: &str = "4194304 bytes";
-/// What one attack may add to this process's peak resident memory.
-const MAX_GROWTH: u64 = 64 << 20;
+/// What one attack may add to this process's peak resident memory. The other tests of
+/// this binary run beside it in the same process, so the bound leaves them room; the
+/// tight bound (64 MiB) is asserted on a worker process of its own, through `airlock up`,
+/// in tests/e2e/adversarial_workers.rs. Unbounded, these attacks grew the process by
+/// 293 MiB (edits) to 1144 MiB (SQLite blobs).
+const MAX_GROWTH: u64 = 256 << 20;
 
 /// The memory measurements of this binary run one at a time: each resets the process's
 /// peak, which another measuring test would see. (SQLite's process-wide heap ceiling is

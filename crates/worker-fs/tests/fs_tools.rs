@@ -1403,8 +1403,12 @@ async fn cancelled_calls_stop_walking() {
 // ---------------------------------------------------------------------------------------
 // Memory: edit_file refuses growth before it allocates
 
-/// What one attack may add to this process's peak resident memory.
-const MAX_GROWTH: u64 = 64 << 20;
+/// What one attack may add to this process's peak resident memory. The other tests of
+/// this binary run beside it in the same process, so the bound leaves them room; the
+/// tight bound (64 MiB) is asserted on a worker process of its own, through `airlock up`,
+/// in tests/e2e/adversarial_workers.rs. Unbounded, these attacks grew the process by
+/// 293 MiB (edits) to 1144 MiB (SQLite blobs).
+const MAX_GROWTH: u64 = 256 << 20;
 
 /// The memory measurements of this binary run one at a time: each resets the process's
 /// peak, which another measuring test would see.
