@@ -52,21 +52,8 @@ async fn grpc_client(airlock: &Airlock) -> OrchestratorClient<Channel> {
 
 /// `airlock <args…> --data-dir <data dir>`, bounded; returns (success, stdout, stderr).
 async fn cli(airlock: &Airlock, args: &[&str]) -> (bool, String, String) {
-    let mut command = tokio::process::Command::new(AIRLOCK);
-    for key in [
-        "AIRLOCK_URL",
-        "AIRLOCK_TOKEN",
-        "AIRLOCK_CONFIG",
-        "AIRLOCK_DATA_DIR",
-    ] {
-        command.env_remove(key);
-    }
-    command
-        .args(args)
-        .arg("--data-dir")
-        .arg(airlock.data_dir())
-        .stdin(Stdio::null())
-        .kill_on_drop(true);
+    let mut command = tokio::process::Command::from(airlock.cli(args));
+    command.kill_on_drop(true);
     let output = tokio::time::timeout(BOUND, command.output())
         .await
         .expect("the CLI did not finish within the bound")

@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::{Value, json};
 
@@ -147,34 +147,10 @@ impl Up {
         }
     }
 
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
     /// Waits (bounded) for `endpoints.json` in `data_dir`.
     async fn endpoints(&mut self, data_dir: &Path) -> Value {
-        let path = data_dir.join("endpoints.json");
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            if let Ok(text) = std::fs::read_to_string(&path)
-                && let Ok(v) = serde_json::from_str::<Value>(&text)
-            {
-                return v;
-            }
-            if let Some(status) = self
-                .child
-                .as_mut()
-                .and_then(|c| c.try_wait().ok().flatten())
-            {
-                panic!("airlock up exited early ({status}):\n{}", self.log());
-            }
-            assert!(
-                Instant::now() < deadline,
-                "airlock up did not start:\n{}",
-                self.log()
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        let child = self.child.as_mut().expect("running");
+        crate::support::wait_for_endpoints(&data_dir.join("endpoints.json"), child, &self.log).await
     }
 }
 

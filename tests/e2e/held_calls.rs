@@ -22,24 +22,8 @@ const HELD: &str = "[approvals]\ntools = [\"write_file\"]\n";
 const BOUND: Duration = Duration::from_secs(60);
 const MCP_HELD: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/e2e/mcp_held.py");
 
-/// `airlock <args…> --data-dir <the test's data dir>`, with no client settings from the
-/// test's own environment.
 fn cli(airlock: &Airlock, args: &[&str]) -> Command {
-    let mut command = Command::new(AIRLOCK);
-    for key in [
-        "AIRLOCK_URL",
-        "AIRLOCK_TOKEN",
-        "AIRLOCK_CONFIG",
-        "AIRLOCK_DATA_DIR",
-    ] {
-        command.env_remove(key);
-    }
-    command
-        .args(args)
-        .arg("--data-dir")
-        .arg(airlock.data_dir())
-        .stdin(Stdio::null());
-    command
+    airlock.cli(args)
 }
 
 /// Output of a finished CLI run.

@@ -200,27 +200,29 @@ impl Airlock {
 
     async fn wait_for_endpoints(&mut self) -> Value {
         let path = self.data_dir().join("endpoints.json");
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            if let Ok(text) = std::fs::read_to_string(&path)
-                && let Ok(v) = serde_json::from_str::<Value>(&text)
-            {
-                return v;
-            }
-            if let Some(status) = self
-                .child
-                .as_mut()
-                .and_then(|c| c.try_wait().ok().flatten())
-            {
-                panic!("airlock up exited early ({status}):\n{}", self.log());
-            }
-            assert!(
-                Instant::now() < deadline,
-                "airlock up did not start:\n{}",
-                self.log()
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
+        let log = self.dir.path().join("airlock.log");
+        let child = self.child.as_mut().expect("running");
+        wait_for_endpoints(&path, child, &log).await
+    }
+
+    /// `airlock <args…> --data-dir <this test's data dir>`, with no client settings from
+    /// the test's own environment (URL, token, config, data dir).
+    pub fn cli(&self, args: &[&str]) -> Command {
+        let mut command = Command::new(AIRLOCK);
+        for key in [
+            "AIRLOCK_URL",
+            "AIRLOCK_TOKEN",
+            "AIRLOCK_CONFIG",
+            "AIRLOCK_DATA_DIR",
+        ] {
+            command.env_remove(key);
         }
+        command
+            .args(args)
+            .arg("--data-dir")
+            .arg(self.data_dir())
+            .stdin(Stdio::null());
+        command
     }
 
     /// Waits until `/readyz` answers 200.
@@ -368,6 +370,29 @@ impl Drop for Airlock {
                 signal(pid, rustix::process::Signal::KILL);
             }
         }
+    }
+}
+
+/// Waits (bounded) until `endpoints` holds the JSON that a started `airlock up` writes;
+/// fails with `log` when the launcher exits first or the bound runs out.
+pub async fn wait_for_endpoints(endpoints: &Path, launcher: &mut Child, log: &Path) -> Value {
+    let log = || std::fs::read_to_string(log).unwrap_or_default();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Ok(text) = std::fs::read_to_string(endpoints)
+            && let Ok(v) = serde_json::from_str::<Value>(&text)
+        {
+            return v;
+        }
+        if let Some(status) = launcher.try_wait().ok().flatten() {
+            panic!("airlock up exited early ({status}):\n{}", log());
+        }
+        assert!(
+            Instant::now() < deadline,
+            "airlock up did not start:\n{}",
+            log()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
 
