@@ -416,10 +416,11 @@ fn pids_limit_stops_a_fork_bomb() {
         text(&out.stderr)
     );
     // A real bomb: it must be contained and killed at the deadline. The shell forks its
-    // own `sleep` before the bomb fills the pids, then waits for it (a builtin, no fork),
-    // so only the deadline can end the run.
+    // own `sleep` and the bomb's subshell before the bomb fills the pids — so no fork of
+    // its own can fail and end it early — then waits for them (a builtin, no fork), so
+    // only the deadline can end the run.
     let mut s = spec(
-        &["sh", "-c", "sleep 100 & b() { b | b & }; b; wait"],
+        &["sh", "-c", "sleep 100 & (b() { b | b & }; b) & wait"],
         ws.path(),
     );
     s.timeout = Duration::from_secs(2);
@@ -1064,4 +1065,44 @@ fn max_concurrent_sandboxes_run_at_once_and_the_rest_wait_within_their_deadline(
         );
     }
     assert_no_cgroup_left("slots");
+}
+
+/// Sandboxes made at once on several threads (as a worker's calls and a test binary's
+/// tests are): each start proves its cgroups with a probe process, and a probe forked
+/// by one thread holds a copy of the others' pipes until it exits. Released by end of
+/// file alone, two probes waited for each other for ever; every start must finish.
+#[test]
+fn sandboxes_started_at_once_on_many_threads_all_start() {
+    const THREADS: usize = 8;
+    const ROUNDS: usize = 50;
+    let barrier = std::sync::Arc::new(std::sync::Barrier::new(THREADS));
+    let (tx, rx) = std::sync::mpsc::channel();
+    for thread in 0..THREADS {
+        let (barrier, tx) = (barrier.clone(), tx.clone());
+        std::thread::spawn(move || {
+            for round in 0..ROUNDS {
+                barrier.wait();
+                let started = Sandbox::new(SandboxConfig {
+                    min_isolation: IsolationLevel::Strict,
+                    ..config(&format!("threads-{thread}"))
+                })
+                .map(|_| ())
+                .map_err(|e| e.to_string());
+                let _ = tx.send((thread, round, started));
+            }
+        });
+    }
+    drop(tx);
+    for _ in 0..THREADS * ROUNDS {
+        // Generous: a start takes milliseconds; only a deadlock reaches this bound.
+        match rx.recv_timeout(Duration::from_secs(120)) {
+            Ok((thread, round, started)) => {
+                assert!(
+                    started.is_ok(),
+                    "thread {thread} round {round}: {started:?}"
+                )
+            }
+            Err(e) => panic!("sandbox starts did not all finish: {e}"),
+        }
+    }
 }

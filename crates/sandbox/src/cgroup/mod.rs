@@ -250,7 +250,8 @@ pub(crate) fn join_probe_process(call: &dyn CallCgroup) -> Result<(), CgroupErro
     };
     if pid == 0 {
         // SAFETY: async-signal-safe calls only; the child blocks until the parent
-        // closes its end of the pipe, then exits without running any destructor.
+        // writes its byte (or closes its end), then exits without running any
+        // destructor.
         unsafe {
             libc::close(write_end);
             let mut byte = 0u8;
@@ -265,8 +266,16 @@ pub(crate) fn join_probe_process(call: &dyn CallCgroup) -> Result<(), CgroupErro
         .iter()
         .try_for_each(|tasks| write(tasks, &pid.to_string()))
         .and_then(|()| call.join(pid));
-    // SAFETY: closing our write end lets the child's read return and the child exit.
-    unsafe { libc::close(write_end) };
+    // A byte, not only end-of-file, releases the child: a probe or sandbox child that
+    // another thread forked meanwhile holds a copy of our write end until it execs or
+    // exits, and end-of-file alone would wait for it — two probes forked at once then
+    // wait for each other for ever.
+    let release = 1u8;
+    // SAFETY: writing one byte from a valid buffer, then closing our own write end.
+    unsafe {
+        libc::write(write_end, (&raw const release).cast(), 1);
+        libc::close(write_end);
+    }
     let mut status = 0;
     // SAFETY: `status` is a valid out-pointer; waits for our own child.
     while unsafe { libc::waitpid(pid, &mut status, 0) } == -1 {
