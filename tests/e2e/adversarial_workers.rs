@@ -116,10 +116,31 @@ async fn worker_memory_ceiling_follows_the_config() {
                 );
             }
         }
-        // The shell worker's sandboxes inherit its rlimits, so it takes none: their
-        // memory is bounded by each sandbox's cgroup.
+        // The shell worker takes the soft limit only: its sandboxes inherit its rlimits
+        // and raise the soft limit back to the hard one, since each sandbox's cgroup
+        // bounds its memory.
         let shell = component(&airlock, "worker shell");
-        assert_eq!(data_limit(shell), before, "shell worker, {snippet:?}");
+        let (soft, hard) = data_limit(shell);
+        assert_eq!(hard, before.1, "shell worker's hard limit, {snippet:?}");
+        if expected == "unlimited" {
+            assert_eq!(soft, before.0, "shell worker, {snippet:?}");
+        } else {
+            assert_eq!(soft, expected, "shell worker's ceiling, {snippet:?}");
+        }
+        let (_, text, _) = airlock
+            .call(
+                "execute_shell",
+                json!({"command": "grep 'Max data size' /proc/self/limits"}),
+            )
+            .await;
+        let result: serde_json::Value = serde_json::from_str(&text).expect("shell result");
+        let line = result["stdout"].as_str().expect("stdout").to_owned();
+        let fields: Vec<&str> = line["Max data size".len()..].split_whitespace().collect();
+        assert_eq!(
+            (fields[0], fields[1]),
+            (before.1.as_str(), before.1.as_str()),
+            "a sandbox runs without the worker's ceiling, {snippet:?}: {line}"
+        );
         // The workers still serve under their ceilings.
         let (err, text, _) = airlock
             .call(

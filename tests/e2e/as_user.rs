@@ -444,3 +444,23 @@ async fn sandbox_run_as_an_ordinary_user_is_honest_about_its_level() {
     assert!(err.contains("\"bounding_set_dropped\": false"), "{err}");
     assert!(!String::from_utf8_lossy(&standard.stdout).contains("0000000000000000"));
 }
+
+#[tokio::test]
+async fn the_workspace_quota_is_refused_to_an_ordinary_user_and_the_refusal_names_the_fix() {
+    let user = OrdinaryUser::get();
+    // The defaults, spelt out (the harness turns the quota off for ordinary users).
+    let (status, log) = Airlock::refused_as(
+        user,
+        "[sandbox]\nworkspace_bytes = 1073741824\nworkspace_inodes = 100000\n",
+    );
+    assert!(!status.success(), "airlock up must refuse: {status}\n{log}");
+    for fix in [
+        "need a file system per workspace",
+        "as root",
+        "workspace_bytes = 0 and workspace_inodes = 0",
+    ] {
+        assert!(log.contains(fix), "the refusal must name `{fix}`:\n{log}");
+    }
+    // Refused before any worker started: no component ever ran.
+    assert!(!log.contains("fs worker starting"), "{log}");
+}

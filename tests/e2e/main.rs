@@ -29,3 +29,4 @@ mod shell;
 mod supervision;
 mod support;
 mod traversal;
+mod workspace_quota;

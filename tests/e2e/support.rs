@@ -91,6 +91,16 @@ impl Airlock {
         if !extra.contains("[budgets]") {
             extra.push_str("\n[budgets]\nrate_per_minute = 0\n");
         }
+        // An ordinary user cannot mount the workspace volumes (`as_user` shows the
+        // refusal that names this setting); unless the snippet says otherwise, its
+        // launches run without the per-workspace quota.
+        if user.is_some() && !extra.contains("workspace_bytes") {
+            const NO_QUOTA: &str = "workspace_bytes = 0\nworkspace_inodes = 0\n";
+            extra = match extra.contains("[sandbox]\n") {
+                true => extra.replacen("[sandbox]\n", &format!("[sandbox]\n{NO_QUOTA}"), 1),
+                false => format!("{extra}\n[sandbox]\n{NO_QUOTA}"),
+            };
+        }
         let dir = tempfile::tempdir().expect("temp dir");
         let config = dir.path().join("airlock.toml");
         std::fs::write(
@@ -337,13 +347,19 @@ impl Airlock {
         self.child.take().and_then(|mut c| c.wait().ok())
     }
 
-    /// Sends SIGTERM to the launcher and waits for it.
+    /// Sends SIGTERM to the launcher and waits for it; a launcher that stopped leaves
+    /// no workspace volume mounted.
     pub fn stop(&mut self) -> std::process::ExitStatus {
         let mut child = self.child.take().expect("running");
         signal(child.id(), rustix::process::Signal::TERM);
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             if let Some(status) = child.try_wait().expect("wait") {
+                let left = mounts_under(self.dir.path());
+                assert!(
+                    left.is_empty(),
+                    "airlock up stopped and left volumes mounted: {left:?}"
+                );
                 return status;
             }
             if Instant::now() > deadline {
@@ -370,7 +386,25 @@ impl Drop for Airlock {
                 signal(pid, rustix::process::Signal::KILL);
             }
         }
+        // A launcher killed outright cannot unmount its workspace volumes.
+        for point in mounts_under(self.dir.path()) {
+            let _ = Command::new("umount").arg("-l").arg(&point).status();
+        }
     }
+}
+
+/// Mount points at or below `dir`, deepest first (from /proc/self/mountinfo, whose
+/// fifth field is the mount point with spaces and the like octal-escaped).
+pub fn mounts_under(dir: &Path) -> Vec<PathBuf> {
+    let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    let mut points: Vec<PathBuf> = info
+        .lines()
+        .filter_map(|line| line.split(' ').nth(4))
+        .map(|p| PathBuf::from(p.replace("\\040", " ")))
+        .filter(|p| p.starts_with(dir))
+        .collect();
+    points.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
+    points
 }
 
 /// Waits (bounded) until `endpoints` holds the JSON that a started `airlock up` writes;

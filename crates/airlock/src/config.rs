@@ -10,11 +10,12 @@ use airlock_orchestrator::{
     PrincipalConfig, WorkerGroupConfig,
 };
 use airlock_policy::Limits;
+use airlock_worker::volumes::WorkspaceQuota;
 use airlock_worker_db::DatabaseConfig;
 use airlock_worker_fs::FsConfig;
 use airlock_worker_http::HttpConfig;
 use airlock_worker_shell::ShellConfig;
-use anyhow::Context;
+use anyhow::{Context, bail};
 use serde::Deserialize;
 
 /// The tool groups `airlock up` starts, in start order.
@@ -113,6 +114,7 @@ impl Loaded {
         };
         let data_dir = absolute(&data_dir)?;
         check_worker_memory(parsed.limits.worker_memory_bytes)?;
+        check_workspace_quota(&parsed.sandbox)?;
         airlock_worker_fs::Hidden::new(&parsed.fs.hidden).context("invalid [fs] hidden")?;
         let configured = match &parsed.workspaces_root {
             Some(root) => absolute(root)?,
@@ -205,6 +207,21 @@ impl Loaded {
         })
     }
 
+    /// `[sandbox] workspace_bytes` and `workspace_inodes`; `None` when both are 0.
+    pub fn workspace_quota(&self) -> Option<WorkspaceQuota> {
+        let sandbox = &self.config.sandbox;
+        (sandbox.workspace_bytes != 0).then_some(WorkspaceQuota {
+            bytes: sandbox.workspace_bytes,
+            inodes: sandbox.workspace_inodes,
+        })
+    }
+
+    /// Where the workspace volumes' images are kept: in the data dir, beside (not in)
+    /// the workspaces, so no workspace can reach its own image.
+    pub fn volumes_dir(&self) -> PathBuf {
+        self.data_dir.join("volumes")
+    }
+
     pub fn shell(&self) -> ShellConfig {
         let mut shell = self.config.sandbox.clone();
         shell.workspaces_root = self.workspaces_root();
@@ -248,6 +265,36 @@ impl Loaded {
         fs.workspaces_root = self.workspaces_root();
         fs
     }
+}
+
+/// The smallest workspace file system worth mounting: ext4 keeps a few MiB for its
+/// journal and metadata.
+const MIN_WORKSPACE_BYTES: u64 = 16 * 1024 * 1024;
+const MIN_WORKSPACE_INODES: u64 = 64;
+
+/// Refuses a quota that is half off (`0` for one of the two keys) or too small to hold a
+/// file system, at load time.
+fn check_workspace_quota(sandbox: &ShellConfig) -> anyhow::Result<()> {
+    let (bytes, inodes) = (sandbox.workspace_bytes, sandbox.workspace_inodes);
+    if (bytes == 0) != (inodes == 0) {
+        bail!(
+            "[sandbox] workspace_bytes = {bytes} and workspace_inodes = {inodes}: set both to \
+             0 (no per-workspace quota) or both above 0; a file system always has both limits"
+        );
+    }
+    if bytes != 0 && bytes < MIN_WORKSPACE_BYTES {
+        bail!(
+            "[sandbox] workspace_bytes = {bytes} is below the {MIN_WORKSPACE_BYTES} bytes \
+             (16 MiB) a workspace file system needs; raise it (the default is 1073741824, 1 GiB)"
+        );
+    }
+    if inodes != 0 && inodes < MIN_WORKSPACE_INODES {
+        bail!(
+            "[sandbox] workspace_inodes = {inodes} is below {MIN_WORKSPACE_INODES}; raise it \
+             (the default is 100000)"
+        );
+    }
+    Ok(())
 }
 
 /// The smallest `[limits] worker_memory_bytes` a worker starts with: its runtime, thread

@@ -2,15 +2,18 @@
 //! them, and stops them all on Ctrl-C.
 //!
 //! The launcher parses no model input and holds no tool power: it only starts, restarts
-//! and stops its children. Children get SIGTERM from the kernel if the launcher dies.
+//! and stops its children, and mounts each workspace's volume when a worker asks
+//! ([`crate::volumes`]). Children get SIGTERM from the kernel if the launcher dies.
 
 use std::fs::File;
 use std::io::{Read, Write};
 use std::os::unix::fs::{DirBuilderExt, FileTypeExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::{ExitCode, Stdio};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use airlock_worker::volumes::BROKER_SOCKET;
 use anyhow::{Context, bail};
 use serde_json::json;
 use tokio::process::{Child, Command};
@@ -18,6 +21,7 @@ use tokio::process::{Child, Command};
 use crate::Location;
 use crate::config::{LOCAL_GROUPS, Loaded};
 use crate::signals;
+use crate::volumes::Volumes;
 
 /// How long the orchestrator may take to come up.
 const START_TIMEOUT: Duration = Duration::from_secs(30);
@@ -81,7 +85,24 @@ pub fn up(location: &Location, listen: Listen) -> anyhow::Result<ExitCode> {
         .enable_all()
         .build()
         .context("cannot start the async runtime")?
-        .block_on(supervise(loaded))
+        .block_on(with_volumes(loaded))
+}
+
+/// Runs the components with the workspace volume broker beside them when `[sandbox]
+/// workspace_bytes` is on (proved to work before any worker starts), and unmounts the
+/// volumes once they have stopped.
+async fn with_volumes(loaded: Loaded) -> anyhow::Result<ExitCode> {
+    let Some(volumes) = Volumes::new(&loaded).map(Arc::new) else {
+        return supervise(loaded).await;
+    };
+    let data_dir = loaded.data_dir.clone();
+    volumes.probe().await?;
+    let broker = volumes.listen(&data_dir)?;
+    let result = supervise(loaded).await;
+    broker.abort();
+    volumes.unmount_all().await;
+    let _ = std::fs::remove_file(data_dir.join(BROKER_SOCKET));
+    result
 }
 
 /// Takes the exclusive lock of the data dir, or says which launcher holds it.

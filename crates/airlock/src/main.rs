@@ -9,6 +9,7 @@ mod logging;
 mod sandbox_cli;
 mod serve;
 mod signals;
+mod volumes;
 
 use std::path::PathBuf;
 use std::process::ExitCode;

@@ -11,6 +11,7 @@ use std::process::ExitCode;
 
 use airlock_orchestrator::{BoundListeners, Orchestrator, Reload};
 use airlock_sandbox::{SelfConfinement, confine_self};
+use airlock_worker::volumes::{BROKER_SOCKET, VolumeClient};
 use airlock_worker::{BoundListener, ListenAddr, ToolSet, WorkerServer, WorkerSettings};
 use anyhow::Context;
 
@@ -103,8 +104,19 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
         .context("cannot start the async runtime")
 }
 
-/// Puts this worker under `[limits] worker_memory_bytes` (DESIGN §16): `RLIMIT_DATA`,
-/// soft and hard, so that a compromised worker cannot raise it again.
+/// Which of the two `RLIMIT_DATA` values a worker's memory ceiling sets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Ceiling {
+    /// Soft and hard: the worker cannot raise it again.
+    Fixed,
+    /// The soft limit only (the shell worker): its sandboxes inherit its rlimits and
+    /// raise the soft limit back to the hard one before their command runs, since each
+    /// sandbox's cgroup bounds its memory; a hard limit here would cap every command
+    /// below its own `[sandbox] memory_bytes`.
+    SoftOnly,
+}
+
+/// Puts this worker under `[limits] worker_memory_bytes` (DESIGN §16) with `RLIMIT_DATA`.
 ///
 /// `RLIMIT_DATA` (private writable mappings, Linux 4.7 and later) rather than
 /// `RLIMIT_AS`: the address-space limit also counts what is only reserved — glibc's
@@ -117,7 +129,7 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 ///
 /// Never above a hard limit that is already lower: raising it needs a privilege the
 /// worker may not have, and the stricter ceiling wins anyway.
-fn limit_memory(component: &str, loaded: &Loaded) -> anyhow::Result<()> {
+fn limit_memory(component: &str, loaded: &Loaded, ceiling_kind: Ceiling) -> anyhow::Result<()> {
     use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
     let wanted = loaded.config.limits.worker_memory_bytes;
     if wanted == 0 {
@@ -127,14 +139,17 @@ fn limit_memory(component: &str, loaded: &Loaded) -> anyhow::Result<()> {
         );
         return Ok(());
     }
-    let ceiling = getrlimit(Resource::Data)
-        .maximum
-        .map_or(wanted, |hard| hard.min(wanted));
+    let hard = getrlimit(Resource::Data).maximum;
+    let ceiling = hard.map_or(wanted, |hard| hard.min(wanted));
+    let maximum = match ceiling_kind {
+        Ceiling::Fixed => Some(ceiling),
+        Ceiling::SoftOnly => hard,
+    };
     setrlimit(
         Resource::Data,
         Rlimit {
             current: Some(ceiling),
-            maximum: Some(ceiling),
+            maximum,
         },
     )
     .with_context(|| {
@@ -143,9 +158,27 @@ fn limit_memory(component: &str, loaded: &Loaded) -> anyhow::Result<()> {
     tracing::info!(
         component,
         bytes = ceiling,
+        soft_only = ceiling_kind == Ceiling::SoftOnly,
         "memory ceiling set (RLIMIT_DATA)"
     );
     Ok(())
+}
+
+/// The launcher's workspace volume broker, when `[sandbox] workspace_bytes` is on. A
+/// worker that cannot reach it refuses to start: its workspaces would have no quota.
+fn workspace_volumes(loaded: &Loaded, component: &str) -> anyhow::Result<Option<VolumeClient>> {
+    let Some(quota) = loaded.workspace_quota() else {
+        tracing::warn!(
+            component,
+            "no per-workspace quota: [sandbox] workspace_bytes = 0 and workspace_inodes = 0"
+        );
+        return Ok(None);
+    };
+    let client = VolumeClient::new(loaded.data_dir.join(BROKER_SOCKET), quota);
+    client.ping().with_context(|| {
+        format!("the {component} cannot give workspaces their quota; refusing to start")
+    })?;
+    Ok(Some(client))
 }
 
 /// Confines this process; refuses to go on (fail closed) when it cannot.
@@ -275,11 +308,12 @@ fn ensure_dir(path: &PathBuf) -> anyhow::Result<()> {
 }
 
 fn fs_worker(loaded: &Loaded, listen: Option<String>) -> anyhow::Result<ExitCode> {
-    let fs = loaded.fs();
+    let mut fs = loaded.fs();
     ensure_dir(&fs.workspaces_root)?;
+    fs.volumes = workspace_volumes(loaded, "fs worker")?;
     let listener = BoundListener::bind(&listen_addr(loaded, "fs", listen)?)?;
     tracing::info!(listen = %listener.local_addr(), root = %fs.workspaces_root.display(), "fs worker starting");
-    limit_memory("fs worker", loaded)?;
+    limit_memory("fs worker", loaded, Ceiling::Fixed)?;
     confine(
         "fs worker",
         SelfConfinement {
@@ -293,8 +327,9 @@ fn fs_worker(loaded: &Loaded, listen: Option<String>) -> anyhow::Result<ExitCode
 }
 
 fn shell_worker(loaded: &Loaded, listen: Option<String>) -> anyhow::Result<ExitCode> {
-    let shell = loaded.shell();
+    let mut shell = loaded.shell();
     ensure_dir(&shell.workspaces_root)?;
+    shell.volumes = workspace_volumes(loaded, "shell worker")?;
     let listener = BoundListener::bind(&listen_addr(loaded, "shell", listen)?)?;
     // Probing the host and creating the parent cgroups needs the privileges the
     // confinement below gives up, so the sandbox is prepared first.
@@ -302,10 +337,7 @@ fn shell_worker(loaded: &Loaded, listen: Option<String>) -> anyhow::Result<ExitC
         .context("the shell worker cannot provide the configured isolation; refusing to start")?;
     let report = serde_json::to_string(sandbox.report()).unwrap_or_default();
     tracing::info!(listen = %listener.local_addr(), isolation = %report, "shell worker starting");
-    // No RLIMIT_DATA here: the sandboxes inherit the worker's rlimits, and one set here
-    // would cap every sandboxed command below its own `[sandbox]` memory limit, which
-    // the sandbox's cgroup already enforces per call. The worker itself holds little:
-    // captured output is capped per stream and per call.
+    limit_memory("shell worker", loaded, Ceiling::SoftOnly)?;
     confine(
         "shell worker",
         SelfConfinement {
@@ -323,7 +355,7 @@ fn http_worker(loaded: &Loaded, listen: Option<String>) -> anyhow::Result<ExitCo
         .context("invalid [http] configuration")?;
     let listener = BoundListener::bind(&listen_addr(loaded, "http", listen)?)?;
     tracing::info!(listen = %listener.local_addr(), "http worker starting");
-    limit_memory("http worker", loaded)?;
+    limit_memory("http worker", loaded, Ceiling::Fixed)?;
     confine(
         "http worker",
         SelfConfinement {
@@ -350,7 +382,7 @@ fn db_worker(loaded: &Loaded, listen: Option<String>) -> anyhow::Result<ExitCode
         airlock_worker_db::tools(databases).context("invalid [[databases]] configuration")?;
     let listener = BoundListener::bind(&listen_addr(loaded, "db", listen)?)?;
     tracing::info!(listen = %listener.local_addr(), "db worker starting");
-    limit_memory("db worker", loaded)?;
+    limit_memory("db worker", loaded, Ceiling::Fixed)?;
     confine(
         "db worker",
         SelfConfinement {

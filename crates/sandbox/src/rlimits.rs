@@ -1,5 +1,8 @@
 //! Resource limits of the sandboxed process: open files, file size, no core dumps, and
 //! CPU seconds derived from the wall-clock timeout (a backstop to the parent's timer).
+//! The data segment's soft limit goes back up to its hard limit: a worker may keep a
+//! soft memory ceiling of its own (`[limits] worker_memory_bytes`), which is not the
+//! sandbox's — the sandbox's cgroup bounds its memory.
 //!
 //! Hard limits can only be lowered without `CAP_SYS_RESOURCE` (absent from many bounding
 //! sets), so each limit is clamped to the hard limit the worker already has, and the
@@ -44,7 +47,7 @@ pub(crate) struct Rlimits {
 
 /// Prepared `setrlimit` calls (built before `clone`).
 pub(crate) struct RlimitPlan {
-    limits: [(libc::__rlimit_resource_t, libc::rlimit); 4],
+    limits: [(libc::__rlimit_resource_t, libc::rlimit); 5],
     report: RlimitReport,
 }
 
@@ -61,12 +64,14 @@ impl RlimitPlan {
         let core = clamp(libc::RLIMIT_CORE, "core", 0, 0)?;
         // Soft limit: SIGXCPU; one second later the hard limit SIGKILLs.
         let cpu_limit = clamp(libc::RLIMIT_CPU, "cpu", cpu, cpu + 1)?;
+        let data = clamp(libc::RLIMIT_DATA, "data", u64::MAX, u64::MAX)?;
         Ok(RlimitPlan {
             limits: [
                 (libc::RLIMIT_NOFILE, nofile),
                 (libc::RLIMIT_FSIZE, fsize),
                 (libc::RLIMIT_CORE, core),
                 (libc::RLIMIT_CPU, cpu_limit),
+                (libc::RLIMIT_DATA, data),
             ],
             report: RlimitReport {
                 nofile: nofile.rlim_cur,

@@ -24,6 +24,8 @@ pub enum AtomicError {
     IsDirectory { path: String },
     #[error("cannot write {path:?}: {errno}")]
     Io { path: String, errno: Errno },
+    #[error("cannot write {path:?}: {}", airlock_worker::volumes::WORKSPACE_FULL)]
+    Full { path: String },
 }
 
 fn temp_name() -> String {
@@ -56,9 +58,14 @@ pub fn write_atomic(
     content: &[u8],
     display: &str,
 ) -> Result<bool, AtomicError> {
-    let io = |errno: Errno| AtomicError::Io {
-        path: display.to_owned(),
-        errno,
+    let io = |errno: Errno| match errno {
+        Errno::NOSPC | Errno::DQUOT => AtomicError::Full {
+            path: display.to_owned(),
+        },
+        errno => AtomicError::Io {
+            path: display.to_owned(),
+            errno,
+        },
     };
     let existed = rustix::fs::statat(dir, name, AtFlags::SYMLINK_NOFOLLOW).is_ok();
     let mode = target_mode(dir, name);

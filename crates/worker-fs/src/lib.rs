@@ -58,6 +58,11 @@ pub struct FsConfig {
     /// changed by any fs tool; a call naming one is refused. Cedar path rules judge the
     /// paths a call names; this is what keeps subtrees out of recursive tools.
     pub hidden: Vec<String>,
+    /// The broker that mounts each workspace as a file system of its own, sized to
+    /// `[sandbox] workspace_bytes` and `workspace_inodes`; set by the binary. `None`: no
+    /// per-workspace quota.
+    #[serde(skip)]
+    pub volumes: Option<airlock_worker::volumes::VolumeClient>,
 }
 
 impl Default for FsConfig {
@@ -71,6 +76,7 @@ impl Default for FsConfig {
             max_search_files: 20_000,
             max_search_file_bytes: 4 * 1024 * 1024,
             hidden: Vec::new(),
+            volumes: None,
         }
     }
 }

@@ -63,6 +63,8 @@ pub enum ResolveError {
     Hidden { path: String, hidden: String },
     #[error("cannot access {path:?}: {errno}")]
     Io { path: String, errno: Errno },
+    #[error("cannot create {path:?}: {}", airlock_worker::volumes::WORKSPACE_FULL)]
+    Full { path: String },
     #[error("cannot open the workspace {dir}: {reason}")]
     Workspace { dir: String, reason: String },
     #[error(
@@ -82,6 +84,7 @@ pub fn map_errno(errno: Errno, path: &str) -> ResolveError {
         Errno::LOOP => ResolveError::Loop { path },
         Errno::ACCESS | Errno::PERM => ResolveError::Permission { path },
         Errno::NOSYS => ResolveError::Unsupported,
+        Errno::NOSPC | Errno::DQUOT => ResolveError::Full { path },
         errno => ResolveError::Io { path, errno },
     }
 }

@@ -294,6 +294,11 @@ fn run(
 ) -> Result<String, String> {
     let ws = |config: &FsConfig| {
         let hidden = crate::Hidden::new(&config.hidden).map_err(|e| e.to_string())?;
+        if let Some(volumes) = &config.volumes {
+            volumes
+                .ensure(&config.workspaces_root, principal, session)
+                .map_err(|e| e.to_string())?;
+        }
         Workspace::open_session(&config.workspaces_root, principal, session)
             .map(|ws| ws.with_hidden(hidden))
             .map_err(|e| e.to_string())

@@ -39,6 +39,13 @@ pub struct ShellConfig {
     /// Sandboxes that run at once (default: twice the CPUs); more wait inside their
     /// deadline.
     pub max_concurrent: usize,
+    /// The kernel-enforced size of each workspace (DESIGN §16): bytes and inodes of the
+    /// file system mounted for it. Both `0`: no per-workspace quota.
+    pub workspace_bytes: u64,
+    pub workspace_inodes: u64,
+    /// The broker that mounts those file systems; set by the binary when the quota is on.
+    #[serde(skip)]
+    pub volumes: Option<airlock_worker::volumes::VolumeClient>,
     /// Run at exactly this level instead of the strongest the host offers (set by
     /// `airlock sandbox run --profile`).
     #[serde(skip)]
@@ -66,6 +73,9 @@ impl Default for ShellConfig {
                 .to_vec(),
             cgroup_parent: "airlock".to_owned(),
             max_concurrent: airlock_sandbox::default_max_concurrent(),
+            workspace_bytes: 1 << 30,
+            workspace_inodes: 100_000,
+            volumes: None,
             force_level: None,
         }
     }

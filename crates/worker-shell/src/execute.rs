@@ -94,10 +94,26 @@ impl Tool for ExecuteShell {
             Ok(a) => a,
             Err(e) => return ToolOutcome::error(format!("invalid arguments: {e}")),
         };
+        if let Some(volumes) = self.config.volumes.clone() {
+            let root = self.config.workspaces_root.clone();
+            let (principal, session) = (ctx.principal.clone(), ctx.session_id.as_str().to_owned());
+            // Creating a volume runs mkfs and mount in the broker: off the async threads.
+            let ensured =
+                tokio::task::spawn_blocking(move || volumes.ensure(&root, &principal, &session))
+                    .await;
+            match ensured {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => return ToolOutcome::error(e.to_string()),
+                Err(e) => {
+                    return ToolOutcome::error(format!("the workspace could not be prepared: {e}"));
+                }
+            }
+        }
         let spec = match self.spec(args, &ctx) {
             Ok(spec) => spec,
             Err(message) => return ToolOutcome::error(message),
         };
+        let workspace = spec.workspace.clone();
         let cancel = Cancel::new();
         let guard = CancelOnDrop(cancel.clone());
         let watcher = {
@@ -124,7 +140,7 @@ impl Tool for ExecuteShell {
         watcher.abort();
         drop(guard);
         match run {
-            Ok(Ok(outcome)) => self.render(outcome),
+            Ok(Ok(outcome)) => self.render(outcome, &workspace),
             Ok(Err(e)) => ToolOutcome::error(format!("the sandbox could not run the command: {e}")),
             Err(e) => ToolOutcome::error(format!("the sandbox thread failed: {e}")),
         }
@@ -193,12 +209,25 @@ impl ExecuteShell {
         })
     }
 
-    fn render(&self, outcome: RunOutcome) -> ToolOutcome {
+    fn render(&self, outcome: RunOutcome, workspace: &std::path::Path) -> ToolOutcome {
         let cap = self.config.model_output_bytes;
         let (stdout, stdout_cut) = clip(&outcome.stdout, cap);
         let (stderr, stderr_cut) = clip(&outcome.stderr, cap);
-        let isolation = serde_json::to_value(&outcome.isolation).unwrap_or(Value::Null);
-        let body = json!({
+        let mut isolation = serde_json::to_value(&outcome.isolation).unwrap_or(Value::Null);
+        if let Some(report) = isolation.as_object_mut() {
+            let quota = self.config.volumes.as_ref().map(|v| v.quota());
+            report.insert(
+                "workspace_quota".into(),
+                quota.map_or(
+                    Value::Null,
+                    |q| json!({"bytes": q.bytes, "inodes": q.inodes}),
+                ),
+            );
+        }
+        // Whether the command left its workspace without room: its own stderr says
+        // "No space left on device"; this says why, in one place the model can read.
+        let workspace_full = airlock_worker::volumes::is_exhausted(workspace);
+        let mut body = json!({
             "exit_code": outcome.exit_code,
             "signal": outcome.signal,
             "stdout": stdout,
@@ -209,7 +238,11 @@ impl ExecuteShell {
             "duration_ms": outcome.duration.as_millis() as u64,
             "usage": outcome.usage,
             "isolation": isolation,
+            "workspace_full": workspace_full,
         });
+        if workspace_full {
+            body["note"] = Value::String(airlock_worker::volumes::WORKSPACE_FULL.to_owned());
+        }
         ToolOutcome {
             is_error: outcome.exit_code != Some(0),
             content: vec![body.to_string()],

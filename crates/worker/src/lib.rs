@@ -10,6 +10,7 @@ mod context;
 mod endpoint;
 mod server;
 mod tool;
+pub mod volumes;
 
 pub use context::{CallContext, OutputStream, ToolEvent};
 pub use endpoint::{ListenAddr, ListenAddrError};
