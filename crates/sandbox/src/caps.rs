@@ -92,9 +92,10 @@ pub(crate) fn bounding_set_can_be_emptied() -> bool {
 }
 
 fn bounding_set_empty() -> bool {
-    (0..64).all(|cap| {
+    (0..64u32).all(|cap| {
         // SAFETY: prctl with integer arguments only.
-        let present = unsafe { libc::prctl(libc::PR_CAPBSET_READ, cap as libc::c_ulong, 0, 0, 0) };
+        let present =
+            unsafe { libc::prctl(libc::PR_CAPBSET_READ, libc::c_ulong::from(cap), 0, 0, 0) };
         present != 1
     })
 }
@@ -106,12 +107,13 @@ fn drop_all_except(keep: u64) -> Result<Dropped, i32> {
 
     // 1. Bounding set: what execve can ever grant. Without CAP_SETPCAP it stays (and is
     //    inert under no_new_privs with an empty permitted set, see the module docs).
-    for cap in 0..64 {
+    for cap in 0..64u32 {
         if !can_setpcap {
             break;
         }
         // SAFETY: prctl with integer arguments only.
-        let present = unsafe { libc::prctl(libc::PR_CAPBSET_READ, cap as libc::c_ulong, 0, 0, 0) };
+        let present =
+            unsafe { libc::prctl(libc::PR_CAPBSET_READ, libc::c_ulong::from(cap), 0, 0, 0) };
         if present == -1 {
             // EINVAL: past the last capability this kernel knows.
             break;
@@ -119,7 +121,7 @@ fn drop_all_except(keep: u64) -> Result<Dropped, i32> {
         if present == 1 {
             // SAFETY: prctl with integer arguments only.
             sys::check_int(unsafe {
-                libc::prctl(libc::PR_CAPBSET_DROP, cap as libc::c_ulong, 0, 0, 0)
+                libc::prctl(libc::PR_CAPBSET_DROP, libc::c_ulong::from(cap), 0, 0, 0)
             })?;
         }
     }
@@ -159,7 +161,8 @@ fn drop_all_except(keep: u64) -> Result<Dropped, i32> {
     };
     let mut data = [CapData::default(); 2];
     for (word, d) in data.iter_mut().enumerate() {
-        let bits = (keep >> (32 * word)) as u32;
+        // The low 32 bits of the shifted mask: the kernel takes the set as two words.
+        let bits = u32::try_from((keep >> (32 * word)) & u64::from(u32::MAX)).unwrap_or(0);
         d.effective = bits;
         d.permitted = bits;
     }

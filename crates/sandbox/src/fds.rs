@@ -62,7 +62,8 @@ fn dup_high(fd: RawFd) -> Result<RawFd, i32> {
 /// Closes every descriptor from `first` up.
 fn close_from(first: RawFd) -> Result<(), i32> {
     // SAFETY: close_range takes no pointers.
-    let ret = unsafe { libc::syscall(libc::SYS_close_range, first as u32, u32::MAX, 0u32) };
+    let ret =
+        unsafe { libc::syscall(libc::SYS_close_range, first.cast_unsigned(), u32::MAX, 0u32) };
     match sys::check(ret) {
         Ok(_) => Ok(()),
         // Before Linux 5.9: close them one by one up to the descriptor limit.

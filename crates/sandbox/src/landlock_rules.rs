@@ -78,7 +78,7 @@ pub fn abi_version() -> Option<u32> {
             CREATE_RULESET_VERSION,
         )
     };
-    (ret > 0).then_some(ret as u32)
+    u32::try_from(ret).ok().filter(|abi| *abi > 0)
 }
 
 /// Filesystem rights handled by an ABI version.
@@ -166,7 +166,8 @@ impl LandlockPlan {
         // SAFETY: `attr` is valid for `size` bytes (size never exceeds the struct).
         let ruleset = sys::check(unsafe {
             libc::syscall(libc::SYS_landlock_create_ruleset, &attr, size, 0u32)
-        })? as libc::c_int;
+        })?;
+        let ruleset = libc::c_int::try_from(ruleset).map_err(|_| libc::EBADF)?;
         let result = self.add_rules(ruleset).and_then(|()| {
             // SAFETY: `ruleset` is a Landlock ruleset descriptor; no pointers.
             sys::check(unsafe { libc::syscall(libc::SYS_landlock_restrict_self, ruleset, 0u32) })

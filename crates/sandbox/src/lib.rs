@@ -19,9 +19,17 @@
 //! [`RunOutcome`] carries the [`IsolationReport`] of the layers actually in force.
 //!
 //! This is the only crate of the workspace allowed `unsafe`; every block says why it
-//! is sound in a `// SAFETY:` comment. It is synchronous: call [`Sandbox::run`] from a
-//! blocking thread.
+//! is sound in a `// SAFETY:` comment (`clippy::undocumented_unsafe_blocks` is denied).
+//! It is synchronous: call [`Sandbox::run`] from a blocking thread.
 #![allow(unsafe_code)]
+#![deny(clippy::undocumented_unsafe_blocks)]
+// Every cast in this crate meets the kernel's ABI; one that could truncate or change
+// sign must say how (try_from, cast_unsigned), not hide it.
+#![deny(
+    clippy::cast_possible_truncation,
+    clippy::cast_sign_loss,
+    clippy::cast_possible_wrap
+)]
 #![cfg(target_os = "linux")]
 
 mod caps;

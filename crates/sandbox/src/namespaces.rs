@@ -73,7 +73,7 @@ pub(crate) fn clone_flags(network: bool) -> libc::c_ulong {
     if !network {
         flags |= libc::CLONE_NEWNET;
     }
-    flags as libc::c_ulong
+    libc::c_ulong::from(flags.cast_unsigned())
 }
 
 /// `clone(2)` used like `fork(2)` (same stack, copy-on-write) with namespace flags, so
@@ -93,7 +93,8 @@ pub(crate) unsafe fn clone_process(flags: libc::c_ulong) -> Result<libc::pid_t, 
     if ret == -1 {
         return Err(NamespaceError::Clone(io::Error::last_os_error()));
     }
-    Ok(ret as libc::pid_t)
+    libc::pid_t::try_from(ret)
+        .map_err(|_| NamespaceError::Clone(io::Error::other("clone returned no pid")))
 }
 
 /// `clone3(2)` like [`clone_process`], placing the child directly into the cgroup whose
@@ -129,7 +130,7 @@ pub(crate) unsafe fn clone_into_cgroup(
     let args = CloneArgs {
         flags: flags as u64 | CLONE_INTO_CGROUP,
         exit_signal: libc::SIGCHLD as u64,
-        cgroup: cgroup_fd as u64,
+        cgroup: u64::from(cgroup_fd.cast_unsigned()),
         ..CloneArgs::default()
     };
     // SAFETY: `args` is a valid clone_args of the size passed; without CLONE_VM and with
@@ -148,7 +149,9 @@ pub(crate) unsafe fn clone_into_cgroup(
             _ => Err(NamespaceError::Clone(err)),
         };
     }
-    Ok(Some(ret as libc::pid_t))
+    libc::pid_t::try_from(ret)
+        .map(Some)
+        .map_err(|_| NamespaceError::Clone(io::Error::other("clone3 returned no pid")))
 }
 
 /// Parent side: map the sandbox's root to the worker's own uid and gid, and deny

@@ -30,7 +30,7 @@ pub enum RootfsError {
 }
 
 /// System directories bound read-only when they exist; merged-usr symlinks are copied.
-const SYSTEM_DIRS: [&str; 7] = ["usr", "bin", "sbin", "lib", "lib64", "lib32", "libx32"];
+pub(crate) const SYSTEM_DIRS: [&str; 7] = ["usr", "bin", "sbin", "lib", "lib64", "lib32", "libx32"];
 
 /// Host `/etc` entries that hold no secrets and that programs expect: the dynamic
 /// loader's cache, Debian's alternatives (`awk`, `editor`, …) and the timezone.
@@ -52,7 +52,7 @@ const ETC_FILES: [(&CStr, &[u8]); 5] = [
 ];
 
 /// Device nodes bound from the host's `/dev`.
-const DEVICES: [&str; 6] = ["null", "zero", "full", "random", "urandom", "tty"];
+pub(crate) const DEVICES: [&str; 6] = ["null", "zero", "full", "random", "urandom", "tty"];
 
 /// `/dev` symlinks into the sandbox's own `/proc`.
 const DEV_SYMLINKS: [(&CStr, &CStr); 4] = [

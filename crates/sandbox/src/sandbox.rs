@@ -2,6 +2,7 @@
 //! which probes the host once, fails closed below `min_isolation`, and runs commands.
 
 use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -173,19 +174,57 @@ impl OutputSink for NoSink {
 }
 
 /// Cancels a running command from another thread or task: the whole sandbox is killed
-/// within one poll tick (20 ms).
+/// as soon as the supervising thread wakes, which the cancel itself does (an eventfd in
+/// its `poll` set), not a timer.
 #[derive(Debug, Clone, Default)]
-pub struct Cancel(Arc<AtomicBool>);
+pub struct Cancel(Arc<CancelState>);
+
+#[derive(Debug)]
+struct CancelState {
+    cancelled: AtomicBool,
+    /// Readable once cancelled. `None` only when the process is out of descriptors;
+    /// the supervisor then checks the flag on a short tick instead.
+    wake: Option<OwnedFd>,
+}
+
+impl Default for CancelState {
+    fn default() -> Self {
+        // SAFETY: eventfd takes no pointers; a non-negative result is a new descriptor
+        // that nobody else owns.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        let wake = (fd >= 0).then(|| {
+            // SAFETY: as above: the descriptor is ours alone.
+            unsafe { OwnedFd::from_raw_fd(fd) }
+        });
+        Self {
+            cancelled: AtomicBool::new(false),
+            wake,
+        }
+    }
+}
 
 impl Cancel {
     pub fn new() -> Self {
         Self::default()
     }
+
     pub fn cancel(&self) {
-        self.0.store(true, Ordering::SeqCst);
+        self.0.cancelled.store(true, Ordering::SeqCst);
+        if let Some(fd) = &self.0.wake {
+            let one = 1u64.to_ne_bytes();
+            // SAFETY: writing eight bytes from a valid buffer to our own eventfd; a
+            // full counter (EAGAIN) still leaves it readable.
+            unsafe { libc::write(fd.as_raw_fd(), one.as_ptr().cast(), one.len()) };
+        }
     }
+
     pub fn is_cancelled(&self) -> bool {
-        self.0.load(Ordering::SeqCst)
+        self.0.cancelled.load(Ordering::SeqCst)
+    }
+
+    /// The descriptor that becomes readable when [`Cancel::cancel`] is called.
+    pub(crate) fn wake_fd(&self) -> Option<RawFd> {
+        self.0.wake.as_ref().map(AsRawFd::as_raw_fd)
     }
 }
 
@@ -219,7 +258,7 @@ pub struct RunOutcome {
 }
 
 fn duration_ms<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
-    s.serialize_u64(d.as_millis() as u64)
+    s.serialize_u64(u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 /// A sandbox factory for one configuration: probed once, then runs any number of

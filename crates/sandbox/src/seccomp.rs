@@ -93,7 +93,7 @@ impl SeccompPlan {
             let filter = SeccompFilter::new(
                 rules,
                 SeccompAction::Allow,
-                SeccompAction::Errno(errno as u32),
+                SeccompAction::Errno(errno.cast_unsigned()),
                 arch,
             )
             .map_err(|e| SeccompError::Compile(e.to_string()))?;
@@ -168,7 +168,7 @@ impl SeccompPlan {
             // clone(flags, ...): refused when any namespace flag is set (rules are OR'ed).
             let mut rules = Vec::new();
             for flag in NAMESPACE_FLAGS {
-                let flag = flag as u64;
+                let flag = u64::from(flag.cast_unsigned());
                 rules.push(rule(vec![cond(
                     0,
                     SeccompCmpArgLen::Qword,
@@ -279,7 +279,7 @@ impl SeccompPlan {
     fn install_raw(&self, flags: libc::c_ulong) -> Result<(), i32> {
         for program in &self.programs {
             let prog = libc::sock_fprog {
-                len: program.len() as libc::c_ushort,
+                len: libc::c_ushort::try_from(program.len()).map_err(|_| libc::EINVAL)?,
                 // seccompiler's sock_filter has libc's layout (both repr(C) mirrors of
                 // the kernel's struct).
                 filter: program.as_ptr() as *mut libc::sock_filter,

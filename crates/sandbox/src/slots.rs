@@ -72,7 +72,8 @@ impl Slots {
             if now >= deadline {
                 return Err(SlotError::Busy {
                     max: self.max,
-                    waited_ms: now.duration_since(started).as_millis() as u64,
+                    waited_ms: u64::try_from(now.duration_since(started).as_millis())
+                        .unwrap_or(u64::MAX),
                 });
             }
             let wait = (deadline - now).min(CANCEL_POLL);

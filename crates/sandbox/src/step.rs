@@ -39,9 +39,11 @@ pub enum Step {
     Landlock,
     Seccomp,
     Exec,
+    /// Appended, so the numbers of the others stay as they were on the wire.
+    NotDumpable,
 }
 
-const ALL: [Step; 28] = [
+const ALL: [Step; 29] = [
     Step::WaitForParent,
     Step::JoinCgroup,
     Step::ParentDeathSignal,
@@ -70,6 +72,7 @@ const ALL: [Step; 28] = [
     Step::Landlock,
     Step::Seccomp,
     Step::Exec,
+    Step::NotDumpable,
 ];
 
 impl Step {
@@ -104,6 +107,7 @@ impl Step {
             Step::Landlock => "apply the Landlock ruleset",
             Step::Seccomp => "install the seccomp filter",
             Step::Exec => "execute the command",
+            Step::NotDumpable => "make the sandbox's first process non-dumpable",
         }
     }
 

@@ -83,7 +83,7 @@ pub(crate) fn write_all_raw(fd: RawFd, mut buf: &[u8]) -> Result<(), i32> {
             }
             return Err(e);
         }
-        buf = &buf[n as usize..];
+        buf = &buf[n.unsigned_abs()..];
     }
     Ok(())
 }

@@ -1,0 +1,177 @@
+//! The child: the one straight sequence of confinement steps between `clone` and
+//! `execve`, and the minimal init that runs the command as pid 2 in strict mode.
+//!
+//! Everything here runs in a fork of a multithreaded process: async-signal-safe system
+//! calls on the plan prepared before `clone`, no allocation, no locks.
+
+use std::convert::Infallible;
+use std::ffi::CStr;
+use std::os::fd::RawFd;
+
+use super::handshake;
+use super::plan::ChildPlan;
+use crate::fds::{self, ERROR_FD};
+use crate::namespaces;
+use crate::step::{AtStep, Failure, Step};
+use crate::sys;
+
+/// The child: one straight sequence of confinement steps, then `execve`.
+///
+/// Never returns. Any failing step is reported through the error pipe and ends the
+/// child with status 127: the command never runs with a layer missing.
+pub(super) fn child_main(plan: &ChildPlan<'_>) -> ! {
+    let mut report_fd = plan.fds.error;
+    let failure = match confine_and_exec(plan, &mut report_fd) {
+        Err(failure) => failure,
+        Ok(never) => match never {},
+    };
+    handshake::report_failure(report_fd, failure);
+    // SAFETY: _exit is async-signal-safe and ends this process only.
+    unsafe { libc::_exit(127) }
+}
+
+fn confine_and_exec(plan: &ChildPlan<'_>, report_fd: &mut RawFd) -> Result<Infallible, Failure> {
+    // 1. Die with the worker: a sandbox must never outlive the process that enforces
+    //    its wall clock (in strict mode, pid 1 dying takes the whole namespace along).
+    // SAFETY: prctl with integer arguments only.
+    sys::check_int(unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) })
+        .at(Step::ParentDeathSignal)?;
+
+    // 1b. Scrub the worker's argument and environment strings from our copy of its
+    //     memory: the sandbox must not read the worker's configuration (or anything in
+    //     its environment) through /proc/1/cmdline or /proc/1/environ.
+    for &(start, end) in &plan.inherited_strings {
+        if start != 0 && end > start {
+            // SAFETY: the range is this process's own argument/environment block
+            // (from /proc/self/stat before fork), mapped read-write on the initial
+            // stack; after fork it is our private copy, and nothing in the child
+            // reads it again (exec gets an explicit envp).
+            unsafe { std::ptr::write_bytes(start as *mut u8, 0, end - start) };
+        }
+    }
+
+    // 2. Wait until the parent has written our id maps and moved us into the call's
+    //    cgroup; end-of-file means the parent gave up, so we stop here.
+    handshake::wait_for_release(plan.sync)?;
+
+    // 2b. Join the call's v1 cgroups ourselves (v2: clone3 already started us inside),
+    //     before anything else runs: pids, memory and CPU limits apply from here on.
+    for tasks in &plan.cgroup_tasks {
+        join_own_cgroup(tasks).at(Step::JoinCgroup)?;
+    }
+
+    if plan.strict {
+        // 3s. A cgroup namespace rooted at the call's cgroup (joined by now), and a
+        //     hostname of our own.
+        namespaces::enter_cgroup_namespace()?;
+        namespaces::set_hostname(b"airlock")?;
+        // 4s. The new root: system dirs read-only, minimal /etc and /dev, workspace,
+        //     /tmp, fresh /proc; pivot_root; old root detached; cwd under /workspace.
+        if let Some(rootfs) = &plan.rootfs {
+            rootfs.enter()?;
+        }
+    } else {
+        // 3n. Standard mode: a session and process group of our own (the parent kills
+        //     the group), and the workspace as working directory.
+        // SAFETY: setsid takes no arguments.
+        sys::check_int(unsafe { libc::setsid() }).at(Step::NewSession)?;
+        // SAFETY: `host_cwd` is NUL-terminated.
+        sys::check_int(unsafe { libc::chdir(plan.host_cwd.as_ptr()) }).at(Step::ChangeDirectory)?;
+    }
+
+    // 5. rlimits: open files, file size, no core dumps, CPU seconds.
+    plan.rlimits.apply()?;
+
+    // 6. Only stdin/stdout/stderr stay open across exec (plus our two close-on-exec
+    //    pipes: errors on 3, the command's status on 4).
+    fds::install(plan.fds)?;
+    *report_fd = ERROR_FD;
+
+    // 7. no_new_privs: exec can never grant privileges again (setuid bits, file caps);
+    //    also required by Landlock and seccomp without CAP_SYS_ADMIN.
+    // SAFETY: prctl with integer arguments only.
+    sys::check_int(unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) })
+        .at(Step::NoNewPrivs)?;
+    // 7b. Not dumpable (after the handshake: the parent no longer opens our /proc
+    //     files). In strict mode this process stays as pid 1, a fork of the worker
+    //     holding a copy of its memory and the status pipe; same uid and empty
+    //     capabilities would otherwise let the command read /proc/1/mem and write a
+    //     forged exit status to /proc/1/fd/4. The command's own exec makes it dumpable
+    //     again (its credentials do not change).
+    // SAFETY: prctl with integer arguments only.
+    sys::check_int(unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) })
+        .at(Step::NotDumpable)?;
+
+    // 8. Capabilities: bounding, ambient, inheritable, permitted, effective — all empty
+    //    (the bounding set only where we hold CAP_SETPCAP, as the report says).
+    crate::caps::drop_all(plan.require_empty_bounding_set)?;
+
+    // 9. Landlock: read+exec system dirs, read-write workspace and /tmp, nothing else.
+    plan.landlock.apply()?;
+
+    // 10. seccomp, last: from here on the blocked system calls fail.
+    plan.seccomp.install()?;
+
+    // 11. Strict mode: stay as a minimal init and run the command as pid 2.
+    if plan.strict {
+        run_as_init(plan);
+    }
+
+    // 12. execve the command (searching PATH ourselves: execvp may allocate).
+    Err(plan.exec.exec())
+}
+
+/// Moves the calling (single-threaded) process into the cgroup of a v1 `tasks` file
+/// (async-signal-safe).
+fn join_own_cgroup(tasks: &CStr) -> Result<(), i32> {
+    // SAFETY: `tasks` is NUL-terminated.
+    let fd =
+        sys::check_int(unsafe { libc::open(tasks.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC) })?;
+    let result = sys::write_all_raw(fd, b"0");
+    // SAFETY: closing the descriptor opened above, once.
+    unsafe { libc::close(fd) };
+    result
+}
+
+/// pid 1 of the sandbox's pid namespace: forks the command, reaps every orphan, and
+/// when the command exits reports its wait status and exits (async-signal-safe).
+fn run_as_init(plan: &ChildPlan<'_>) {
+    // SAFETY: a raw clone without CLONE_VM behaves like fork; both sides only make
+    // async-signal-safe calls afterwards. (libc's fork would run atfork handlers that
+    // take malloc locks possibly held by threads of the original parent.)
+    let pid = unsafe {
+        libc::syscall(
+            libc::SYS_clone,
+            libc::SIGCHLD as libc::c_ulong,
+            0usize,
+            0usize,
+            0usize,
+            0usize,
+        )
+    };
+    if pid == 0 {
+        // The command: exec, or report the failure on the error pipe.
+        handshake::report_failure(ERROR_FD, plan.exec.exec());
+        // SAFETY: _exit ends this process only.
+        unsafe { libc::_exit(127) };
+    }
+    if pid < 0 {
+        handshake::report_failure(ERROR_FD, Failure::new(Step::Exec, sys::errno()));
+        // SAFETY: _exit ends this process only.
+        unsafe { libc::_exit(127) };
+    }
+    // A recognisable name in `ps` inside the sandbox.
+    // SAFETY: prctl with a NUL-terminated string.
+    unsafe { libc::prctl(libc::PR_SET_NAME, c"airlock-init".as_ptr(), 0, 0, 0) };
+    handshake::close_error_pipe();
+    loop {
+        let mut status = 0;
+        // SAFETY: `status` is a valid out-pointer.
+        let reaped = unsafe { libc::waitpid(-1, &mut status, 0) };
+        if libc::c_long::from(reaped) == pid || (reaped == -1 && sys::errno() == libc::ECHILD) {
+            handshake::report_status(status);
+            // SAFETY: _exit ends pid 1, and with it the namespace.
+            unsafe { libc::_exit(0) };
+        }
+    }
+}

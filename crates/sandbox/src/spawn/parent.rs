@@ -1,0 +1,368 @@
+//! The parent: the running child's handle (killed and reaped on every exit path), output
+//! capture, and the supervision loop that enforces the wall clock and cancellation.
+
+use std::io;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::time::{Duration, Instant};
+
+use super::handshake;
+use super::plan::CallTmp;
+use crate::Cancel;
+use crate::cgroup::CallCgroup;
+use crate::sandbox::{CommandSpec, OutputSink, RunOutcome, Sandbox, SandboxError, Stream, Usage};
+use crate::sys;
+
+/// How long output is still drained after the command exited, for descendants that
+/// escaped the kill (only possible in standard mode without a cgroup).
+const DRAIN_GRACE: Duration = Duration::from_millis(500);
+
+/// How often the loop wakes when an event has no descriptor to wake it: a kernel
+/// without pidfds, a [`Cancel`] whose eventfd could not be made, a kill just sent.
+const FALLBACK_TICK: Duration = Duration::from_millis(20);
+
+/// The running child, killed and reaped on every exit path.
+pub(super) struct Child {
+    pub(super) pid: libc::pid_t,
+    pub(super) strict: bool,
+    pub(super) cgroup: Option<Box<dyn CallCgroup>>,
+    pub(super) reaped: bool,
+}
+
+impl Child {
+    /// Kills the whole sandbox: its cgroup, its first process, and (standard mode) its
+    /// process group.
+    pub(super) fn kill(&self) {
+        if let Some(cgroup) = &self.cgroup {
+            let _ = cgroup.kill();
+        }
+        // SAFETY: kill takes no pointers; the pid is our unreaped child, so it cannot
+        // have been recycled.
+        unsafe { libc::kill(self.pid, libc::SIGKILL) };
+        if !self.strict {
+            // SAFETY: as above; the child made itself a process group leader.
+            unsafe { libc::kill(-self.pid, libc::SIGKILL) };
+        }
+    }
+
+    /// Blocks until the child exits; returns its wait status and resource usage.
+    pub(super) fn reap(&mut self) -> Result<(i32, libc::rusage), SandboxError> {
+        let mut status = 0;
+        // SAFETY: an all-zero rusage is valid for the kernel to overwrite.
+        let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+        loop {
+            // SAFETY: valid out-pointers; waits for our own child only.
+            let ret = unsafe { libc::wait4(self.pid, &mut status, 0, &mut usage) };
+            if ret == self.pid {
+                self.reaped = true;
+                return Ok((status, usage));
+            }
+            let err = io::Error::last_os_error();
+            if err.kind() != io::ErrorKind::Interrupted {
+                self.reaped = true;
+                return Err(SandboxError::Io(err));
+            }
+        }
+    }
+}
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        if !self.reaped {
+            self.kill();
+            let _ = self.reap();
+        }
+        if let Some(cgroup) = &mut self.cgroup {
+            let _ = cgroup.remove();
+        }
+    }
+}
+
+/// Captured output of one stream.
+struct Capture {
+    fd: Option<OwnedFd>,
+    data: Vec<u8>,
+    cap: usize,
+    truncated: bool,
+    stream: Stream,
+}
+
+impl Capture {
+    fn new(fd: OwnedFd, cap: usize, stream: Stream) -> Self {
+        Capture {
+            fd: Some(fd),
+            data: Vec::new(),
+            cap,
+            truncated: false,
+            stream,
+        }
+    }
+
+    /// Reads what is available; keeps draining past the cap so the child never blocks.
+    fn read(&mut self, sink: &mut dyn OutputSink) {
+        let Some(fd) = &self.fd else { return };
+        let mut buf = [0u8; 65536];
+        loop {
+            // SAFETY: `buf` is a valid writable buffer of its length.
+            let n = unsafe { libc::read(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+            if let Ok(len @ 1..) = usize::try_from(n) {
+                let chunk = &buf[..len];
+                let room = self.cap.saturating_sub(self.data.len());
+                let kept = &chunk[..chunk.len().min(room)];
+                if kept.len() < chunk.len() {
+                    self.truncated = true;
+                }
+                if !kept.is_empty() {
+                    self.data.extend_from_slice(kept);
+                    sink.chunk(self.stream, kept);
+                }
+                continue;
+            }
+            if n == 0 || sys::errno() != libc::EINTR {
+                if n == 0 {
+                    self.fd = None;
+                }
+                return;
+            }
+        }
+    }
+}
+
+/// What the parent holds once the child runs: its handle, the parent's ends of the
+/// pipes, and what the outcome reports.
+pub(super) struct Supervision<'a> {
+    pub(super) sandbox: &'a Sandbox,
+    pub(super) spec: &'a CommandSpec,
+    pub(super) cancel: &'a Cancel,
+    pub(super) child: Child,
+    pub(super) started: Instant,
+    pub(super) report: crate::IsolationReport,
+    pub(super) stdin_w: OwnedFd,
+    pub(super) stdout_r: OwnedFd,
+    pub(super) stderr_r: OwnedFd,
+    pub(super) status_r: OwnedFd,
+    /// Standard mode's per-call `/tmp`, removed when the run ends.
+    pub(super) call_tmp: Option<CallTmp>,
+}
+
+/// The parent's loop: feeds stdin, captures output, enforces the wall clock and
+/// cancellation, reaps, and cleans up. It sleeps in `poll` until something happens —
+/// output, stdin room, the child's exit (pidfd), a cancel (the [`Cancel`]'s eventfd) or
+/// the deadline — and never polls on a timer.
+pub(super) fn supervise(
+    run: Supervision<'_>,
+    sink: &mut dyn OutputSink,
+) -> Result<RunOutcome, SandboxError> {
+    let Supervision {
+        sandbox,
+        spec,
+        cancel,
+        mut child,
+        started,
+        report,
+        stdin_w,
+        stdout_r,
+        stderr_r,
+        status_r,
+        call_tmp,
+    } = run;
+    let cap = sandbox.config().output_cap_bytes;
+    let deadline = started + spec.timeout;
+    for fd in [&stdin_w, &stdout_r, &stderr_r, &status_r] {
+        sys::set_nonblocking(fd.as_raw_fd()).map_err(SandboxError::Io)?;
+    }
+    let mut stdout = Capture::new(stdout_r, cap, Stream::Stdout);
+    let mut stderr = Capture::new(stderr_r, cap, Stream::Stderr);
+    let mut stdin = (!spec.stdin.is_empty()).then_some(stdin_w);
+    let mut stdin_pos = 0usize;
+    let pidfd = pidfd_open(child.pid);
+
+    let mut timed_out = false;
+    let mut cancelled = false;
+    let mut exit: Option<(i32, libc::rusage)> = None;
+    let mut drain_deadline = None;
+
+    loop {
+        let now = Instant::now();
+        if exit.is_none() && !timed_out && !cancelled {
+            if now >= deadline {
+                timed_out = true;
+                child.kill();
+            } else if cancel.is_cancelled() {
+                cancelled = true;
+                child.kill();
+            }
+        }
+        if exit.is_some()
+            && (stdout.fd.is_none() && stderr.fd.is_none()
+                || drain_deadline.is_some_and(|d| now >= d))
+        {
+            break;
+        }
+
+        let mut pfds: Vec<libc::pollfd> = Vec::with_capacity(5);
+        let mut push = |fd: RawFd, events: libc::c_short| {
+            pfds.push(libc::pollfd {
+                fd,
+                events,
+                revents: 0,
+            });
+        };
+        push(
+            stdout.fd.as_ref().map_or(-1, |f| f.as_raw_fd()),
+            libc::POLLIN,
+        );
+        push(
+            stderr.fd.as_ref().map_or(-1, |f| f.as_raw_fd()),
+            libc::POLLIN,
+        );
+        push(stdin.as_ref().map_or(-1, |f| f.as_raw_fd()), libc::POLLOUT);
+        let watch_exit = exit.is_none();
+        push(
+            match (&pidfd, watch_exit) {
+                (Some(fd), true) => fd.as_raw_fd(),
+                _ => -1,
+            },
+            libc::POLLIN,
+        );
+        let watch_cancel = exit.is_none() && !timed_out && !cancelled;
+        push(
+            match (cancel.wake_fd(), watch_cancel) {
+                (Some(fd), true) => fd,
+                _ => -1,
+            },
+            libc::POLLIN,
+        );
+        // Without a pidfd (Linux < 5.3) or an eventfd the exit or the cancel has no
+        // descriptor to wake us, and a short tick stands in for it.
+        let ticking =
+            (watch_exit && pidfd.is_none()) || (watch_cancel && cancel.wake_fd().is_none());
+        let until = match (exit.is_some(), drain_deadline) {
+            (true, Some(d)) => d,
+            _ if timed_out || cancelled => now + FALLBACK_TICK,
+            _ if ticking => deadline.min(now + FALLBACK_TICK),
+            _ => deadline,
+        };
+        // At most a second per wait: the loop re-checks its deadlines when it wakes.
+        let wait_ms =
+            libc::c_int::try_from(until.saturating_duration_since(now).as_millis().min(1000))
+                .unwrap_or(1000);
+        let nfds = libc::nfds_t::try_from(pfds.len()).unwrap_or(0);
+        // SAFETY: `pfds` is a valid array of pollfd of the given length.
+        let ready = unsafe { libc::poll(pfds.as_mut_ptr(), nfds, wait_ms) };
+        if ready == -1 && sys::errno() != libc::EINTR {
+            return Err(SandboxError::Io(io::Error::last_os_error()));
+        }
+
+        if pfds[0].revents != 0 {
+            stdout.read(sink);
+        }
+        if pfds[1].revents != 0 {
+            stderr.read(sink);
+        }
+        if pfds[2].revents != 0
+            && let Some(fd) = &stdin
+        {
+            let rest = &spec.stdin[stdin_pos..];
+            // SAFETY: `rest` is a valid readable slice.
+            let n = unsafe { libc::write(fd.as_raw_fd(), rest.as_ptr().cast(), rest.len()) };
+            if let Ok(written) = usize::try_from(n) {
+                stdin_pos += written;
+            }
+            // Done, or the child closed its stdin (EPIPE; Rust ignores SIGPIPE).
+            if stdin_pos >= spec.stdin.len()
+                || (n == -1 && !matches!(sys::errno(), libc::EAGAIN | libc::EINTR))
+            {
+                stdin = None;
+            }
+        }
+        let exited = if watch_exit {
+            match &pidfd {
+                Some(_) => pfds[3].revents != 0,
+                None => has_exited(child.pid),
+            }
+        } else {
+            false
+        };
+        if exited {
+            // The command is done: kill whatever it left behind, then reap.
+            if let Some(cgroup) = &child.cgroup {
+                let _ = cgroup.kill();
+            }
+            exit = Some(child.reap()?);
+            drain_deadline = Some(Instant::now() + DRAIN_GRACE);
+            stdin = None;
+        }
+    }
+    let duration = started.elapsed();
+    let Some((init_status, rusage)) = exit else {
+        return Err(SandboxError::Io(io::Error::other(
+            "the sandbox was not reaped",
+        )));
+    };
+
+    // The command's own status: reported by init in strict mode, else the child's.
+    let status = handshake::read_status(&status_r).unwrap_or(init_status);
+    let (exit_code, signal) = if libc::WIFEXITED(status) {
+        (Some(libc::WEXITSTATUS(status)), None)
+    } else if libc::WIFSIGNALED(status) {
+        (None, Some(libc::WTERMSIG(status)))
+    } else {
+        (None, None)
+    };
+
+    let cg_peak = child.cgroup.as_ref().and_then(|c| c.peak_memory_bytes());
+    let cg_cpu = child.cgroup.as_ref().and_then(|c| c.cpu_usage_us());
+    if let Some(mut cgroup) = child.cgroup.take() {
+        cgroup.remove()?;
+    }
+    drop(call_tmp);
+
+    let tv_ms = |tv: libc::timeval| {
+        u64::try_from(tv.tv_sec).unwrap_or(0) * 1000 + u64::try_from(tv.tv_usec).unwrap_or(0) / 1000
+    };
+    let usage = Usage {
+        cpu_user_ms: cg_cpu.map_or(tv_ms(rusage.ru_utime), |(u, _)| u / 1000),
+        cpu_system_ms: cg_cpu.map_or(tv_ms(rusage.ru_stime), |(_, s)| s / 1000),
+        peak_memory_bytes: cg_peak.unwrap_or(u64::try_from(rusage.ru_maxrss).unwrap_or(0) * 1024),
+    };
+    Ok(RunOutcome {
+        exit_code,
+        signal,
+        stdout: stdout.data,
+        stderr: stderr.data,
+        stdout_truncated: stdout.truncated,
+        stderr_truncated: stderr.truncated,
+        timed_out,
+        cancelled,
+        duration,
+        usage,
+        isolation: report,
+    })
+}
+
+/// A pidfd for our child (Linux 5.3+), to poll for its exit.
+pub(super) fn pidfd_open(pid: libc::pid_t) -> Option<OwnedFd> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: pidfd_open takes no pointers.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0u32) };
+    let fd = RawFd::try_from(fd).ok().filter(|fd| *fd >= 0)?;
+    // SAFETY: on success the descriptor is new and owned by nobody else.
+    Some(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Without pidfds: whether the child has exited, without reaping it.
+fn has_exited(pid: libc::pid_t) -> bool {
+    // SAFETY: an all-zero siginfo is valid for the kernel to overwrite.
+    let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+    // SAFETY: valid out-pointer; WNOWAIT leaves the child reapable.
+    let ret = unsafe {
+        libc::waitid(
+            libc::P_PID,
+            libc::id_t::try_from(pid).unwrap_or(0),
+            &mut info,
+            libc::WEXITED | libc::WNOHANG | libc::WNOWAIT,
+        )
+    };
+    // SAFETY: si_pid is valid to read for SIGCHLD-type siginfo (zero when none).
+    ret == 0 && unsafe { info.si_pid() } != 0
+}

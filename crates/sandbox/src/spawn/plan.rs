@@ -1,0 +1,247 @@
+//! The plan: everything a sandboxed command needs, prepared before `clone` — the
+//! `execve` candidates and vectors, the child's whole plan, the working directory, the
+//! Landlock rules of each level, the per-call temporary directory of standard mode.
+//! Allocation happens here and never after `clone`.
+
+use std::ffi::CString;
+use std::os::fd::RawFd;
+use std::path::{Component, Path, PathBuf};
+
+use super::DEFAULT_PATH;
+use crate::fds::ChildFds;
+use crate::landlock_rules::{LandlockPlan, access};
+use crate::rlimits::RlimitPlan;
+use crate::rootfs::{DEVICES, RootfsPlan, SYSTEM_DIRS};
+use crate::sandbox::{Sandbox, SandboxError};
+use crate::seccomp::SeccompPlan;
+use crate::step::{Failure, Step};
+use crate::sys;
+
+/// The prepared `execve`: candidate paths (from `PATH`), argv and envp.
+pub(super) struct ExecPlan {
+    candidates: Vec<CString>,
+    _argv: Vec<CString>,
+    _envp: Vec<CString>,
+    argv_ptrs: Vec<*const libc::c_char>,
+    envp_ptrs: Vec<*const libc::c_char>,
+}
+
+impl ExecPlan {
+    pub(super) fn prepare(argv: &[String], env: &[(String, String)]) -> Result<Self, SandboxError> {
+        let invalid = |what: String| SandboxError::InvalidCommand(what);
+        let program = argv
+            .first()
+            .ok_or_else(|| invalid("argv is empty".into()))?;
+        if program.is_empty() {
+            return Err(invalid("argv[0] is empty".into()));
+        }
+        let argv_c = argv
+            .iter()
+            .map(|a| CString::new(a.as_str()))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|_| invalid("an argument contains a NUL byte".into()))?;
+        let envp_c = env
+            .iter()
+            .map(|(k, v)| {
+                if k.is_empty() || k.contains('=') {
+                    return Err(invalid(format!("invalid environment variable name {k:?}")));
+                }
+                CString::new(format!("{k}={v}"))
+                    .map_err(|_| invalid(format!("environment variable {k} contains a NUL byte")))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let path = env
+            .iter()
+            .rev()
+            .find(|(k, _)| k == "PATH")
+            .map_or(DEFAULT_PATH, |(_, v)| v);
+        let candidates = if program.contains('/') {
+            vec![argv_c[0].clone()]
+        } else {
+            path.split(':')
+                .filter(|dir| dir.starts_with('/'))
+                .map(|dir| CString::new(format!("{dir}/{program}")))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|_| invalid("PATH contains a NUL byte".into()))?
+        };
+        let nul_terminated = |v: &[CString]| {
+            v.iter()
+                .map(|c| c.as_ptr())
+                .chain(std::iter::once(std::ptr::null()))
+                .collect()
+        };
+        Ok(ExecPlan {
+            argv_ptrs: nul_terminated(&argv_c),
+            envp_ptrs: nul_terminated(&envp_c),
+            candidates,
+            _argv: argv_c,
+            _envp: envp_c,
+        })
+    }
+
+    /// Tries every candidate; returns only on failure (async-signal-safe).
+    pub(super) fn exec(&self) -> Failure {
+        let mut error = libc::ENOENT;
+        for path in &self.candidates {
+            // SAFETY: path, argv and envp are NUL-terminated strings/arrays kept alive
+            // by `self`.
+            unsafe {
+                libc::execve(
+                    path.as_ptr(),
+                    self.argv_ptrs.as_ptr(),
+                    self.envp_ptrs.as_ptr(),
+                )
+            };
+            let e = sys::errno();
+            // Keep searching past missing entries, but remember a more telling error
+            // (EACCES: found but not executable), like execvp does.
+            if e != libc::ENOENT && e != libc::ENOTDIR {
+                error = e;
+            }
+        }
+        Failure::new(Step::Exec, error)
+    }
+}
+
+/// Everything the child needs, prepared before `clone`.
+pub(super) struct ChildPlan<'a> {
+    pub(super) strict: bool,
+    /// The isolation report promised an empty bounding set: failing to empty it is a
+    /// setup error, never a silent weaker sandbox.
+    pub(super) require_empty_bounding_set: bool,
+    /// v1 `tasks` files to write `0` to (join our own cgroups).
+    pub(super) cgroup_tasks: Vec<CString>,
+    pub(super) fds: ChildFds,
+    pub(super) sync: RawFd,
+    pub(super) rootfs: Option<RootfsPlan>,
+    pub(super) host_cwd: CString,
+    pub(super) rlimits: RlimitPlan,
+    pub(super) landlock: LandlockPlan,
+    pub(super) seccomp: &'a SeccompPlan,
+    pub(super) exec: ExecPlan,
+    /// The worker's own argument and environment strings, which the child inherits in
+    /// its copy of the memory and which `/proc/<pid>/{cmdline,environ}` would show.
+    pub(super) inherited_strings: [(usize, usize); 2],
+}
+
+/// Address ranges of this process's original argument and environment strings
+/// (`arg_start..arg_end`, `env_start..env_end` of proc(5) `stat`), read before fork.
+pub(super) fn inherited_string_regions() -> [(usize, usize); 2] {
+    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
+        return [(0, 0); 2];
+    };
+    // Fields after the parenthesised command name start at field 3.
+    let Some(rest) = stat.rsplit_once(')').map(|(_, rest)| rest) else {
+        return [(0, 0); 2];
+    };
+    let fields: Vec<usize> = rest
+        .split_whitespace()
+        .map(|f| f.parse().unwrap_or(0))
+        .collect();
+    // Fields 48..=51 of the proc(5) list (1-based) are arg_start, arg_end, env_start, env_end.
+    let field = |n: usize| fields.get(n - 3).copied().unwrap_or(0);
+    [(field(48), field(49)), (field(50), field(51))]
+}
+
+/// Checks `cwd` (relative to the workspace, no `..`) and returns it as a relative path.
+pub(super) fn relative_cwd(cwd: Option<&str>) -> Result<PathBuf, SandboxError> {
+    let Some(cwd) = cwd else {
+        return Ok(PathBuf::new());
+    };
+    let cwd = cwd
+        .strip_prefix("/workspace")
+        .unwrap_or(cwd)
+        .trim_start_matches('/');
+    let path = Path::new(cwd);
+    if path
+        .components()
+        .any(|c| !matches!(c, Component::Normal(_) | Component::CurDir))
+    {
+        return Err(SandboxError::InvalidCommand(format!(
+            "cwd {cwd:?} must be a path inside the workspace without '..'"
+        )));
+    }
+    Ok(path.to_path_buf())
+}
+
+/// Landlock rules of a strict sandbox (paths of the new root).
+pub(super) fn strict_landlock(sandbox: &Sandbox) -> Result<LandlockPlan, SandboxError> {
+    let mut plan = LandlockPlan::new(sandbox.landlock_abi(), !sandbox.config().network);
+    plan.allow(Path::new("/"), access::READ)?;
+    allow_system(&mut plan)?;
+    for dir in ["/workspace", "/tmp", "/dev/shm"] {
+        plan.allow(Path::new(dir), access::ALL)?;
+    }
+    Ok(plan)
+}
+
+/// Landlock rules of a standard sandbox (host paths: no private root to hide the rest).
+pub(super) fn standard_landlock(
+    sandbox: &Sandbox,
+    workspace: &Path,
+    tmp: &Path,
+) -> Result<LandlockPlan, SandboxError> {
+    let mut plan = LandlockPlan::new(sandbox.landlock_abi(), !sandbox.config().network);
+    allow_system(&mut plan)?;
+    for file in [
+        "passwd",
+        "group",
+        "hosts",
+        "resolv.conf",
+        "nsswitch.conf",
+        "host.conf",
+        "gai.conf",
+        "ld.so.cache",
+        "ld.so.conf",
+        "ld.so.conf.d",
+        "alternatives",
+        "localtime",
+        "ssl/certs",
+        "ca-certificates",
+    ] {
+        plan.allow(&Path::new("/etc").join(file), access::READ)?;
+    }
+    // Reading /proc is safe here: Landlock forbids ptrace-class access (environ, mem,
+    // fd) to processes outside the sandbox.
+    plan.allow(Path::new("/proc"), access::READ)?;
+    plan.allow(workspace, access::ALL)?;
+    plan.allow(tmp, access::ALL)?;
+    Ok(plan)
+}
+
+/// What both levels allow: the system directories the strict root binds (read and
+/// execute) and its minimal devices — one list, shared with [`crate::rootfs`].
+fn allow_system(plan: &mut LandlockPlan) -> Result<(), SandboxError> {
+    for dir in SYSTEM_DIRS {
+        plan.allow(&Path::new("/").join(dir), access::READ_EXEC)?;
+    }
+    for dev in DEVICES {
+        plan.allow(&Path::new("/dev").join(dev), access::DEVICE)?;
+    }
+    Ok(())
+}
+
+/// A per-call temporary directory for standard mode (strict mode has its own tmpfs).
+pub(super) struct CallTmp(PathBuf);
+
+impl CallTmp {
+    pub(super) fn path(&self) -> &Path {
+        &self.0
+    }
+
+    pub(super) fn create() -> Result<Self, SandboxError> {
+        use std::os::unix::fs::DirBuilderExt;
+        let dir = std::env::temp_dir().join(format!("airlock-{}", crate::cgroup::call_name()));
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&dir)
+            .map_err(SandboxError::Io)?;
+        Ok(CallTmp(dir))
+    }
+}
+
+impl Drop for CallTmp {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
