@@ -994,3 +994,78 @@ async fn the_agent_without_a_session_sees_the_users_default_workspace() {
         assert!(!text.contains("budget"), "{text}");
     }
 }
+
+/// Nothing ties a worker's schema to the policy's view of a call but this: every argument
+/// a served tool's schema names is in the policy's `context.arguments` (with the same
+/// required flag) or in the policy crate's `NOT_IN_CONTEXT` with its reason, and every
+/// argument the policy reads is in the schema. A new argument a worker adds without the
+/// policy table — silently invisible to every rule — fails here.
+#[tokio::test]
+async fn every_schema_argument_is_seen_by_policy_or_left_out_on_purpose() {
+    use airlock_policy::authz::{NOT_IN_CONTEXT, policy_arguments};
+    let airlock = Airlock::start().await;
+    let (status, body) = airlock.get("/v1/tools").await;
+    assert_eq!(status, 200, "{body}");
+    let tools = body["tools"].as_array().expect("tools");
+    assert!(tools.len() >= 17, "every built-in tool is served: {body}");
+    let mut problems = Vec::new();
+    for tool in tools {
+        let name = tool["name"].as_str().expect("name");
+        let schema = &tool["input_schema"];
+        let Some(policy) = policy_arguments(name) else {
+            problems.push(format!(
+                "{name}: served, but the policy table does not know it"
+            ));
+            continue;
+        };
+        let properties = schema["properties"]
+            .as_object()
+            .cloned()
+            .unwrap_or_default();
+        let required: Vec<&str> = schema["required"]
+            .as_array()
+            .map(|r| r.iter().filter_map(Value::as_str).collect())
+            .unwrap_or_default();
+        for argument in properties.keys() {
+            let seen = policy.iter().any(|(field, _)| field == argument);
+            let left_out = NOT_IN_CONTEXT
+                .iter()
+                .any(|(t, a, _)| *t == name && a == argument);
+            match (seen, left_out) {
+                (false, false) => problems.push(format!(
+                    "{name}.{argument}: in the schema, invisible to policy"
+                )),
+                (true, true) => problems.push(format!(
+                    "{name}.{argument}: both seen by policy and listed as left out"
+                )),
+                _ => {}
+            }
+        }
+        for (field, policy_required) in &policy {
+            if !properties.contains_key(*field) {
+                problems.push(format!(
+                    "{name}.{field}: the policy reads it, the schema has no such argument"
+                ));
+            } else if *policy_required != required.contains(field) {
+                problems.push(format!(
+                    "{name}.{field}: required {} by the schema, {} by the policy",
+                    required.contains(field),
+                    policy_required
+                ));
+            }
+        }
+    }
+    for (tool, argument, _) in NOT_IN_CONTEXT {
+        let listed = tools.iter().find(|t| t["name"] == *tool);
+        if listed.is_none_or(|t| t["input_schema"]["properties"].get(*argument).is_none()) {
+            problems.push(format!(
+                "{tool}.{argument}: left out of policy, but no schema has it"
+            ));
+        }
+    }
+    assert!(
+        problems.is_empty(),
+        "the workers' schemas and the policy disagree:\n{}",
+        problems.join("\n")
+    );
+}

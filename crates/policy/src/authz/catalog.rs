@@ -202,6 +202,49 @@ pub(crate) static TOOLS: &[ToolSpec] = &[
     },
 ];
 
+/// Arguments a worker's input schema has that policies do not see in
+/// `context.arguments`, each with the reason: `(tool, argument, why)`. Any other schema
+/// argument missing from [`TOOLS`] is a defect — a new argument silently invisible to
+/// policy — and the catalog test fails on it.
+pub static NOT_IN_CONTEXT: &[(&str, &str, &str)] = &[
+    (
+        "execute_shell",
+        "env",
+        "values may be secrets; policies see the names as context.env_names",
+    ),
+    (
+        "http_request",
+        "headers",
+        "values may be credentials; an override of the method is refused before policy",
+    ),
+    (
+        "http_request",
+        "body",
+        "free content, unbounded in shape; a body on a safe method counts as a write",
+    ),
+    (
+        "query_database",
+        "params",
+        "values bound to the statement's placeholders: data, not the statement; rules judge sql",
+    ),
+    (
+        "execute_sql",
+        "params",
+        "values bound to the statement's placeholders: data, not the statement; rules judge sql",
+    ),
+];
+
+/// The arguments of `tool` that policies see in `context.arguments`, as `(name,
+/// required)`, or `None` for a tool the policy table does not know.
+pub fn policy_arguments(tool: &str) -> Option<Vec<(&'static str, bool)>> {
+    spec(tool).map(|spec| {
+        spec.fields
+            .iter()
+            .map(|field| (field.name, field.required))
+            .collect()
+    })
+}
+
 /// The spec of a tool the schema declares, if any.
 pub(crate) fn spec(tool: &str) -> Option<&'static ToolSpec> {
     TOOLS.iter().find(|spec| spec.name == tool)

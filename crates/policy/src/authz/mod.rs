@@ -51,7 +51,7 @@ use serde_json::Value;
 pub use approval::{
     ApprovalKnob, DEFAULT_APPROVAL_TOOLS, METHOD_OVERRIDE_HEADERS, SAFE_HTTP_METHODS,
 };
-pub use catalog::ArgumentError;
+pub use catalog::{ArgumentError, NOT_IN_CONTEXT, policy_arguments};
 
 use crate::tool::ToolDefinition;
 
