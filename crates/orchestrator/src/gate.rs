@@ -357,7 +357,7 @@ impl Gate {
         }
         let digest = hex::encode(Sha256::digest(ending.outcome.content.join("\n").as_bytes()));
         let stored = CallOutcome {
-            status: status.as_str().to_owned(),
+            status,
             result: serde_json::to_value(&ending.outcome).unwrap_or(Value::Null),
             duration_ms: Some(duration_ms),
             replica: ending.replica.clone(),
@@ -1156,13 +1156,12 @@ fn stored_ending(stored: &StoredCall) -> Option<Ending> {
                 .clone()
                 .and_then(|v| serde_json::from_value(v).ok())
                 .unwrap_or_else(|| ToolOutcome::error("the stored result is unreadable"));
-            let status = match stored.status.as_deref() {
-                Some("ok") => CallStatus::Ok,
-                Some("denied") => CallStatus::Denied,
-                Some("timeout") => CallStatus::Timeout,
-                Some("cancelled") => CallStatus::Cancelled,
-                _ => CallStatus::Error,
-            };
+            // A finished row always has its final status (one update writes both); the
+            // store refuses a row whose status it cannot name.
+            let status = stored
+                .status
+                .filter(|status| status.is_final())
+                .unwrap_or(CallStatus::Error);
             Some(Ending {
                 status,
                 outcome,

@@ -18,6 +18,7 @@ use airlock_orchestrator::store::{
     self, ApprovalPage, ApprovalQuery, ApprovalStatus, AuditQuery, CallOutcome, CallState,
     NewApproval, NewAuditEvent, NewCall, Store, StoreError, Timestamp, now_millis,
 };
+use airlock_policy::CallStatus;
 use serde_json::json;
 
 // ---------------------------------------------------------------------------------
@@ -186,7 +187,7 @@ fn new_approval(approval_id: &str, call_id: &str, expires_in_ms: i64) -> NewAppr
 
 fn outcome(status: &str) -> CallOutcome {
     CallOutcome {
-        status: status.to_owned(),
+        status: CallStatus::parse(status).expect("a call status"),
         result: json!({"is_error": false, "content": ["done"]}),
         duration_ms: Some(12),
         replica: Some("unix:/tmp/fs.sock".to_owned()),
@@ -861,7 +862,7 @@ async fn claim_for_dispatch_exactly_once_under_concurrency(backend: Backend) {
     );
     let done = store.get_call("call-1").await.unwrap().unwrap();
     assert_eq!(done.state, CallState::Finished);
-    assert_eq!(done.status.as_deref(), Some("ok"));
+    assert_eq!(done.status, Some(CallStatus::Ok));
     assert_eq!(done.duration_ms, Some(12));
     assert_eq!(done.result.unwrap()["content"][0], "done");
     assert!(

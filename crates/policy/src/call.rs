@@ -28,6 +28,21 @@ impl CallStatus {
         }
     }
 
+    /// The status `as_str` names, or `None` for any other text.
+    pub fn parse(text: &str) -> Option<Self> {
+        [
+            CallStatus::Running,
+            CallStatus::Ok,
+            CallStatus::Error,
+            CallStatus::Denied,
+            CallStatus::PendingApproval,
+            CallStatus::Timeout,
+            CallStatus::Cancelled,
+        ]
+        .into_iter()
+        .find(|status| status.as_str() == text)
+    }
+
     /// Whether the call has reached its final state and carries a result.
     pub fn is_final(self) -> bool {
         !matches!(self, CallStatus::Running | CallStatus::PendingApproval)

@@ -38,6 +38,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use airlock_policy::CallStatus;
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize, Serializer};
 use serde_json::Value;
@@ -220,6 +221,16 @@ impl CallState {
     }
 }
 
+/// Decodes a stored call's status column: a name `CallStatus::as_str` gives, or nothing
+/// (a call not finished yet). Any other text is a corrupt row, never a guess.
+pub(crate) fn decode_call_status(text: Option<String>) -> Result<Option<CallStatus>, StoreError> {
+    text.map(|text| {
+        CallStatus::parse(&text)
+            .ok_or_else(|| StoreError::Corrupt(format!("unknown call status `{text}`")))
+    })
+    .transpose()
+}
+
 /// An approval's status, as `GET /v1/approvals` shows it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -296,8 +307,8 @@ pub struct StoredCall {
     pub session_id: Option<String>,
     pub state: CallState,
     pub approval_id: Option<String>,
-    /// The final status (`ok`, `error`, `denied`, `timeout`, `cancelled`, …) once finished.
-    pub status: Option<String>,
+    /// The final status once finished.
+    pub status: Option<CallStatus>,
     /// The final result (whatever JSON the caller stored) once finished.
     pub result: Option<Value>,
     pub duration_ms: Option<u64>,
@@ -313,8 +324,8 @@ pub struct StoredCall {
 /// The final outcome of a call.
 #[derive(Debug, Clone, PartialEq)]
 pub struct CallOutcome {
-    /// `ok`, `error`, `denied`, `timeout`, `cancelled`, … (free text).
-    pub status: String,
+    /// The final status, stored as its `as_str` name.
+    pub status: CallStatus,
     /// The result to keep (e.g. the `tool_result` and isolation report).
     pub result: Value,
     pub duration_ms: Option<u64>,
@@ -680,6 +691,31 @@ mod tests {
         assert_eq!(rfc3339(951_782_400_123), "2000-02-29T00:00:00.123Z");
         assert_eq!(rfc3339(1_779_280_496_789), "2026-05-20T12:34:56.789Z");
         assert_eq!(rfc3339(-1), "1969-12-31T23:59:59.999Z");
+    }
+
+    #[test]
+    fn call_statuses_decode_by_name_and_refuse_anything_else() {
+        for status in [
+            CallStatus::Running,
+            CallStatus::Ok,
+            CallStatus::Error,
+            CallStatus::Denied,
+            CallStatus::PendingApproval,
+            CallStatus::Timeout,
+            CallStatus::Cancelled,
+        ] {
+            let decoded = decode_call_status(Some(status.as_str().to_owned())).unwrap();
+            assert_eq!(decoded, Some(status));
+        }
+        assert_eq!(decode_call_status(None).unwrap(), None);
+        // Once an unknown status silently became `error`; now the row is corrupt.
+        for bad in ["OK", "succeeded", "", "ok "] {
+            let err = decode_call_status(Some(bad.to_owned())).unwrap_err();
+            assert!(
+                err.to_string().contains("unknown call status"),
+                "{bad:?}: {err}"
+            );
+        }
     }
 
     #[test]

@@ -20,8 +20,8 @@ use super::{
     APPROVAL_SELECT, AUDIT_COLUMNS, Approval, ApprovalPage, ApprovalQuery, ApprovalStatus,
     AuditQuery, AuditRecord, CALL_COLUMNS, CallOutcome, CallState, NewApproval, NewAuditEvent,
     NewCall, PAGING_INDEXES, SCHEMA_VERSION, SessionUsage, Store, StoreError, StoredCall,
-    Timestamp, VerifyReport, fill_page, from_json_text, now_millis, rfc3339, schema_v1, to_i64,
-    to_json_text, to_u64,
+    Timestamp, VerifyReport, decode_call_status, fill_page, from_json_text, now_millis, rfc3339,
+    schema_v1, to_i64, to_json_text, to_u64,
 };
 use crate::audit::{ChainVerifier, GENESIS_HASH, chain_hash};
 
@@ -217,7 +217,7 @@ fn call_from_row(row: &Row) -> Result<StoredCall, StoreError> {
         session_id: row.try_get(5)?,
         state: CallState::parse(&state)?,
         approval_id: row.try_get(7)?,
-        status: row.try_get(8)?,
+        status: decode_call_status(row.try_get(8)?)?,
         result: result
             .map(|r| from_json_text(&r, "a call's result"))
             .transpose()?,
@@ -538,7 +538,7 @@ impl Store for PostgresStore {
                  replica = $5, finished_at = $6 WHERE call_id = $1 AND state <> 'finished'",
                 &[
                     &call_id,
-                    &outcome.status,
+                    &outcome.status.as_str(),
                     &to_json_text(&outcome.result),
                     &outcome.duration_ms.map(to_i64),
                     &outcome.replica,
