@@ -179,11 +179,11 @@ fn head_missing() -> StoreError {
 
 fn audit_from_row(row: &Row) -> Result<AuditRecord, (u64, String)> {
     let seq: i64 = row
-        .try_get(0)
+        .try_get("seq")
         .map_err(|e| (0, format!("unreadable audit row: {e}")))?;
     let seq_u = u64::try_from(seq).map_err(|_| (0, format!("record {seq} has a negative seq")))?;
     let bad = |e: tokio_postgres::Error| (seq_u, format!("record {seq_u} is unreadable: {e}"));
-    let data: String = row.try_get(6).map_err(bad)?;
+    let data: String = row.try_get("data").map_err(bad)?;
     let data = serde_json::from_str(&data).map_err(|_| {
         (
             seq_u,
@@ -192,62 +192,62 @@ fn audit_from_row(row: &Row) -> Result<AuditRecord, (u64, String)> {
     })?;
     Ok(AuditRecord {
         seq: seq_u,
-        ts: row.try_get(1).map_err(bad)?,
-        kind: row.try_get(2).map_err(bad)?,
-        call_id: row.try_get(3).map_err(bad)?,
-        principal: row.try_get(4).map_err(bad)?,
-        session_id: row.try_get(5).map_err(bad)?,
+        ts: row.try_get("ts").map_err(bad)?,
+        kind: row.try_get("kind").map_err(bad)?,
+        call_id: row.try_get("call_id").map_err(bad)?,
+        principal: row.try_get("principal").map_err(bad)?,
+        session_id: row.try_get("session_id").map_err(bad)?,
         data,
-        prev_hash: row.try_get(7).map_err(bad)?,
-        hash: row.try_get(8).map_err(bad)?,
+        prev_hash: row.try_get("prev_hash").map_err(bad)?,
+        hash: row.try_get("hash").map_err(bad)?,
     })
 }
 
 fn call_from_row(row: &Row) -> Result<StoredCall, StoreError> {
-    let input: String = row.try_get(3)?;
-    let state: String = row.try_get(6)?;
-    let result: Option<String> = row.try_get(9)?;
-    let duration_ms: Option<i64> = row.try_get(10)?;
+    let input: String = row.try_get("input")?;
+    let state: String = row.try_get("state")?;
+    let result: Option<String> = row.try_get("result")?;
+    let duration_ms: Option<i64> = row.try_get("duration_ms")?;
     Ok(StoredCall {
-        call_id: row.try_get(0)?,
-        tool_use_id: row.try_get(1)?,
-        tool: row.try_get(2)?,
+        call_id: row.try_get("call_id")?,
+        tool_use_id: row.try_get("tool_use_id")?,
+        tool: row.try_get("tool")?,
         input: from_json_text(&input, "a call's input")?,
-        principal: row.try_get(4)?,
-        session_id: row.try_get(5)?,
+        principal: row.try_get("principal")?,
+        session_id: row.try_get("session_id")?,
         state: CallState::parse(&state)?,
-        approval_id: row.try_get(7)?,
-        status: decode_call_status(row.try_get(8)?)?,
+        approval_id: row.try_get("approval_id")?,
+        status: decode_call_status(row.try_get("status")?)?,
         result: result
             .map(|r| from_json_text(&r, "a call's result"))
             .transpose()?,
         duration_ms: duration_ms
             .map(|d| to_u64(d, "a call's duration"))
             .transpose()?,
-        replica: row.try_get(11)?,
-        claimed_by: row.try_get(12)?,
-        lease_until: row.try_get(13)?,
-        created_at: row.try_get(14)?,
-        finished_at: row.try_get(15)?,
+        replica: row.try_get("replica")?,
+        claimed_by: row.try_get("claimed_by")?,
+        lease_until: row.try_get("lease_until")?,
+        created_at: row.try_get("created_at")?,
+        finished_at: row.try_get("finished_at")?,
     })
 }
 
 fn approval_from_row(row: &Row) -> Result<Approval, StoreError> {
-    let input: String = row.try_get(3)?;
-    let status: String = row.try_get(6)?;
+    let input: String = row.try_get("input")?;
+    let status: String = row.try_get("status")?;
     Ok(Approval {
-        approval_id: row.try_get(0)?,
-        call_id: row.try_get(1)?,
-        tool: row.try_get(2)?,
+        approval_id: row.try_get("approval_id")?,
+        call_id: row.try_get("call_id")?,
+        tool: row.try_get("tool")?,
         input: from_json_text(&input, "an approval's input")?,
-        principal: row.try_get(4)?,
-        session_id: row.try_get(5)?,
+        principal: row.try_get("principal")?,
+        session_id: row.try_get("session_id")?,
         status: ApprovalStatus::parse(&status)?,
-        created_at: row.try_get(7)?,
-        expires_at: row.try_get(8)?,
-        decided_by: row.try_get(9)?,
-        reason: row.try_get(10)?,
-        decided_at: row.try_get(11)?,
+        created_at: row.try_get("created_at")?,
+        expires_at: row.try_get("expires_at")?,
+        decided_by: row.try_get("decided_by")?,
+        reason: row.try_get("reason")?,
+        decided_at: row.try_get("decided_at")?,
     })
 }
 
@@ -277,7 +277,7 @@ async fn select_approval_sized<C: GenericClient>(
         .await?;
     match row {
         Some(row) => {
-            let input: &str = row.try_get(3)?;
+            let input: &str = row.try_get("input")?;
             let size = input.len();
             Ok(Some((approval_from_row(&row)?, size)))
         }

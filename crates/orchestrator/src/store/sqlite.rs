@@ -145,18 +145,18 @@ fn head_missing() -> StoreError {
 }
 
 fn audit_from_row(row: &Row<'_>) -> rusqlite::Result<(i64, RawAudit)> {
-    let seq: i64 = row.get(0)?;
+    let seq: i64 = row.get("seq")?;
     Ok((
         seq,
         RawAudit {
-            ts: row.get(1)?,
-            kind: row.get(2)?,
-            call_id: row.get(3)?,
-            principal: row.get(4)?,
-            session_id: row.get(5)?,
-            data: row.get(6)?,
-            prev_hash: row.get(7)?,
-            hash: row.get(8)?,
+            ts: row.get("ts")?,
+            kind: row.get("kind")?,
+            call_id: row.get("call_id")?,
+            principal: row.get("principal")?,
+            session_id: row.get("session_id")?,
+            data: row.get("data")?,
+            prev_hash: row.get("prev_hash")?,
+            hash: row.get("hash")?,
         },
     ))
 }
@@ -198,50 +198,50 @@ impl RawAudit {
 }
 
 fn call_from_row(row: &Row<'_>) -> Result<StoredCall, StoreError> {
-    let input: String = row.get(3)?;
-    let state: String = row.get(6)?;
-    let result: Option<String> = row.get(9)?;
-    let duration_ms: Option<i64> = row.get(10)?;
+    let input: String = row.get("input")?;
+    let state: String = row.get("state")?;
+    let result: Option<String> = row.get("result")?;
+    let duration_ms: Option<i64> = row.get("duration_ms")?;
     Ok(StoredCall {
-        call_id: row.get(0)?,
-        tool_use_id: row.get(1)?,
-        tool: row.get(2)?,
+        call_id: row.get("call_id")?,
+        tool_use_id: row.get("tool_use_id")?,
+        tool: row.get("tool")?,
         input: from_json_text(&input, "a call's input")?,
-        principal: row.get(4)?,
-        session_id: row.get(5)?,
+        principal: row.get("principal")?,
+        session_id: row.get("session_id")?,
         state: CallState::parse(&state)?,
-        approval_id: row.get(7)?,
-        status: decode_call_status(row.get(8)?)?,
+        approval_id: row.get("approval_id")?,
+        status: decode_call_status(row.get("status")?)?,
         result: result
             .map(|r| from_json_text(&r, "a call's result"))
             .transpose()?,
         duration_ms: duration_ms
             .map(|d| to_u64(d, "a call's duration"))
             .transpose()?,
-        replica: row.get(11)?,
-        claimed_by: row.get(12)?,
-        lease_until: row.get(13)?,
-        created_at: row.get(14)?,
-        finished_at: row.get(15)?,
+        replica: row.get("replica")?,
+        claimed_by: row.get("claimed_by")?,
+        lease_until: row.get("lease_until")?,
+        created_at: row.get("created_at")?,
+        finished_at: row.get("finished_at")?,
     })
 }
 
 fn approval_from_row(row: &Row<'_>) -> Result<Approval, StoreError> {
-    let input: String = row.get(3)?;
-    let status: String = row.get(6)?;
+    let input: String = row.get("input")?;
+    let status: String = row.get("status")?;
     Ok(Approval {
-        approval_id: row.get(0)?,
-        call_id: row.get(1)?,
-        tool: row.get(2)?,
+        approval_id: row.get("approval_id")?,
+        call_id: row.get("call_id")?,
+        tool: row.get("tool")?,
         input: from_json_text(&input, "an approval's input")?,
-        principal: row.get(4)?,
-        session_id: row.get(5)?,
+        principal: row.get("principal")?,
+        session_id: row.get("session_id")?,
         status: ApprovalStatus::parse(&status)?,
-        created_at: row.get(7)?,
-        expires_at: row.get(8)?,
-        decided_by: row.get(9)?,
-        reason: row.get(10)?,
-        decided_at: row.get(11)?,
+        created_at: row.get("created_at")?,
+        expires_at: row.get("expires_at")?,
+        decided_by: row.get("decided_by")?,
+        reason: row.get("reason")?,
+        decided_at: row.get("decided_at")?,
     })
 }
 
@@ -258,7 +258,7 @@ fn select_approval_sized(
     let mut rows = stmt.query([id])?;
     match rows.next()? {
         Some(row) => {
-            let size = row.get_ref(3)?.as_bytes().map_or(0, <[u8]>::len);
+            let size = row.get_ref("input")?.as_bytes().map_or(0, <[u8]>::len);
             Ok(Some((approval_from_row(row)?, size)))
         }
         None => Ok(None),
