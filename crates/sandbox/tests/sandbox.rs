@@ -1178,6 +1178,7 @@ fn the_supervisor_waits_on_events_not_on_a_tick() {
     let before = own_wakeups();
     let out = run(&sandbox, &spec(&["sleep", "1.5"], ws.path()));
     let wakeups = own_wakeups() - before;
+    eprintln!("a quiet 1.5 s command: {wakeups} wakeups of the supervising thread");
     assert_eq!(out.exit_code, Some(0), "{out:?}");
     assert!(
         wakeups < 40,
@@ -1210,6 +1211,7 @@ fn the_supervisor_waits_on_events_not_on_a_tick() {
         )
         .expect("run");
     let wakeups = own_wakeups() - before;
+    eprintln!("a cancelled command: {wakeups} wakeups of the supervising thread");
     canceller.1.join().expect("canceller");
     assert!(out.cancelled && !out.timed_out, "{out:?}");
     assert_eq!(out.signal, Some(libc::SIGKILL));
