@@ -623,33 +623,13 @@ pub fn now_millis() -> Timestamp {
     }
 }
 
-/// `2026-05-20T12:34:56.789Z` for a [`Timestamp`] (proleptic Gregorian, UTC).
+/// `2026-05-20T12:34:56.789Z` for a [`Timestamp`] (UTC, milliseconds).
 pub fn rfc3339(ts: Timestamp) -> String {
-    let secs = ts.div_euclid(1000);
-    let millis = ts.rem_euclid(1000);
-    let days = secs.div_euclid(86_400);
-    let sod = secs.rem_euclid(86_400);
-    let (y, m, d) = civil_from_days(days);
-    format!(
-        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}.{millis:03}Z",
-        sod / 3600,
-        (sod / 60) % 60,
-        sod % 60
-    )
-}
-
-/// Howard Hinnant's `civil_from_days`.
-fn civil_from_days(days: i64) -> (i64, i64, i64) {
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let y = yoe + era * 400;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    (if m <= 2 { y + 1 } else { y }, m, d)
+    match chrono::DateTime::<chrono::Utc>::from_timestamp_millis(ts) {
+        Some(time) => time.to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
+        // Beyond chrono's ±262 000 years: no stored time is, but say what it is.
+        None => format!("{ts} ms from the Unix epoch"),
+    }
 }
 
 fn ser_time<S: Serializer>(ts: &Timestamp, s: S) -> Result<S::Ok, S::Error> {
