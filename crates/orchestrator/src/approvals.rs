@@ -2,7 +2,7 @@
 
 use serde_json::json;
 
-use crate::audit::{NewAuditEvent, redact};
+use crate::audit::{AuditKind, NewAuditEvent, redact};
 use crate::auth::Principal;
 use crate::gate::Gate;
 use crate::store::{Approval, ApprovalPage, ApprovalQuery, ApprovalStatus, StoreError, now_millis};
@@ -92,7 +92,7 @@ pub async fn decide(
             .map_err(store_error)?;
         gate.audit(
             NewAuditEvent::new(
-                "revoked",
+                AuditKind::Revoked,
                 json!({"stage": "decision", "approval_id": approval_id, "attempted_by": approver.name, "reasons": reasons}),
             )
             .call_id(denied.call_id.clone())
@@ -102,7 +102,7 @@ pub async fn decide(
         .await;
         gate.audit(
             NewAuditEvent::new(
-                "approval_denied",
+                AuditKind::ApprovalDenied,
                 json!({"approval_id": approval_id, "decided_by": REVOKED_BY, "reason": denial}),
             )
             .call_id(denied.call_id.clone())
@@ -121,9 +121,9 @@ pub async fn decide(
     gate.audit(
         NewAuditEvent::new(
             if approve {
-                "approved"
+                AuditKind::Approved
             } else {
-                "approval_denied"
+                AuditKind::ApprovalDenied
             },
             json!({"approval_id": approval_id, "decided_by": approver.name, "reason": reason}),
         )

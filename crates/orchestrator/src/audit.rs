@@ -107,12 +107,108 @@ const SECRET_ENDINGS: &[&str] = &[
     "credentials",
 ];
 
+/// What an audit event records. The names are a public contract: auditors and SIEM rules
+/// match on them, the README lists them, and a test keeps the two the same.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AuditKind {
+    /// A call arrived (its redacted or digested arguments).
+    Requested,
+    /// Refused before policy: unknown tool, arguments too large.
+    Rejected,
+    /// Its arguments failed the tool's schema.
+    RejectedSchema,
+    /// A budget or the rate limit refused it.
+    BudgetExceeded,
+    /// Policy denied it.
+    Denied,
+    /// Answered from the result cache.
+    CacheHit,
+    /// Held for a human.
+    PendingApproval,
+    Approved,
+    ApprovalDenied,
+    /// Its approval expired undecided.
+    Expired,
+    /// Its only waiter went away before a decision.
+    ApprovalWithdrawn,
+    /// The principal lost the right before it ran.
+    Revoked,
+    /// Claimed by a replica after an approval or a restart.
+    Resumed,
+    Dispatched,
+    Completed,
+    PolicyReloaded,
+    PolicyReloadFailed,
+    PrincipalsReloaded,
+    PrincipalsReloadFailed,
+    AgentRunStarted,
+    AgentRunFinished,
+}
+
+impl AuditKind {
+    /// Every kind, in the README's order.
+    pub const ALL: [AuditKind; 21] = [
+        AuditKind::Requested,
+        AuditKind::Rejected,
+        AuditKind::RejectedSchema,
+        AuditKind::BudgetExceeded,
+        AuditKind::Denied,
+        AuditKind::CacheHit,
+        AuditKind::PendingApproval,
+        AuditKind::Approved,
+        AuditKind::ApprovalDenied,
+        AuditKind::Expired,
+        AuditKind::ApprovalWithdrawn,
+        AuditKind::Revoked,
+        AuditKind::Resumed,
+        AuditKind::Dispatched,
+        AuditKind::Completed,
+        AuditKind::PolicyReloaded,
+        AuditKind::PolicyReloadFailed,
+        AuditKind::PrincipalsReloaded,
+        AuditKind::PrincipalsReloadFailed,
+        AuditKind::AgentRunStarted,
+        AuditKind::AgentRunFinished,
+    ];
+
+    /// The name stored in `kind` and hashed into the chain.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AuditKind::Requested => "requested",
+            AuditKind::Rejected => "rejected",
+            AuditKind::RejectedSchema => "rejected_schema",
+            AuditKind::BudgetExceeded => "budget_exceeded",
+            AuditKind::Denied => "denied",
+            AuditKind::CacheHit => "cache_hit",
+            AuditKind::PendingApproval => "pending_approval",
+            AuditKind::Approved => "approved",
+            AuditKind::ApprovalDenied => "approval_denied",
+            AuditKind::Expired => "expired",
+            AuditKind::ApprovalWithdrawn => "approval_withdrawn",
+            AuditKind::Revoked => "revoked",
+            AuditKind::Resumed => "resumed",
+            AuditKind::Dispatched => "dispatched",
+            AuditKind::Completed => "completed",
+            AuditKind::PolicyReloaded => "policy_reloaded",
+            AuditKind::PolicyReloadFailed => "policy_reload_failed",
+            AuditKind::PrincipalsReloaded => "principals_reloaded",
+            AuditKind::PrincipalsReloadFailed => "principals_reload_failed",
+            AuditKind::AgentRunStarted => "agent_run_started",
+            AuditKind::AgentRunFinished => "agent_run_finished",
+        }
+    }
+}
+
+impl std::fmt::Display for AuditKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// One event to append. The store assigns `seq`, `ts` and the hashes.
 #[derive(Debug, Clone, PartialEq)]
 pub struct NewAuditEvent {
-    /// What happened: `requested`, `rejected_schema`, `denied`, `pending_approval`,
-    /// `approved`, `approval_denied`, `expired`, `dispatched`, `completed`, … (free text).
-    pub kind: String,
+    pub kind: AuditKind,
     pub call_id: Option<String>,
     pub principal: Option<String>,
     pub session_id: Option<String>,
@@ -122,9 +218,9 @@ pub struct NewAuditEvent {
 
 impl NewAuditEvent {
     /// An event of `kind` with `data` and no call, principal or session.
-    pub fn new(kind: impl Into<String>, data: Value) -> Self {
+    pub fn new(kind: AuditKind, data: Value) -> Self {
         Self {
-            kind: kind.into(),
+            kind,
             call_id: None,
             principal: None,
             session_id: None,
@@ -817,6 +913,28 @@ mod tests {
     use serde_json::json;
 
     use super::*;
+
+    /// The README's table of event kinds is the auditors' contract: exactly the kinds
+    /// the code writes, in the same order, each named once.
+    #[test]
+    fn the_readme_lists_every_audit_kind() {
+        let readme = include_str!("../../../README.md");
+        let table: Vec<&str> = readme
+            .lines()
+            .skip_while(|l| !l.starts_with("| kind | when |"))
+            .skip(2)
+            .take_while(|l| l.starts_with("| `"))
+            .flat_map(|l| {
+                let first = l.split('|').nth(1).unwrap_or("");
+                first
+                    .split(',')
+                    .map(|k| k.trim().trim_matches('`'))
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        let kinds: Vec<&str> = AuditKind::ALL.iter().map(|k| k.as_str()).collect();
+        assert_eq!(table, kinds);
+    }
 
     #[test]
     fn canonical_json_sorts_keys_at_every_depth() {

@@ -18,7 +18,7 @@ use sha2::{Digest, Sha256};
 use tokio::sync::{Notify, mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
-use crate::audit::{NewAuditEvent, redact};
+use crate::audit::{AuditKind, NewAuditEvent, redact};
 use crate::auth::{Principal, Principals, Role};
 use crate::budget::Budgets;
 use crate::cache::ResultCache;
@@ -381,7 +381,7 @@ impl Gate {
             completed["approval_wait_ms"] = json!(ms);
         }
         self.audit(
-            NewAuditEvent::new("completed", completed)
+            NewAuditEvent::new(AuditKind::Completed, completed)
                 .call_id(call_id)
                 .principal(principal)
                 .session_id(session.map(str::to_owned)),
@@ -417,7 +417,7 @@ impl Gate {
         cancel: &CancellationToken,
         held: &mut Option<Held>,
     ) -> Ending {
-        let event = |kind: &str, data: Value| {
+        let event = |kind: AuditKind, data: Value| {
             NewAuditEvent::new(kind, data)
                 .call_id(call_id)
                 .principal(&principal.name)
@@ -451,10 +451,13 @@ impl Gate {
         } else {
             requested["arguments"] = self.redacted(tool.as_deref(), &tool_use.input);
         }
-        self.audit(event("requested", requested)).await;
+        self.audit(event(AuditKind::Requested, requested)).await;
         let Some(tool) = tool else {
-            self.audit(event("rejected", json!({"reason": "unknown_tool"})))
-                .await;
+            self.audit(event(
+                AuditKind::Rejected,
+                json!({"reason": "unknown_tool"}),
+            ))
+            .await;
             return Ending::error(
                 CallStatus::Error,
                 format!(
@@ -466,7 +469,7 @@ impl Gate {
         // Size cap before the schema, so a huge argument is never walked.
         if oversized {
             self.audit(event(
-                "rejected",
+                AuditKind::Rejected,
                 json!({"reason": "arguments_too_large", "bytes": size}),
             ))
             .await;
@@ -479,8 +482,11 @@ impl Gate {
             );
         }
         if let Err(violations) = validate(&tool, &tool_use.input) {
-            self.audit(event("rejected_schema", json!({"violations": violations})))
-                .await;
+            self.audit(event(
+                AuditKind::RejectedSchema,
+                json!({"violations": violations}),
+            ))
+            .await;
             return Ending::error(
                 CallStatus::Error,
                 format!(
@@ -511,7 +517,7 @@ impl Gate {
                 .map_err(|e| e.to_string())
         };
         if let Err(message) = budget.await {
-            self.audit(event("budget_exceeded", json!({"reason": message})))
+            self.audit(event(AuditKind::BudgetExceeded, json!({"reason": message})))
                 .await;
             return Ending::error(CallStatus::Error, message);
         }
@@ -530,7 +536,7 @@ impl Gate {
             workspace: workspace.as_deref(),
         });
         if let Decision::Deny { reasons } = &decision {
-            self.audit(event("denied", json!({"reasons": reasons})))
+            self.audit(event(AuditKind::Denied, json!({"reasons": reasons})))
                 .await;
             return Ending::error(
                 CallStatus::Denied,
@@ -565,7 +571,7 @@ impl Gate {
                     format!("the store cannot record the call: {e}"),
                 );
             }
-            self.audit(event("cache_hit", json!({}))).await;
+            self.audit(event(AuditKind::CacheHit, json!({}))).await;
             return Ending {
                 status: CallStatus::Ok,
                 outcome: hit,
@@ -657,7 +663,7 @@ impl Gate {
             r.checked = true;
         });
         self.audit(
-            NewAuditEvent::new("pending_approval", json!({"approval_id": approval_id, "reasons": reasons, "expires_at": crate::store::rfc3339(expires_at)}))
+            NewAuditEvent::new(AuditKind::PendingApproval, json!({"approval_id": approval_id, "reasons": reasons, "expires_at": crate::store::rfc3339(expires_at)}))
                 .call_id(call_id)
                 .principal(&principal)
                 .session_id(session),
@@ -710,7 +716,7 @@ impl Gate {
                     // Withdraw the request so that a later approval cannot run it.
                     let withdrawn = self.store.decide_approval(&approval_id, false, "system:cancelled", Some("the caller cancelled the call"), now_millis()).await;
                     *held = Some(Held::new(withdrawn.as_ref().ok(), since.elapsed()));
-                    self.audit(NewAuditEvent::new("approval_withdrawn", json!({"approval_id": approval_id})).call_id(call_id)).await;
+                    self.audit(NewAuditEvent::new(AuditKind::ApprovalWithdrawn, json!({"approval_id": approval_id})).call_id(call_id)).await;
                     return Err(Ending::error(CallStatus::Cancelled, "the call was cancelled while it waited for approval"));
                 }
                 _ = self.decided.notified() => {}
@@ -763,10 +769,13 @@ impl Gate {
                 self.reauthorize(&principal.name, &tool.definition.name, session, input)
         {
             self.audit(
-                NewAuditEvent::new("revoked", json!({"stage": stage, "reasons": reasons}))
-                    .call_id(call_id)
-                    .principal(&principal.name)
-                    .session_id(Some(session.to_owned())),
+                NewAuditEvent::new(
+                    AuditKind::Revoked,
+                    json!({"stage": stage, "reasons": reasons}),
+                )
+                .call_id(call_id)
+                .principal(&principal.name)
+                .session_id(Some(session.to_owned())),
             )
             .await;
             return Ending::error(
@@ -785,7 +794,7 @@ impl Gate {
         };
         self.audit(
             NewAuditEvent::new(
-                "dispatched",
+                AuditKind::Dispatched,
                 json!({"group": tool.group, "claimant": self.replica_id, "durable": durable}),
             )
             .call_id(call_id)
@@ -961,7 +970,7 @@ impl Gate {
                 if withdrawn.is_ok() {
                     self.audit(
                         NewAuditEvent::new(
-                            "approval_withdrawn",
+                            AuditKind::ApprovalWithdrawn,
                             json!({"approval_id": approval_id}),
                         )
                         .call_id(call_id),
@@ -1009,10 +1018,13 @@ impl Gate {
     pub async fn expire_sweep(&self) -> Result<(), crate::store::StoreError> {
         for approval in self.store.expire_approvals(now_millis()).await? {
             self.audit(
-                NewAuditEvent::new("expired", json!({"approval_id": approval.approval_id}))
-                    .call_id(approval.call_id.clone())
-                    .principal(approval.principal.clone())
-                    .session_id(approval.session_id.clone()),
+                NewAuditEvent::new(
+                    AuditKind::Expired,
+                    json!({"approval_id": approval.approval_id}),
+                )
+                .call_id(approval.call_id.clone())
+                .principal(approval.principal.clone())
+                .session_id(approval.session_id.clone()),
             )
             .await;
         }
@@ -1070,7 +1082,7 @@ impl Gate {
         record.checked = true;
         self.calls.insert(record, cancel.clone());
         self.audit(
-            NewAuditEvent::new("resumed", json!({"state": call.state.as_str()}))
+            NewAuditEvent::new(AuditKind::Resumed, json!({"state": call.state.as_str()}))
                 .call_id(call.call_id.clone()),
         )
         .await;

@@ -9,7 +9,7 @@ use std::time::Duration;
 use airlock_proto::v1::orchestrator_server::OrchestratorServer;
 use tokio_util::sync::CancellationToken;
 
-use crate::audit::NewAuditEvent;
+use crate::audit::{AuditKind, NewAuditEvent};
 use crate::auth::{AuthError, Principals};
 use crate::budget::Budgets;
 use crate::cache::ResultCache;
@@ -310,7 +310,7 @@ async fn reload_principals(
             let names = gate.principals.names();
             tracing::info!(?names, "principals reloaded");
             gate.audit(NewAuditEvent::new(
-                "principals_reloaded",
+                AuditKind::PrincipalsReloaded,
                 serde_json::json!({"principals": names}),
             ))
             .await;
@@ -318,7 +318,7 @@ async fn reload_principals(
         Err(e) => {
             tracing::error!(error = %e, "principals reload failed; the previous principals stay in force");
             gate.audit(NewAuditEvent::new(
-                "principals_reload_failed",
+                AuditKind::PrincipalsReloadFailed,
                 serde_json::json!({"error": e}),
             ))
             .await;
@@ -334,7 +334,7 @@ async fn reload_policy(gate: &Gate, config: &OrchestratorConfig) {
             gate.replace_authorizer(authorizer);
             tracing::info!(%file, "policy reloaded");
             gate.audit(NewAuditEvent::new(
-                "policy_reloaded",
+                AuditKind::PolicyReloaded,
                 serde_json::json!({"file": file}),
             ))
             .await;
@@ -342,7 +342,7 @@ async fn reload_policy(gate: &Gate, config: &OrchestratorConfig) {
         Err(e) => {
             tracing::error!(error = %e, "policy reload failed; the previous policy stays in force");
             gate.audit(NewAuditEvent::new(
-                "policy_reload_failed",
+                AuditKind::PolicyReloadFailed,
                 serde_json::json!({"error": e.to_string()}),
             ))
             .await;

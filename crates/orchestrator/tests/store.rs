@@ -13,7 +13,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use airlock_orchestrator::audit::{GENESIS_HASH, chain_hash};
+use airlock_orchestrator::audit::{AuditKind, GENESIS_HASH, chain_hash};
 use airlock_orchestrator::store::{
     self, ApprovalPage, ApprovalQuery, ApprovalStatus, AuditQuery, CallOutcome, CallState,
     NewApproval, NewAuditEvent, NewCall, Store, StoreError, Timestamp, now_millis,
@@ -146,7 +146,7 @@ both_backends!(
 
 fn event(i: usize) -> NewAuditEvent {
     NewAuditEvent::new(
-        "requested",
+        AuditKind::Requested,
         json!({"i": i, "tool": "read_file", "input": {"path": "a.txt"}}),
     )
     .call_id(format!("call-{i}"))
@@ -344,7 +344,7 @@ async fn append_query_and_verify(backend: Backend) {
     let store = backend.open().await;
     let bare = store
         .append(NewAuditEvent::new(
-            "config_loaded",
+            AuditKind::PolicyReloaded,
             json!({"n": 1.5, "z": [true, null]}),
         ))
         .await
@@ -1262,8 +1262,10 @@ async fn postgres_two_replicas_append_concurrently() {
             let store = Arc::clone(&store);
             tasks.push(tokio::spawn(async move {
                 for i in 0..10 {
-                    let ev =
-                        NewAuditEvent::new("dispatched", json!({"replica": r, "task": t, "i": i}));
+                    let ev = NewAuditEvent::new(
+                        AuditKind::Dispatched,
+                        json!({"replica": r, "task": t, "i": i}),
+                    );
                     store.append(ev).await.unwrap();
                 }
             }));
@@ -1401,7 +1403,7 @@ async fn sqlite_file_is_airlock_db_in_the_data_dir() {
     let store = store::open("sqlite", &data_dir, None).await.unwrap();
     assert_eq!(store.kind(), "sqlite");
     store
-        .append(NewAuditEvent::new("started", json!({})))
+        .append(NewAuditEvent::new(AuditKind::Dispatched, json!({})))
         .await
         .unwrap();
     let path = data_dir.join("airlock.db");

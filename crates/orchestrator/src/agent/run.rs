@@ -36,7 +36,7 @@ use super::{
     AgentConfig, AgentError, AgentEvent, ProposedUse, ProviderKind, Resolved, Stop, Turn, Usage,
     anthropic, openai,
 };
-use crate::audit::NewAuditEvent;
+use crate::audit::{AuditKind, NewAuditEvent};
 use crate::auth::Principal;
 use crate::calls::{CallRecord, wait_final};
 use crate::gate::{Gate, ToolUse};
@@ -144,7 +144,7 @@ impl Run {
         let _ = self.events.send(AgentEvent::new(kind, data)).await;
     }
 
-    fn audit_event(&self, kind: &str, data: Value) -> NewAuditEvent {
+    fn audit_event(&self, kind: AuditKind, data: Value) -> NewAuditEvent {
         NewAuditEvent::new(kind, data)
             .principal(&self.principal.name)
             .session_id(Some(self.session.as_str().to_owned()))
@@ -159,7 +159,7 @@ impl Run {
         .await;
         self.gate
             .audit(self.audit_event(
-                "agent_run_started",
+                AuditKind::AgentRunStarted,
                 json!({
                     "run_id": self.run_id,
                     "provider": provider,
@@ -199,7 +199,7 @@ impl Run {
         merge(&mut audited, &common);
         tracing::info!(run_id = %self.run_id, outcome = %outcome, turns = self.turns, tool_calls = self.tool_calls, "agent run finished");
         self.gate
-            .audit(self.audit_event("agent_run_finished", audited))
+            .audit(self.audit_event(AuditKind::AgentRunFinished, audited))
             .await;
         if let Some(kind) = kind {
             self.emit(kind, data).await;

@@ -401,7 +401,7 @@ impl Store for PostgresStore {
             &prev_hash,
             seq,
             &ts,
-            &event.kind,
+            event.kind.as_str(),
             event.call_id.as_deref(),
             event.principal.as_deref(),
             event.session_id.as_deref(),
@@ -414,7 +414,7 @@ impl Store for PostgresStore {
             &[
                 &to_i64(seq),
                 &ts,
-                &event.kind,
+                &event.kind.as_str(),
                 &event.call_id,
                 &event.principal,
                 &event.session_id,
@@ -433,7 +433,7 @@ impl Store for PostgresStore {
         Ok(AuditRecord {
             seq,
             ts,
-            kind: event.kind,
+            kind: event.kind.as_str().to_owned(),
             call_id: event.call_id,
             principal: event.principal,
             session_id: event.session_id,

@@ -375,7 +375,7 @@ impl Store for SqliteStore {
                 &prev_hash,
                 seq,
                 &ts,
-                &event.kind,
+                event.kind.as_str(),
                 event.call_id.as_deref(),
                 event.principal.as_deref(),
                 event.session_id.as_deref(),
@@ -388,7 +388,7 @@ impl Store for SqliteStore {
                 params![
                     to_i64(seq),
                     ts,
-                    event.kind,
+                    event.kind.as_str(),
                     event.call_id,
                     event.principal,
                     event.session_id,
@@ -405,7 +405,7 @@ impl Store for SqliteStore {
             Ok(AuditRecord {
                 seq,
                 ts,
-                kind: event.kind,
+                kind: event.kind.as_str().to_owned(),
                 call_id: event.call_id,
                 principal: event.principal,
                 session_id: event.session_id,
