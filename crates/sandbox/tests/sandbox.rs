@@ -288,7 +288,10 @@ fn timeout_kills_a_spinner() {
         "a 500 ms timeout ended the run after {:?} (measured, not asserted)",
         started.elapsed()
     );
-    assert_eq!(out.isolation.limits.timeout_ms, Some(500));
+    // The timeout the command was given: the requested 500 ms less any wait for a
+    // sandbox slot (which a slow or busy host makes measurable).
+    let given = out.isolation.limits.timeout_ms;
+    assert!(matches!(given, Some(1..=500)), "timeout_ms {given:?}");
     assert_no_cgroup_left("timeout");
 }
 

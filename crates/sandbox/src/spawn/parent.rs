@@ -16,6 +16,9 @@ use crate::sys;
 /// escaped the kill (only possible in standard mode without a cgroup).
 const DRAIN_GRACE: Duration = Duration::from_millis(500);
 
+/// How long one wait for a killed child's pidfd lasts before the loop looks again.
+const KILLED_WAIT: Duration = Duration::from_secs(1);
+
 /// How often the loop wakes when an event has no descriptor to wake it: a kernel
 /// without pidfds, a [`Cancel`] whose eventfd could not be made, a kill just sent.
 const FALLBACK_TICK: Duration = Duration::from_millis(20);
@@ -238,7 +241,12 @@ pub(super) fn supervise(
             (watch_exit && pidfd.is_none()) || (watch_cancel && cancel.wake_fd().is_none());
         let until = match (exit.is_some(), drain_deadline) {
             (true, Some(d)) => d,
-            _ if timed_out || cancelled => now + FALLBACK_TICK,
+            // Killed and not yet gone: the pidfd says when (past the deadline, which
+            // is behind us now); without one, the tick.
+            _ if timed_out || cancelled => match pidfd {
+                Some(_) => now + KILLED_WAIT,
+                None => now + FALLBACK_TICK,
+            },
             _ if ticking => deadline.min(now + FALLBACK_TICK),
             _ => deadline,
         };
