@@ -28,19 +28,20 @@ impl CallStatus {
         }
     }
 
+    /// Every status.
+    pub const ALL: [CallStatus; 7] = [
+        CallStatus::Running,
+        CallStatus::Ok,
+        CallStatus::Error,
+        CallStatus::Denied,
+        CallStatus::PendingApproval,
+        CallStatus::Timeout,
+        CallStatus::Cancelled,
+    ];
+
     /// The status `as_str` names, or `None` for any other text.
     pub fn parse(text: &str) -> Option<Self> {
-        [
-            CallStatus::Running,
-            CallStatus::Ok,
-            CallStatus::Error,
-            CallStatus::Denied,
-            CallStatus::PendingApproval,
-            CallStatus::Timeout,
-            CallStatus::Cancelled,
-        ]
-        .into_iter()
-        .find(|status| status.as_str() == text)
+        Self::ALL.into_iter().find(|status| status.as_str() == text)
     }
 
     /// Whether the call has reached its final state and carries a result.

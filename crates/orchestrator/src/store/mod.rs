@@ -675,15 +675,7 @@ mod tests {
 
     #[test]
     fn call_statuses_decode_by_name_and_refuse_anything_else() {
-        for status in [
-            CallStatus::Running,
-            CallStatus::Ok,
-            CallStatus::Error,
-            CallStatus::Denied,
-            CallStatus::PendingApproval,
-            CallStatus::Timeout,
-            CallStatus::Cancelled,
-        ] {
+        for status in CallStatus::ALL {
             let decoded = decode_call_status(Some(status.as_str().to_owned())).unwrap();
             assert_eq!(decoded, Some(status));
         }
