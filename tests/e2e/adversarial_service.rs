@@ -956,3 +956,66 @@ async fn the_orchestrator_raises_its_open_file_limit_and_fits_its_cap_in_it() {
     }
     assert!(up.log().contains("used=172"), "{}", up.log());
 }
+
+/// One body reader under every HTTP door: an oversized body on `/mcp` gets the same
+/// answer as on `/v1` — read (and thrown away) before a 413 that names the cap —
+/// whether it declares its length or streams it chunked.
+#[tokio::test]
+async fn an_oversized_body_gets_the_same_413_on_mcp_as_on_v1() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    const CAP: usize = 65_536;
+    let airlock = Airlock::start_with(&format!("[limits]\nmax_request_bytes = {CAP}\n")).await;
+    let addr = airlock.url.trim_start_matches("http://").to_owned();
+    let blob = "x".repeat(4 * CAP);
+    let payload = format!(
+        r#"{{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{{"name":"read_file","arguments":{{"path":"{blob}"}}}}}}"#
+    );
+    for (door, chunked) in [
+        ("/mcp", false),
+        ("/mcp", true),
+        ("/v1/tool_calls", false),
+        ("/v1/tool_calls", true),
+    ] {
+        let mut stream = TcpStream::connect(&addr).await.expect("connect");
+        let framing = if chunked {
+            "Transfer-Encoding: chunked".to_owned()
+        } else {
+            format!("Content-Length: {}", payload.len())
+        };
+        let head = format!(
+            "POST {door} HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {}\r\n\
+             Content-Type: application/json\r\nAccept: application/json, text/event-stream\r\n\
+             {framing}\r\nConnection: close\r\n\r\n",
+            airlock.token
+        );
+        stream.write_all(head.as_bytes()).await.expect("head");
+        if chunked {
+            for piece in payload.as_bytes().chunks(8192) {
+                stream
+                    .write_all(format!("{:x}\r\n", piece.len()).as_bytes())
+                    .await
+                    .expect("chunk");
+                stream.write_all(piece).await.expect("chunk");
+                stream.write_all(b"\r\n").await.expect("chunk");
+            }
+            stream.write_all(b"0\r\n\r\n").await.expect("end");
+        } else {
+            stream.write_all(payload.as_bytes()).await.expect("body");
+        }
+        let mut answer = String::new();
+        tokio::time::timeout(Duration::from_secs(30), stream.read_to_string(&mut answer))
+            .await
+            .expect("an answer, not a hang")
+            .expect("read");
+        assert!(
+            answer.starts_with("HTTP/1.1 413"),
+            "{door} chunked={chunked}: {}",
+            answer.lines().next().unwrap_or("")
+        );
+        assert!(
+            answer.contains("payload_too_large")
+                && answer.contains(&format!("limit of {CAP} bytes")),
+            "{door} chunked={chunked}: {answer}"
+        );
+    }
+}

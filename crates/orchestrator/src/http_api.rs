@@ -15,7 +15,6 @@ use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{MethodRouter, get, post};
-use http_body_util::BodyExt;
 use serde_json::{Value, json};
 
 use crate::approvals::{self, DecideError};
@@ -88,7 +87,7 @@ impl ApiError {
         }
     }
 
-    fn bad_request(message: impl Into<String>) -> Self {
+    pub(crate) fn bad_request(message: impl Into<String>) -> Self {
         Self::new(StatusCode::BAD_REQUEST, "invalid_request", message)
     }
     fn not_found(message: impl Into<String>) -> Self {
@@ -294,66 +293,14 @@ async fn list_tools(
     Ok(axum::Json(json!({"tools": tools})))
 }
 
-/// Reads the body with the configured cap.
-/// How much of an oversized body is read and discarded before answering 413.
-const DRAIN_BYTES: u64 = 64 * 1024 * 1024;
-/// How long that may take.
-const DRAIN_TIME: Duration = Duration::from_secs(10);
-
+/// Reads a JSON request body under the configured cap (see [`crate::body`]).
 pub(crate) async fn read_json(
     headers: &HeaderMap,
     body: Body,
     limit: u64,
 ) -> Result<Value, ApiError> {
-    let too_large = || {
-        ApiError::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "payload_too_large",
-            format!(
-                "request body is over the limit of {limit} bytes; send fewer or smaller tool calls"
-            ),
-        )
-    };
-    // An oversized body is still read (and thrown away, up to a bound) before the 413
-    // goes out: closing a connection with unread data resets it, and the client would
-    // see a dropped connection instead of the answer.
-    let mut body = body;
-    let mut bytes = Vec::new();
-    let mut over = false;
-    let mut discarded: u64 = 0;
-    let drain_until = tokio::time::Instant::now() + DRAIN_TIME;
-    loop {
-        let frame = match tokio::time::timeout_at(drain_until, body.frame()).await {
-            Ok(Some(Ok(frame))) => frame,
-            Ok(Some(Err(e))) if !over => {
-                return Err(ApiError::bad_request(format!(
-                    "cannot read the request body: {e}"
-                )));
-            }
-            Ok(None) | Ok(Some(Err(_))) | Err(_) => break,
-        };
-        let Ok(data) = frame.into_data() else {
-            continue;
-        };
-        if over {
-            discarded += data.len() as u64;
-            if discarded > DRAIN_BYTES {
-                break;
-            }
-        } else if (bytes.len() + data.len()) as u64 > limit {
-            over = true;
-            bytes = Vec::new();
-        } else {
-            bytes.extend_from_slice(&data);
-        }
-    }
-    let declared = headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if over || declared.is_some_and(|n| n > limit) {
-        return Err(too_large());
-    }
+    let bytes =
+        crate::body::read_capped(headers, body, limit, "send fewer or smaller tool calls").await?;
     if bytes.is_empty() {
         return Err(ApiError::bad_request(
             "the request body is empty; send a JSON object",

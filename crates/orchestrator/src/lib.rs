@@ -9,6 +9,7 @@ pub mod agent;
 mod approvals;
 pub mod audit;
 pub mod auth;
+pub(crate) mod body;
 mod budget;
 mod cache;
 mod calls;

@@ -158,7 +158,9 @@ async fn check_request(State(guard): State<Guard>, request: Request, next: Next)
     parts.extensions.insert(principal.clone());
     parts.extensions.insert(chosen);
     let body = if parts.method == Method::POST {
-        let bytes = match read_capped(&parts.headers, body, guard.max_body).await {
+        let limit = u64::try_from(guard.max_body).unwrap_or(u64::MAX);
+        let read = crate::body::read_capped(&parts.headers, body, limit, "send smaller arguments");
+        let bytes = match read.await {
             Ok(b) => b,
             Err(e) => return e.into_response(),
         };
@@ -214,41 +216,6 @@ fn serde_urlencoded_pairs(query: &str) -> HashMap<String, String> {
                 .map(|q| q.0)
         })
         .unwrap_or_default()
-}
-
-async fn read_capped(
-    headers: &HeaderMap,
-    body: Body,
-    limit: usize,
-) -> Result<axum::body::Bytes, ApiError> {
-    let too_large = || {
-        ApiError::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "payload_too_large",
-            format!("request body is over the limit of {limit} bytes; send smaller arguments"),
-        )
-    };
-    let declared = headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<usize>().ok());
-    if declared.is_some_and(|n| n > limit) {
-        return Err(too_large());
-    }
-    axum::body::to_bytes(body, limit).await.map_err(|e| {
-        let over = std::error::Error::source(&e)
-            .is_some_and(|s| s.is::<http_body_util::LengthLimitError>())
-            || e.to_string().contains("length limit");
-        if over {
-            too_large()
-        } else {
-            ApiError::new(
-                StatusCode::BAD_REQUEST,
-                "invalid_request",
-                format!("cannot read the request body: {e}"),
-            )
-        }
-    })
 }
 
 /// The `requestId`s of the `notifications/cancelled` messages in a POST body (one
