@@ -32,6 +32,9 @@ use crate::store::{
 };
 
 /// How many schema violations are listed in one error result.
+/// Approvals one expiry sweep transaction takes at most.
+const EXPIRE_BATCH: usize = 256;
+
 const MAX_REPORTED_VIOLATIONS: usize = 5;
 /// How long a dispatch claim holds before another replica may take the call over; the
 /// dispatching task renews it every third of that.
@@ -1016,20 +1019,29 @@ impl Gate {
 
     /// Marks overdue approvals expired and audits each (once, across replicas).
     pub async fn expire_sweep(&self) -> Result<(), crate::store::StoreError> {
-        for approval in self.store.expire_approvals(now_millis()).await? {
-            self.audit(
-                NewAuditEvent::new(
-                    AuditKind::Expired,
-                    json!({"approval_id": approval.approval_id}),
+        let now = now_millis();
+        // In batches, so that a sweep after a long outage holds a bounded number of
+        // rows, never every overdue approval at once.
+        loop {
+            let batch = self.store.expire_approvals(now, EXPIRE_BATCH).await?;
+            let full = batch.len() >= EXPIRE_BATCH;
+            for approval in batch {
+                self.audit(
+                    NewAuditEvent::new(
+                        AuditKind::Expired,
+                        json!({"approval_id": approval.approval_id}),
+                    )
+                    .call_id(approval.call_id)
+                    .principal(approval.principal)
+                    .session_id(approval.session_id),
                 )
-                .call_id(approval.call_id.clone())
-                .principal(approval.principal.clone())
-                .session_id(approval.session_id.clone()),
-            )
-            .await;
+                .await;
+            }
+            self.notify_decided();
+            if !full {
+                return Ok(());
+            }
         }
-        self.notify_decided();
-        Ok(())
     }
 
     /// Resumes calls that no live task will finish: approved while their orchestrator

@@ -133,6 +133,7 @@ both_backends!(
     concurrent_appends_keep_the_chain_dense,
     approvals_decide_once,
     approvals_expire,
+    approvals_expire_in_bounded_batches_each_once,
     claim_for_dispatch_exactly_once_under_concurrency,
     resumable_calls_after_restart,
     calls_and_session_usage,
@@ -752,7 +753,7 @@ async fn approvals_expire(backend: Backend) {
     for _ in 0..6 {
         let store = Arc::clone(&store);
         tasks.push(tokio::spawn(async move {
-            store.expire_approvals(late).await.unwrap()
+            store.expire_approvals(late, 100).await.unwrap()
         }));
     }
     let mut expired = Vec::new();
@@ -766,7 +767,11 @@ async fn approvals_expire(backend: Backend) {
             .collect::<Vec<_>>(),
         ["ap-b"]
     );
-    assert_eq!(expired[0].status, ApprovalStatus::Expired);
+    assert_eq!(expired[0].call_id, "call-b");
+    assert_eq!(
+        store.get_approval("ap-b").await.unwrap().unwrap().status,
+        ApprovalStatus::Expired
+    );
     assert_eq!(
         store.get_call("call-b").await.unwrap().unwrap().state,
         CallState::Rejected
@@ -780,7 +785,65 @@ async fn approvals_expire(backend: Backend) {
         1,
         "the later one is still pending"
     );
-    assert!(store.expire_approvals(late).await.unwrap().is_empty());
+    assert!(store.expire_approvals(late, 100).await.unwrap().is_empty());
+}
+
+/// A sweep takes at most its batch, the earliest deadlines first, and hands each expired
+/// approval to one sweeper only, with concurrent sweepers taking disjoint batches; what
+/// it returns carries no input (an input may be megabytes).
+async fn approvals_expire_in_bounded_batches_each_once(backend: Backend) {
+    let store = backend.open().await;
+    let mut latest = 0;
+    for i in 0..7 {
+        let approval = store
+            .create_approval(new_approval(
+                &format!("ap-{i}"),
+                &format!("call-{i}"),
+                1_000 + i,
+            ))
+            .await
+            .unwrap();
+        latest = latest.max(approval.expires_at);
+    }
+    let late = latest + 1;
+    let first = store.expire_approvals(late, 3).await.unwrap();
+    let ids: Vec<&str> = first.iter().map(|a| a.approval_id.as_str()).collect();
+    assert_eq!(
+        ids,
+        ["ap-0", "ap-1", "ap-2"],
+        "the earliest deadlines first"
+    );
+    let mut tasks = Vec::new();
+    for _ in 0..4 {
+        let store = Arc::clone(&store);
+        tasks.push(tokio::spawn(async move {
+            store.expire_approvals(late, 2).await.unwrap()
+        }));
+    }
+    let mut rest = Vec::new();
+    for task in tasks {
+        let batch = task.await.unwrap();
+        assert!(batch.len() <= 2, "a batch of at most 2: {batch:?}");
+        rest.extend(batch.into_iter().map(|a| a.approval_id));
+    }
+    rest.sort();
+    assert_eq!(
+        rest,
+        ["ap-3", "ap-4", "ap-5", "ap-6"],
+        "each once, none lost"
+    );
+    assert!(store.expire_approvals(late, 3).await.unwrap().is_empty());
+    for i in 0..7 {
+        assert_eq!(
+            store
+                .get_call(&format!("call-{i}"))
+                .await
+                .unwrap()
+                .unwrap()
+                .state,
+            CallState::Rejected
+        );
+    }
 }
 
 async fn claim_for_dispatch_exactly_once_under_concurrency(backend: Backend) {

@@ -344,6 +344,16 @@ pub struct NewApproval {
     pub expires_at: Timestamp,
 }
 
+/// An approval the sweep expired: who and what it was for, without the call's input
+/// (which may be megabytes, and the sweep has no use for it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExpiredApproval {
+    pub approval_id: String,
+    pub call_id: String,
+    pub principal: String,
+    pub session_id: Option<String>,
+}
+
 /// An approval; serializes to the `GET /v1/approvals` item shape (times as RFC 3339).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Approval {
@@ -569,10 +579,15 @@ pub trait Store: Send + Sync {
     /// first. Claim each with [`Store::claim_for_dispatch`] before running it.
     async fn resumable_calls(&self, now: Timestamp) -> Result<Vec<StoredCall>, StoreError>;
 
-    /// Marks every pending approval with `expires_at <= now` expired (and its call
-    /// rejected) and returns them. Each expired approval is returned to exactly one
-    /// caller, even with several replicas sweeping at once.
-    async fn expire_approvals(&self, now: Timestamp) -> Result<Vec<Approval>, StoreError>;
+    /// Marks at most `limit` of the pending approvals with `expires_at <= now` expired
+    /// (the earliest first; their calls rejected) and returns them. Each expired
+    /// approval is returned to exactly one caller, even with several replicas sweeping at
+    /// once; a caller sweeps again while it gets `limit` of them.
+    async fn expire_approvals(
+        &self,
+        now: Timestamp,
+        limit: usize,
+    ) -> Result<Vec<ExpiredApproval>, StoreError>;
 
     /// Calls recorded for `(principal, session_id)` and the time of the first.
     async fn session_usage(

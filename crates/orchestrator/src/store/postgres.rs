@@ -18,10 +18,10 @@ use tokio_postgres::{IsolationLevel, NoTls, Row};
 
 use super::{
     APPROVAL_SELECT, AUDIT_COLUMNS, Approval, ApprovalPage, ApprovalQuery, ApprovalStatus,
-    AuditQuery, AuditRecord, CALL_COLUMNS, CallOutcome, CallState, NewApproval, NewAuditEvent,
-    NewCall, PAGING_INDEXES, SCHEMA_VERSION, SessionUsage, Store, StoreError, StoredCall,
-    Timestamp, VerifyReport, decode_call_status, fill_page, from_json_text, now_millis, rfc3339,
-    schema_v1, to_i64, to_json_text, to_u64,
+    AuditQuery, AuditRecord, CALL_COLUMNS, CallOutcome, CallState, ExpiredApproval, NewApproval,
+    NewAuditEvent, NewCall, PAGING_INDEXES, SCHEMA_VERSION, SessionUsage, Store, StoreError,
+    StoredCall, Timestamp, VerifyReport, decode_call_status, fill_page, from_json_text, now_millis,
+    rfc3339, schema_v1, to_i64, to_json_text, to_u64,
 };
 use crate::audit::{ChainVerifier, GENESIS_HASH, chain_hash};
 
@@ -790,31 +790,45 @@ impl Store for PostgresStore {
         Ok(out)
     }
 
-    async fn expire_approvals(&self, now: Timestamp) -> Result<Vec<Approval>, StoreError> {
+    async fn expire_approvals(
+        &self,
+        now: Timestamp,
+        limit: usize,
+    ) -> Result<Vec<ExpiredApproval>, StoreError> {
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
         let mut client = self.client().await?;
         let tx = client.transaction().await?;
+        // SKIP LOCKED: sweeping replicas take disjoint batches instead of queueing.
         let rows = tx
             .query(
                 "UPDATE approvals SET status = 'expired', decided_at = $1 \
-                 WHERE status = 'pending' AND expires_at <= $1 RETURNING approval_id, call_id",
-                &[&now],
+                 WHERE status = 'pending' AND approval_id IN (SELECT approval_id FROM \
+                 approvals WHERE status = 'pending' AND expires_at <= $1 \
+                 ORDER BY expires_at, approval_id LIMIT $2 FOR UPDATE SKIP LOCKED) \
+                 RETURNING approval_id, call_id",
+                &[&now, &limit],
             )
             .await?;
         let mut out = Vec::with_capacity(rows.len());
         for row in &rows {
-            let id: String = row.try_get(0)?;
-            let call_id: String = row.try_get(1)?;
-            tx.execute(
-                "UPDATE calls SET state = 'rejected' WHERE call_id = $1 AND state = 'pending_approval'",
-                &[&call_id],
-            )
-            .await?;
-            if let Some(approval) = select_approval(&tx, &id).await? {
-                out.push(approval);
-            }
+            let approval_id: String = row.try_get("approval_id")?;
+            let call_id: String = row.try_get("call_id")?;
+            let call = tx
+                .query_one(
+                    "UPDATE calls SET state = CASE WHEN state = 'pending_approval' \
+                     THEN 'rejected' ELSE state END WHERE call_id = $1 \
+                     RETURNING principal, session_id",
+                    &[&call_id],
+                )
+                .await?;
+            out.push(ExpiredApproval {
+                approval_id,
+                call_id,
+                principal: call.try_get("principal")?,
+                session_id: call.try_get("session_id")?,
+            });
         }
         tx.commit().await?;
-        out.sort_by(|a, b| (a.created_at, &a.approval_id).cmp(&(b.created_at, &b.approval_id)));
         Ok(out)
     }
 

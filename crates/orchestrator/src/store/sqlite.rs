@@ -16,10 +16,10 @@ use rusqlite::{
 
 use super::{
     APPROVAL_SELECT, AUDIT_COLUMNS, Approval, ApprovalPage, ApprovalQuery, ApprovalStatus,
-    AuditQuery, AuditRecord, CALL_COLUMNS, CallOutcome, CallState, NewApproval, NewAuditEvent,
-    NewCall, PAGING_INDEXES, SCHEMA_VERSION, SessionUsage, Store, StoreError, StoredCall,
-    Timestamp, VerifyReport, decode_call_status, fill_page, from_json_text, now_millis, rfc3339,
-    schema_v1, to_i64, to_json_text, to_u64,
+    AuditQuery, AuditRecord, CALL_COLUMNS, CallOutcome, CallState, ExpiredApproval, NewApproval,
+    NewAuditEvent, NewCall, PAGING_INDEXES, SCHEMA_VERSION, SessionUsage, Store, StoreError,
+    StoredCall, Timestamp, VerifyReport, decode_call_status, fill_page, from_json_text, now_millis,
+    rfc3339, schema_v1, to_i64, to_json_text, to_u64,
 };
 use crate::audit::{ChainVerifier, GENESIS_HASH, chain_hash};
 
@@ -735,15 +735,22 @@ impl Store for SqliteStore {
         .await
     }
 
-    async fn expire_approvals(&self, now: Timestamp) -> Result<Vec<Approval>, StoreError> {
+    async fn expire_approvals(
+        &self,
+        now: Timestamp,
+        limit: usize,
+    ) -> Result<Vec<ExpiredApproval>, StoreError> {
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
         self.run(move |conn| {
             let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
             let ids: Vec<String> = {
                 let mut stmt = tx.prepare(
                     "UPDATE approvals SET status = 'expired', decided_at = ?1 \
-                     WHERE status = 'pending' AND expires_at <= ?1 RETURNING approval_id",
+                     WHERE status = 'pending' AND approval_id IN (SELECT approval_id FROM \
+                     approvals WHERE status = 'pending' AND expires_at <= ?1 \
+                     ORDER BY expires_at, approval_id LIMIT ?2) RETURNING approval_id",
                 )?;
-                let rows = stmt.query_map([now], |row| row.get(0))?;
+                let rows = stmt.query_map(params![now, limit], |row| row.get(0))?;
                 rows.collect::<Result<_, _>>()?
             };
             let mut out = Vec::with_capacity(ids.len());
@@ -753,12 +760,23 @@ impl Store for SqliteStore {
                      AND call_id = (SELECT call_id FROM approvals WHERE approval_id = ?1)",
                     [id],
                 )?;
-                if let Some(approval) = select_approval(&tx, id)? {
-                    out.push(approval);
-                }
+                let expired = tx.query_row(
+                    "SELECT a.approval_id, a.call_id, c.principal, c.session_id \
+                     FROM approvals a JOIN calls c ON c.call_id = a.call_id \
+                     WHERE a.approval_id = ?1",
+                    [id],
+                    |row| {
+                        Ok(ExpiredApproval {
+                            approval_id: row.get("approval_id")?,
+                            call_id: row.get("call_id")?,
+                            principal: row.get("principal")?,
+                            session_id: row.get("session_id")?,
+                        })
+                    },
+                )?;
+                out.push(expired);
             }
             tx.commit()?;
-            out.sort_by(|a, b| (a.created_at, &a.approval_id).cmp(&(b.created_at, &b.approval_id)));
             Ok(out)
         })
         .await
