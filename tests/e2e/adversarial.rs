@@ -2045,10 +2045,11 @@ async fn sandboxes_beyond_max_concurrent_wait_for_a_free_one() {
     );
 }
 
-/// The host's mount table without the workspace volumes that Airlock mounts (in this
-/// test's data dir and in those of the tests running beside it): one per workspace is
-/// what the quota is made of (`workspace_quota`), and each comes and goes with its
-/// launcher. Every other mount counts.
+/// The host's mount table without the volumes that the launchers of this test and of
+/// the tests running beside it mount in their temp data dirs: one per workspace is what
+/// the quota is made of (`workspace_quota`), plus each launcher's start-up probe, and
+/// they come and go with their launchers. Every other mount counts — a sandbox can
+/// mount nothing on the host, least of all a loop device.
 fn host_mounts() -> String {
     let temp = std::env::temp_dir();
     std::fs::read_to_string("/proc/self/mountinfo")
@@ -2056,9 +2057,7 @@ fn host_mounts() -> String {
         .lines()
         .filter(|line| {
             let point = std::path::Path::new(line.split(' ').nth(4).unwrap_or(""));
-            let is_volume = point.starts_with(&temp)
-                && point.components().any(|c| c.as_os_str() == "workspaces")
-                && line.contains(" - ext4 /dev/loop");
+            let is_volume = point.starts_with(&temp) && line.contains(" - ext4 /dev/loop");
             !is_volume
         })
         .map(|line| format!("{line}\n"))
