@@ -18,21 +18,13 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
-use sha2::{Digest, Sha256};
 
-use crate::support::{AIRLOCK, Airlock, cmdline, descendants, signal};
-
-fn digest(token: &str) -> String {
-    Sha256::digest(token.as_bytes())
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
-}
+use crate::support::{AIRLOCK, Airlock, cmdline, descendants, send_as, signal, token_digest};
 
 fn principal_block(name: &str, token: &str, roles: &str) -> String {
     format!(
         "[[principals]]\nname = \"{name}\"\ntoken_sha256 = \"{}\"\nroles = {roles}\n",
-        digest(token)
+        token_digest(token)
     )
 }
 
@@ -43,16 +35,8 @@ async fn send(
     path: &str,
     body: Option<Value>,
 ) -> (u16, Value) {
-    let mut request = airlock
-        .http()
-        .request(method, format!("{}{path}", airlock.url))
-        .bearer_auth(token);
-    if let Some(body) = body {
-        request = request.json(&body);
-    }
-    let response = request.send().await.expect("send");
-    let status = response.status().as_u16();
-    (status, response.json().await.unwrap_or(Value::Null))
+    let (status, body, _) = send_as(airlock, token, method, path, body).await;
+    (status, body)
 }
 
 /// Proposes one call as `token` with `wait_ms: 0`; returns `calls[0]`.

@@ -4,17 +4,10 @@
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use sha2::{Digest, Sha256};
 
-use crate::support::{AIRLOCK, Airlock, cmdline, descendants, signal};
-
-fn digest(token: &str) -> String {
-    hex_lower(&Sha256::digest(token.as_bytes()))
-}
-
-fn hex_lower(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
+use crate::support::{
+    AIRLOCK, Airlock, cmdline, descendants, send_as as send, signal, token_digest,
+};
 
 /// Three principals with known tokens; `extra` is appended.
 fn principals(extra: &str) -> String {
@@ -37,32 +30,11 @@ name = "root"
 token_sha256 = "{}"
 roles = ["admin"]
 {extra}"#,
-        digest("alice-token"),
-        digest("bob-token"),
-        digest("carol-token"),
-        digest("root-token"),
+        token_digest("alice-token"),
+        token_digest("bob-token"),
+        token_digest("carol-token"),
+        token_digest("root-token"),
     )
-}
-
-async fn send(
-    airlock: &Airlock,
-    token: &str,
-    method: reqwest::Method,
-    path: &str,
-    body: Option<Value>,
-) -> (u16, Value, reqwest::header::HeaderMap) {
-    let mut request = airlock
-        .http()
-        .request(method, format!("{}{path}", airlock.url))
-        .bearer_auth(token);
-    if let Some(body) = body {
-        request = request.json(&body);
-    }
-    let response = request.send().await.expect("send");
-    let status = response.status().as_u16();
-    let headers = response.headers().clone();
-    let body = response.json::<Value>().await.unwrap_or(Value::Null);
-    (status, body, headers)
 }
 
 fn one_use(tool: &str, input: Value) -> Value {

@@ -12,9 +12,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
-use sha2::{Digest, Sha256};
 
-use crate::support::{AIRLOCK, Airlock, descendants, signal};
+use crate::support::{AIRLOCK, Airlock, descendants, signal, token_digest};
 
 /// The one token both orchestrators accept (principal `ops`: agent, approver, admin).
 const TOKEN: &str = "replica-test-token-5c0ffee";
@@ -24,13 +23,6 @@ const STORE_PASSWORD: &str = "Store-Pw-Canary-31d";
 /// Longer than the gate's RESUME_AFTER (5 s), so that B's resume loop may also go for
 /// the approved call while A's waiting task takes it: the claim must let one run it.
 const APPROVE_AFTER: Duration = Duration::from_secs(6);
-
-fn digest(token: &str) -> String {
-    Sha256::digest(token.as_bytes())
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
-}
 
 /// The `[orchestrator]` store keys (continuing the section), principals, approvals and
 /// budgets: the same on both orchestrators.
@@ -51,7 +43,7 @@ tools = ["execute_shell", "write_file"]
 rate_per_minute = 0
 "#,
         password_file = password_file.display(),
-        digest = digest(TOKEN),
+        digest = token_digest(TOKEN),
     )
 }
 

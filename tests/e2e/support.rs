@@ -430,6 +430,38 @@ pub async fn wait_for_endpoints(endpoints: &Path, launcher: &mut Child, log: &Pa
     }
 }
 
+/// The `token_sha256` of a `[[principals]]` entry: lowercase hex of SHA-256.
+pub fn token_digest(token: &str) -> String {
+    use sha2::{Digest, Sha256};
+    Sha256::digest(token.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// One HTTP request to `airlock` with `token`: status, JSON body (`null` when none) and
+/// headers.
+pub async fn send_as(
+    airlock: &Airlock,
+    token: &str,
+    method: reqwest::Method,
+    path: &str,
+    body: Option<Value>,
+) -> (u16, Value, reqwest::header::HeaderMap) {
+    let mut request = airlock
+        .http()
+        .request(method, format!("{}{path}", airlock.url))
+        .bearer_auth(token);
+    if let Some(body) = body {
+        request = request.json(&body);
+    }
+    let response = request.send().await.expect("send");
+    let status = response.status().as_u16();
+    let headers = response.headers().clone();
+    let body = response.json::<Value>().await.unwrap_or(Value::Null);
+    (status, body, headers)
+}
+
 pub fn signal(pid: u32, signal: rustix::process::Signal) {
     if let Some(pid) = rustix::process::Pid::from_raw(pid as i32) {
         let _ = rustix::process::kill_process(pid, signal);
