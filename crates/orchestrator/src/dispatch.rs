@@ -216,7 +216,37 @@ pub struct Dispatched {
     pub replica: String,
 }
 
-/// Runs `request` on one replica of `group`. A replica that cannot be reached is
+/// One call as the gate hands it to a worker; converted to the wire's
+/// `ExecuteRequest` here, at the boundary, and nowhere else.
+pub struct WorkerCall<'a> {
+    pub call_id: String,
+    pub tool: String,
+    pub input: &'a serde_json::Value,
+    pub principal: String,
+    pub session_id: String,
+    /// The deadline the worker enforces.
+    pub timeout_ms: u64,
+    /// Whether the worker keeps running the call when this side goes away (an approved
+    /// call must not be lost with its replica).
+    pub detached: bool,
+}
+
+impl WorkerCall<'_> {
+    fn into_wire(self) -> pb::ExecuteRequest {
+        pb::ExecuteRequest {
+            call_id: self.call_id,
+            tool: self.tool,
+            arguments_json: self.input.to_string(),
+            principal: self.principal,
+            session_id: self.session_id,
+            timeout_ms: self.timeout_ms,
+            trace_context: Default::default(),
+            detached: self.detached,
+        }
+    }
+}
+
+/// Runs `call` on one replica of `group`. A replica that cannot be reached is
 /// skipped; a call that reached a worker is never retried, so it runs at most once.
 ///
 /// When `cancel` fires after the request went out, the worker is asked to stop the call
@@ -226,10 +256,11 @@ pub struct Dispatched {
 /// here reports a call cancelled while it may still run.
 pub async fn execute(
     group: &crate::catalog::WorkerGroup,
-    request: pb::ExecuteRequest,
+    call: WorkerCall<'_>,
     events: Option<mpsc::Sender<WorkerEvent>>,
     cancel: &CancellationToken,
 ) -> Result<Dispatched, DispatchError> {
+    let request = call.into_wire();
     let timeout_ms = request.timeout_ms;
     let overall = Duration::from_millis(timeout_ms) + DEADLINE_SLACK;
     let mut last_unreachable = String::from("no replicas are known");

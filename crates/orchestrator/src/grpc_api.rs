@@ -10,10 +10,10 @@ use futures::Stream;
 use tokio::sync::mpsc;
 use tonic::{Request, Response, Status};
 
-use crate::approvals::DecideError;
 use crate::auth::{Principal, Principals, Role, bearer_token};
 use crate::calls::{CallRecord, wait_final};
 use crate::dispatch::WorkerEvent;
+use crate::gate::decisions::DecideError;
 use crate::gate::{Gate, ToolUse};
 use crate::store::{ApprovalQuery, ApprovalStatus, StoreError};
 use crate::wire;
@@ -167,10 +167,10 @@ impl Orchestrator for GrpcFrontDoor {
         if request.tool_uses.is_empty() {
             return Err(Status::invalid_argument("tool_uses must not be empty"));
         }
-        if request.tool_uses.len() > self.gate.limits.max_tool_uses_per_request {
+        if request.tool_uses.len() > self.gate.limits().max_tool_uses_per_request {
             return Err(Status::invalid_argument(format!(
                 "at most {} tool_uses per request",
-                self.gate.limits.max_tool_uses_per_request
+                self.gate.limits().max_tool_uses_per_request
             )));
         }
         let mut seen = std::collections::HashSet::new();
@@ -184,7 +184,7 @@ impl Orchestrator for GrpcFrontDoor {
             uses.push(tool_use(index, wire)?);
         }
         let wanted = u32::try_from(uses.len()).unwrap_or(u32::MAX);
-        if let Err(e) = self.gate.budgets.take(&principal.name, wanted) {
+        if let Err(e) = self.gate.take_rate(&principal.name, wanted) {
             return Err(Status::resource_exhausted(e.to_string()));
         }
         // Unset is the server default; an explicit 0 answers at once, as on HTTP.
@@ -240,7 +240,7 @@ impl Orchestrator for GrpcFrontDoor {
                 .await
                 .is_err()
             {
-                gate.calls.cancel(&call_id);
+                gate.cancel(&call_id);
                 return;
             }
             loop {
@@ -249,7 +249,7 @@ impl Orchestrator for GrpcFrontDoor {
                         if let WorkerEvent::Output { stream, data } = event {
                             let chunk = pb::OutputChunk { stream: stream.to_owned(), data: String::from_utf8_lossy(&data).into_owned() };
                             if out_tx.send(Ok(pb::CallEvent { event: Some(Event::Output(chunk)) })).await.is_err() {
-                                gate.calls.cancel(&call_id);
+                                gate.cancel(&call_id);
                                 return;
                             }
                         }
@@ -266,7 +266,7 @@ impl Orchestrator for GrpcFrontDoor {
                     }
                     _ = out_tx.closed() => {
                         // The client went away: cancel the call and its sandbox.
-                        gate.calls.cancel(&call_id);
+                        gate.cancel(&call_id);
                         return;
                     }
                 }
@@ -336,7 +336,7 @@ impl Orchestrator for GrpcFrontDoor {
             limit: usize::try_from(request.limit).unwrap_or(usize::MAX),
             ..ApprovalQuery::default()
         };
-        let page = crate::approvals::list(&self.gate, &query)
+        let page = crate::gate::decisions::list(&self.gate, &query)
             .await
             .map_err(|e| match e {
                 StoreError::NotFound { id, .. } => Status::invalid_argument(format!(
@@ -362,7 +362,7 @@ impl Orchestrator for GrpcFrontDoor {
         }
         let request = request.into_inner();
         let reason = (!request.reason.is_empty()).then_some(request.reason.as_str());
-        let approval = crate::approvals::decide(
+        let approval = crate::gate::decisions::decide(
             &self.gate,
             &principal,
             &request.approval_id,

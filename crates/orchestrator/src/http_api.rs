@@ -17,12 +17,12 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{MethodRouter, get, post};
 use serde_json::{Value, json};
 
-use crate::approvals::{self, DecideError};
 use crate::audit::AuditQuery;
 use crate::auth::{Principal, Principals, Role, Unauthenticated};
 use crate::budget::BudgetError;
 use crate::calls::wait_final;
 use crate::gate::Gate;
+use crate::gate::decisions::{self as approvals, DecideError};
 use crate::store::{ApprovalQuery, ApprovalStatus, MAX_APPROVAL_PAGE, StoreError};
 use crate::wire::{self, BadRequest, CatalogFormat};
 
@@ -241,19 +241,12 @@ async fn healthz() -> axum::Json<Value> {
 }
 
 async fn readyz(State(state): State<HttpState>) -> Response {
-    let groups: serde_json::Map<String, Value> = state
-        .gate
-        .catalog
-        .groups()
-        .iter()
-        .map(|g| {
-            (
-                g.name.clone(),
-                json!(if g.is_live() { "live" } else { "down" }),
-            )
-        })
+    let health = state.gate.worker_health();
+    let ready = health.iter().all(|(_, live)| *live);
+    let groups: serde_json::Map<String, Value> = health
+        .into_iter()
+        .map(|(name, live)| (name, json!(if live { "live" } else { "down" })))
         .collect();
-    let ready = state.gate.catalog.groups().iter().all(|g| g.is_live());
     let status = if ready {
         StatusCode::OK
     } else {
@@ -324,11 +317,11 @@ async fn tool_calls(
         Some(_) => return Err(ApiError::bad_request("stream must be true or false").into()),
     };
     let gate = &state.gate;
-    let body = read_json(&headers, body, gate.limits.max_request_bytes).await?;
-    let request = wire::parse_tool_calls(&body, gate.limits.max_tool_uses_per_request)?;
+    let body = read_json(&headers, body, gate.limits().max_request_bytes).await?;
+    let request = wire::parse_tool_calls(&body, gate.limits().max_tool_uses_per_request)?;
     let wanted = u32::try_from(request.calls.len()).unwrap_or(u32::MAX);
     if let Err(e @ BudgetError::RateLimited { retry_after_s, .. }) =
-        gate.budgets.take(&principal.name, wanted)
+        gate.take_rate(&principal.name, wanted)
     {
         let mut response =
             ApiError::new(StatusCode::TOO_MANY_REQUESTS, "rate_limited", e.to_string())
@@ -469,7 +462,7 @@ async fn cancel_call(
         let record = stored_call(&state, &principal, &call_id).await?;
         return Ok(axum::Json(wire::call_detail(&record)));
     };
-    state.gate.calls.cancel(&call_id);
+    state.gate.cancel(&call_id);
     let record = wait_final(rx, Duration::from_secs(5)).await;
     Ok(axum::Json(wire::call_detail(&record)))
 }
@@ -481,7 +474,7 @@ fn visible_call(
     principal: &Principal,
     call_id: &str,
 ) -> Result<Option<tokio::sync::watch::Receiver<crate::calls::CallRecord>>, ApiError> {
-    let Some(rx) = state.gate.calls.watch(call_id) else {
+    let Some(rx) = state.gate.watch(call_id) else {
         return Ok(None);
     };
     let owner = rx.borrow().principal.clone();
@@ -657,8 +650,7 @@ async fn read_audit(
     };
     let events = state
         .gate
-        .store
-        .audit(audit_query)
+        .audit_events(audit_query)
         .await
         .map_err(store_error)?;
     Ok(axum::Json(json!({"events": events})))
@@ -669,7 +661,7 @@ async fn verify_audit(
     axum::Extension(principal): axum::Extension<Principal>,
 ) -> Result<axum::Json<Value>, ApiError> {
     require_role(&principal, Role::Admin)?;
-    let report = state.gate.store.verify().await.map_err(store_error)?;
+    let report = state.gate.verify_audit().await.map_err(store_error)?;
     Ok(axum::Json(
         serde_json::to_value(report).unwrap_or(Value::Null),
     ))

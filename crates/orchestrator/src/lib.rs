@@ -6,7 +6,6 @@
 #![forbid(unsafe_code)]
 
 pub mod agent;
-mod approvals;
 pub mod audit;
 pub mod auth;
 pub(crate) mod body;

@@ -97,7 +97,7 @@ where
 {
     let inflight = Arc::new(Inflight::default());
     let origins = Arc::new(AllowedOrigins::from_env());
-    let max_body = usize::try_from(state.gate.limits.max_request_bytes).unwrap_or(usize::MAX);
+    let max_body = usize::try_from(state.gate.limits().max_request_bytes).unwrap_or(usize::MAX);
     let handler = AirlockMcp {
         state: state.clone(),
         inflight: inflight.clone(),
@@ -376,7 +376,7 @@ impl Inflight {
             _ => return,
         };
         tracing::info!(principal, request_id, call_id = %target, "MCP client cancelled the call");
-        state.gate.calls.cancel(&target);
+        state.gate.cancel(&target);
     }
 }
 
@@ -438,7 +438,7 @@ impl AirlockMcp {
                 principal.name
             ));
         }
-        if let Err(e) = gate.budgets.take(&principal.name, 1) {
+        if let Err(e) = gate.take_rate(&principal.name, 1) {
             return error_result(e.to_string());
         }
         let request_id = request_id_text(&context.id);
@@ -474,7 +474,7 @@ impl AirlockMcp {
         let approval_wait = gate.mcp_wait();
         let hard_limit = tokio::time::Instant::now()
             + Duration::from_millis(wire::MAX_WAIT_MS)
-            + Duration::from_millis(gate.limits.max_call_timeout_ms);
+            + Duration::from_millis(gate.limits().max_call_timeout_ms);
         let mut events = Some(events_rx);
         let mut pending_since: Option<tokio::time::Instant> = None;
         loop {
@@ -518,7 +518,7 @@ impl AirlockMcp {
                     None => events = None,
                 },
                 () = context.ct.cancelled() => {
-                    gate.calls.cancel(&call_id);
+                    gate.cancel(&call_id);
                     return error_result(format!("call {call_id} was cancelled by the client"));
                 }
                 () = tokio::time::sleep_until(deadline) => {

@@ -16,7 +16,7 @@ use crate::cache::ResultCache;
 use crate::catalog::{Catalog, CatalogError};
 use crate::config::OrchestratorConfig;
 use crate::connections::{self, ConnectionLimits};
-use crate::gate::Gate;
+use crate::gate::{Gate, GateParts};
 use crate::grpc_api::GrpcFrontDoor;
 use crate::http_api::{self, HttpState};
 use airlock_policy::authz::{Authorizer, PolicyError};
@@ -140,29 +140,21 @@ impl Orchestrator {
             config.store_password.clone(),
         )
         .await?;
-        let mut gate = Gate::new(
-            catalog.clone(),
-            config.limits.clone(),
+        let gate = Arc::new(Gate::new(GateParts {
+            catalog: catalog.clone(),
+            limits: config.limits.clone(),
             store,
-            prepared.authorizer,
-            config.approvals.clone(),
-            Budgets::new(config.budgets.clone()),
-            ResultCache::new(&config.cache),
-            config.audit.clone(),
-        );
-        gate.workspaces_root = config.workspaces_root.clone();
-        // The front doors' table, so that a reload reaches the gate's re-checks too.
-        gate.principals = prepared.principals.clone();
-        let gate = Arc::new(gate);
+            authorizer: prepared.authorizer,
+            approvals: config.approvals.clone(),
+            budgets: Budgets::new(config.budgets.clone()),
+            cache: ResultCache::new(&config.cache),
+            audit: config.audit.clone(),
+            workspaces_root: config.workspaces_root.clone(),
+            // The front doors' table, so that a reload reaches the gate's re-checks too.
+            principals: prepared.principals.clone(),
+        }));
         let stop = CancellationToken::new();
-        // Probe every worker group once before serving, so a ready launcher means a
-        // populated catalog.
-        for group in gate.catalog.groups() {
-            gate.catalog.refresh_group(group).await;
-        }
-        for tool in catalog.tools() {
-            gate.cache.check(&tool.definition)?;
-        }
+        gate.probe_workers().await?;
         tokio::spawn(catalog.refresh_forever(stop.clone()));
         tokio::spawn(gate.clone().resume_forever(stop.clone()));
         {
@@ -307,7 +299,7 @@ async fn reload_principals(
     match loaded {
         Ok(table) => {
             gate.replace_principals(table);
-            let names = gate.principals.names();
+            let names = gate.principal_names();
             tracing::info!(?names, "principals reloaded");
             gate.audit(NewAuditEvent::new(
                 AuditKind::PrincipalsReloaded,

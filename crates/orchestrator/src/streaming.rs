@@ -32,11 +32,10 @@ impl Drop for CancelUnfinished {
         for call_id in &self.call_ids {
             let running = self
                 .gate
-                .calls
                 .watch(call_id)
                 .is_some_and(|rx| !rx.borrow().status.is_final());
             if running {
-                self.gate.calls.cancel(call_id);
+                self.gate.cancel(call_id);
             }
         }
     }

@@ -83,7 +83,7 @@ pub async fn start_run(
     body: Body,
 ) -> Result<Response, ApiError> {
     require_role(&principal, Role::Agent)?;
-    let body = read_json(&headers, body, state.gate.limits.max_request_bytes).await?;
+    let body = read_json(&headers, body, state.gate.limits().max_request_bytes).await?;
     let request = parse_request(&body)
         .map_err(|m| ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", m))?;
     let mut events = super::start(state.gate.clone(), &state.agent, principal, request)

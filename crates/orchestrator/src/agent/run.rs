@@ -512,8 +512,7 @@ impl Run {
         let wanted = u32::try_from(uses.len()).unwrap_or(u32::MAX);
         let rate = self
             .gate
-            .budgets
-            .take(&self.principal.name, wanted)
+            .take_rate(&self.principal.name, wanted)
             .map_err(|e| e.to_string());
         let receivers: Vec<watch::Receiver<CallRecord>> = uses
             .iter()
@@ -551,7 +550,7 @@ impl Run {
             biased;
             _ = self.events.closed() => {
                 for call_id in &call_ids {
-                    self.gate.calls.cancel(call_id);
+                    self.gate.cancel(call_id);
                 }
                 Err(Ending::Cancelled)
             }
@@ -595,7 +594,7 @@ impl Run {
         let mut withdrawn = None;
         if !record.status.is_final() {
             withdrawn = Some(record.status);
-            self.gate.calls.cancel(&record.call_id);
+            self.gate.cancel(&record.call_id);
             record = wait_final(rx, SETTLE).await;
         }
         let (is_error, mut texts) = match (&record.result, record.status.is_final()) {

@@ -2,9 +2,9 @@
 
 use serde_json::json;
 
+use super::Gate;
 use crate::audit::{AuditKind, NewAuditEvent, redact};
 use crate::auth::Principal;
-use crate::gate::Gate;
 use crate::store::{Approval, ApprovalPage, ApprovalQuery, ApprovalStatus, StoreError, now_millis};
 
 #[derive(Debug, thiserror::Error)]

@@ -1,0 +1,103 @@
+//! Stage 1, admission (DESIGN §3 steps 2 and 3's size cap): resolve the tool, cap the
+//! arguments' size, and record the request.
+//!
+//! Both happen before the first audit event (DESIGN §16), so that what the append-only
+//! log keeps of a call does not grow with what the caller sends: arguments over the cap,
+//! and any sent to a tool that does not exist (they never run, and no schema says which
+//! of them are secret), are recorded as their digest and size.
+
+use std::sync::Arc;
+
+use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
+
+use super::Gate;
+use super::ctx::{CallCtx, ToolUse};
+use super::ending::Rejection;
+use crate::audit::{AuditKind, canonical_json};
+use crate::catalog::CatalogTool;
+
+impl Gate {
+    /// The tool the call is for, with `ctx`'s input in the tool's own spelling.
+    pub(super) async fn admit(&self, ctx: &mut CallCtx) -> Result<Arc<CatalogTool>, Rejection> {
+        // Unknown and hidden tools get the same answer (no catalog probing).
+        let tool = self.visible_tool(&ctx.principal, &ctx.tool_use.name);
+        let size = json_size(&ctx.tool_use.input);
+        let oversized = size > self.limits.max_argument_bytes;
+        // From here on (audit redaction, schema, policy, worker) the tool's own spelling
+        // of the arguments is used.
+        if let Some(input) = tool
+            .as_deref()
+            .filter(|_| !oversized)
+            .and_then(|t| t.normalized_input(&ctx.tool_use.input))
+        {
+            ctx.tool_use.input = input;
+        }
+        let requested = self.requested(tool.as_deref(), &ctx.tool_use, oversized, size);
+        self.audit(ctx.event(AuditKind::Requested, requested)).await;
+        let Some(tool) = tool else {
+            return Err(Rejection::UnknownTool {
+                name: bounded(&ctx.tool_use.name),
+            });
+        };
+        // Size cap before the schema, so a huge argument is never walked.
+        if oversized {
+            return Err(Rejection::ArgumentsTooLarge {
+                tool: ctx.tool_use.name.clone(),
+                bytes: size,
+                limit: self.limits.max_argument_bytes,
+            });
+        }
+        Ok(tool)
+    }
+
+    /// The `requested` event's data: the arguments redacted, or only their digest and
+    /// size when they are over the cap or for no known tool.
+    fn requested(
+        &self,
+        tool: Option<&CatalogTool>,
+        tool_use: &ToolUse,
+        oversized: bool,
+        size: u64,
+    ) -> Value {
+        let mut requested =
+            json!({"tool": bounded(&tool_use.name), "tool_use_id": bounded(&tool_use.id)});
+        match tool {
+            Some(tool) if !oversized => {
+                requested["arguments"] = self.redacted(Some(tool), &tool_use.input);
+            }
+            _ => {
+                requested["arguments_sha256"] = json!(hex::encode(Sha256::digest(
+                    canonical_json(&tool_use.input).as_bytes()
+                )));
+                requested["arguments_bytes"] = json!(size);
+            }
+        }
+        requested
+    }
+}
+
+/// The length of `value`'s compact JSON text, counted without building the text.
+fn json_size(value: &Value) -> u64 {
+    struct Count(u64);
+    impl std::io::Write for Count {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0 += buf.len() as u64;
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut count = Count(0);
+    match serde_json::to_writer(&mut count, value) {
+        Ok(()) => count.0,
+        Err(_) => u64::MAX,
+    }
+}
+
+/// A caller-chosen name or id as the audit log records it: at most 256 characters (what
+/// HTTP and gRPC accept), so no front door can make one event large.
+fn bounded(text: &str) -> String {
+    text.chars().take(256).collect()
+}

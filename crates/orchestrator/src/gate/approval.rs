@@ -1,0 +1,155 @@
+//! Stage 6, approval (DESIGN §3 step 5): the call is recorded durably, approved at
+//! once or held as a pending approval until a human decides on any replica, it
+//! expires, or the caller cancels. The human's side is in [`super::decisions`].
+
+use std::time::{Duration, Instant};
+
+use airlock_policy::CallStatus;
+use serde_json::json;
+
+use super::Gate;
+use super::ctx::CallCtx;
+use super::ending::{Held, Rejection};
+use super::policy::Verdict;
+use crate::audit::AuditKind;
+use crate::store::{ApprovalStatus, CallState, NewApproval, NewCall, now_millis};
+
+/// How often waiting calls look at the store (decisions made on other replicas).
+const POLL: Duration = Duration::from_millis(250);
+
+impl Gate {
+    /// Records the call: approved at once when policy allows it, else held until a
+    /// human decides. `Ok` means the call may run.
+    pub(super) async fn approve(
+        &self,
+        ctx: &mut CallCtx,
+        verdict: &Verdict,
+    ) -> Result<(), Rejection> {
+        match verdict {
+            Verdict::Allow => self.record_call(ctx, CallState::Approved).await,
+            Verdict::NeedsApproval { reasons } => self.await_approval(ctx, reasons).await,
+        }
+    }
+
+    /// The durable call record, in `state`.
+    pub(super) async fn record_call(
+        &self,
+        ctx: &CallCtx,
+        state: CallState,
+    ) -> Result<(), Rejection> {
+        self.store
+            .insert_call(new_call(ctx, state))
+            .await
+            .map_err(|error| Rejection::Store {
+                doing: "record the call",
+                error,
+            })
+    }
+
+    /// Creates the durable pending approval and waits for its decision; `ctx.held` is
+    /// how long it waited.
+    async fn await_approval(&self, ctx: &mut CallCtx, reasons: &[String]) -> Result<(), Rejection> {
+        let since = Instant::now();
+        let approval_id = format!("apr_{}", uuid::Uuid::new_v4().simple());
+        let now = now_millis();
+        let expires_at = now
+            + i64::try_from(self.approvals.timeout_seconds.saturating_mul(1000))
+                .unwrap_or(i64::MAX);
+        self.store
+            .create_approval(NewApproval {
+                approval_id: approval_id.clone(),
+                call: new_call(ctx, CallState::PendingApproval),
+                created_at: now,
+                expires_at,
+            })
+            .await
+            .map_err(|error| Rejection::Store {
+                doing: "record the pending approval",
+                error,
+            })?;
+        self.calls.update(&ctx.call_id, |r| {
+            r.status = CallStatus::PendingApproval;
+            r.approval_id = Some(approval_id.clone());
+            r.checked = true;
+        });
+        self.audit(ctx.event(
+            AuditKind::PendingApproval,
+            json!({"approval_id": approval_id, "reasons": reasons, "expires_at": crate::store::rfc3339(expires_at)}),
+        ))
+        .await;
+        loop {
+            match self.store.get_approval(&approval_id).await {
+                Ok(Some(a)) => match a.status {
+                    ApprovalStatus::Pending if a.expires_at <= now_millis() => {
+                        let _ = self.expire_sweep().await;
+                    }
+                    ApprovalStatus::Pending => {}
+                    ApprovalStatus::Approved => {
+                        let waited = Held::new(Some(&a), since.elapsed());
+                        ctx.held = Some(waited);
+                        self.calls.update(&ctx.call_id, |r| {
+                            r.status = CallStatus::Running;
+                            r.approval_wait_ms = Some(waited.reported_ms);
+                        });
+                        return Ok(());
+                    }
+                    ApprovalStatus::Denied => {
+                        ctx.held = Some(Held::new(Some(&a), since.elapsed()));
+                        return Err(Rejection::ApprovalDenied {
+                            by: a.decided_by.unwrap_or_default(),
+                            reason: a.reason,
+                        });
+                    }
+                    ApprovalStatus::Expired => {
+                        ctx.held = Some(Held::new(Some(&a), since.elapsed()));
+                        return Err(Rejection::ApprovalExpired);
+                    }
+                },
+                Ok(None) => {
+                    ctx.held = Some(Held::new(None, since.elapsed()));
+                    return Err(Rejection::ApprovalMissing);
+                }
+                Err(e) => tracing::warn!(error = %e, "cannot read the approval; retrying"),
+            }
+            tokio::select! {
+                _ = ctx.cancel.cancelled() => {
+                    // Withdraw the request so that a later approval cannot run it.
+                    let withdrawn = self.withdraw(&approval_id).await;
+                    ctx.held = Some(Held::new(withdrawn.as_ref().ok(), since.elapsed()));
+                    return Err(Rejection::Withdrawn { approval_id });
+                }
+                _ = self.decided.notified() => {}
+                _ = tokio::time::sleep(POLL) => {}
+            }
+        }
+    }
+
+    /// Denies a pending approval on the caller's behalf (it cancelled the call).
+    pub(super) async fn withdraw(
+        &self,
+        approval_id: &str,
+    ) -> Result<crate::store::Approval, crate::store::StoreError> {
+        self.store
+            .decide_approval(
+                approval_id,
+                false,
+                "system:cancelled",
+                Some("the caller cancelled the call"),
+                now_millis(),
+            )
+            .await
+    }
+}
+
+fn new_call(ctx: &CallCtx, state: CallState) -> NewCall {
+    NewCall {
+        call_id: ctx.call_id.clone(),
+        tool_use_id: ctx.tool_use.id.clone(),
+        tool: ctx.tool_use.name.clone(),
+        input: ctx.tool_use.input.clone(),
+        principal: ctx.principal.name.clone(),
+        session_id: Some(ctx.session.as_str().to_owned()),
+        state,
+        created_at: now_millis(),
+    }
+}

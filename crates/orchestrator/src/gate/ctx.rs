@@ -1,0 +1,50 @@
+//! What every stage knows about the call it is deciding: who asked, in which session,
+//! for what, and how to stop it.
+
+use std::time::Instant;
+
+use airlock_policy::SessionId;
+use serde_json::Value;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use super::ending::Held;
+use crate::audit::{AuditKind, NewAuditEvent};
+use crate::auth::Principal;
+use crate::dispatch::WorkerEvent;
+
+/// One proposed call, already in domain form.
+#[derive(Debug, Clone)]
+pub struct ToolUse {
+    pub id: String,
+    pub name: String,
+    pub input: Value,
+}
+
+/// One call on its way through the gate.
+pub(super) struct CallCtx {
+    pub call_id: String,
+    pub principal: Principal,
+    pub session: SessionId,
+    /// Whether the request named its session: only those count against session budgets.
+    pub session_named: bool,
+    /// The call as proposed; admission replaces the input with the tool's own spelling
+    /// of it (strict-mode clients send `null` for optional fields and pairs for maps).
+    pub tool_use: ToolUse,
+    /// Where the worker's progress and output go, for front doors that stream them.
+    pub events: Option<mpsc::Sender<WorkerEvent>>,
+    pub cancel: CancellationToken,
+    /// Set by the approval stage: how long the call waited for a human.
+    pub held: Option<Held>,
+    pub started: Instant,
+}
+
+impl CallCtx {
+    /// An audit event about this call.
+    pub fn event(&self, kind: AuditKind, data: Value) -> NewAuditEvent {
+        NewAuditEvent::new(kind, data)
+            .call_id(self.call_id.as_str())
+            .principal(self.principal.name.as_str())
+            .session_id(Some(self.session.as_str().to_owned()))
+    }
+}

@@ -1,0 +1,263 @@
+//! How a call ends: a stage's typed [`Rejection`], or an [`Ending`] that a worker, the
+//! cache or another replica produced; and the one place both are recorded
+//! ([`Gate::conclude`]).
+
+use std::time::Duration;
+
+use airlock_policy::{CallStatus, ToolOutcome};
+use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
+
+use super::Gate;
+use super::ctx::CallCtx;
+use crate::audit::AuditKind;
+use crate::dispatch::DispatchError;
+use crate::store::{Approval, CallOutcome, StoreError, now_millis};
+
+/// How long a call was held for approval.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct Held {
+    /// Measured here (monotonic clock): taken out of the call's `duration_ms`, which is
+    /// the time the call itself took.
+    pub local: Duration,
+    /// Reported as `approval_wait_ms`: from the approval's creation to its decision as
+    /// the store recorded them, so every replica reports the same number.
+    pub reported_ms: u64,
+}
+
+impl Held {
+    pub fn new(approval: Option<&Approval>, local: Duration) -> Self {
+        let from_store = approval.and_then(|a| {
+            let decided = a.decided_at?;
+            u64::try_from(decided.saturating_sub(a.created_at)).ok()
+        });
+        Self {
+            local,
+            reported_ms: from_store.unwrap_or(local.as_millis() as u64),
+        }
+    }
+}
+
+/// How a call ended, before it is recorded.
+pub(super) struct Ending {
+    pub status: CallStatus,
+    pub outcome: ToolOutcome,
+    pub replica: Option<String>,
+    /// Whether this task owns the call's outcome. A replica that lost the dispatch
+    /// claim only reports what the winner recorded; it never writes an outcome.
+    pub owned: bool,
+}
+
+impl Ending {
+    pub fn error(status: CallStatus, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            outcome: ToolOutcome::error(message),
+            replica: None,
+            owned: true,
+        }
+    }
+
+    /// A result the call produced (a worker's, or the cache's).
+    pub fn produced(status: CallStatus, outcome: ToolOutcome, replica: Option<String>) -> Self {
+        Self {
+            status,
+            outcome,
+            replica,
+            owned: true,
+        }
+    }
+
+    /// An ending another replica owns: reported here, recorded there.
+    pub fn observed(mut self) -> Self {
+        self.owned = false;
+        self
+    }
+}
+
+/// Why a stage stopped a call. The message is the `is_error` text the caller sees, so
+/// it says what to change.
+#[derive(Debug, thiserror::Error)]
+pub(super) enum Rejection {
+    #[error("unknown tool {name:?}; list the available tools with GET /v1/tools")]
+    UnknownTool { name: String },
+    #[error(
+        "arguments of {tool} are {bytes} bytes, over the limit of {limit} bytes; send less data per call"
+    )]
+    ArgumentsTooLarge {
+        tool: String,
+        bytes: u64,
+        limit: u64,
+    },
+    #[error(
+        "invalid arguments for {tool}: {}. Fix the arguments to match the tool's input_schema and call again",
+        violations.join("; ")
+    )]
+    InvalidArguments {
+        tool: String,
+        violations: Vec<String>,
+    },
+    #[error("{reason}")]
+    OverBudget { reason: String },
+    #[error("denied by policy: {}", reasons.join("; "))]
+    DeniedByPolicy { reasons: Vec<String> },
+    #[error("the approval was denied by {by}{}", reason.as_ref().map(|r| format!(": {r}")).unwrap_or_default())]
+    ApprovalDenied { by: String, reason: Option<String> },
+    #[error("the approval expired before anyone decided; ask an approver and call again")]
+    ApprovalExpired,
+    #[error("the pending approval disappeared from the store")]
+    ApprovalMissing,
+    /// The caller cancelled while the call waited; the request was withdrawn so that a
+    /// later approval cannot run it.
+    #[error("the call was cancelled while it waited for approval")]
+    Withdrawn { approval_id: String },
+    /// Checked again after the claim (`stage`: dispatch or resume), the call no longer
+    /// holds.
+    #[error(
+        "denied: the approved call was checked again before it ran, and {}",
+        reasons.join("; ")
+    )]
+    Revoked {
+        stage: &'static str,
+        reasons: Vec<String>,
+    },
+    #[error("no worker group serves {tool}")]
+    NoWorkerGroup { tool: String },
+    #[error("the store cannot {doing}: {error}")]
+    Store {
+        doing: &'static str,
+        error: StoreError,
+    },
+    #[error(transparent)]
+    Dispatch(#[from] DispatchError),
+}
+
+impl Rejection {
+    pub fn status(&self) -> CallStatus {
+        match self {
+            Self::DeniedByPolicy { .. }
+            | Self::ApprovalDenied { .. }
+            | Self::ApprovalExpired
+            | Self::Revoked { .. } => CallStatus::Denied,
+            Self::Withdrawn { .. } | Self::Dispatch(DispatchError::Cancelled) => {
+                CallStatus::Cancelled
+            }
+            Self::Dispatch(DispatchError::DeadlineExceeded { .. }) => CallStatus::Timeout,
+            Self::UnknownTool { .. }
+            | Self::ArgumentsTooLarge { .. }
+            | Self::InvalidArguments { .. }
+            | Self::OverBudget { .. }
+            | Self::ApprovalMissing
+            | Self::NoWorkerGroup { .. }
+            | Self::Store { .. }
+            | Self::Dispatch(_) => CallStatus::Error,
+        }
+    }
+
+    /// The audit event that records the rejection itself, for stages whose decision is
+    /// not recorded elsewhere (a human's denial and an expiry are audited where they are
+    /// made; a worker's failure is in the `completed` event).
+    pub fn audit(&self) -> Option<(AuditKind, Value)> {
+        Some(match self {
+            Self::UnknownTool { .. } => (AuditKind::Rejected, json!({"reason": "unknown_tool"})),
+            Self::ArgumentsTooLarge { bytes, .. } => (
+                AuditKind::Rejected,
+                json!({"reason": "arguments_too_large", "bytes": bytes}),
+            ),
+            Self::InvalidArguments { violations, .. } => {
+                (AuditKind::RejectedSchema, json!({"violations": violations}))
+            }
+            Self::OverBudget { reason } => (AuditKind::BudgetExceeded, json!({"reason": reason})),
+            Self::DeniedByPolicy { reasons } => (AuditKind::Denied, json!({"reasons": reasons})),
+            Self::Withdrawn { approval_id } => (
+                AuditKind::ApprovalWithdrawn,
+                json!({"approval_id": approval_id}),
+            ),
+            Self::Revoked { stage, reasons } => (
+                AuditKind::Revoked,
+                json!({"stage": stage, "reasons": reasons}),
+            ),
+            Self::ApprovalDenied { .. }
+            | Self::ApprovalExpired
+            | Self::ApprovalMissing
+            | Self::NoWorkerGroup { .. }
+            | Self::Store { .. }
+            | Self::Dispatch(_) => return None,
+        })
+    }
+}
+
+impl Gate {
+    /// The one place a call ends: a rejection is audited, then the ending is recorded
+    /// in memory, in the store (once, across replicas) and in the audit log.
+    ///
+    /// `duration_ms` is the time since the call started without the time it was held
+    /// for approval: a 2 ms write that waited a minute for a human reports 2 ms, and the
+    /// minute separately.
+    pub(super) async fn conclude(&self, ctx: &CallCtx, result: Result<Ending, Rejection>) {
+        let ending = match result {
+            Ok(ending) => ending,
+            Err(rejection) => {
+                if let Some((kind, data)) = rejection.audit() {
+                    self.audit(ctx.event(kind, data)).await;
+                }
+                Ending::error(rejection.status(), rejection.to_string())
+            }
+        };
+        let call_id = ctx.call_id.as_str();
+        let local_wait = ctx.held.map(|h| h.local).unwrap_or_default();
+        let duration_ms = ctx.started.elapsed().saturating_sub(local_wait).as_millis() as u64;
+        let approval_wait_ms = ctx.held.map(|h| h.reported_ms);
+        let status = ending.status;
+        let remember = |ending: Ending| {
+            self.calls.update(call_id, |r| {
+                r.status = status;
+                r.duration_ms = Some(duration_ms);
+                r.approval_wait_ms = approval_wait_ms;
+                r.replica = ending.replica;
+                r.result = Some(ending.outcome);
+                r.checked = true;
+            });
+        };
+        if !ending.owned {
+            // The replica that won the claim records the outcome and its audit event.
+            remember(ending);
+            return;
+        }
+        let digest = hex::encode(Sha256::digest(ending.outcome.content.join("\n").as_bytes()));
+        let stored = CallOutcome {
+            status,
+            result: serde_json::to_value(&ending.outcome).unwrap_or(Value::Null),
+            duration_ms: Some(duration_ms),
+            replica: ending.replica.clone(),
+            finished_at: now_millis(),
+        };
+        match self.store.finish_call(call_id, &stored).await {
+            Ok(true) | Err(StoreError::NotFound { .. }) => {}
+            // Already finished by another replica: its outcome and audit event stand.
+            Ok(false) => return,
+            Err(e) => tracing::error!(call_id, error = %e, "cannot record the call's outcome"),
+        }
+        let mut completed = json!({
+            "status": status.as_str(),
+            "is_error": ending.outcome.is_error,
+            "duration_ms": duration_ms,
+            "replica": ending.replica,
+            "result_sha256": digest,
+            "isolation": ending.outcome.isolation,
+        });
+        if let Some(ms) = approval_wait_ms {
+            completed["approval_wait_ms"] = json!(ms);
+        }
+        self.audit(ctx.event(AuditKind::Completed, completed)).await;
+        tracing::info!(
+            call_id,
+            principal = %ctx.principal.name,
+            status = status.as_str(),
+            duration_ms,
+            approval_wait_ms,
+            "call finished"
+        );
+        remember(ending);
+    }
+}

@@ -1,0 +1,400 @@
+//! The gate: what happens to one tool call between a front door and a worker.
+//!
+//! A call passes these stages, one module each, in this order (DESIGN §3's steps in
+//! brackets; `docs/decisions.md` says why budgets and the cache sit where they do):
+//!
+//! 1. [`admission`]: resolve the tool (unknown and hidden alike) and cap the arguments'
+//!    size, then record the request (2, 3)
+//! 2. [`validate`]: the arguments against the tool's JSON Schema (3)
+//! 3. [`budget`]: the session's budgets and repeated calls (6)
+//! 4. [`policy`]: Cedar decides allow, deny or needs approval (4)
+//! 5. [`cache`]: a read-only tool's remembered result (after policy, before approval)
+//! 6. [`approval`]: the durable call record, held for a human when policy says so (5)
+//! 7. [`claim`]: exactly one replica dispatches (compare-and-set in the store)
+//! 8. [`dispatch`]: the worker runs it with a deadline (7)
+//! 9. [`ending`]: the one place a call ends — audited, stored once, answered (8)
+//!
+//! Each stage takes the call's [`CallCtx`] and returns a typed [`ending::Rejection`] or
+//! what the next stage needs; [`Gate::pipeline`] is the whole sequence, and
+//! [`Gate::conclude`] records the ending. A call that waits for approval survives an
+//! orchestrator restart: any replica resumes it after the decision ([`resume`]), and it
+//! runs exactly once (claims are compare-and-set in the store, and workers join a
+//! repeated call id to the original run).
+
+mod admission;
+mod approval;
+mod budget;
+mod cache;
+mod claim;
+mod ctx;
+pub(crate) mod decisions;
+mod dispatch;
+mod ending;
+mod policy;
+mod resume;
+mod validate;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
+
+use airlock_policy::authz::{Authorizer, PrincipalRef};
+use airlock_policy::{CallStatus, Limits, SessionId, ToolOutcome};
+use serde_json::Value;
+use tokio::sync::{Notify, mpsc, watch};
+use tokio_util::sync::CancellationToken;
+
+pub use ctx::ToolUse;
+
+use crate::audit::{AuditQuery, AuditRecord, NewAuditEvent, VerifyReport, redact};
+use crate::auth::{Principal, Principals, Role};
+use crate::budget::{BudgetError, Budgets};
+use crate::cache::{CacheError, ResultCache};
+use crate::calls::{CallRecord, CallRegistry};
+use crate::catalog::{Catalog, CatalogTool};
+use crate::config::{ApprovalsConfig, AuditConfig};
+use crate::dispatch::WorkerEvent;
+use crate::store::{Store, StoreError};
+use ctx::CallCtx;
+use ending::{Ending, Rejection};
+
+/// What the gate is assembled from, once, at start-up.
+pub struct GateParts {
+    pub catalog: Arc<Catalog>,
+    pub limits: Limits,
+    pub store: Arc<dyn Store>,
+    pub authorizer: Authorizer,
+    pub approvals: ApprovalsConfig,
+    pub budgets: Budgets,
+    pub cache: ResultCache,
+    pub audit: AuditConfig,
+    /// Where workspaces live, for policy's `context.workspace`.
+    pub workspaces_root: Option<PathBuf>,
+    /// The principals in force (the front doors' table, reloaded on SIGHUP): an
+    /// approved call is checked against them again before it runs.
+    pub principals: Arc<Principals>,
+}
+
+pub struct Gate {
+    catalog: Arc<Catalog>,
+    calls: CallRegistry,
+    limits: Limits,
+    store: Arc<dyn Store>,
+    approvals: ApprovalsConfig,
+    budgets: Budgets,
+    cache: ResultCache,
+    audit_config: AuditConfig,
+    /// This replica's name in dispatch claims.
+    replica_id: String,
+    workspaces_root: Option<PathBuf>,
+    principals: Arc<Principals>,
+    authorizer: RwLock<Arc<Authorizer>>,
+    /// Woken when an approval is decided through this replica.
+    decided: Notify,
+    /// Remembered visibility answers (see [`Gate::is_visible`]).
+    visibility: std::sync::Mutex<HashMap<VisibilityKey, bool>>,
+}
+
+type VisibilityKey = (String, String, airlock_policy::ToolAnnotations);
+
+/// Remembered visibility answers before the memo starts over.
+const VISIBILITY_MEMO: usize = 10_000;
+
+fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    match mutex.lock() {
+        Ok(guard) => guard,
+        Err(poisoned) => poisoned.into_inner(),
+    }
+}
+
+pub fn role_names(principal: &Principal) -> Vec<String> {
+    principal
+        .roles
+        .iter()
+        .map(|r| match r {
+            Role::Agent => "agent",
+            Role::Approver => "approver",
+            Role::Admin => "admin",
+        })
+        .map(String::from)
+        .collect()
+}
+
+/// How the claimed call is dispatched.
+struct Dispatch {
+    /// An approved call: the worker keeps running it if this replica goes away.
+    durable: bool,
+    /// Check the call against the principals and policy in force first, naming this
+    /// stage in the audit record (an approved call, which may have waited long).
+    recheck: Option<&'static str>,
+}
+
+impl Gate {
+    pub fn new(parts: GateParts) -> Self {
+        Self {
+            catalog: parts.catalog,
+            calls: CallRegistry::default(),
+            limits: parts.limits,
+            store: parts.store,
+            approvals: parts.approvals,
+            budgets: parts.budgets,
+            cache: parts.cache,
+            audit_config: parts.audit,
+            replica_id: format!("orchestrator-{}", uuid::Uuid::new_v4().simple()),
+            workspaces_root: parts.workspaces_root,
+            principals: parts.principals,
+            authorizer: RwLock::new(Arc::new(parts.authorizer)),
+            decided: Notify::new(),
+            visibility: std::sync::Mutex::default(),
+        }
+    }
+
+    /// Probes every worker group once (so a ready launcher means a populated catalog)
+    /// and refuses a cache configured for a tool with side effects.
+    pub async fn probe_workers(&self) -> Result<(), CacheError> {
+        for group in self.catalog.groups() {
+            self.catalog.refresh_group(group).await;
+        }
+        for tool in self.catalog.tools() {
+            self.cache.check(&tool.definition)?;
+        }
+        Ok(())
+    }
+
+    /// Each worker group's name and whether a replica of it is live.
+    pub fn worker_health(&self) -> Vec<(String, bool)> {
+        self.catalog
+            .groups()
+            .iter()
+            .map(|g| (g.name.clone(), g.is_live()))
+            .collect()
+    }
+
+    pub fn limits(&self) -> &Limits {
+        &self.limits
+    }
+
+    /// Takes `calls` from the principal's per-minute rate (`[budgets] rate_per_minute`).
+    pub fn take_rate(&self, principal: &str, calls: u32) -> Result<(), BudgetError> {
+        self.budgets.take(principal, calls)
+    }
+
+    /// Follows a call this replica knows.
+    pub fn watch(&self, call_id: &str) -> Option<watch::Receiver<CallRecord>> {
+        self.calls.watch(call_id)
+    }
+
+    /// Cancels a call this replica runs; `false` when it runs none by that id.
+    pub fn cancel(&self, call_id: &str) -> bool {
+        self.calls.cancel(call_id)
+    }
+
+    /// The names of the principals in force.
+    pub fn principal_names(&self) -> Vec<String> {
+        self.principals.names()
+    }
+
+    pub async fn audit_events(&self, query: AuditQuery) -> Result<Vec<AuditRecord>, StoreError> {
+        self.store.audit(query).await
+    }
+
+    pub async fn verify_audit(&self) -> Result<VerifyReport, StoreError> {
+        self.store.verify().await
+    }
+
+    pub fn authorizer(&self) -> Arc<Authorizer> {
+        match self.authorizer.read() {
+            Ok(a) => a.clone(),
+            Err(poisoned) => poisoned.into_inner().clone(),
+        }
+    }
+
+    pub fn replace_authorizer(&self, authorizer: Authorizer) {
+        match self.authorizer.write() {
+            Ok(mut a) => *a = Arc::new(authorizer),
+            Err(poisoned) => *poisoned.into_inner() = Arc::new(authorizer),
+        }
+        lock(&self.visibility).clear();
+    }
+
+    /// Puts a reloaded principal table in force. Remembered visibility answers go too:
+    /// they are keyed by principal name, and a principal's roles may have changed.
+    pub fn replace_principals(&self, principals: Principals) {
+        self.principals.replace(principals);
+        lock(&self.visibility).clear();
+    }
+
+    /// Wakes calls waiting for an approval decision.
+    pub fn notify_decided(&self) {
+        self.decided.notify_waiters();
+    }
+
+    /// The tools `principal` may see: the same answer for hidden and unknown tools.
+    pub fn visible_tools(&self, principal: &Principal) -> Vec<Arc<CatalogTool>> {
+        self.catalog
+            .tools()
+            .into_iter()
+            .filter(|t| self.is_visible(principal, t))
+            .collect()
+    }
+
+    fn visible_tool(&self, principal: &Principal, name: &str) -> Option<Arc<CatalogTool>> {
+        let tool = self.catalog.get(name)?;
+        self.is_visible(principal, &tool).then_some(tool)
+    }
+
+    /// Visibility depends only on the principal, the tool and the policy (not on
+    /// arguments), and partial evaluation is not free, so answers are remembered until
+    /// the policy is replaced.
+    fn is_visible(&self, principal: &Principal, tool: &CatalogTool) -> bool {
+        let key = (
+            principal.name.clone(),
+            tool.definition.name.clone(),
+            tool.definition.annotations,
+        );
+        if let Some(known) = lock(&self.visibility).get(&key) {
+            return *known;
+        }
+        let roles = role_names(principal);
+        let who = PrincipalRef {
+            name: &principal.name,
+            roles: &roles,
+        };
+        let visible = self.authorizer().visible(&who, &tool.definition);
+        let mut memo = lock(&self.visibility);
+        if memo.len() >= VISIBILITY_MEMO {
+            memo.clear();
+        }
+        memo.insert(key, visible);
+        visible
+    }
+
+    /// Appends an audit event; a store that cannot record is logged loudly (the call's
+    /// own outcome is still recorded with the call).
+    pub async fn audit(&self, event: NewAuditEvent) {
+        if let Err(e) = self.store.append(event).await {
+            tracing::error!(error = %e, "cannot append to the audit log");
+        }
+    }
+
+    pub(crate) fn redacted(&self, tool: Option<&CatalogTool>, input: &Value) -> Value {
+        let schema = tool
+            .map(|t| t.definition.input_schema.clone())
+            .unwrap_or(Value::Null);
+        redact(input, &schema, &self.audit_config.secret_fields)
+    }
+
+    /// Starts a call; it runs to completion even if the caller stops waiting.
+    /// `session_named` says whether the request named its session (only those count
+    /// against session budgets).
+    pub fn submit(
+        self: &Arc<Self>,
+        principal: &Principal,
+        session: &SessionId,
+        session_named: bool,
+        tool_use: ToolUse,
+        events: Option<mpsc::Sender<WorkerEvent>>,
+    ) -> watch::Receiver<CallRecord> {
+        let call_id = format!("call_{}", uuid::Uuid::new_v4().simple());
+        let cancel = CancellationToken::new();
+        let rx = self.calls.insert(
+            CallRecord::running(&call_id, &tool_use.id, &tool_use.name, &principal.name),
+            cancel.clone(),
+        );
+        let mut ctx = CallCtx {
+            call_id,
+            principal: principal.clone(),
+            session: session.clone(),
+            session_named,
+            tool_use,
+            events,
+            cancel,
+            held: None,
+            started: Instant::now(),
+        };
+        let gate = self.clone();
+        tokio::spawn(async move {
+            let result = gate.pipeline(&mut ctx).await;
+            gate.conclude(&ctx, result).await;
+        });
+        rx
+    }
+
+    /// Records a call that failed before it could enter the gate (arguments that are not
+    /// a JSON object); it is final at once.
+    pub fn reject(
+        &self,
+        principal: &Principal,
+        tool_use_id: String,
+        tool: String,
+        message: String,
+    ) -> watch::Receiver<CallRecord> {
+        let call_id = format!("call_{}", uuid::Uuid::new_v4().simple());
+        let mut record = CallRecord::running(&call_id, &tool_use_id, &tool, &principal.name);
+        record.status = CallStatus::Error;
+        record.duration_ms = Some(0);
+        record.result = Some(ToolOutcome::error(message));
+        record.checked = true;
+        self.calls.insert(record, CancellationToken::new())
+    }
+
+    /// The stages of a fresh call, in order.
+    async fn pipeline(&self, ctx: &mut CallCtx) -> Result<Ending, Rejection> {
+        let tool = self.admit(ctx).await?;
+        validate::validate(&tool, &ctx.tool_use.input)?;
+        let repeat = self.check_budget(ctx).await?;
+        let verdict = self.authorize(ctx, &tool)?;
+        let cache_key = self.cache_key(ctx, &tool);
+        if let Some(hit) = self.cached(ctx, &tool, cache_key.as_ref()).await? {
+            return Ok(hit);
+        }
+        self.approve(ctx, &verdict).await?;
+        self.calls.update(&ctx.call_id, |r| r.checked = true);
+        let approved = verdict.needs_approval();
+        let how = Dispatch {
+            durable: approved,
+            recheck: approved.then_some("dispatch"),
+        };
+        let result = self.claim_and_dispatch(ctx, &tool, how).await;
+        let failed = result.as_ref().map_or(true, |e| e.outcome.is_error);
+        self.record_repeat(&repeat, failed);
+        if let Ok(ending) = &result {
+            self.remember_result(cache_key, ending);
+        }
+        result
+    }
+
+    /// Claims the call (exactly one replica wins) and runs it on a worker; a loser
+    /// reports the winner's outcome. The re-check comes after the claim, so that
+    /// exactly one replica decides whether the call runs.
+    async fn claim_and_dispatch(
+        &self,
+        ctx: &CallCtx,
+        tool: &CatalogTool,
+        how: Dispatch,
+    ) -> Result<Ending, Rejection> {
+        let group = self.catalog.group(&tool.group);
+        if let claim::Claim::Lost(ending) = self.claim(ctx, group.as_deref()).await? {
+            return Ok(ending);
+        }
+        if let Some(stage) = how.recheck {
+            self.recheck(ctx, stage)?;
+        }
+        let Some(group) = group else {
+            return Err(Rejection::NoWorkerGroup {
+                tool: tool.definition.name.clone(),
+            });
+        };
+        self.dispatch(ctx, &group, how.durable).await
+    }
+
+    pub fn default_wait(&self) -> Duration {
+        Duration::from_millis(self.limits.default_wait_ms)
+    }
+
+    /// How long an MCP request waits on a call held for approval (`[limits] mcp_wait_ms`).
+    pub fn mcp_wait(&self) -> Duration {
+        Duration::from_millis(self.limits.mcp_wait_ms.min(crate::wire::MAX_WAIT_MS))
+    }
+}
