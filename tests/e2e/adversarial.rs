@@ -282,6 +282,10 @@ impl Lab {
             std::fs::write(root.join("sub/nested.txt"), SECRET).expect("canary");
             canary_roots.push(root);
         }
+        // Other tests of this binary create the ordinary test user (useradd writes
+        // /etc/passwd): it exists before the baseline, so that only what an attempt does
+        // can change the host.
+        OrdinaryUser::get();
         let baseline = HostState::capture(&canary_roots);
         let tree = descendants(launcher).into_iter().collect();
         Lab {

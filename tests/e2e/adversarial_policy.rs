@@ -979,74 +979,40 @@ async fn the_agent_without_a_session_sees_the_users_default_workspace() {
     }
 }
 
-/// Nothing ties a worker's schema to the policy's view of a call but this: every argument
-/// a served tool's schema names is in the policy's `context.arguments` (with the same
-/// required flag) or in the policy crate's `NOT_IN_CONTEXT` with its reason, and every
-/// argument the policy reads is in the schema. A new argument a worker adds without the
-/// policy table — silently invisible to every rule — fails here.
+/// The policies see each served tool as its worker defines it: every argument of the
+/// worker's schema is in the Cedar schema's `context.arguments` with the same type and
+/// required flag (or in the policy crate's `NOT_IN_CONTEXT` with its reason), every
+/// argument policies read is in the worker's schema, and the worker's annotations are
+/// the action's groups. A new argument a worker adds without the Cedar schema —
+/// silently invisible to every rule — fails here, and the orchestrator refuses to serve
+/// such a tool.
 #[tokio::test]
 async fn every_schema_argument_is_seen_by_policy_or_left_out_on_purpose() {
-    use airlock_policy::authz::{NOT_IN_CONTEXT, policy_arguments};
+    use airlock_policy::authz::check_tool;
+    use airlock_policy::{ToolAnnotations, ToolDefinition};
     let airlock = Airlock::start().await;
-    let (status, body) = airlock.get("/v1/tools").await;
+    let (status, body) = airlock.get("/v1/tools?format=mcp").await;
     assert_eq!(status, 200, "{body}");
     let tools = body["tools"].as_array().expect("tools");
     assert!(tools.len() >= 17, "every built-in tool is served: {body}");
-    let mut problems = Vec::new();
-    for tool in tools {
-        let name = tool["name"].as_str().expect("name");
-        let schema = &tool["input_schema"];
-        let Some(policy) = policy_arguments(name) else {
-            problems.push(format!(
-                "{name}: served, but the policy table does not know it"
-            ));
-            continue;
-        };
-        let properties = schema["properties"]
-            .as_object()
-            .cloned()
-            .unwrap_or_default();
-        let required: Vec<&str> = schema["required"]
-            .as_array()
-            .map(|r| r.iter().filter_map(Value::as_str).collect())
-            .unwrap_or_default();
-        for argument in properties.keys() {
-            let seen = policy.iter().any(|(field, _)| field == argument);
-            let left_out = NOT_IN_CONTEXT
-                .iter()
-                .any(|(t, a, _)| *t == name && a == argument);
-            match (seen, left_out) {
-                (false, false) => problems.push(format!(
-                    "{name}.{argument}: in the schema, invisible to policy"
-                )),
-                (true, true) => problems.push(format!(
-                    "{name}.{argument}: both seen by policy and listed as left out"
-                )),
-                _ => {}
-            }
-        }
-        for (field, policy_required) in &policy {
-            if !properties.contains_key(*field) {
-                problems.push(format!(
-                    "{name}.{field}: the policy reads it, the schema has no such argument"
-                ));
-            } else if *policy_required != required.contains(field) {
-                problems.push(format!(
-                    "{name}.{field}: required {} by the schema, {} by the policy",
-                    required.contains(field),
-                    policy_required
-                ));
-            }
-        }
-    }
-    for (tool, argument, _) in NOT_IN_CONTEXT {
-        let listed = tools.iter().find(|t| t["name"] == *tool);
-        if listed.is_none_or(|t| t["input_schema"]["properties"].get(*argument).is_none()) {
-            problems.push(format!(
-                "{tool}.{argument}: left out of policy, but no schema has it"
-            ));
-        }
-    }
+    let hint = |tool: &Value, name: &str| tool["annotations"][name].as_bool().expect(name);
+    let problems: Vec<String> = tools
+        .iter()
+        .flat_map(|tool| {
+            check_tool(&ToolDefinition {
+                name: tool["name"].as_str().expect("name").to_owned(),
+                title: String::new(),
+                description: String::new(),
+                input_schema: tool["inputSchema"].clone(),
+                annotations: ToolAnnotations {
+                    read_only: hint(tool, "readOnlyHint"),
+                    destructive: hint(tool, "destructiveHint"),
+                    idempotent: hint(tool, "idempotentHint"),
+                    open_world: hint(tool, "openWorldHint"),
+                },
+            })
+        })
+        .collect();
     assert!(
         problems.is_empty(),
         "the workers' schemas and the policy disagree:\n{}",

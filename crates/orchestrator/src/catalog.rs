@@ -136,6 +136,8 @@ impl WorkerGroup {
 pub struct Catalog {
     groups: Vec<Arc<WorkerGroup>>,
     tools: RwLock<BTreeMap<String, Arc<CatalogTool>>>,
+    /// Tools already reported as refused, so that each refresh does not log them again.
+    refused: std::sync::Mutex<std::collections::HashSet<String>>,
 }
 
 impl Catalog {
@@ -147,6 +149,7 @@ impl Catalog {
         Ok(Self {
             groups: groups.into_iter().map(Arc::new).collect(),
             tools: RwLock::default(),
+            refused: std::sync::Mutex::default(),
         })
     }
 
@@ -259,6 +262,19 @@ impl Catalog {
             };
             if let Err(e) = airlock_policy::validate_tool_name(&definition.name) {
                 tracing::error!(group, tool = %name, error = %e, "skipping tool");
+                continue;
+            }
+            // One source of truth: the policies must see the tool as its worker
+            // defines it, or a rule could miss an argument; such a tool is not served.
+            let problems = airlock_policy::authz::check_tool(&definition);
+            if !problems.is_empty() {
+                let first_time = match self.refused.lock() {
+                    Ok(mut refused) => refused.insert(name.clone()),
+                    Err(poisoned) => poisoned.into_inner().insert(name.clone()),
+                };
+                if first_time {
+                    tracing::error!(group, tool = %name, problems = %problems.join("; "), "not serving a tool that the policies do not see as its worker defines it; align deploy/policies/schema.cedarschema with the worker");
+                }
                 continue;
             }
             let validator = match jsonschema::validator_for(&definition.input_schema) {

@@ -24,7 +24,9 @@ fn tool(name: &str) -> ToolDefinition {
         name: name.to_owned(),
         title: name.to_owned(),
         description: String::new(),
-        input_schema: json!({"type": "object"}),
+        // As the worker would define it: the policy derives the call's context from it.
+        input_schema: airlock_policy::authz::expected_input_schema(name)
+            .unwrap_or_else(|| json!({"type": "object"})),
         annotations: ToolAnnotations {
             read_only,
             destructive,
@@ -999,4 +1001,34 @@ fn repeated_decisions_agree_and_report_their_cost() {
     }
     let per_call = started.elapsed() / 200;
     eprintln!("decide: {per_call:?} per call (measured, not asserted)");
+}
+
+/// The context is derived from the worker's own schema: an argument the worker adds
+/// that policies cannot see is never silently dropped; the call is denied, naming it.
+#[test]
+fn a_call_with_an_argument_the_policy_cannot_see_is_denied_naming_it() {
+    let authorizer = load(&with_default(""), ApprovalKnob::off());
+    assert_allow(&decide(
+        &authorizer,
+        &agent("read_file", json!({"path": "a"})),
+    ));
+    // Cedar cannot type it: refused before Cedar is asked.
+    let mut untyped = agent("read_file", json!({"path": "a", "meta": {"x": 1}}));
+    untyped.tool.input_schema["properties"]["meta"] = json!({"type": "object"});
+    assert_deny(&decide(&authorizer, &untyped), "`read_file.meta`");
+    // Typed, but not in the Cedar schema's context: refused by Cedar's own check.
+    let mut undeclared = agent("read_file", json!({"path": "a", "follow": true}));
+    undeclared.tool.input_schema["properties"]["follow"] = json!({"type": "boolean"});
+    assert_deny(
+        &decide(&authorizer, &undeclared),
+        "cannot be checked by policy",
+    );
+    // The worker's schema says what is required: one that drops `path` from its
+    // required list cannot make policies read a missing path as present.
+    let mut optional = agent("read_file", json!({"offset": 3}));
+    optional.tool.input_schema["required"] = json!([]);
+    assert_deny(
+        &decide(&authorizer, &optional),
+        "cannot be checked by policy",
+    );
 }

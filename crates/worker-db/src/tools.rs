@@ -598,6 +598,21 @@ impl Tool for DbTool {
 mod tests {
     use super::*;
 
+    /// The policies see each tool as this worker defines it: every argument typed in
+    /// `context.arguments` (or left out on purpose), and the annotations as the Cedar
+    /// schema's action groups.
+    #[test]
+    fn the_policy_sees_every_tool_as_this_worker_defines_it() {
+        let problems: Vec<String> =
+            tools(vec![DatabaseConfig::new("demo", "sqlite:///tmp/demo.db")])
+                .unwrap()
+                .definitions()
+                .iter()
+                .flat_map(airlock_policy::authz::check_tool)
+                .collect();
+        assert!(problems.is_empty(), "{}", problems.join("\n"));
+    }
+
     #[test]
     fn five_tools_with_strict_schemas() {
         let set = tools(vec![DatabaseConfig::new("demo", "sqlite:///tmp/demo.db")]).unwrap();

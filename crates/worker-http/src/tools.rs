@@ -582,6 +582,20 @@ impl Tool for HttpTool {
 mod tests {
     use super::*;
 
+    /// The policies see each tool as this worker defines it: every argument typed in
+    /// `context.arguments` (or left out on purpose), and the annotations as the Cedar
+    /// schema's action groups.
+    #[test]
+    fn the_policy_sees_every_tool_as_this_worker_defines_it() {
+        let problems: Vec<String> = tools(HttpConfig::default())
+            .unwrap()
+            .definitions()
+            .iter()
+            .flat_map(airlock_policy::authz::check_tool)
+            .collect();
+        assert!(problems.is_empty(), "{}", problems.join("\n"));
+    }
+
     #[test]
     fn two_tools_with_strict_schemas() {
         let set = tools(HttpConfig::default()).unwrap();

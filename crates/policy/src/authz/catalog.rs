@@ -1,11 +1,15 @@
-//! The tool catalog as policies see it: which tools the schema declares, the shape of
-//! each tool's `context.arguments`, and the conversion of a call's JSON arguments into
-//! the Cedar context (typed, normalised, with a few derived facts).
+//! The tool catalog as policies see it: which tools the schema declares, how each
+//! tool's `context.arguments` is derived from the tool's own input schema (the one its
+//! worker reports in `ListTools`), and the conversion of a call's JSON arguments into the
+//! Cedar context (typed, normalised, with a few derived facts).
 //!
-//! This table mirrors `deploy/policies/schema.cedarschema`; a unit test checks that
-//! the two agree (every tool of the table is an action of the schema and a maximal
-//! argument object of each tool is accepted as its context).
+//! The table below holds only what a JSON Schema cannot say: the worker group, which
+//! string arguments are paths (normalised) or upper-cased, and which arguments policies
+//! do not see ([`NOT_IN_CONTEXT`], each with its reason). Names, types and required flags
+//! come from the worker's schema; [`super::declared`] checks them against
+//! `deploy/policies/schema.cedarschema`, the policies' view.
 
+use std::collections::HashSet;
 use std::path::Path;
 
 use serde_json::{Map, Value, json};
@@ -27,6 +31,19 @@ pub(crate) enum Kind {
     Edits,
 }
 
+impl Kind {
+    /// The Cedar type that holds this kind.
+    pub(crate) fn cedar_type(self) -> &'static str {
+        match self {
+            Self::Str | Self::Upper | Self::Path => "String",
+            Self::Long => "Long",
+            Self::Bool => "Bool",
+            Self::StrSet => "Set<String>",
+            Self::Edits => "Set<Edit>",
+        }
+    }
+}
+
 /// Derived facts added beside `arguments`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Extra {
@@ -37,9 +54,10 @@ pub(crate) enum Extra {
     Url,
 }
 
-#[derive(Debug, Clone, Copy)]
+/// One argument as policies see it.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Field {
-    pub name: &'static str,
+    pub name: String,
     pub kind: Kind,
     pub required: bool,
 }
@@ -49,163 +67,72 @@ pub(crate) struct ToolSpec {
     pub name: &'static str,
     /// The worker group that serves the tool.
     pub group: &'static str,
-    pub fields: &'static [Field],
+    /// Arguments whose kind the JSON type alone does not say, in the order `paths`
+    /// lists them.
+    pub refined: &'static [(&'static str, Kind)],
     pub extra: Extra,
 }
 
-const fn req(name: &'static str, kind: Kind) -> Field {
-    Field {
-        name,
-        kind,
-        required: true,
-    }
-}
-
-const fn opt(name: &'static str, kind: Kind) -> Field {
-    Field {
-        name,
-        kind,
-        required: false,
-    }
-}
-
-use Kind::{Bool, Edits, Long, Path as P, Str, StrSet, Upper};
+use Kind::{Edits, Path as P, Upper};
 
 /// Every tool of the catalog (DESIGN §4), in the order of the table there.
 pub(crate) static TOOLS: &[ToolSpec] = &[
     ToolSpec {
         name: "execute_shell",
         group: "shell",
-        fields: &[
-            opt("command", Str),
-            opt("argv", StrSet),
-            opt("cwd", P),
-            opt("stdin", Str),
-            opt("timeout_seconds", Long),
-        ],
+        refined: &[("cwd", P)],
         extra: Extra::Shell,
     },
-    ToolSpec {
-        name: "read_file",
-        group: "fs",
-        fields: &[req("path", P), opt("offset", Long), opt("limit", Long)],
-        extra: Extra::None,
-    },
-    ToolSpec {
-        name: "write_file",
-        group: "fs",
-        fields: &[req("path", P), req("content", Str)],
-        extra: Extra::None,
-    },
-    ToolSpec {
-        name: "edit_file",
-        group: "fs",
-        fields: &[req("path", P), req("edits", Edits), opt("dry_run", Bool)],
-        extra: Extra::None,
-    },
-    ToolSpec {
-        name: "list_directory",
-        group: "fs",
-        fields: &[
-            req("path", P),
-            opt("recursive", Bool),
-            opt("max_entries", Long),
-        ],
-        extra: Extra::None,
-    },
-    ToolSpec {
-        name: "search_files",
-        group: "fs",
-        fields: &[
-            req("path", P),
-            opt("glob", Str),
-            opt("content_regex", Str),
-            opt("max_results", Long),
-        ],
-        extra: Extra::None,
-    },
-    ToolSpec {
-        name: "get_file_info",
-        group: "fs",
-        fields: &[req("path", P)],
-        extra: Extra::None,
-    },
-    ToolSpec {
-        name: "create_directory",
-        group: "fs",
-        fields: &[req("path", P)],
-        extra: Extra::None,
-    },
-    ToolSpec {
-        name: "move_path",
-        group: "fs",
-        fields: &[req("source", P), req("destination", P)],
-        extra: Extra::None,
-    },
-    ToolSpec {
-        name: "delete_path",
-        group: "fs",
-        fields: &[req("path", P), opt("recursive", Bool)],
-        extra: Extra::None,
-    },
+    fs("read_file", &[("path", P)]),
+    fs("write_file", &[("path", P)]),
+    fs("edit_file", &[("path", P), ("edits", Edits)]),
+    fs("list_directory", &[("path", P)]),
+    fs("search_files", &[("path", P)]),
+    fs("get_file_info", &[("path", P)]),
+    fs("create_directory", &[("path", P)]),
+    fs("move_path", &[("source", P), ("destination", P)]),
+    fs("delete_path", &[("path", P)]),
     ToolSpec {
         name: "http_request",
         group: "http",
-        fields: &[
-            req("method", Upper),
-            req("url", Str),
-            opt("timeout_seconds", Long),
-            opt("max_response_bytes", Long),
-        ],
+        refined: &[("method", Upper)],
         extra: Extra::Url,
     },
     ToolSpec {
         name: "fetch_url",
         group: "http",
-        fields: &[
-            req("url", Str),
-            opt("format", Str),
-            opt("start_index", Long),
-            opt("max_length", Long),
-        ],
+        refined: &[],
         extra: Extra::Url,
     },
-    ToolSpec {
-        name: "list_databases",
-        group: "db",
-        fields: &[],
-        extra: Extra::None,
-    },
-    ToolSpec {
-        name: "list_tables",
-        group: "db",
-        fields: &[req("database", Str)],
-        extra: Extra::None,
-    },
-    ToolSpec {
-        name: "describe_table",
-        group: "db",
-        fields: &[req("database", Str), req("table", Str)],
-        extra: Extra::None,
-    },
-    ToolSpec {
-        name: "query_database",
-        group: "db",
-        fields: &[req("database", Str), req("sql", Str), opt("max_rows", Long)],
-        extra: Extra::None,
-    },
-    ToolSpec {
-        name: "execute_sql",
-        group: "db",
-        fields: &[req("database", Str), req("sql", Str)],
-        extra: Extra::None,
-    },
+    db("list_databases"),
+    db("list_tables"),
+    db("describe_table"),
+    db("query_database"),
+    db("execute_sql"),
 ];
+
+const fn fs(name: &'static str, refined: &'static [(&'static str, Kind)]) -> ToolSpec {
+    ToolSpec {
+        name,
+        group: "fs",
+        refined,
+        extra: Extra::None,
+    }
+}
+
+const fn db(name: &'static str) -> ToolSpec {
+    ToolSpec {
+        name,
+        group: "db",
+        refined: &[],
+        extra: Extra::None,
+    }
+}
 
 /// Arguments a worker's input schema has that policies do not see in
 /// `context.arguments`, each with the reason: `(tool, argument, why)`. Any other schema
-/// argument missing from [`TOOLS`] is a defect — a new argument silently invisible to
-/// policy — and the catalog test fails on it.
+/// argument that Cedar cannot type is a defect — a new argument silently invisible to
+/// policy — and [`fields`] refuses it.
 pub static NOT_IN_CONTEXT: &[(&str, &str, &str)] = &[
     (
         "execute_shell",
@@ -234,20 +161,123 @@ pub static NOT_IN_CONTEXT: &[(&str, &str, &str)] = &[
     ),
 ];
 
-/// The arguments of `tool` that policies see in `context.arguments`, as `(name,
-/// required)`, or `None` for a tool the policy table does not know.
-pub fn policy_arguments(tool: &str) -> Option<Vec<(&'static str, bool)>> {
-    spec(tool).map(|spec| {
-        spec.fields
-            .iter()
-            .map(|field| (field.name, field.required))
-            .collect()
-    })
-}
-
 /// The spec of a tool the schema declares, if any.
 pub(crate) fn spec(tool: &str) -> Option<&'static ToolSpec> {
     TOOLS.iter().find(|spec| spec.name == tool)
+}
+
+fn left_out(tool: &str, argument: &str) -> bool {
+    NOT_IN_CONTEXT
+        .iter()
+        .any(|(t, a, _)| *t == tool && *a == argument)
+}
+
+/// The arguments policies see of a tool whose worker reports `input_schema`: every
+/// property of the schema but those [`NOT_IN_CONTEXT`] leaves out, required as the
+/// schema's top-level `required` says, typed by the schema (`number` as `Long`: Cedar
+/// has no fractions) and refined by the table. `Err` lists every argument that cannot
+/// be seen, so that a new argument is never silently invisible to policy.
+pub(crate) fn fields(spec: &ToolSpec, input_schema: &Value) -> Result<Vec<Field>, Vec<String>> {
+    let tool = spec.name;
+    let empty = Map::new();
+    let properties = input_schema
+        .get("properties")
+        .and_then(Value::as_object)
+        .unwrap_or(&empty);
+    let required: HashSet<&str> = input_schema
+        .get("required")
+        .and_then(Value::as_array)
+        .map(|names| names.iter().filter_map(Value::as_str).collect())
+        .unwrap_or_default();
+    let mut problems = Vec::new();
+    let mut fields = Vec::new();
+    // Refined arguments first, in the table's order (`context.paths` follows it).
+    for (name, kind) in spec.refined {
+        let Some(property) = properties.get(*name) else {
+            problems.push(format!(
+                "`{tool}.{name}`: the policy table refines it, the worker's schema has no such argument"
+            ));
+            continue;
+        };
+        let expected = if *kind == Kind::Edits {
+            "array"
+        } else {
+            "string"
+        };
+        if json_type(property) != Some(expected) {
+            problems.push(format!(
+                "`{tool}.{name}`: the policy reads it as {}, the worker's schema types it {}",
+                kind.cedar_type(),
+                describe(property)
+            ));
+            continue;
+        }
+        fields.push(Field {
+            name: (*name).to_owned(),
+            kind: *kind,
+            required: required.contains(name),
+        });
+    }
+    for (name, property) in properties {
+        if left_out(tool, name) || spec.refined.iter().any(|(r, _)| r == name) {
+            continue;
+        }
+        let kind = match json_type(property) {
+            Some("string") => Kind::Str,
+            Some("integer" | "number") => Kind::Long,
+            Some("boolean") => Kind::Bool,
+            Some("array") if property.pointer("/items/type") == Some(&json!("string")) => {
+                Kind::StrSet
+            }
+            _ => {
+                problems.push(format!(
+                    "`{tool}.{name}`: a {} argument that Cedar cannot type; the policy table must leave it out of context.arguments with its reason (NOT_IN_CONTEXT)",
+                    describe(property)
+                ));
+                continue;
+            }
+        };
+        fields.push(Field {
+            name: name.clone(),
+            kind,
+            required: required.contains(name.as_str()),
+        });
+    }
+    for (t, name, _) in NOT_IN_CONTEXT {
+        if *t == tool && !properties.contains_key(*name) {
+            problems.push(format!(
+                "`{tool}.{name}`: left out of policy on purpose, but the worker's schema has no such argument"
+            ));
+        }
+    }
+    if problems.is_empty() {
+        Ok(fields)
+    } else {
+        Err(problems)
+    }
+}
+
+/// A property's one JSON type (`["string", "null"]` counts as `string`).
+fn json_type(property: &Value) -> Option<&str> {
+    match property.get("type")? {
+        Value::String(one) => Some(one),
+        Value::Array(many) => {
+            let mut types = many
+                .iter()
+                .filter_map(Value::as_str)
+                .filter(|t| *t != "null");
+            let first = types.next()?;
+            types.next().is_none().then_some(first)
+        }
+        _ => None,
+    }
+}
+
+fn describe(property: &Value) -> String {
+    match property.get("type") {
+        Some(ty) => format!("`{ty}`"),
+        None => "untyped".to_owned(),
+    }
 }
 
 /// Why a call's arguments cannot be handed to the policy.
@@ -256,7 +286,7 @@ pub enum ArgumentError {
     #[error("the arguments of `{tool}` are not a JSON object")]
     NotAnObject { tool: String },
     #[error("argument `{field}` of `{tool}` is missing")]
-    Missing { tool: String, field: &'static str },
+    Missing { tool: String, field: String },
     #[error("argument `{field}` of `{tool}` must be {expected}")]
     WrongType {
         tool: String,
@@ -271,6 +301,7 @@ pub enum ArgumentError {
 /// schema with the action of `spec`).
 pub(crate) fn context_json(
     spec: &ToolSpec,
+    fields: &[Field],
     arguments: &Value,
     session_id: &str,
     workspace: Option<&Path>,
@@ -279,7 +310,7 @@ pub(crate) fn context_json(
     let object = match arguments {
         Value::Object(object) => object,
         // A tool without arguments may be called with `null`.
-        Value::Null if spec.fields.iter().all(|field| !field.required) => &empty,
+        Value::Null if fields.iter().all(|field| !field.required) => &empty,
         _ => {
             return Err(ArgumentError::NotAnObject {
                 tool: spec.name.to_owned(),
@@ -288,19 +319,19 @@ pub(crate) fn context_json(
     };
     let workspace = workspace.and_then(Path::to_str);
     let mut projected = Map::new();
-    for field in spec.fields {
-        match object.get(field.name) {
+    for field in fields {
+        match object.get(&field.name) {
             // JSON Schema lets optional fields be absent; `null` counts as absent too.
             None | Some(Value::Null) => {
                 if field.required {
                     return Err(ArgumentError::Missing {
                         tool: spec.name.to_owned(),
-                        field: field.name,
+                        field: field.name.clone(),
                     });
                 }
             }
             Some(value) => {
-                let converted = convert(spec.name, field.name, field.kind, value, workspace)?;
+                let converted = convert(spec.name, &field.name, field.kind, value, workspace)?;
                 projected.insert(field.name.to_owned(), converted);
             }
         }
@@ -310,11 +341,10 @@ pub(crate) fn context_json(
     if spec.group == "fs" {
         // Every path the call touches, so that one rule covers every fs tool (move_path
         // has `source` and `destination`, not `path`).
-        let paths: Vec<Value> = spec
-            .fields
+        let paths: Vec<Value> = fields
             .iter()
             .filter(|field| field.kind == Kind::Path)
-            .filter_map(|field| projected.get(field.name).cloned())
+            .filter_map(|field| projected.get(&field.name).cloned())
             .collect();
         context.insert("paths".to_owned(), Value::Array(paths));
     }
@@ -476,35 +506,32 @@ fn parse_url(tool: &str, raw: &str) -> Result<Value, ArgumentError> {
 mod tests {
     use super::*;
 
+    fn fields_of(tool: &str) -> (&'static ToolSpec, Vec<Field>) {
+        let spec = spec(tool).unwrap();
+        let schema = crate::authz::expected_input_schema(tool).unwrap();
+        (spec, fields(spec, &schema).unwrap())
+    }
+
+    fn context(tool: &str, arguments: &Value, workspace: Option<&Path>) -> Value {
+        let (spec, fields) = fields_of(tool);
+        context_json(spec, &fields, arguments, "s1", workspace).unwrap()
+    }
+
     #[test]
     fn fs_calls_carry_every_path_they_name() {
         let ws = Some(Path::new("/data/workspaces/alice/s1"));
-        let moved = context_json(
-            spec("move_path").unwrap(),
+        let moved = context(
+            "move_path",
             &json!({"source": "./.env", "destination": "/data/workspaces/alice/s1/pub/x"}),
-            "s1",
             ws,
-        )
-        .unwrap();
+        );
         assert_eq!(moved["paths"], json!([".env", "pub/x"]));
         assert_eq!(moved["arguments"]["source"], ".env");
         assert_eq!(moved["arguments"]["destination"], "pub/x");
-        let read = context_json(
-            spec("read_file").unwrap(),
-            &json!({"path": "src/h/../../.git/config"}),
-            "s1",
-            ws,
-        )
-        .unwrap();
+        let read = context("read_file", &json!({"path": "src/h/../../.git/config"}), ws);
         assert_eq!(read["paths"], json!([".git/config"]));
         // Only fs tools have `paths`; the shell's `cwd` stays an argument.
-        let shell = context_json(
-            spec("execute_shell").unwrap(),
-            &json!({"argv": ["ls"], "cwd": "src"}),
-            "s1",
-            ws,
-        )
-        .unwrap();
+        let shell = context("execute_shell", &json!({"argv": ["ls"], "cwd": "src"}), ws);
         assert!(shell.get("paths").is_none());
     }
 
@@ -533,24 +560,30 @@ mod tests {
 
     #[test]
     fn wrong_types_and_missing_fields_are_refused() {
-        let read = spec("read_file").unwrap();
+        let (read, fields) = fields_of("read_file");
         assert!(matches!(
-            context_json(read, &json!({}), "s", None),
-            Err(ArgumentError::Missing { field: "path", .. })
+            context_json(read, &fields, &json!({}), "s", None),
+            Err(ArgumentError::Missing { ref field, .. }) if field == "path"
         ));
         assert!(matches!(
-            context_json(read, &json!({"path": 3}), "s", None),
+            context_json(read, &fields, &json!({"path": 3}), "s", None),
             Err(ArgumentError::WrongType { .. })
         ));
         assert!(matches!(
-            context_json(read, &json!({"path": "a", "limit": 1.5}), "s", None),
+            context_json(
+                read,
+                &fields,
+                &json!({"path": "a", "limit": 1.5}),
+                "s",
+                None
+            ),
             Err(ArgumentError::WrongType { .. })
         ));
         assert!(matches!(
-            context_json(read, &json!([]), "s", None),
+            context_json(read, &fields, &json!([]), "s", None),
             Err(ArgumentError::NotAnObject { .. })
         ));
-        let none = spec("list_databases").unwrap();
-        assert!(context_json(none, &Value::Null, "s", None).is_ok());
+        let (none, fields) = fields_of("list_databases");
+        assert!(context_json(none, &fields, &Value::Null, "s", None).is_ok());
     }
 }
