@@ -10,32 +10,33 @@ use futures::Stream;
 use tokio::sync::mpsc;
 use tonic::{Request, Response, Status};
 
-use crate::auth::{Principal, Principals, Role, bearer_token};
-use crate::calls::{CallRecord, wait_final};
+use crate::auth::{Principal, Role};
+use crate::calls::CallRecord;
 use crate::dispatch::WorkerEvent;
 use crate::gate::decisions::DecideError;
 use crate::gate::{Gate, ToolUse};
+use crate::service::{AdmitError, Batch, CallService, OnDrop, Proposed, Refused, Update};
 use crate::store::{ApprovalQuery, ApprovalStatus, StoreError};
 use crate::wire;
 
 pub struct GrpcFrontDoor {
     pub gate: Arc<Gate>,
-    pub principals: Arc<Principals>,
+    /// Admission and following of calls, shared with every front door.
+    pub calls: CallService,
     pub agent: Arc<crate::agent::AgentConfig>,
 }
 
 impl GrpcFrontDoor {
+    /// The caller, as the authentication layer in front of this service found it.
     fn authenticate<T>(&self, request: &Request<T>) -> Result<Principal, Status> {
-        let header = request
-            .metadata()
-            .get("authorization")
-            .and_then(|v| v.to_str().ok())
+        // Fail closed: the service is always wrapped in the layer.
+        request
+            .extensions()
+            .get::<Principal>()
+            .cloned()
             .ok_or_else(|| {
-                Status::unauthenticated("missing authorization: Bearer <token> metadata")
-            })?;
-        bearer_token(header)
-            .and_then(|t| self.principals.authenticate(t))
-            .ok_or_else(|| Status::unauthenticated("the bearer token is not valid"))
+                Status::unauthenticated("the call reached the service without authentication")
+            })
     }
 
     fn authorize_agent<T>(&self, request: &Request<T>) -> Result<Principal, Status> {
@@ -50,6 +51,14 @@ impl GrpcFrontDoor {
     }
 }
 
+/// A batch the call service did not admit, as gRPC says it.
+fn admit_status(error: AdmitError) -> Status {
+    match error {
+        AdmitError::NotAnAgent { .. } => Status::permission_denied(error.to_string()),
+        AdmitError::RateLimited(e) => Status::resource_exhausted(e.to_string()),
+    }
+}
+
 fn session(value: &str) -> Result<SessionId, Status> {
     if value.is_empty() {
         return Ok(SessionId::default_session());
@@ -57,10 +66,7 @@ fn session(value: &str) -> Result<SessionId, Status> {
     SessionId::parse(value).map_err(|e| Status::invalid_argument(format!("session_id: {e}")))
 }
 
-fn tool_use(
-    index: usize,
-    wire: pb::ToolUse,
-) -> Result<Result<ToolUse, (String, String, String)>, Status> {
+fn tool_use(index: usize, wire: pb::ToolUse) -> Result<Proposed, Status> {
     if wire.id.is_empty() || wire.name.is_empty() {
         return Err(Status::invalid_argument(format!(
             "tool_uses[{index}] needs an id and a name"
@@ -84,16 +90,16 @@ fn tool_use(
                 name: wire.name,
                 input,
             }),
-            Ok(_) => Err((
-                wire.id,
-                wire.name,
-                "input_json must be a JSON object".to_owned(),
-            )),
-            Err(e) => Err((
-                wire.id,
-                wire.name,
-                format!("input_json is not valid JSON ({e})"),
-            )),
+            Ok(_) => Err(Refused {
+                id: wire.id,
+                name: wire.name,
+                message: "input_json must be a JSON object".to_owned(),
+            }),
+            Err(e) => Err(Refused {
+                id: wire.id,
+                name: wire.name,
+                message: format!("input_json is not valid JSON ({e})"),
+            }),
         },
     )
 }
@@ -183,24 +189,18 @@ impl Orchestrator for GrpcFrontDoor {
             }
             uses.push(tool_use(index, wire)?);
         }
-        let wanted = u32::try_from(uses.len()).unwrap_or(u32::MAX);
-        if let Err(e) = self.gate.take_rate(&principal.name, wanted) {
-            return Err(Status::resource_exhausted(e.to_string()));
-        }
         // Unset is the server default; an explicit 0 answers at once, as on HTTP.
         let wait = wire::wait_for(request.wait_ms, self.gate.default_wait());
-        let receivers: Vec<_> = uses
-            .into_iter()
-            .map(|u| match u {
-                Ok(tool_use) => {
-                    self.gate
-                        .submit(&principal, &session, session_named, tool_use, None)
-                }
-                Err((id, name, message)) => self.gate.reject(&principal, id, name, message),
-            })
-            .collect();
-        let records =
-            futures::future::join_all(receivers.into_iter().map(|rx| wait_final(rx, wait))).await;
+        let batch = Batch {
+            session: session_named.then_some(session),
+            calls: uses,
+            with_events: false,
+            // Answered after `wait_ms`; a call still running goes on, its result at
+            // GetCall.
+            on_drop: OnDrop::KeepRunning,
+        };
+        let handles = self.calls.admit(&principal, batch).map_err(admit_status)?;
+        let records = futures::future::join_all(handles.iter().map(|h| h.wait_final(wait))).await;
         Ok(Response::new(pb::CallToolsResponse {
             tool_results: records.iter().filter_map(result_block).collect(),
             calls: records.iter().map(call_info).collect(),
@@ -221,52 +221,55 @@ impl Orchestrator for GrpcFrontDoor {
         let wire = request
             .tool_use
             .ok_or_else(|| Status::invalid_argument("tool_use is required"))?;
-        let (events_tx, mut events_rx) = mpsc::channel(256);
-        let mut rx = match tool_use(0, wire)? {
-            Ok(u) => self
-                .gate
-                .submit(&principal, &session, session_named, u, Some(events_tx)),
-            Err((id, name, message)) => self.gate.reject(&principal, id, name, message),
+        let batch = Batch {
+            session: session_named.then_some(session),
+            calls: vec![tool_use(0, wire)?],
+            with_events: true,
+            // The stream is the call's only follower: closing it cancels the call.
+            on_drop: OnDrop::Cancel,
         };
-        let gate = self.gate.clone();
+        let mut handles = self.calls.admit(&principal, batch).map_err(admit_status)?;
+        let Some(mut handle) = handles.pop() else {
+            return Err(Status::internal("the call was not admitted"));
+        };
         let (out_tx, out_rx) = mpsc::channel::<Result<pb::CallEvent, Status>>(256);
         tokio::spawn(async move {
-            let first = rx.borrow().clone();
-            let call_id = first.call_id.clone();
-            if out_tx
-                .send(Ok(pb::CallEvent {
-                    event: Some(Event::Started(call_info(&first))),
-                }))
-                .await
-                .is_err()
-            {
-                gate.cancel(&call_id);
+            let first = handle.record();
+            let started = pb::CallEvent {
+                event: Some(Event::Started(call_info(&first))),
+            };
+            if out_tx.send(Ok(started)).await.is_err() {
                 return;
             }
             loop {
-                tokio::select! {
-                    Some(event) = events_rx.recv() => {
-                        if let WorkerEvent::Output { stream, data } = event {
-                            let chunk = pb::OutputChunk { stream: stream.to_owned(), data: String::from_utf8_lossy(&data).into_owned() };
-                            if out_tx.send(Ok(pb::CallEvent { event: Some(Event::Output(chunk)) })).await.is_err() {
-                                gate.cancel(&call_id);
-                                return;
-                            }
+                let update = tokio::select! {
+                    update = handle.next() => update,
+                    // The client went away: dropping the handle cancels the call.
+                    () = out_tx.closed() => return,
+                };
+                match update {
+                    Update::Event(WorkerEvent::Output { stream, data }) => {
+                        let chunk = pb::OutputChunk {
+                            stream: stream.to_owned(),
+                            data: String::from_utf8_lossy(&data).into_owned(),
+                        };
+                        let event = pb::CallEvent {
+                            event: Some(Event::Output(chunk)),
+                        };
+                        if out_tx.send(Ok(event)).await.is_err() {
+                            return;
                         }
                     }
-                    changed = async { rx.wait_for(|r| r.status.is_final()).await.map(|r| r.clone()) } => {
-                        let Ok(record) = changed else { return };
-                        while let Ok(WorkerEvent::Output { stream, data }) = events_rx.try_recv() {
-                            let chunk = pb::OutputChunk { stream: stream.to_owned(), data: String::from_utf8_lossy(&data).into_owned() };
-                            let _ = out_tx.send(Ok(pb::CallEvent { event: Some(Event::Output(chunk)) })).await;
-                        }
-                        let completed = pb::CallCompleted { call: Some(call_info(&record)), result: result_block(&record) };
-                        let _ = out_tx.send(Ok(pb::CallEvent { event: Some(Event::Completed(completed)) })).await;
-                        return;
-                    }
-                    _ = out_tx.closed() => {
-                        // The client went away: cancel the call and its sandbox.
-                        gate.cancel(&call_id);
+                    Update::Event(WorkerEvent::Progress { .. }) | Update::Changed(_) => {}
+                    Update::Final(record) => {
+                        let completed = pb::CallCompleted {
+                            call: Some(call_info(&record)),
+                            result: result_block(&record),
+                        };
+                        let event = pb::CallEvent {
+                            event: Some(Event::Completed(completed)),
+                        };
+                        let _ = out_tx.send(Ok(event)).await;
                         return;
                     }
                 }

@@ -3,32 +3,34 @@
 //! Every failure is JSON `{"error": {"code", "message"}}` with a 4xx (or 503 when a
 //! dependency is down); bad input never reaches a 500.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
 use axum::body::Body;
 use axum::extract::rejection::QueryRejection;
-use axum::extract::{DefaultBodyLimit, Path, Query, Request, State};
+use axum::extract::{DefaultBodyLimit, Path, Query, State};
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
-use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{MethodRouter, get, post};
 use serde_json::{Value, json};
 
 use crate::audit::AuditQuery;
 use crate::auth::{Principal, Principals, Role, Unauthenticated};
+use crate::authn::{AuthLayer, JsonRefusal};
 use crate::budget::BudgetError;
 use crate::calls::wait_final;
 use crate::gate::Gate;
 use crate::gate::decisions::{self as approvals, DecideError};
+use crate::service::{AdmitError, Batch, CallService, OnDrop, Refused};
 use crate::store::{ApprovalQuery, ApprovalStatus, MAX_APPROVAL_PAGE, StoreError};
 use crate::wire::{self, BadRequest, CatalogFormat};
 
 #[derive(Clone)]
 pub struct HttpState {
     pub gate: Arc<Gate>,
+    /// Admission and following of calls, shared with every front door.
+    pub calls: CallService,
     pub principals: Arc<Principals>,
     /// `[agent]`, for `POST /v1/agent/runs`.
     pub agent: Arc<crate::agent::AgentConfig>,
@@ -61,15 +63,7 @@ impl ApiError {
     /// was; the description (where the token is) is always there, for the operator
     /// reading a client's log.
     pub(crate) fn unauthenticated(why: Unauthenticated, hint: &'static str) -> Self {
-        let message = match why {
-            Unauthenticated::Missing => {
-                format!("missing Authorization: Bearer <token> header; {hint}")
-            }
-            Unauthenticated::NotBearer => {
-                format!("the Authorization header must use the Bearer scheme; {hint}")
-            }
-            Unauthenticated::InvalidToken => format!("the bearer token is not valid; {hint}"),
-        };
+        let message = crate::authn::message(why, hint);
         let error = match why {
             Unauthenticated::Missing => "",
             Unauthenticated::NotBearer | Unauthenticated::InvalidToken => {
@@ -178,7 +172,7 @@ pub fn router(state: HttpState) -> Router {
         .fold(Router::new(), |router, (path, handler)| {
             router.route(path, handler)
         })
-        .route_layer(middleware::from_fn_with_state(state.clone(), authenticate));
+        .route_layer(AuthLayer::new(state.principals.clone(), JsonRefusal));
     Router::new()
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
@@ -189,39 +183,6 @@ pub fn router(state: HttpState) -> Router {
         // Bodies are read with an explicit cap in the handlers, answering 413 as JSON.
         .layer(DefaultBodyLimit::disable())
         .with_state(state)
-}
-
-async fn authenticate(
-    State(state): State<HttpState>,
-    mut request: Request,
-    next: Next,
-) -> Response {
-    match authenticated_principal(&state, request.headers()) {
-        Ok(principal) => {
-            request.extensions_mut().insert(principal);
-            next.run(request).await
-        }
-        Err(e) => e.into_response(),
-    }
-}
-
-/// The principal of a request's `Authorization: Bearer` header; `/v1` and `/mcp` share
-/// it, so both answer the same 401.
-pub(crate) fn authenticated_principal(
-    state: &HttpState,
-    headers: &HeaderMap,
-) -> Result<Principal, ApiError> {
-    let values: Vec<&HeaderValue> = headers.get_all(header::AUTHORIZATION).iter().collect();
-    let header = match values.as_slice() {
-        [] => None,
-        // A non-UTF-8 or repeated header is a credential that cannot be right.
-        [one] => Some(one.to_str().unwrap_or_default()),
-        _ => Some(""),
-    };
-    state
-        .principals
-        .authenticate_header(header)
-        .map_err(|why| ApiError::unauthenticated(why, state.principals.token_hint()))
 }
 
 async fn not_found() -> ApiError {
@@ -260,23 +221,132 @@ async fn openapi() -> axum::Json<Value> {
     axum::Json(crate::openapi::document())
 }
 
-fn query(
-    q: Result<Query<HashMap<String, String>>, QueryRejection>,
-) -> Result<HashMap<String, String>, ApiError> {
+/// A route's query string, as the struct that names its keys.
+fn query<T>(q: Result<Query<T>, QueryRejection>) -> Result<T, ApiError> {
     q.map(|Query(q)| q)
         .map_err(|e| ApiError::bad_request(format!("malformed query string: {e}")))
+}
+
+/// `GET /v1/tools`.
+#[derive(Debug, Default, serde::Deserialize)]
+struct ToolsQuery {
+    format: Option<String>,
+    strict: Option<String>,
+}
+
+/// `POST /v1/tool_calls`.
+#[derive(Debug, Default, serde::Deserialize)]
+struct ToolCallsQuery {
+    stream: Option<String>,
+}
+
+impl ToolCallsQuery {
+    fn stream(&self) -> Result<bool, ApiError> {
+        match self.stream.as_deref() {
+            None | Some("false") | Some("0") => Ok(false),
+            Some("true") | Some("1") => Ok(true),
+            Some(_) => Err(ApiError::bad_request("stream must be true or false")),
+        }
+    }
+}
+
+/// `GET /v1/calls/{call_id}`.
+#[derive(Debug, Default, serde::Deserialize)]
+struct CallQuery {
+    wait_ms: Option<String>,
+}
+
+impl CallQuery {
+    /// How long to wait for the call to end, capped like every wait.
+    fn wait(&self) -> Result<Duration, ApiError> {
+        let ms = match self.wait_ms.as_deref() {
+            None => 0,
+            Some(v) => v.parse::<u64>().map_err(|_| {
+                ApiError::bad_request("wait_ms must be a non-negative integer (milliseconds)")
+            })?,
+        };
+        Ok(Duration::from_millis(ms.min(wire::MAX_WAIT_MS)))
+    }
+}
+
+/// `GET /v1/approvals`.
+#[derive(Debug, Default, serde::Deserialize)]
+struct ApprovalsQuery {
+    status: Option<String>,
+    limit: Option<String>,
+    after: Option<String>,
+}
+
+impl ApprovalsQuery {
+    fn into_store_query(self) -> Result<ApprovalQuery, ApiError> {
+        let status = match self.status.as_deref() {
+            None | Some("") | Some("all") => None,
+            Some(s) => Some(s.parse::<ApprovalStatus>().map_err(|_| {
+                ApiError::bad_request("status must be one of pending, approved, denied, expired")
+            })?),
+        };
+        let limit = match self.limit.as_deref() {
+            None | Some("") => 0,
+            Some(v) => v.parse::<usize>().map_err(|_| {
+                ApiError::bad_request(format!(
+                    "limit must be a non-negative integer (at most {MAX_APPROVAL_PAGE} are listed per page)"
+                ))
+            })?,
+        };
+        let after = match self.after.as_deref() {
+            None | Some("") => None,
+            Some(cursor) => Some(approval_cursor(cursor)?),
+        };
+        Ok(ApprovalQuery {
+            status,
+            after,
+            limit,
+            ..ApprovalQuery::default()
+        })
+    }
+}
+
+/// `GET /v1/audit`.
+#[derive(Debug, Default, serde::Deserialize)]
+struct AuditParams {
+    session_id: Option<String>,
+    call_id: Option<String>,
+    after: Option<String>,
+    limit: Option<String>,
+    latest: Option<String>,
+}
+
+impl AuditParams {
+    fn into_store_query(self) -> Result<AuditQuery, ApiError> {
+        let number = |key: &str, value: Option<&str>| -> Result<Option<u64>, ApiError> {
+            value
+                .map(|v| {
+                    v.parse::<u64>().map_err(|_| {
+                        ApiError::bad_request(format!("{key} must be a non-negative integer"))
+                    })
+                })
+                .transpose()
+        };
+        Ok(AuditQuery {
+            after: number("after", self.after.as_deref())?,
+            limit: number("limit", self.limit.as_deref())?.unwrap_or(0) as usize,
+            latest: self
+                .latest
+                .as_deref()
+                .is_some_and(|v| v == "true" || v == "1"),
+            session_id: self.session_id,
+            call_id: self.call_id,
+        })
+    }
 }
 
 async fn list_tools(
     State(state): State<HttpState>,
     axum::Extension(principal): axum::Extension<Principal>,
-    q: Result<Query<HashMap<String, String>>, QueryRejection>,
+    q: Result<Query<ToolsQuery>, QueryRejection>,
 ) -> Result<axum::Json<Value>, ApiError> {
     let q = query(q)?;
-    let format = CatalogFormat::from_query(
-        q.get("format").map(String::as_str),
-        q.get("strict").map(String::as_str),
-    )?;
+    let format = CatalogFormat::from_query(q.format.as_deref(), q.strict.as_deref())?;
     let tools: Vec<Value> = state
         .gate
         .visible_tools(&principal)
@@ -306,59 +376,65 @@ pub(crate) async fn read_json(
 async fn tool_calls(
     State(state): State<HttpState>,
     axum::Extension(principal): axum::Extension<Principal>,
-    q: Result<Query<HashMap<String, String>>, QueryRejection>,
+    q: Result<Query<ToolCallsQuery>, QueryRejection>,
     headers: HeaderMap,
     body: Body,
 ) -> Result<Response, Rejection> {
     require_role(&principal, Role::Agent)?;
-    let stream = match query(q)?.get("stream").map(String::as_str) {
-        None | Some("false") | Some("0") => false,
-        Some("true") | Some("1") => true,
-        Some(_) => return Err(ApiError::bad_request("stream must be true or false").into()),
-    };
+    let stream = query(q)?.stream()?;
     let gate = &state.gate;
     let body = read_json(&headers, body, gate.limits().max_request_bytes).await?;
     let request = wire::parse_tool_calls(&body, gate.limits().max_tool_uses_per_request)?;
-    let wanted = u32::try_from(request.calls.len()).unwrap_or(u32::MAX);
-    if let Err(e @ BudgetError::RateLimited { retry_after_s, .. }) =
-        gate.take_rate(&principal.name, wanted)
-    {
-        let mut response =
-            ApiError::new(StatusCode::TOO_MANY_REQUESTS, "rate_limited", e.to_string())
-                .into_response();
-        if let Ok(value) = HeaderValue::from_str(&retry_after_s.to_string()) {
-            response.headers_mut().insert(header::RETRY_AFTER, value);
-        }
-        return Err(Rejection::Response(response));
-    }
-    let session_named = request.session_id.is_some();
-    let session = request
-        .session_id
-        .clone()
-        .unwrap_or_else(airlock_policy::SessionId::default_session);
     let wait = wire::wait_for(request.wait_ms, gate.default_wait());
-
-    if stream {
-        return Ok(crate::streaming::tool_calls(
-            gate.clone(),
-            &principal,
-            &session,
-            session_named,
-            request.calls,
-        )
-        .into_response());
-    }
-    let receivers: Vec<_> = request
+    let shape = request.shape;
+    let batch = Batch {
+        session: request.session_id,
+        calls: request
+            .calls
+            .into_iter()
+            .map(|call| call.into_tool_use().map_err(Refused::from))
+            .collect(),
+        with_events: stream,
+        // A streamed call ends with its stream; an answered one keeps running after
+        // `wait_ms`, its result at GET /v1/calls/{id}.
+        on_drop: if stream {
+            OnDrop::Cancel
+        } else {
+            OnDrop::KeepRunning
+        },
+    };
+    let handles = state
         .calls
-        .into_iter()
-        .map(|call| match call.into_tool_use() {
-            Ok(tool_use) => gate.submit(&principal, &session, session_named, tool_use, None),
-            Err((id, name, message)) => gate.reject(&principal, id, name, message),
-        })
-        .collect();
-    let records =
-        futures::future::join_all(receivers.into_iter().map(|rx| wait_final(rx, wait))).await;
-    Ok(axum::Json(wire::tool_calls_response(request.shape, &records)).into_response())
+        .admit(&principal, batch)
+        .map_err(admit_rejection)?;
+    if stream {
+        return Ok(crate::streaming::tool_calls(handles).into_response());
+    }
+    let records = futures::future::join_all(handles.iter().map(|h| h.wait_final(wait))).await;
+    Ok(axum::Json(wire::tool_calls_response(shape, &records)).into_response())
+}
+
+/// A batch the call service did not admit, as HTTP says it: 403, or 429 with
+/// `Retry-After`.
+fn admit_rejection(error: AdmitError) -> Rejection {
+    match error {
+        AdmitError::NotAnAgent { principal } => Rejection::Api(forbidden(&principal, Role::Agent)),
+        AdmitError::RateLimited(e) => {
+            let retry_after_s = match e {
+                BudgetError::RateLimited { retry_after_s, .. } => Some(retry_after_s),
+                _ => None,
+            };
+            let mut response =
+                ApiError::new(StatusCode::TOO_MANY_REQUESTS, "rate_limited", e.to_string())
+                    .into_response();
+            if let Some(value) =
+                retry_after_s.and_then(|s| HeaderValue::from_str(&s.to_string()).ok())
+            {
+                response.headers_mut().insert(header::RETRY_AFTER, value);
+            }
+            Rejection::Response(response)
+        }
+    }
 }
 
 /// An error that is either the usual JSON error or a prepared response (429 with
@@ -393,33 +469,30 @@ pub(crate) fn require_role(principal: &Principal, role: Role) -> Result<(), ApiE
     if principal.has(role) {
         return Ok(());
     }
-    Err(ApiError::new(
+    Err(forbidden(&principal.name, role))
+}
+
+fn forbidden(principal: &str, role: Role) -> ApiError {
+    ApiError::new(
         StatusCode::FORBIDDEN,
         "forbidden",
-        format!("principal {:?} lacks the {role:?} role", principal.name).to_lowercase(),
-    ))
+        format!("principal {principal:?} lacks the {role:?} role").to_lowercase(),
+    )
 }
 
 async fn get_call(
     State(state): State<HttpState>,
     axum::Extension(principal): axum::Extension<Principal>,
     Path(call_id): Path<String>,
-    q: Result<Query<HashMap<String, String>>, QueryRejection>,
+    q: Result<Query<CallQuery>, QueryRejection>,
 ) -> Result<axum::Json<Value>, ApiError> {
-    let q = query(q)?;
-    let wait_ms = match q.get("wait_ms") {
-        None => 0,
-        Some(v) => v.parse::<u64>().map_err(|_| {
-            ApiError::bad_request("wait_ms must be a non-negative integer (milliseconds)")
-        })?,
-    }
-    .min(wire::MAX_WAIT_MS);
+    let wait = query(q)?.wait()?;
     if let Some(rx) = visible_call(&state, &principal, &call_id)? {
-        let record = wait_final(rx, Duration::from_millis(wait_ms)).await;
+        let record = wait_final(rx, wait).await;
         return Ok(axum::Json(wire::call_detail(&record)));
     }
     // Not in this replica's memory: another replica's call, or one from before a restart.
-    let deadline = tokio::time::Instant::now() + Duration::from_millis(wait_ms);
+    let deadline = tokio::time::Instant::now() + wait;
     loop {
         let record = stored_call(&state, &principal, &call_id).await?;
         if record.status.is_final() || tokio::time::Instant::now() >= deadline {
@@ -487,34 +560,10 @@ fn visible_call(
 async fn list_approvals(
     State(state): State<HttpState>,
     axum::Extension(principal): axum::Extension<Principal>,
-    q: Result<Query<HashMap<String, String>>, QueryRejection>,
+    q: Result<Query<ApprovalsQuery>, QueryRejection>,
 ) -> Result<axum::Json<Value>, ApiError> {
     require_role(&principal, Role::Approver)?;
-    let q = query(q)?;
-    let status = match q.get("status").map(String::as_str) {
-        None | Some("") | Some("all") => None,
-        Some(s) => Some(s.parse::<ApprovalStatus>().map_err(|_| {
-            ApiError::bad_request("status must be one of pending, approved, denied, expired")
-        })?),
-    };
-    let limit = match q.get("limit").map(String::as_str) {
-        None | Some("") => 0,
-        Some(v) => v.parse::<usize>().map_err(|_| {
-            ApiError::bad_request(format!(
-                "limit must be a non-negative integer (at most {MAX_APPROVAL_PAGE} are listed per page)"
-            ))
-        })?,
-    };
-    let after = match q.get("after").map(String::as_str) {
-        None | Some("") => None,
-        Some(cursor) => Some(approval_cursor(cursor)?),
-    };
-    let query = ApprovalQuery {
-        status,
-        after,
-        limit,
-        ..ApprovalQuery::default()
-    };
+    let query = query(q)?.into_store_query()?;
     let page = approvals::list(&state.gate, &query)
         .await
         .map_err(|e| match e {
@@ -628,26 +677,10 @@ fn store_error(e: crate::store::StoreError) -> ApiError {
 async fn read_audit(
     State(state): State<HttpState>,
     axum::Extension(principal): axum::Extension<Principal>,
-    q: Result<Query<HashMap<String, String>>, QueryRejection>,
+    q: Result<Query<AuditParams>, QueryRejection>,
 ) -> Result<axum::Json<Value>, ApiError> {
     require_role(&principal, Role::Admin)?;
-    let q = query(q)?;
-    let number = |key: &str| -> Result<Option<u64>, ApiError> {
-        q.get(key)
-            .map(|v| {
-                v.parse::<u64>().map_err(|_| {
-                    ApiError::bad_request(format!("{key} must be a non-negative integer"))
-                })
-            })
-            .transpose()
-    };
-    let audit_query = AuditQuery {
-        session_id: q.get("session_id").cloned(),
-        call_id: q.get("call_id").cloned(),
-        after: number("after")?,
-        limit: number("limit")?.unwrap_or(0) as usize,
-        latest: q.get("latest").is_some_and(|v| v == "true" || v == "1"),
-    };
+    let audit_query = query(q)?.into_store_query()?;
     let events = state
         .gate
         .audit_events(audit_query)

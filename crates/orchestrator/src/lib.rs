@@ -8,6 +8,7 @@
 pub mod agent;
 pub mod audit;
 pub mod auth;
+mod authn;
 pub(crate) mod body;
 mod budget;
 mod cache;
@@ -22,6 +23,7 @@ mod http_api;
 mod mcp;
 mod openapi;
 mod server;
+mod service;
 pub mod store;
 mod streaming;
 mod strict;

@@ -70,13 +70,14 @@ use rmcp::transport::streamable_http_server::session::never::NeverSessionManager
 use rmcp::transport::streamable_http_server::{StreamableHttpServerConfig, StreamableHttpService};
 use rmcp::{ErrorData as McpError, RoleServer, ServerHandler};
 use serde_json::{Value, json};
-use tokio::sync::mpsc;
 
-use crate::auth::{Principal, Role};
+use crate::auth::Principal;
+use crate::authn::{AuthLayer, JsonRefusal};
 use crate::calls::CallRecord;
 use crate::dispatch::WorkerEvent;
 use crate::gate::ToolUse;
 use crate::http_api::{ApiError, HttpState};
+use crate::service::{AdmitError, Batch, OnDrop, Update};
 use crate::wire::{self, CatalogFormat};
 
 /// The path of the MCP endpoint.
@@ -87,8 +88,6 @@ pub const ALLOWED_ORIGINS_ENV: &str = "AIRLOCK_MCP_ALLOWED_ORIGINS";
 const KEEP_ALIVE: Duration = Duration::from_secs(5);
 /// Longest text of one progress notification.
 const MAX_PROGRESS_MESSAGE: usize = 8 * 1024;
-/// Worker events buffered between the gate and the response stream.
-const EVENT_BUFFER: usize = 64;
 
 /// The `/mcp` routes, with their own Origin check and authentication.
 pub fn router<S>(state: HttpState) -> Router<S>
@@ -120,9 +119,27 @@ where
         origins,
         max_body,
     };
+    let principals = guard.state.principals.clone();
+    let origins = guard.origins.clone();
+    // Outermost first: the origin check, authentication, then the session and
+    // `notifications/cancelled`.
     Router::new()
         .route_service(PATH, service)
         .layer(middleware::from_fn_with_state(guard, check_request))
+        .layer(AuthLayer::new(principals, JsonRefusal))
+        .layer(middleware::from_fn_with_state(origins, check_origin))
+}
+
+/// Refuses a browser request from an origin that is not allowed, before anything else.
+async fn check_origin(
+    State(origins): State<Arc<AllowedOrigins>>,
+    request: Request,
+    next: Next,
+) -> Response {
+    if let Err(e) = origins.check(request.headers()) {
+        return e.into_response();
+    }
+    next.run(request).await
 }
 
 /// What the request guard needs.
@@ -141,16 +158,18 @@ struct ChosenSession {
     named: bool,
 }
 
-/// Origin check, authentication, session choice, and `notifications/cancelled`.
+/// Session choice and `notifications/cancelled`, for an authenticated request.
 async fn check_request(State(guard): State<Guard>, request: Request, next: Next) -> Response {
-    if let Err(e) = guard.origins.check(request.headers()) {
-        return e.into_response();
-    }
-    let principal = match authenticate(&guard.state, request.headers()) {
-        Ok(p) => p,
-        Err(e) => return e.into_response(),
+    let Some(principal) = request.extensions().get::<Principal>().cloned() else {
+        // Fail closed: the route is always wrapped in the authentication layer.
+        return ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+            "the request reached /mcp without authentication",
+        )
+        .into_response();
     };
-    let chosen = match session_from_query(request.uri().query()) {
+    let chosen = match session_from_query(request.uri()) {
         Ok(c) => c,
         Err(e) => return e.into_response(),
     };
@@ -176,21 +195,22 @@ async fn check_request(State(guard): State<Guard>, request: Request, next: Next)
     next.run(Request::from_parts(parts, body)).await
 }
 
-fn authenticate(state: &HttpState, headers: &HeaderMap) -> Result<Principal, ApiError> {
-    crate::http_api::authenticated_principal(state, headers)
+/// `/mcp?session_id=`.
+#[derive(Debug, Default, serde::Deserialize)]
+struct SessionQuery {
+    session_id: Option<String>,
 }
 
-fn session_from_query(query: Option<&str>) -> Result<ChosenSession, ApiError> {
-    let pairs: HashMap<String, String> = match query {
-        None => HashMap::new(),
-        Some(q) => serde_urlencoded_pairs(q),
-    };
-    match pairs.get("session_id").filter(|s| !s.is_empty()) {
+fn session_from_query(uri: &axum::http::Uri) -> Result<ChosenSession, ApiError> {
+    let query = axum::extract::Query::<SessionQuery>::try_from_uri(uri)
+        .map(|q| q.0)
+        .map_err(|e| ApiError::bad_request(format!("malformed query string: {e}")))?;
+    match query.session_id.filter(|s| !s.is_empty()) {
         None => Ok(ChosenSession {
             session: SessionId::default_session(),
             named: false,
         }),
-        Some(s) => SessionId::parse(s)
+        Some(s) => SessionId::parse(&s)
             .map(|session| ChosenSession {
                 session,
                 named: true,
@@ -203,19 +223,6 @@ fn session_from_query(query: Option<&str>) -> Result<ChosenSession, ApiError> {
                 )
             }),
     }
-}
-
-/// `a=b&c=d` with percent-decoding, through axum's query extractor machinery.
-fn serde_urlencoded_pairs(query: &str) -> HashMap<String, String> {
-    let uri = format!("/?{query}");
-    uri.parse::<axum::http::Uri>()
-        .ok()
-        .and_then(|uri| {
-            axum::extract::Query::<HashMap<String, String>>::try_from_uri(&uri)
-                .ok()
-                .map(|q| q.0)
-        })
-        .unwrap_or_default()
 }
 
 /// The `requestId`s of the `notifications/cancelled` messages in a POST body (one
@@ -432,15 +439,6 @@ impl AirlockMcp {
         context: RequestContext<RoleServer>,
     ) -> CallToolResult {
         let gate = &self.state.gate;
-        if !principal.has(Role::Agent) {
-            return error_result(format!(
-                "principal {:?} lacks the agent role and may not call tools",
-                principal.name
-            ));
-        }
-        if let Err(e) = gate.take_rate(&principal.name, 1) {
-            return error_result(e.to_string());
-        }
         let request_id = request_id_text(&context.id);
         let progress_token = context
             .meta
@@ -454,15 +452,27 @@ impl AirlockMcp {
             name: request.name.to_string(),
             input: Value::Object(request.arguments.unwrap_or_default()),
         };
-        let (events_tx, events_rx) = mpsc::channel(EVENT_BUFFER);
-        let mut rx = gate.submit(
-            &principal,
-            &chosen.session,
-            chosen.named,
-            tool_use,
-            Some(events_tx),
-        );
-        let call_id = rx.borrow().call_id.clone();
+        let batch = Batch {
+            session: chosen.named.then_some(chosen.session),
+            calls: vec![Ok(tool_use)],
+            with_events: true,
+            // The answer may come before the end (a call held for approval): the call
+            // goes on, and only the client's `notifications/cancelled` stops it.
+            on_drop: OnDrop::KeepRunning,
+        };
+        let mut handle = match self.state.calls.admit(&principal, batch) {
+            Ok(mut handles) => match handles.pop() {
+                Some(handle) => handle,
+                None => return error_result("the call was not admitted"),
+            },
+            Err(AdmitError::NotAnAgent { principal }) => {
+                return error_result(format!(
+                    "principal {principal:?} lacks the agent role and may not call tools"
+                ));
+            }
+            Err(AdmitError::RateLimited(e)) => return error_result(e.to_string()),
+        };
+        let call_id = handle.call_id().to_owned();
         let _registered = self
             .inflight
             .register(&principal.name, request_id, &call_id);
@@ -475,54 +485,22 @@ impl AirlockMcp {
         let hard_limit = tokio::time::Instant::now()
             + Duration::from_millis(wire::MAX_WAIT_MS)
             + Duration::from_millis(gate.limits().max_call_timeout_ms);
-        let mut events = Some(events_rx);
         let mut pending_since: Option<tokio::time::Instant> = None;
         loop {
-            let record = rx.borrow_and_update().clone();
-            if record.status.is_final() {
-                // Events sent before the result are already queued: deliver them first.
-                if let Some(events) = events.as_mut() {
-                    while let Ok(event) = events.try_recv() {
-                        progress.worker_event(event).await;
-                    }
-                }
-                return final_result(&record);
-            }
-            if record.status == CallStatus::PendingApproval && pending_since.is_none() {
-                pending_since = Some(tokio::time::Instant::now());
-                if let Some(approval) = &record.approval_id {
-                    progress
-                        .send(
-                            None,
-                            format!(
-                                "waiting for approval {approval}; an approver can run `airlock approvals approve {approval}`"
-                            ),
-                        )
-                        .await;
-                }
-            }
             let deadline = match pending_since {
-                Some(since) if record.status == CallStatus::PendingApproval => {
+                Some(since) if handle.record().status == CallStatus::PendingApproval => {
                     (since + approval_wait).min(hard_limit)
                 }
                 _ => hard_limit,
             };
-            tokio::select! {
-                changed = rx.changed() => {
-                    if changed.is_err() {
-                        return final_result(&rx.borrow().clone());
-                    }
-                }
-                event = recv(&mut events) => match event {
-                    Some(event) => progress.worker_event(event).await,
-                    None => events = None,
-                },
+            let update = tokio::select! {
+                update = handle.next() => update,
                 () = context.ct.cancelled() => {
-                    gate.cancel(&call_id);
+                    handle.cancel();
                     return error_result(format!("call {call_id} was cancelled by the client"));
                 }
                 () = tokio::time::sleep_until(deadline) => {
-                    let record = rx.borrow().clone();
+                    let record = handle.record();
                     return match (record.status, &record.approval_id) {
                         (CallStatus::PendingApproval, Some(approval)) => with_meta(error_result(format!(
                             "call {call_id} is waiting for approval {approval}, which nobody has decided yet. \
@@ -536,16 +514,27 @@ impl AirlockMcp {
                         )), &record),
                     };
                 }
+            };
+            match update {
+                Update::Event(event) => progress.worker_event(event).await,
+                Update::Changed(record) => {
+                    if record.status == CallStatus::PendingApproval && pending_since.is_none() {
+                        pending_since = Some(tokio::time::Instant::now());
+                        if let Some(approval) = &record.approval_id {
+                            progress
+                                .send(
+                                    None,
+                                    format!(
+                                        "waiting for approval {approval}; an approver can run `airlock approvals approve {approval}`"
+                                    ),
+                                )
+                                .await;
+                        }
+                    }
+                }
+                Update::Final(record) => return final_result(&record),
             }
         }
-    }
-}
-
-/// Receives from an optional channel; pending forever once it is closed.
-async fn recv(events: &mut Option<mpsc::Receiver<WorkerEvent>>) -> Option<WorkerEvent> {
-    match events {
-        Some(rx) => rx.recv().await,
-        None => std::future::pending().await,
     }
 }
 
@@ -761,13 +750,16 @@ mod tests {
 
     #[test]
     fn session_comes_from_the_query_string() {
-        let c = session_from_query(Some("session_id=work-1")).unwrap();
+        let uri = |text: &str| text.parse::<axum::http::Uri>().unwrap();
+        let c = session_from_query(&uri("/mcp?session_id=work-1")).unwrap();
         assert!(c.named);
         assert_eq!(c.session.as_str(), "work-1");
-        let c = session_from_query(None).unwrap();
+        let c = session_from_query(&uri("/mcp")).unwrap();
         assert!(!c.named);
         assert_eq!(c.session.as_str(), "default");
-        assert!(session_from_query(Some("session_id=..%2Fx")).is_err());
+        assert!(session_from_query(&uri("/mcp?session_id=..%2Fx")).is_err());
+        // Two sessions named at once is a malformed request, not a choice of one.
+        assert!(session_from_query(&uri("/mcp?session_id=a&session_id=b")).is_err());
     }
 
     #[test]

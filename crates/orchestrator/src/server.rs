@@ -11,6 +11,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::audit::{AuditKind, NewAuditEvent};
 use crate::auth::{AuthError, Principals};
+use crate::authn::{AuthLayer, GrpcRefusal};
 use crate::budget::Budgets;
 use crate::cache::ResultCache;
 use crate::catalog::{Catalog, CatalogError};
@@ -19,7 +20,9 @@ use crate::connections::{self, ConnectionLimits};
 use crate::gate::{Gate, GateParts};
 use crate::grpc_api::GrpcFrontDoor;
 use crate::http_api::{self, HttpState};
+use crate::service::CallService;
 use airlock_policy::authz::{Authorizer, PolicyError};
+use tower::Layer;
 
 /// Largest gRPC message the orchestrator sends (a page of approvals, a call's results);
 /// what it accepts is `[limits] max_request_bytes`, like the HTTP body cap.
@@ -177,7 +180,7 @@ impl Orchestrator {
         let agent = Arc::new(config.agent.clone());
         let front_door = GrpcFrontDoor {
             gate: gate.clone(),
-            principals: prepared.principals.clone(),
+            calls: CallService::new(gate.clone()),
             agent: agent.clone(),
         };
         let max_request = usize::try_from(config.limits.max_request_bytes).unwrap_or(usize::MAX);
@@ -191,12 +194,15 @@ impl Orchestrator {
             .add_service(reflection_v1)
             .add_service(reflection_v1alpha)
             .add_service(
-                OrchestratorServer::new(front_door)
-                    .max_decoding_message_size(max_request)
-                    .max_encoding_message_size(MAX_GRPC_MESSAGE_BYTES),
+                AuthLayer::new(prepared.principals.clone(), GrpcRefusal).layer(
+                    OrchestratorServer::new(front_door)
+                        .max_decoding_message_size(max_request)
+                        .max_encoding_message_size(MAX_GRPC_MESSAGE_BYTES),
+                ),
             );
         let http_router = http_api::router(HttpState {
             gate: gate.clone(),
+            calls: CallService::new(gate.clone()),
             principals: prepared.principals,
             agent,
         });

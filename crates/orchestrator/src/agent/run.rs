@@ -27,7 +27,7 @@ use airlock_policy::{CallStatus, SessionId};
 use http::header::{HeaderName, HeaderValue};
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
-use tokio::sync::{mpsc, watch};
+use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 use super::client::{ClientError, HttpClient};
@@ -38,8 +38,8 @@ use super::{
 };
 use crate::audit::{AuditKind, NewAuditEvent};
 use crate::auth::Principal;
-use crate::calls::{CallRecord, wait_final};
 use crate::gate::{Gate, ToolUse};
+use crate::service::{Batch, CallHandle, CallService, OnDrop, Refused, Update};
 
 /// Largest response (streamed or not) read from the provider.
 const MAX_RESPONSE_BYTES: usize = 64 * 1024 * 1024;
@@ -509,51 +509,42 @@ impl Run {
             }
             self.emit("tool.call", data).await;
         }
-        let wanted = u32::try_from(uses.len()).unwrap_or(u32::MAX);
-        let rate = self
-            .gate
-            .take_rate(&self.principal.name, wanted)
-            .map_err(|e| e.to_string());
-        let receivers: Vec<watch::Receiver<CallRecord>> = uses
-            .iter()
-            .map(|u| match (&rate, &u.input) {
-                (Err(message), _) | (Ok(()), Err(message)) => self.gate.reject(
-                    &self.principal,
-                    u.id.clone(),
-                    u.name.clone(),
-                    message.clone(),
-                ),
-                (Ok(()), Ok(input)) => self.gate.submit(
-                    &self.principal,
-                    &self.session,
-                    self.session_named,
-                    ToolUse {
+        let batch = || Batch {
+            session: self.session_named.then(|| self.session.clone()),
+            calls: uses
+                .iter()
+                .map(|u| match &u.input {
+                    Ok(input) => Ok(ToolUse {
                         id: u.id.clone(),
                         name: u.name.clone(),
                         input: input.clone(),
-                    },
-                    None,
-                ),
-            })
-            .collect();
-        let call_ids: Vec<String> = receivers
-            .iter()
-            .map(|rx| rx.borrow().call_id.clone())
-            .collect();
+                    }),
+                    Err(message) => Err(Refused {
+                        id: u.id.clone(),
+                        name: u.name.clone(),
+                        message: message.clone(),
+                    }),
+                })
+                .collect(),
+            with_events: false,
+            // The run is the calls' only follower: when it stops, they stop.
+            on_drop: OnDrop::Cancel,
+        };
+        let service = CallService::new(self.gate.clone());
+        // A refused batch is answered call by call, so that the model reads why.
+        let handles = service
+            .admit(&self.principal, batch())
+            .unwrap_or_else(|e| service.refuse(&self.principal, batch(), &e.to_string()));
         let wait = Duration::from_secs(self.resolved.config.tool_wait_seconds)
             .min(self.deadline.saturating_duration_since(Instant::now()));
-        let waits = receivers
+        let waits = handles
             .into_iter()
             .zip(&uses)
-            .map(|(rx, u)| self.await_call(rx, u, wait));
+            .map(|(handle, u)| self.await_call(handle, u, wait));
         tokio::select! {
             biased;
-            _ = self.events.closed() => {
-                for call_id in &call_ids {
-                    self.gate.cancel(call_id);
-                }
-                Err(Ending::Cancelled)
-            }
+            // Dropping the calls' handles cancels those still running.
+            _ = self.events.closed() => Err(Ending::Cancelled),
             results = futures::future::join_all(waits) => Ok(results),
         }
     }
@@ -562,40 +553,37 @@ impl Run {
     /// after `wait` is withdrawn and answered with an error.
     async fn await_call(
         &self,
-        mut rx: watch::Receiver<CallRecord>,
+        mut handle: CallHandle,
         proposed: &ProposedUse,
         wait: Duration,
     ) -> (String, bool, Vec<String>) {
         let until = Instant::now() + wait;
         let mut announced = false;
         let mut record = loop {
-            let (done, pending) = {
-                let r = rx.borrow_and_update();
-                let pending = (r.status == CallStatus::PendingApproval)
-                    .then(|| (r.call_id.clone(), r.approval_id.clone()));
-                (r.status.is_final().then(|| r.clone()), pending)
+            let update = tokio::select! {
+                update = handle.next() => update,
+                _ = tokio::time::sleep_until(until) => break handle.record(),
             };
-            if let Some(record) = done {
-                break record;
-            }
-            if let (Some((call_id, approval_id)), false) = (pending, announced) {
-                announced = true;
-                self.emit(
-                    "tool.pending_approval",
-                    json!({"id": proposed.id, "name": proposed.name, "call_id": call_id, "approval_id": approval_id}),
-                )
-                .await;
-            }
-            tokio::select! {
-                changed = rx.changed() => if changed.is_err() { break rx.borrow().clone() },
-                _ = tokio::time::sleep_until(until) => break rx.borrow().clone(),
+            match update {
+                Update::Final(record) => break record,
+                Update::Changed(record)
+                    if record.status == CallStatus::PendingApproval && !announced =>
+                {
+                    announced = true;
+                    self.emit(
+                        "tool.pending_approval",
+                        json!({"id": proposed.id, "name": proposed.name, "call_id": record.call_id, "approval_id": record.approval_id}),
+                    )
+                    .await;
+                }
+                Update::Changed(_) | Update::Event(_) => {}
             }
         };
         let mut withdrawn = None;
         if !record.status.is_final() {
             withdrawn = Some(record.status);
-            self.gate.cancel(&record.call_id);
-            record = wait_final(rx, SETTLE).await;
+            handle.cancel();
+            record = handle.wait_final(SETTLE).await;
         }
         let (is_error, mut texts) = match (&record.result, record.status.is_final()) {
             (Some(outcome), true) => (outcome.is_error, outcome.content.clone()),
