@@ -15,8 +15,8 @@ use std::time::Duration;
 
 use airlock_orchestrator::audit::{AuditKind, GENESIS_HASH, chain_hash};
 use airlock_orchestrator::store::{
-    self, ApprovalPage, ApprovalQuery, ApprovalStatus, AuditQuery, CallOutcome, CallState,
-    NewApproval, NewAuditEvent, NewCall, Store, StoreError, Timestamp, now_millis,
+    self, ApprovalId, ApprovalPage, ApprovalQuery, ApprovalStatus, AuditQuery, CallId, CallOutcome,
+    CallState, NewApproval, NewAuditEvent, NewCall, Store, StoreError, Timestamp, now_millis,
 };
 use airlock_policy::CallStatus;
 use serde_json::json;
@@ -163,9 +163,17 @@ async fn append_n(store: &Arc<dyn Store>, n: usize) {
     }
 }
 
+fn cid(id: impl Into<CallId>) -> CallId {
+    id.into()
+}
+
+fn aid(id: impl Into<ApprovalId>) -> ApprovalId {
+    id.into()
+}
+
 fn new_call(call_id: &str, state: CallState) -> NewCall {
     NewCall {
-        call_id: call_id.to_owned(),
+        call_id: cid(call_id),
         tool_use_id: format!("toolu_{call_id}"),
         tool: "write_file".to_owned(),
         input: json!({"path": "notes.txt", "content": "hello", "token": "s3cret"}),
@@ -179,7 +187,7 @@ fn new_call(call_id: &str, state: CallState) -> NewCall {
 fn new_approval(approval_id: &str, call_id: &str, expires_in_ms: i64) -> NewApproval {
     let now = now_millis();
     NewApproval {
-        approval_id: approval_id.to_owned(),
+        approval_id: aid(approval_id),
         call: new_call(call_id, CallState::PendingApproval),
         created_at: now,
         expires_at: now + expires_in_ms,
@@ -212,7 +220,7 @@ fn approval_at(approval_id: &str, created_at: Timestamp, content: String) -> New
     call.input = json!({"path": format!("{approval_id}.txt"), "content": content});
     call.created_at = created_at;
     NewApproval {
-        approval_id: approval_id.to_owned(),
+        approval_id: aid(approval_id),
         call,
         created_at,
         expires_at: created_at + 3_600_000,
@@ -244,7 +252,7 @@ async fn all_pages(store: &Arc<dyn Store>, mut query: ApprovalQuery) -> Vec<Appr
 fn ids(pages: &[ApprovalPage]) -> Vec<String> {
     pages
         .iter()
-        .flat_map(|p| p.approvals.iter().map(|a| a.approval_id.clone()))
+        .flat_map(|p| p.approvals.iter().map(|a| a.approval_id.to_string()))
         .collect()
 }
 
@@ -616,13 +624,13 @@ async fn approvals_decide_once(backend: Backend) {
         ["ap-1", "ap-2"]
     );
     assert_eq!(
-        store.get_call("call-1").await.unwrap().unwrap().state,
+        store.get_call(&cid("call-1")).await.unwrap().unwrap().state,
         CallState::PendingApproval
     );
 
     let now = now_millis();
     let decided = store
-        .decide_approval("ap-1", true, "bob", Some("looks fine"), now)
+        .decide_approval(&aid("ap-1"), true, "bob", Some("looks fine"), now)
         .await
         .unwrap();
     assert_eq!(decided.status, ApprovalStatus::Approved);
@@ -630,7 +638,7 @@ async fn approvals_decide_once(backend: Backend) {
     assert_eq!(decided.reason.as_deref(), Some("looks fine"));
     assert_eq!(decided.decided_at, Some(now));
     let again = store
-        .decide_approval("ap-1", false, "carol", None, now)
+        .decide_approval(&aid("ap-1"), false, "carol", None, now)
         .await;
     assert!(
         matches!(
@@ -642,28 +650,30 @@ async fn approvals_decide_once(backend: Backend) {
         ),
         "{again:?}"
     );
-    let call = store.get_call("call-1").await.unwrap().unwrap();
+    let call = store.get_call(&cid("call-1")).await.unwrap().unwrap();
     assert_eq!(call.state, CallState::Approved);
     assert_eq!(call.approval_id.as_deref(), Some("ap-1"));
 
     let denied = store
-        .decide_approval("ap-2", false, "bob", None, now)
+        .decide_approval(&aid("ap-2"), false, "bob", None, now)
         .await
         .unwrap();
     assert_eq!(denied.status, ApprovalStatus::Denied);
     assert_eq!(
-        store.get_call("call-2").await.unwrap().unwrap().state,
+        store.get_call(&cid("call-2")).await.unwrap().unwrap().state,
         CallState::Rejected
     );
     assert!(matches!(
         store
-            .claim_for_dispatch("call-2", "r1", now, now + 60_000)
+            .claim_for_dispatch(&cid("call-2"), "r1", now, now + 60_000)
             .await,
         Ok(false)
     ));
 
     assert!(matches!(
-        store.decide_approval("nope", true, "bob", None, now).await,
+        store
+            .decide_approval(&aid("nope"), true, "bob", None, now)
+            .await,
         Err(StoreError::NotFound { .. })
     ));
     assert!(
@@ -675,10 +685,15 @@ async fn approvals_decide_once(backend: Backend) {
     );
     assert_eq!(store.list_approvals(None).await.unwrap().len(), 2);
     assert_eq!(
-        store.get_approval("ap-2").await.unwrap().unwrap().status,
+        store
+            .get_approval(&aid("ap-2"))
+            .await
+            .unwrap()
+            .unwrap()
+            .status,
         ApprovalStatus::Denied
     );
-    assert!(store.get_approval("nope").await.unwrap().is_none());
+    assert!(store.get_approval(&aid("nope")).await.unwrap().is_none());
 
     // Concurrent deciders: exactly one wins.
     store
@@ -691,7 +706,7 @@ async fn approvals_decide_once(backend: Backend) {
         tasks.push(tokio::spawn(async move {
             store
                 .decide_approval(
-                    "ap-race",
+                    &aid("ap-race"),
                     i % 2 == 0,
                     &format!("approver-{i}"),
                     None,
@@ -729,19 +744,28 @@ async fn approvals_expire(backend: Backend) {
     // Deciding after the deadline fails and marks it expired.
     let late = a.expires_at.max(b.expires_at) + 1;
     assert!(matches!(
-        store.decide_approval("ap-a", true, "bob", None, late).await,
+        store
+            .decide_approval(&aid("ap-a"), true, "bob", None, late)
+            .await,
         Err(StoreError::Expired { .. })
     ));
     assert_eq!(
-        store.get_approval("ap-a").await.unwrap().unwrap().status,
+        store
+            .get_approval(&aid("ap-a"))
+            .await
+            .unwrap()
+            .unwrap()
+            .status,
         ApprovalStatus::Expired
     );
     assert_eq!(
-        store.get_call("call-a").await.unwrap().unwrap().state,
+        store.get_call(&cid("call-a")).await.unwrap().unwrap().state,
         CallState::Rejected
     );
     assert!(matches!(
-        store.decide_approval("ap-a", true, "bob", None, late).await,
+        store
+            .decide_approval(&aid("ap-a"), true, "bob", None, late)
+            .await,
         Err(StoreError::AlreadyDecided {
             status: ApprovalStatus::Expired,
             ..
@@ -769,11 +793,16 @@ async fn approvals_expire(backend: Backend) {
     );
     assert_eq!(expired[0].call_id, "call-b");
     assert_eq!(
-        store.get_approval("ap-b").await.unwrap().unwrap().status,
+        store
+            .get_approval(&aid("ap-b"))
+            .await
+            .unwrap()
+            .unwrap()
+            .status,
         ApprovalStatus::Expired
     );
     assert_eq!(
-        store.get_call("call-b").await.unwrap().unwrap().state,
+        store.get_call(&cid("call-b")).await.unwrap().unwrap().state,
         CallState::Rejected
     );
     assert_eq!(
@@ -836,7 +865,7 @@ async fn approvals_expire_in_bounded_batches_each_once(backend: Backend) {
     for i in 0..7 {
         assert_eq!(
             store
-                .get_call(&format!("call-{i}"))
+                .get_call(&cid(format!("call-{i}")))
                 .await
                 .unwrap()
                 .unwrap()
@@ -859,7 +888,7 @@ async fn claim_for_dispatch_exactly_once_under_concurrency(backend: Backend) {
         let store = Arc::clone(&store);
         tasks.push(tokio::spawn(async move {
             store
-                .claim_for_dispatch("call-1", &format!("replica-{i}"), now, lease)
+                .claim_for_dispatch(&cid("call-1"), &format!("replica-{i}"), now, lease)
                 .await
                 .unwrap()
         }));
@@ -871,7 +900,7 @@ async fn claim_for_dispatch_exactly_once_under_concurrency(backend: Backend) {
         }
     }
     assert_eq!(winners, 1);
-    let call = store.get_call("call-1").await.unwrap().unwrap();
+    let call = store.get_call(&cid("call-1")).await.unwrap().unwrap();
     assert_eq!(call.state, CallState::Dispatched);
     let holder = call.claimed_by.unwrap();
     assert_eq!(call.lease_until, Some(lease));
@@ -879,19 +908,19 @@ async fn claim_for_dispatch_exactly_once_under_concurrency(backend: Backend) {
     // A live lease cannot be taken; renewal only by its holder.
     assert!(
         !store
-            .claim_for_dispatch("call-1", "other", now + 1, lease + 1)
+            .claim_for_dispatch(&cid("call-1"), "other", now + 1, lease + 1)
             .await
             .unwrap()
     );
     assert!(
         !store
-            .renew_lease("call-1", "other", lease + 10)
+            .renew_lease(&cid("call-1"), "other", lease + 10)
             .await
             .unwrap()
     );
     assert!(
         store
-            .renew_lease("call-1", &holder, lease + 10)
+            .renew_lease(&cid("call-1"), &holder, lease + 10)
             .await
             .unwrap()
     );
@@ -902,7 +931,12 @@ async fn claim_for_dispatch_exactly_once_under_concurrency(backend: Backend) {
         let store = Arc::clone(&store);
         tasks.push(tokio::spawn(async move {
             store
-                .claim_for_dispatch("call-1", &format!("takeover-{i}"), later, later + 60_000)
+                .claim_for_dispatch(
+                    &cid("call-1"),
+                    &format!("takeover-{i}"),
+                    later,
+                    later + 60_000,
+                )
                 .await
                 .unwrap()
         }));
@@ -915,27 +949,34 @@ async fn claim_for_dispatch_exactly_once_under_concurrency(backend: Backend) {
     }
     assert_eq!(winners, 1);
 
-    assert!(store.finish_call("call-1", &outcome("ok")).await.unwrap());
+    assert!(
+        store
+            .finish_call(&cid("call-1"), &outcome("ok"))
+            .await
+            .unwrap()
+    );
     assert!(
         !store
-            .finish_call("call-1", &outcome("error"))
+            .finish_call(&cid("call-1"), &outcome("error"))
             .await
             .unwrap(),
         "finished once"
     );
-    let done = store.get_call("call-1").await.unwrap().unwrap();
+    let done = store.get_call(&cid("call-1")).await.unwrap().unwrap();
     assert_eq!(done.state, CallState::Finished);
     assert_eq!(done.status, Some(CallStatus::Ok));
     assert_eq!(done.duration_ms, Some(12));
     assert_eq!(done.result.unwrap()["content"][0], "done");
     assert!(
         !store
-            .claim_for_dispatch("call-1", "late", i64::MAX, i64::MAX)
+            .claim_for_dispatch(&cid("call-1"), "late", i64::MAX, i64::MAX)
             .await
             .unwrap()
     );
     assert!(matches!(
-        store.claim_for_dispatch("missing", "r", now, lease).await,
+        store
+            .claim_for_dispatch(&cid("missing"), "r", now, lease)
+            .await,
         Err(StoreError::NotFound { .. })
     ));
 }
@@ -957,12 +998,12 @@ async fn resumable_calls_after_restart(backend: Backend) {
     let now = now_millis();
     assert!(
         store
-            .claim_for_dispatch("call-done", "r0", now, now + 1000)
+            .claim_for_dispatch(&cid("call-done"), "r0", now, now + 1000)
             .await
             .unwrap()
     );
     store
-        .finish_call("call-done", &outcome("ok"))
+        .finish_call(&cid("call-done"), &outcome("ok"))
         .await
         .unwrap();
     assert!(
@@ -970,7 +1011,7 @@ async fn resumable_calls_after_restart(backend: Backend) {
         "pending calls are not resumable"
     );
     store
-        .decide_approval("ap-1", true, "bob", None, now)
+        .decide_approval(&aid("ap-1"), true, "bob", None, now)
         .await
         .unwrap();
     drop(store);
@@ -989,7 +1030,7 @@ async fn resumable_calls_after_restart(backend: Backend) {
     let lease = now + 30_000;
     assert!(
         store
-            .claim_for_dispatch("call-1", "replica-a", now, lease)
+            .claim_for_dispatch(&cid("call-1"), "replica-a", now, lease)
             .await
             .unwrap()
     );
@@ -1005,17 +1046,22 @@ async fn resumable_calls_after_restart(backend: Backend) {
     assert_eq!(resumable[0].claimed_by.as_deref(), Some("replica-a"));
     assert!(
         store
-            .claim_for_dispatch("call-1", "replica-b", lease, lease + 30_000)
+            .claim_for_dispatch(&cid("call-1"), "replica-b", lease, lease + 30_000)
             .await
             .unwrap()
     );
     assert!(
         !store
-            .claim_for_dispatch("call-1", "replica-c", lease, lease + 30_000)
+            .claim_for_dispatch(&cid("call-1"), "replica-c", lease, lease + 30_000)
             .await
             .unwrap()
     );
-    assert!(store.finish_call("call-1", &outcome("ok")).await.unwrap());
+    assert!(
+        store
+            .finish_call(&cid("call-1"), &outcome("ok"))
+            .await
+            .unwrap()
+    );
     assert!(
         store
             .resumable_calls(Timestamp::MAX)
@@ -1058,12 +1104,12 @@ async fn calls_and_session_usage(backend: Backend) {
     assert_eq!(usage.calls, 5);
     assert!(usage.first_at.unwrap() <= first.unwrap() + 1);
     assert_eq!(store.session_usage("bob", "s1").await.unwrap().calls, 1);
-    let none = store.get_call("c-none").await.unwrap().unwrap();
+    let none = store.get_call(&cid("c-none")).await.unwrap().unwrap();
     assert_eq!(none.session_id, None);
     assert_eq!(none.status, None);
-    assert!(store.get_call("missing").await.unwrap().is_none());
+    assert!(store.get_call(&cid("missing")).await.unwrap().is_none());
     assert!(matches!(
-        store.finish_call("missing", &outcome("ok")).await,
+        store.finish_call(&cid("missing"), &outcome("ok")).await,
         Err(StoreError::NotFound { .. })
     ));
 }
@@ -1121,7 +1167,7 @@ async fn approval_pages_walk_every_approval_once_in_order(backend: Backend) {
     let mut decided = Vec::new();
     for id in expected.iter().step_by(4) {
         store
-            .decide_approval(id, false, "bob", None, now_millis())
+            .decide_approval(&aid(id), false, "bob", None, now_millis())
             .await
             .unwrap();
         decided.push(id.clone());
@@ -1161,7 +1207,7 @@ async fn approval_pages_walk_every_approval_once_in_order(backend: Backend) {
         .await
         .unwrap()
         .into_iter()
-        .map(|a| a.approval_id)
+        .map(|a| a.approval_id.into_string())
         .collect();
     assert_eq!(listed, pending);
 
@@ -1176,7 +1222,7 @@ async fn approval_pages_walk_every_approval_once_in_order(backend: Backend) {
         .unwrap();
     let cursor = first.next_cursor.clone().unwrap();
     store
-        .decide_approval(&cursor, true, "bob", None, now_millis())
+        .decide_approval(&aid(&cursor), true, "bob", None, now_millis())
         .await
         .unwrap();
     let rest = all_pages(
@@ -1288,7 +1334,7 @@ async fn approval_pages_stop_at_their_byte_budget(backend: Backend) {
     for i in 0..sizes.len() {
         store
             .decide_approval(
-                &format!("apr_big{i}"),
+                &aid(format!("apr_big{i}")),
                 i % 2 == 0,
                 "bob",
                 None,
@@ -1380,11 +1426,11 @@ async fn postgres_pending_on_one_replica_approved_on_the_other_runs_once() {
         .unwrap();
     assert_eq!(seen.len(), 1);
     assert_eq!(seen[0].call_id, "call-x");
-    b.decide_approval("ap-x", true, "bob", None, now_millis())
+    b.decide_approval(&aid("ap-x"), true, "bob", None, now_millis())
         .await
         .unwrap();
     assert!(matches!(
-        a.decide_approval("ap-x", false, "carol", None, now_millis())
+        a.decide_approval(&aid("ap-x"), false, "carol", None, now_millis())
             .await,
         Err(StoreError::AlreadyDecided { .. })
     ));
@@ -1396,7 +1442,7 @@ async fn postgres_pending_on_one_replica_approved_on_the_other_runs_once() {
             let store = Arc::clone(&store);
             tasks.push(tokio::spawn(async move {
                 store
-                    .claim_for_dispatch("call-x", &format!("{name}-{i}"), now, now + 60_000)
+                    .claim_for_dispatch(&cid("call-x"), &format!("{name}-{i}"), now, now + 60_000)
                     .await
                     .unwrap()
             }));
@@ -1409,10 +1455,10 @@ async fn postgres_pending_on_one_replica_approved_on_the_other_runs_once() {
         }
     }
     assert_eq!(winners, 1);
-    assert!(a.finish_call("call-x", &outcome("ok")).await.unwrap());
-    assert!(!b.finish_call("call-x", &outcome("ok")).await.unwrap());
+    assert!(a.finish_call(&cid("call-x"), &outcome("ok")).await.unwrap());
+    assert!(!b.finish_call(&cid("call-x"), &outcome("ok")).await.unwrap());
     assert_eq!(
-        b.get_call("call-x").await.unwrap().unwrap().state,
+        b.get_call(&cid("call-x")).await.unwrap().unwrap().state,
         CallState::Finished
     );
 }

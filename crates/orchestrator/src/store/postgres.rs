@@ -17,11 +17,11 @@ use tokio_postgres::error::SqlState;
 use tokio_postgres::{IsolationLevel, NoTls, Row};
 
 use super::{
-    APPROVAL_SELECT, AUDIT_COLUMNS, Approval, ApprovalPage, ApprovalQuery, ApprovalStatus,
-    AuditQuery, AuditRecord, CALL_COLUMNS, CallOutcome, CallState, ExpiredApproval, NewApproval,
-    NewAuditEvent, NewCall, PAGING_INDEXES, SCHEMA_VERSION, SessionUsage, Store, StoreError,
-    StoredCall, Timestamp, VerifyReport, decode_call_status, fill_page, from_json_text, now_millis,
-    rfc3339, schema_v1, to_i64, to_json_text, to_u64,
+    APPROVAL_SELECT, AUDIT_COLUMNS, Approval, ApprovalId, ApprovalPage, ApprovalQuery,
+    ApprovalStatus, AuditQuery, AuditRecord, CALL_COLUMNS, CallId, CallOutcome, CallState,
+    ExpiredApproval, NewApproval, NewAuditEvent, NewCall, PAGING_INDEXES, SCHEMA_VERSION,
+    SessionUsage, Store, StoreError, StoredCall, Timestamp, VerifyReport, decode_call_status,
+    fill_page, from_json_text, now_millis, rfc3339, schema_v1, to_i64, to_json_text, to_u64,
 };
 use crate::audit::{ChainVerifier, GENESIS_HASH, chain_hash};
 
@@ -208,15 +208,16 @@ fn call_from_row(row: &Row) -> Result<StoredCall, StoreError> {
     let state: String = row.try_get("state")?;
     let result: Option<String> = row.try_get("result")?;
     let duration_ms: Option<i64> = row.try_get("duration_ms")?;
+    let approval_id: Option<String> = row.try_get("approval_id")?;
     Ok(StoredCall {
-        call_id: row.try_get("call_id")?,
+        call_id: CallId::from(row.try_get::<_, String>("call_id")?),
         tool_use_id: row.try_get("tool_use_id")?,
         tool: row.try_get("tool")?,
         input: from_json_text(&input, "a call's input")?,
         principal: row.try_get("principal")?,
         session_id: row.try_get("session_id")?,
         state: CallState::parse(&state)?,
-        approval_id: row.try_get("approval_id")?,
+        approval_id: approval_id.map(ApprovalId::from),
         status: decode_call_status(row.try_get("status")?)?,
         result: result
             .map(|r| from_json_text(&r, "a call's result"))
@@ -236,8 +237,8 @@ fn approval_from_row(row: &Row) -> Result<Approval, StoreError> {
     let input: String = row.try_get("input")?;
     let status: String = row.try_get("status")?;
     Ok(Approval {
-        approval_id: row.try_get("approval_id")?,
-        call_id: row.try_get("call_id")?,
+        approval_id: ApprovalId::from(row.try_get::<_, String>("approval_id")?),
+        call_id: CallId::from(row.try_get::<_, String>("call_id")?),
         tool: row.try_get("tool")?,
         input: from_json_text(&input, "an approval's input")?,
         principal: row.try_get("principal")?,
@@ -344,21 +345,21 @@ async fn call_exists<C: GenericClient>(client: &C, call_id: &str) -> Result<bool
 async fn insert_call_row<C: GenericClient>(
     client: &C,
     call: &NewCall,
-    approval_id: Option<&str>,
+    approval_id: Option<&ApprovalId>,
 ) -> Result<(), StoreError> {
     client
         .execute(
             "INSERT INTO calls (call_id, tool_use_id, tool, input, principal, session_id, state, \
              approval_id, created_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
             &[
-                &call.call_id,
+                &call.call_id.as_str(),
                 &call.tool_use_id,
                 &call.tool,
                 &to_json_text(&call.input),
                 &call.principal,
                 &call.session_id,
                 &call.state.as_str(),
-                &approval_id,
+                &approval_id.map(ApprovalId::as_str),
                 &call.created_at,
             ],
         )
@@ -367,7 +368,7 @@ async fn insert_call_row<C: GenericClient>(
             if is_unique_violation(&e) {
                 StoreError::AlreadyExists {
                     what: "call",
-                    id: call.call_id.clone(),
+                    id: call.call_id.to_string(),
                 }
             } else {
                 e.into()
@@ -519,7 +520,8 @@ impl Store for PostgresStore {
         insert_call_row(&client, &call, None).await
     }
 
-    async fn get_call(&self, call_id: &str) -> Result<Option<StoredCall>, StoreError> {
+    async fn get_call(&self, call_id: &CallId) -> Result<Option<StoredCall>, StoreError> {
+        let call_id = call_id.as_str();
         let client = self.client().await?;
         let row = client
             .query_opt(
@@ -530,7 +532,12 @@ impl Store for PostgresStore {
         row.as_ref().map(call_from_row).transpose()
     }
 
-    async fn finish_call(&self, call_id: &str, outcome: &CallOutcome) -> Result<bool, StoreError> {
+    async fn finish_call(
+        &self,
+        call_id: &CallId,
+        outcome: &CallOutcome,
+    ) -> Result<bool, StoreError> {
+        let call_id = call_id.as_str();
         let client = self.client().await?;
         let changed = client
             .execute(
@@ -563,20 +570,20 @@ impl Store for PostgresStore {
         let updated = tx
             .execute(
                 "UPDATE calls SET state = 'pending_approval', approval_id = $2 WHERE call_id = $1",
-                &[&call.call_id, &id],
+                &[&call.call_id.as_str(), &id],
             )
             .await?;
         if updated == 0 {
             let mut pending = call.clone();
             pending.state = CallState::PendingApproval;
-            insert_call_row(&tx, &pending, Some(id)).await?;
+            insert_call_row(&tx, &pending, Some(&approval.approval_id)).await?;
         }
         tx.execute(
             "INSERT INTO approvals (approval_id, call_id, status, created_at, expires_at) \
              VALUES ($1, $2, 'pending', $3, $4)",
             &[
                 &id,
-                &call.call_id,
+                &call.call_id.as_str(),
                 &approval.created_at,
                 &approval.expires_at,
             ],
@@ -635,19 +642,21 @@ impl Store for PostgresStore {
         fill_page(ids, query, |_| Ok(fetched.next().flatten()))
     }
 
-    async fn get_approval(&self, approval_id: &str) -> Result<Option<Approval>, StoreError> {
+    async fn get_approval(&self, approval_id: &ApprovalId) -> Result<Option<Approval>, StoreError> {
+        let approval_id = approval_id.as_str();
         let client = self.client().await?;
         select_approval(&client, approval_id).await
     }
 
     async fn decide_approval(
         &self,
-        approval_id: &str,
+        approval_id: &ApprovalId,
         approve: bool,
         decided_by: &str,
         reason: Option<&str>,
         now: Timestamp,
     ) -> Result<Approval, StoreError> {
+        let approval_id = approval_id.as_str();
         let mut client = self.client().await?;
         let tx = client.transaction().await?;
         let found = tx
@@ -724,11 +733,12 @@ impl Store for PostgresStore {
 
     async fn claim_for_dispatch(
         &self,
-        call_id: &str,
+        call_id: &CallId,
         claimant: &str,
         now: Timestamp,
         lease_until: Timestamp,
     ) -> Result<bool, StoreError> {
+        let call_id = call_id.as_str();
         let client = self.client().await?;
         let changed = client
             .execute(
@@ -749,10 +759,11 @@ impl Store for PostgresStore {
 
     async fn renew_lease(
         &self,
-        call_id: &str,
+        call_id: &CallId,
         claimant: &str,
         lease_until: Timestamp,
     ) -> Result<bool, StoreError> {
+        let call_id = call_id.as_str();
         let client = self.client().await?;
         let changed = client
             .execute(
@@ -822,8 +833,8 @@ impl Store for PostgresStore {
                 )
                 .await?;
             out.push(ExpiredApproval {
-                approval_id,
-                call_id,
+                approval_id: ApprovalId::from(approval_id),
+                call_id: CallId::from(call_id),
                 principal: call.try_get("principal")?,
                 session_id: call.try_get("session_id")?,
             });

@@ -15,11 +15,11 @@ use rusqlite::{
 };
 
 use super::{
-    APPROVAL_SELECT, AUDIT_COLUMNS, Approval, ApprovalPage, ApprovalQuery, ApprovalStatus,
-    AuditQuery, AuditRecord, CALL_COLUMNS, CallOutcome, CallState, ExpiredApproval, NewApproval,
-    NewAuditEvent, NewCall, PAGING_INDEXES, SCHEMA_VERSION, SessionUsage, Store, StoreError,
-    StoredCall, Timestamp, VerifyReport, decode_call_status, fill_page, from_json_text, now_millis,
-    rfc3339, schema_v1, to_i64, to_json_text, to_u64,
+    APPROVAL_SELECT, AUDIT_COLUMNS, Approval, ApprovalId, ApprovalPage, ApprovalQuery,
+    ApprovalStatus, AuditQuery, AuditRecord, CALL_COLUMNS, CallId, CallOutcome, CallState,
+    ExpiredApproval, NewApproval, NewAuditEvent, NewCall, PAGING_INDEXES, SCHEMA_VERSION,
+    SessionUsage, Store, StoreError, StoredCall, Timestamp, VerifyReport, decode_call_status,
+    fill_page, from_json_text, now_millis, rfc3339, schema_v1, to_i64, to_json_text, to_u64,
 };
 use crate::audit::{ChainVerifier, GENESIS_HASH, chain_hash};
 
@@ -202,15 +202,16 @@ fn call_from_row(row: &Row<'_>) -> Result<StoredCall, StoreError> {
     let state: String = row.get("state")?;
     let result: Option<String> = row.get("result")?;
     let duration_ms: Option<i64> = row.get("duration_ms")?;
+    let approval_id: Option<String> = row.get("approval_id")?;
     Ok(StoredCall {
-        call_id: row.get("call_id")?,
+        call_id: CallId::from(row.get::<_, String>("call_id")?),
         tool_use_id: row.get("tool_use_id")?,
         tool: row.get("tool")?,
         input: from_json_text(&input, "a call's input")?,
         principal: row.get("principal")?,
         session_id: row.get("session_id")?,
         state: CallState::parse(&state)?,
-        approval_id: row.get("approval_id")?,
+        approval_id: approval_id.map(ApprovalId::from),
         status: decode_call_status(row.get("status")?)?,
         result: result
             .map(|r| from_json_text(&r, "a call's result"))
@@ -230,8 +231,8 @@ fn approval_from_row(row: &Row<'_>) -> Result<Approval, StoreError> {
     let input: String = row.get("input")?;
     let status: String = row.get("status")?;
     Ok(Approval {
-        approval_id: row.get("approval_id")?,
-        call_id: row.get("call_id")?,
+        approval_id: ApprovalId::from(row.get::<_, String>("approval_id")?),
+        call_id: CallId::from(row.get::<_, String>("call_id")?),
         tool: row.get("tool")?,
         input: from_json_text(&input, "an approval's input")?,
         principal: row.get("principal")?,
@@ -312,11 +313,13 @@ fn approval_page_ids(
     Ok(ids)
 }
 
-fn call_exists(conn: &Connection, call_id: &str) -> Result<bool, StoreError> {
+fn call_exists(conn: &Connection, call_id: &CallId) -> Result<bool, StoreError> {
     Ok(conn
-        .query_row("SELECT 1 FROM calls WHERE call_id = ?1", [call_id], |_| {
-            Ok(())
-        })
+        .query_row(
+            "SELECT 1 FROM calls WHERE call_id = ?1",
+            [call_id.as_str()],
+            |_| Ok(()),
+        )
         .optional()?
         .is_some())
 }
@@ -324,20 +327,20 @@ fn call_exists(conn: &Connection, call_id: &str) -> Result<bool, StoreError> {
 fn insert_call_row(
     tx: &Transaction<'_>,
     call: &NewCall,
-    approval_id: Option<&str>,
+    approval_id: Option<&ApprovalId>,
 ) -> Result<(), StoreError> {
     tx.execute(
         "INSERT INTO calls (call_id, tool_use_id, tool, input, principal, session_id, state, \
          approval_id, created_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
         params![
-            call.call_id,
+            call.call_id.as_str(),
             call.tool_use_id,
             call.tool,
             to_json_text(&call.input),
             call.principal,
             call.session_id,
             call.state.as_str(),
-            approval_id,
+            approval_id.map(ApprovalId::as_str),
             call.created_at,
         ],
     )
@@ -345,7 +348,7 @@ fn insert_call_row(
         if is_unique_violation(&e) {
             StoreError::AlreadyExists {
                 what: "call",
-                id: call.call_id.clone(),
+                id: call.call_id.to_string(),
             }
         } else {
             e.into()
@@ -488,13 +491,13 @@ impl Store for SqliteStore {
         .await
     }
 
-    async fn get_call(&self, call_id: &str) -> Result<Option<StoredCall>, StoreError> {
-        let call_id = call_id.to_owned();
+    async fn get_call(&self, call_id: &CallId) -> Result<Option<StoredCall>, StoreError> {
+        let call_id = call_id.clone();
         self.run(move |conn| {
             let mut stmt = conn.prepare_cached(&format!(
                 "SELECT {CALL_COLUMNS} FROM calls WHERE call_id = ?1"
             ))?;
-            let mut rows = stmt.query([call_id])?;
+            let mut rows = stmt.query([call_id.as_str()])?;
             match rows.next()? {
                 Some(row) => Ok(Some(call_from_row(row)?)),
                 None => Ok(None),
@@ -503,8 +506,12 @@ impl Store for SqliteStore {
         .await
     }
 
-    async fn finish_call(&self, call_id: &str, outcome: &CallOutcome) -> Result<bool, StoreError> {
-        let call_id = call_id.to_owned();
+    async fn finish_call(
+        &self,
+        call_id: &CallId,
+        outcome: &CallOutcome,
+    ) -> Result<bool, StoreError> {
+        let call_id = call_id.clone();
         let outcome = outcome.clone();
         self.run(move |conn| {
             let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
@@ -512,7 +519,7 @@ impl Store for SqliteStore {
                 "UPDATE calls SET state = 'finished', status = ?2, result = ?3, duration_ms = ?4, \
                  replica = ?5, finished_at = ?6 WHERE call_id = ?1 AND state <> 'finished'",
                 params![
-                    call_id,
+                    call_id.as_str(),
                     outcome.status.as_str(),
                     to_json_text(&outcome.result),
                     outcome.duration_ms.map(to_i64),
@@ -523,7 +530,7 @@ impl Store for SqliteStore {
             if changed == 0 && !call_exists(&tx, &call_id)? {
                 return Err(StoreError::NotFound {
                     what: "call",
-                    id: call_id,
+                    id: call_id.to_string(),
                 });
             }
             tx.commit()?;
@@ -540,7 +547,7 @@ impl Store for SqliteStore {
             if call_exists(&tx, &call.call_id)? {
                 tx.execute(
                     "UPDATE calls SET state = 'pending_approval', approval_id = ?2 WHERE call_id = ?1",
-                    params![call.call_id, id],
+                    params![call.call_id.as_str(), id.as_str()],
                 )?;
             } else {
                 let mut pending = call.clone();
@@ -550,13 +557,18 @@ impl Store for SqliteStore {
             tx.execute(
                 "INSERT INTO approvals (approval_id, call_id, status, created_at, expires_at) \
                  VALUES (?1, ?2, 'pending', ?3, ?4)",
-                params![id, call.call_id, approval.created_at, approval.expires_at],
+                params![
+                    id.as_str(),
+                    call.call_id.as_str(),
+                    approval.created_at,
+                    approval.expires_at
+                ],
             )
             .map_err(|e| {
                 if is_unique_violation(&e) {
                     StoreError::AlreadyExists {
                         what: "approval",
-                        id: id.clone(),
+                        id: id.to_string(),
                     }
                 } else {
                     e.into()
@@ -564,7 +576,7 @@ impl Store for SqliteStore {
             })?;
             let created = select_approval(&tx, &id)?.ok_or_else(|| StoreError::NotFound {
                 what: "approval",
-                id: id.clone(),
+                id: id.to_string(),
             })?;
             tx.commit()?;
             Ok(created)
@@ -585,20 +597,20 @@ impl Store for SqliteStore {
         .await
     }
 
-    async fn get_approval(&self, approval_id: &str) -> Result<Option<Approval>, StoreError> {
-        let id = approval_id.to_owned();
+    async fn get_approval(&self, approval_id: &ApprovalId) -> Result<Option<Approval>, StoreError> {
+        let id = approval_id.clone();
         self.run(move |conn| select_approval(conn, &id)).await
     }
 
     async fn decide_approval(
         &self,
-        approval_id: &str,
+        approval_id: &ApprovalId,
         approve: bool,
         decided_by: &str,
         reason: Option<&str>,
         now: Timestamp,
     ) -> Result<Approval, StoreError> {
-        let id = approval_id.to_owned();
+        let id = approval_id.to_string();
         let decided_by = decided_by.to_owned();
         let reason = reason.map(str::to_owned);
         self.run(move |conn| {
@@ -659,12 +671,12 @@ impl Store for SqliteStore {
 
     async fn claim_for_dispatch(
         &self,
-        call_id: &str,
+        call_id: &CallId,
         claimant: &str,
         now: Timestamp,
         lease_until: Timestamp,
     ) -> Result<bool, StoreError> {
-        let call_id = call_id.to_owned();
+        let call_id = call_id.clone();
         let claimant = claimant.to_owned();
         self.run(move |conn| {
             let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
@@ -672,12 +684,12 @@ impl Store for SqliteStore {
                 "UPDATE calls SET state = 'dispatched', claimed_by = ?2, lease_until = ?3 \
                  WHERE call_id = ?1 AND (state = 'approved' OR (state = 'dispatched' \
                  AND (lease_until IS NULL OR lease_until <= ?4)))",
-                params![call_id, claimant, lease_until, now],
+                params![call_id.as_str(), claimant, lease_until, now],
             )?;
             if changed == 0 && !call_exists(&tx, &call_id)? {
                 return Err(StoreError::NotFound {
                     what: "call",
-                    id: call_id,
+                    id: call_id.to_string(),
                 });
             }
             tx.commit()?;
@@ -688,17 +700,17 @@ impl Store for SqliteStore {
 
     async fn renew_lease(
         &self,
-        call_id: &str,
+        call_id: &CallId,
         claimant: &str,
         lease_until: Timestamp,
     ) -> Result<bool, StoreError> {
-        let call_id = call_id.to_owned();
+        let call_id = call_id.clone();
         let claimant = claimant.to_owned();
         self.run(move |conn| {
             let changed = conn.execute(
                 "UPDATE calls SET lease_until = ?3 \
                  WHERE call_id = ?1 AND state = 'dispatched' AND claimed_by = ?2",
-                params![call_id, claimant, lease_until],
+                params![call_id.as_str(), claimant, lease_until],
             )?;
             Ok(changed == 1)
         })
@@ -767,8 +779,8 @@ impl Store for SqliteStore {
                     [id],
                     |row| {
                         Ok(ExpiredApproval {
-                            approval_id: row.get("approval_id")?,
-                            call_id: row.get("call_id")?,
+                            approval_id: ApprovalId::from(row.get::<_, String>("approval_id")?),
+                            call_id: CallId::from(row.get::<_, String>("call_id")?),
                             principal: row.get("principal")?,
                             session_id: row.get("session_id")?,
                         })
