@@ -12,6 +12,10 @@
 //!   concurrent writers keep the chain linear and dense; approval decisions and
 //!   dispatch claims are compare-and-set updates, so exactly one replica wins.
 //!
+//! The state machine below and the audit seal are written once, in `machine`, over
+//! the row operations each engine supplies (its `Tx`); the engines keep their SQL and
+//! their locking.
+//!
 //! # Call states
 //!
 //! ```text
@@ -32,6 +36,7 @@
 //! one and [`rfc3339`] formats one for the wire.
 
 mod ids;
+mod machine;
 mod postgres;
 mod sqlite;
 
