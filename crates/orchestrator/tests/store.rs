@@ -139,6 +139,25 @@ both_backends!(
     calls_and_session_usage,
     approval_pages_walk_every_approval_once_in_order,
     approval_pages_stop_at_their_byte_budget,
+    // The state machine, one transition per test (the expiry sweep's batches:
+    // approvals_expire_in_bounded_batches_each_once above).
+    insert_records_a_call_as_approved,
+    create_approval_inserts_a_new_call_as_pending_approval,
+    create_approval_moves_an_existing_call_to_pending_approval,
+    decide_moves_pending_to_approved_and_the_call_to_approved,
+    decide_moves_pending_to_denied_and_the_call_to_rejected,
+    decide_after_the_deadline_moves_pending_to_expired_and_rejects_the_call,
+    decide_twice_is_already_decided_and_keeps_the_first_decision,
+    decide_unknown_approval_is_not_found,
+    claim_moves_approved_to_dispatched,
+    claim_refuses_calls_that_are_not_approved_and_unknown_calls,
+    claim_is_lost_by_a_second_claimant_while_the_lease_runs,
+    claim_takes_over_a_dispatched_call_once_its_lease_ran_out,
+    renew_lease_extends_a_dispatched_call_for_its_holder_only,
+    finish_moves_dispatched_to_finished_with_its_outcome,
+    finish_twice_returns_false_and_keeps_the_first_outcome,
+    finish_unknown_call_is_not_found,
+    resumable_calls_list_approved_and_lapsed_dispatched_calls_only,
 );
 
 // ---------------------------------------------------------------------------------
@@ -1112,6 +1131,521 @@ async fn calls_and_session_usage(backend: Backend) {
         store.finish_call(&cid("missing"), &outcome("ok")).await,
         Err(StoreError::NotFound { .. })
     ));
+}
+
+// ---------------------------------------------------------------------------------
+// The state machine, one transition per test
+// ---------------------------------------------------------------------------------
+
+async fn call_state(store: &Arc<dyn Store>, call_id: &str) -> CallState {
+    store.get_call(&cid(call_id)).await.unwrap().unwrap().state
+}
+
+/// An approved call, inserted and claimed by `claimant` until `lease_until`.
+async fn dispatched_call(
+    store: &Arc<dyn Store>,
+    call_id: &str,
+    claimant: &str,
+    lease_until: Timestamp,
+) {
+    store
+        .insert_call(new_call(call_id, CallState::Approved))
+        .await
+        .unwrap();
+    assert!(
+        store
+            .claim_for_dispatch(&cid(call_id), claimant, now_millis(), lease_until)
+            .await
+            .unwrap()
+    );
+}
+
+async fn insert_records_a_call_as_approved(backend: Backend) {
+    let store = backend.open().await;
+    let call = new_call("call-1", CallState::Approved);
+    store.insert_call(call.clone()).await.unwrap();
+    let stored = store.get_call(&cid("call-1")).await.unwrap().unwrap();
+    assert_eq!(stored.call_id, "call-1");
+    assert_eq!(stored.state, CallState::Approved);
+    assert_eq!(stored.tool_use_id, call.tool_use_id);
+    assert_eq!(stored.input, call.input);
+    assert_eq!(stored.created_at, call.created_at);
+    assert_eq!(stored.approval_id, None);
+    assert_eq!((stored.claimed_by, stored.lease_until), (None, None));
+    assert_eq!((stored.status, stored.result), (None, None));
+    let again = store.insert_call(call).await;
+    assert!(
+        matches!(again, Err(StoreError::AlreadyExists { what: "call", .. })),
+        "{again:?}"
+    );
+}
+
+async fn create_approval_inserts_a_new_call_as_pending_approval(backend: Backend) {
+    let store = backend.open().await;
+    let created = store
+        .create_approval(new_approval("ap-1", "call-1", 60_000))
+        .await
+        .unwrap();
+    assert_eq!(created.approval_id, "ap-1");
+    assert_eq!(created.call_id, "call-1");
+    assert_eq!(created.status, ApprovalStatus::Pending);
+    assert_eq!(created.input, new_call("call-1", CallState::Approved).input);
+    assert_eq!(
+        (&created.decided_by, &created.reason, created.decided_at),
+        (&None, &None, None)
+    );
+    assert_eq!(
+        store.get_approval(&aid("ap-1")).await.unwrap(),
+        Some(created)
+    );
+    let call = store.get_call(&cid("call-1")).await.unwrap().unwrap();
+    assert_eq!(call.state, CallState::PendingApproval);
+    assert_eq!(call.approval_id.as_deref(), Some("ap-1"));
+}
+
+async fn create_approval_moves_an_existing_call_to_pending_approval(backend: Backend) {
+    let store = backend.open().await;
+    let recorded = new_call("call-1", CallState::Approved);
+    store.insert_call(recorded.clone()).await.unwrap();
+    let mut approval = new_approval("ap-1", "call-1", 60_000);
+    approval.call.input = json!({"another": "input"});
+    let created = store.create_approval(approval).await.unwrap();
+    assert_eq!(created.status, ApprovalStatus::Pending);
+    assert_eq!(created.input, recorded.input, "the recorded call is kept");
+    let call = store.get_call(&cid("call-1")).await.unwrap().unwrap();
+    assert_eq!(call.state, CallState::PendingApproval);
+    assert_eq!(call.approval_id.as_deref(), Some("ap-1"));
+    assert_eq!(call.input, recorded.input);
+
+    // A taken approval id changes nothing: the call's move is rolled back with it.
+    store
+        .insert_call(new_call("call-2", CallState::Approved))
+        .await
+        .unwrap();
+    let taken = store
+        .create_approval(new_approval("ap-1", "call-2", 60_000))
+        .await;
+    assert!(
+        matches!(
+            taken,
+            Err(StoreError::AlreadyExists {
+                what: "approval",
+                ..
+            })
+        ),
+        "{taken:?}"
+    );
+    let untouched = store.get_call(&cid("call-2")).await.unwrap().unwrap();
+    assert_eq!(untouched.state, CallState::Approved);
+    assert_eq!(untouched.approval_id, None);
+    assert_eq!(
+        store
+            .get_approval(&aid("ap-1"))
+            .await
+            .unwrap()
+            .unwrap()
+            .call_id,
+        "call-1"
+    );
+}
+
+async fn decide_moves_pending_to_approved_and_the_call_to_approved(backend: Backend) {
+    let store = backend.open().await;
+    store
+        .create_approval(new_approval("ap-1", "call-1", 60_000))
+        .await
+        .unwrap();
+    let now = now_millis();
+    let decided = store
+        .decide_approval(&aid("ap-1"), true, "bob", Some("fine"), now)
+        .await
+        .unwrap();
+    assert_eq!(decided.status, ApprovalStatus::Approved);
+    assert_eq!(decided.decided_by.as_deref(), Some("bob"));
+    assert_eq!(decided.reason.as_deref(), Some("fine"));
+    assert_eq!(decided.decided_at, Some(now));
+    assert_eq!(
+        store.get_approval(&aid("ap-1")).await.unwrap(),
+        Some(decided)
+    );
+    assert_eq!(call_state(&store, "call-1").await, CallState::Approved);
+}
+
+async fn decide_moves_pending_to_denied_and_the_call_to_rejected(backend: Backend) {
+    let store = backend.open().await;
+    store
+        .create_approval(new_approval("ap-1", "call-1", 60_000))
+        .await
+        .unwrap();
+    let now = now_millis();
+    let decided = store
+        .decide_approval(&aid("ap-1"), false, "bob", None, now)
+        .await
+        .unwrap();
+    assert_eq!(decided.status, ApprovalStatus::Denied);
+    assert_eq!(decided.decided_by.as_deref(), Some("bob"));
+    assert_eq!(decided.reason, None);
+    assert_eq!(decided.decided_at, Some(now));
+    assert_eq!(call_state(&store, "call-1").await, CallState::Rejected);
+    assert!(
+        !store
+            .claim_for_dispatch(&cid("call-1"), "r1", now, now + 60_000)
+            .await
+            .unwrap(),
+        "a rejected call is never dispatched"
+    );
+}
+
+async fn decide_after_the_deadline_moves_pending_to_expired_and_rejects_the_call(backend: Backend) {
+    let store = backend.open().await;
+    let created = store
+        .create_approval(new_approval("ap-1", "call-1", 1_000))
+        .await
+        .unwrap();
+    // The deadline itself is too late (`expires_at <= now`).
+    let at_deadline = created.expires_at;
+    let late = store
+        .decide_approval(&aid("ap-1"), true, "bob", Some("fine"), at_deadline)
+        .await;
+    assert!(
+        matches!(&late, Err(StoreError::Expired { id }) if id == "ap-1"),
+        "{late:?}"
+    );
+    // The expiry is kept although the answer is an error; nobody decided it.
+    let expired = store.get_approval(&aid("ap-1")).await.unwrap().unwrap();
+    assert_eq!(expired.status, ApprovalStatus::Expired);
+    assert_eq!(expired.decided_at, Some(at_deadline));
+    assert_eq!((expired.decided_by, expired.reason), (None, None));
+    assert_eq!(call_state(&store, "call-1").await, CallState::Rejected);
+    assert!(
+        store
+            .expire_approvals(i64::MAX, 10)
+            .await
+            .unwrap()
+            .is_empty(),
+        "already expired: the sweep does not hand it out again"
+    );
+}
+
+async fn decide_twice_is_already_decided_and_keeps_the_first_decision(backend: Backend) {
+    let store = backend.open().await;
+    store
+        .create_approval(new_approval("ap-1", "call-1", 60_000))
+        .await
+        .unwrap();
+    let now = now_millis();
+    let first = store
+        .decide_approval(&aid("ap-1"), false, "bob", Some("no"), now)
+        .await
+        .unwrap();
+    let second = store
+        .decide_approval(&aid("ap-1"), true, "carol", Some("yes"), now + 1)
+        .await;
+    assert!(
+        matches!(
+            &second,
+            Err(StoreError::AlreadyDecided { id, status: ApprovalStatus::Denied }) if id == "ap-1"
+        ),
+        "{second:?}"
+    );
+    assert_eq!(store.get_approval(&aid("ap-1")).await.unwrap(), Some(first));
+    assert_eq!(call_state(&store, "call-1").await, CallState::Rejected);
+}
+
+async fn decide_unknown_approval_is_not_found(backend: Backend) {
+    let store = backend.open().await;
+    let unknown = store
+        .decide_approval(&aid("nope"), true, "bob", None, now_millis())
+        .await;
+    assert!(
+        matches!(&unknown, Err(StoreError::NotFound { what: "approval", id }) if id == "nope"),
+        "{unknown:?}"
+    );
+    assert!(store.get_approval(&aid("nope")).await.unwrap().is_none());
+}
+
+async fn claim_moves_approved_to_dispatched(backend: Backend) {
+    let store = backend.open().await;
+    store
+        .insert_call(new_call("call-1", CallState::Approved))
+        .await
+        .unwrap();
+    let now = now_millis();
+    assert!(
+        store
+            .claim_for_dispatch(&cid("call-1"), "r1", now, now + 60_000)
+            .await
+            .unwrap()
+    );
+    let call = store.get_call(&cid("call-1")).await.unwrap().unwrap();
+    assert_eq!(call.state, CallState::Dispatched);
+    assert_eq!(call.claimed_by.as_deref(), Some("r1"));
+    assert_eq!(call.lease_until, Some(now + 60_000));
+}
+
+async fn claim_refuses_calls_that_are_not_approved_and_unknown_calls(backend: Backend) {
+    let store = backend.open().await;
+    store
+        .create_approval(new_approval("ap-pending", "call-pending", 60_000))
+        .await
+        .unwrap();
+    store
+        .create_approval(new_approval("ap-denied", "call-rejected", 60_000))
+        .await
+        .unwrap();
+    store
+        .decide_approval(&aid("ap-denied"), false, "bob", None, now_millis())
+        .await
+        .unwrap();
+    dispatched_call(&store, "call-finished", "r0", now_millis() + 60_000).await;
+    store
+        .finish_call(&cid("call-finished"), &outcome("ok"))
+        .await
+        .unwrap();
+    for (call_id, state) in [
+        ("call-pending", CallState::PendingApproval),
+        ("call-rejected", CallState::Rejected),
+        ("call-finished", CallState::Finished),
+    ] {
+        // Even with every lease long over.
+        assert!(
+            !store
+                .claim_for_dispatch(&cid(call_id), "r1", i64::MAX, i64::MAX)
+                .await
+                .unwrap(),
+            "{call_id}"
+        );
+        assert_eq!(call_state(&store, call_id).await, state, "{call_id}");
+    }
+    let unknown = store
+        .claim_for_dispatch(&cid("missing"), "r1", now_millis(), now_millis())
+        .await;
+    assert!(
+        matches!(&unknown, Err(StoreError::NotFound { what: "call", id }) if id == "missing"),
+        "{unknown:?}"
+    );
+}
+
+async fn claim_is_lost_by_a_second_claimant_while_the_lease_runs(backend: Backend) {
+    let store = backend.open().await;
+    let lease = now_millis() + 60_000;
+    dispatched_call(&store, "call-1", "first", lease).await;
+    assert!(
+        !store
+            .claim_for_dispatch(&cid("call-1"), "second", lease - 1, lease + 60_000)
+            .await
+            .unwrap()
+    );
+    let call = store.get_call(&cid("call-1")).await.unwrap().unwrap();
+    assert_eq!(call.claimed_by.as_deref(), Some("first"));
+    assert_eq!(call.lease_until, Some(lease));
+}
+
+async fn claim_takes_over_a_dispatched_call_once_its_lease_ran_out(backend: Backend) {
+    let store = backend.open().await;
+    let lease = now_millis() + 60_000;
+    dispatched_call(&store, "call-1", "first", lease).await;
+    // The lease ends at `lease_until`: from then on it may be taken, once.
+    assert!(
+        store
+            .claim_for_dispatch(&cid("call-1"), "second", lease, lease + 60_000)
+            .await
+            .unwrap()
+    );
+    assert!(
+        !store
+            .claim_for_dispatch(&cid("call-1"), "third", lease, lease + 60_000)
+            .await
+            .unwrap()
+    );
+    let call = store.get_call(&cid("call-1")).await.unwrap().unwrap();
+    assert_eq!(call.state, CallState::Dispatched);
+    assert_eq!(call.claimed_by.as_deref(), Some("second"));
+    assert_eq!(call.lease_until, Some(lease + 60_000));
+}
+
+async fn renew_lease_extends_a_dispatched_call_for_its_holder_only(backend: Backend) {
+    let store = backend.open().await;
+    let lease = now_millis() + 60_000;
+    dispatched_call(&store, "call-1", "holder", lease).await;
+    assert!(
+        !store
+            .renew_lease(&cid("call-1"), "other", lease + 10)
+            .await
+            .unwrap()
+    );
+    assert_eq!(
+        store
+            .get_call(&cid("call-1"))
+            .await
+            .unwrap()
+            .unwrap()
+            .lease_until,
+        Some(lease)
+    );
+    assert!(
+        store
+            .renew_lease(&cid("call-1"), "holder", lease + 10)
+            .await
+            .unwrap()
+    );
+    let call = store.get_call(&cid("call-1")).await.unwrap().unwrap();
+    assert_eq!(call.state, CallState::Dispatched);
+    assert_eq!(call.claimed_by.as_deref(), Some("holder"));
+    assert_eq!(call.lease_until, Some(lease + 10));
+    // The renewed lease holds off a claimant the old one would have let in.
+    assert!(
+        !store
+            .claim_for_dispatch(&cid("call-1"), "other", lease, lease + 60_000)
+            .await
+            .unwrap()
+    );
+
+    // Only a dispatched call has a lease to renew; an unknown one has none.
+    store
+        .insert_call(new_call("call-2", CallState::Approved))
+        .await
+        .unwrap();
+    assert!(
+        !store
+            .renew_lease(&cid("call-2"), "holder", lease)
+            .await
+            .unwrap()
+    );
+    assert_eq!(call_state(&store, "call-2").await, CallState::Approved);
+    store
+        .finish_call(&cid("call-1"), &outcome("ok"))
+        .await
+        .unwrap();
+    assert!(
+        !store
+            .renew_lease(&cid("call-1"), "holder", lease + 20)
+            .await
+            .unwrap()
+    );
+    assert!(
+        !store
+            .renew_lease(&cid("missing"), "holder", lease)
+            .await
+            .unwrap()
+    );
+}
+
+async fn finish_moves_dispatched_to_finished_with_its_outcome(backend: Backend) {
+    let store = backend.open().await;
+    dispatched_call(&store, "call-1", "r1", now_millis() + 60_000).await;
+    let done = outcome("ok");
+    assert!(store.finish_call(&cid("call-1"), &done).await.unwrap());
+    let call = store.get_call(&cid("call-1")).await.unwrap().unwrap();
+    assert_eq!(call.state, CallState::Finished);
+    assert_eq!(call.status, Some(CallStatus::Ok));
+    assert_eq!(call.result, Some(done.result));
+    assert_eq!(call.duration_ms, done.duration_ms);
+    assert_eq!(call.replica, done.replica);
+    assert_eq!(call.finished_at, Some(done.finished_at));
+    assert!(
+        store
+            .resumable_calls(Timestamp::MAX)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+}
+
+async fn finish_twice_returns_false_and_keeps_the_first_outcome(backend: Backend) {
+    let store = backend.open().await;
+    dispatched_call(&store, "call-1", "r1", now_millis() + 60_000).await;
+    let first = outcome("ok");
+    assert!(store.finish_call(&cid("call-1"), &first).await.unwrap());
+    let mut second = outcome("error");
+    second.result = json!({"is_error": true, "content": ["other replica"]});
+    second.duration_ms = Some(99);
+    second.replica = Some("unix:/tmp/other.sock".to_owned());
+    second.finished_at = first.finished_at + 5;
+    assert!(!store.finish_call(&cid("call-1"), &second).await.unwrap());
+    let call = store.get_call(&cid("call-1")).await.unwrap().unwrap();
+    assert_eq!(call.state, CallState::Finished);
+    assert_eq!(call.status, Some(CallStatus::Ok));
+    assert_eq!(call.result, Some(first.result));
+    assert_eq!(call.duration_ms, first.duration_ms);
+    assert_eq!(call.replica, first.replica);
+    assert_eq!(call.finished_at, Some(first.finished_at));
+}
+
+async fn finish_unknown_call_is_not_found(backend: Backend) {
+    let store = backend.open().await;
+    let unknown = store.finish_call(&cid("missing"), &outcome("ok")).await;
+    assert!(
+        matches!(&unknown, Err(StoreError::NotFound { what: "call", id }) if id == "missing"),
+        "{unknown:?}"
+    );
+    assert!(store.get_call(&cid("missing")).await.unwrap().is_none());
+}
+
+async fn resumable_calls_list_approved_and_lapsed_dispatched_calls_only(backend: Backend) {
+    let store = backend.open().await;
+    let base = now_millis();
+    let lease = base + 60_000;
+    // One call in every state (and a dispatched one on each side of its lease), created
+    // in an order the listing must keep.
+    let at = |i: i64| base - 1_000 + i;
+    let mut insert = Vec::new();
+    for (i, id) in ["approved", "live", "lapsed", "finished", "approved-late"]
+        .into_iter()
+        .enumerate()
+    {
+        let mut call = new_call(id, CallState::Approved);
+        call.created_at = at(i64::try_from(i).unwrap());
+        insert.push(call);
+    }
+    for call in insert {
+        store.insert_call(call).await.unwrap();
+    }
+    for (id, until) in [("live", lease + 1), ("lapsed", lease), ("finished", lease)] {
+        assert!(
+            store
+                .claim_for_dispatch(&cid(id), "r0", base, until)
+                .await
+                .unwrap()
+        );
+    }
+    store
+        .finish_call(&cid("finished"), &outcome("ok"))
+        .await
+        .unwrap();
+    let mut pending = new_approval("ap-pending", "pending", 60_000);
+    pending.call.created_at = at(5);
+    store.create_approval(pending).await.unwrap();
+    let mut denied = new_approval("ap-denied", "rejected", 60_000);
+    denied.call.created_at = at(6);
+    store.create_approval(denied).await.unwrap();
+    store
+        .decide_approval(&aid("ap-denied"), false, "bob", None, base)
+        .await
+        .unwrap();
+
+    let listed = store.resumable_calls(lease).await.unwrap();
+    assert_eq!(
+        listed
+            .iter()
+            .map(|c| c.call_id.as_str())
+            .collect::<Vec<_>>(),
+        ["approved", "lapsed", "approved-late"],
+        "oldest first"
+    );
+    let lapsed = &listed[1];
+    assert_eq!(lapsed.state, CallState::Dispatched);
+    assert_eq!(lapsed.claimed_by.as_deref(), Some("r0"));
+    assert_eq!(lapsed.input, new_call("lapsed", CallState::Approved).input);
+    // A moment before the lease ends, only the approved ones.
+    let before = store.resumable_calls(lease - 1).await.unwrap();
+    assert_eq!(
+        before
+            .iter()
+            .map(|c| c.call_id.as_str())
+            .collect::<Vec<_>>(),
+        ["approved", "approved-late"]
+    );
 }
 
 // ---------------------------------------------------------------------------------
