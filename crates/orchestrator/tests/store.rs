@@ -158,6 +158,7 @@ both_backends!(
     finish_twice_returns_false_and_keeps_the_first_outcome,
     finish_unknown_call_is_not_found,
     resumable_calls_list_approved_and_lapsed_dispatched_calls_only,
+    unknown_states_and_statuses_are_corrupt_rows,
 );
 
 // ---------------------------------------------------------------------------------
@@ -1645,6 +1646,51 @@ async fn resumable_calls_list_approved_and_lapsed_dispatched_calls_only(backend:
             .map(|c| c.call_id.as_str())
             .collect::<Vec<_>>(),
         ["approved", "approved-late"]
+    );
+}
+
+/// A state or status the store cannot name is a corrupt row, never a guess, on every
+/// path that reads one (the decision reads the approval's status itself).
+async fn unknown_states_and_statuses_are_corrupt_rows(backend: Backend) {
+    let store = backend.open().await;
+    store
+        .create_approval(new_approval("ap-1", "call-1", 60_000))
+        .await
+        .unwrap();
+    dispatched_call(&store, "call-2", "r1", now_millis() + 60_000).await;
+    store
+        .finish_call(&cid("call-2"), &outcome("ok"))
+        .await
+        .unwrap();
+    backend
+        .exec(
+            "UPDATE approvals SET status = 'maybe' WHERE approval_id = 'ap-1'; \
+             UPDATE calls SET state = 'limbo' WHERE call_id = 'call-1'; \
+             UPDATE calls SET status = 'succeeded' WHERE call_id = 'call-2';",
+        )
+        .await;
+    let corrupt = |what: &str, result: Result<(), StoreError>| match result {
+        Err(StoreError::Corrupt(reason)) => assert!(reason.contains("unknown"), "{reason}"),
+        other => panic!("{what}: {other:?}"),
+    };
+    corrupt(
+        "get_approval",
+        store.get_approval(&aid("ap-1")).await.map(drop),
+    );
+    corrupt(
+        "decide_approval",
+        store
+            .decide_approval(&aid("ap-1"), true, "bob", None, now_millis())
+            .await
+            .map(drop),
+    );
+    corrupt(
+        "get_call state",
+        store.get_call(&cid("call-1")).await.map(drop),
+    );
+    corrupt(
+        "get_call status",
+        store.get_call(&cid("call-2")).await.map(drop),
     );
 }
 
