@@ -389,8 +389,8 @@ impl Orchestrator for GrpcFrontDoor {
 
 fn approval_info(a: &crate::store::Approval) -> pb::ApprovalInfo {
     pb::ApprovalInfo {
-        approval_id: a.approval_id.clone(),
-        call_id: a.call_id.clone(),
+        approval_id: a.approval_id.to_string(),
+        call_id: a.call_id.to_string(),
         tool: a.tool.clone(),
         input_json: a.input.to_string(),
         principal: a.principal.clone(),

@@ -15,8 +15,8 @@ use std::time::Duration;
 
 use airlock_orchestrator::audit::{AuditKind, GENESIS_HASH, chain_hash};
 use airlock_orchestrator::store::{
-    self, ApprovalPage, ApprovalQuery, ApprovalStatus, AuditQuery, CallOutcome, CallState,
-    NewApproval, NewAuditEvent, NewCall, Store, StoreError, Timestamp, now_millis,
+    self, ApprovalId, ApprovalPage, ApprovalQuery, ApprovalStatus, AuditQuery, CallId, CallOutcome,
+    CallState, NewApproval, NewAuditEvent, NewCall, Store, StoreError, Timestamp, now_millis,
 };
 use airlock_policy::CallStatus;
 use serde_json::json;
@@ -139,6 +139,26 @@ both_backends!(
     calls_and_session_usage,
     approval_pages_walk_every_approval_once_in_order,
     approval_pages_stop_at_their_byte_budget,
+    // The state machine, one transition per test (the expiry sweep's batches:
+    // approvals_expire_in_bounded_batches_each_once above).
+    insert_records_a_call_as_approved,
+    create_approval_inserts_a_new_call_as_pending_approval,
+    create_approval_moves_an_existing_call_to_pending_approval,
+    decide_moves_pending_to_approved_and_the_call_to_approved,
+    decide_moves_pending_to_denied_and_the_call_to_rejected,
+    decide_after_the_deadline_moves_pending_to_expired_and_rejects_the_call,
+    decide_twice_is_already_decided_and_keeps_the_first_decision,
+    decide_unknown_approval_is_not_found,
+    claim_moves_approved_to_dispatched,
+    claim_refuses_calls_that_are_not_approved_and_unknown_calls,
+    claim_is_lost_by_a_second_claimant_while_the_lease_runs,
+    claim_takes_over_a_dispatched_call_once_its_lease_ran_out,
+    renew_lease_extends_a_dispatched_call_for_its_holder_only,
+    finish_moves_dispatched_to_finished_with_its_outcome,
+    finish_twice_returns_false_and_keeps_the_first_outcome,
+    finish_unknown_call_is_not_found,
+    resumable_calls_list_approved_and_lapsed_dispatched_calls_only,
+    unknown_states_and_statuses_are_corrupt_rows,
 );
 
 // ---------------------------------------------------------------------------------
@@ -163,9 +183,17 @@ async fn append_n(store: &Arc<dyn Store>, n: usize) {
     }
 }
 
+fn cid(id: impl Into<CallId>) -> CallId {
+    id.into()
+}
+
+fn aid(id: impl Into<ApprovalId>) -> ApprovalId {
+    id.into()
+}
+
 fn new_call(call_id: &str, state: CallState) -> NewCall {
     NewCall {
-        call_id: call_id.to_owned(),
+        call_id: cid(call_id),
         tool_use_id: format!("toolu_{call_id}"),
         tool: "write_file".to_owned(),
         input: json!({"path": "notes.txt", "content": "hello", "token": "s3cret"}),
@@ -179,7 +207,7 @@ fn new_call(call_id: &str, state: CallState) -> NewCall {
 fn new_approval(approval_id: &str, call_id: &str, expires_in_ms: i64) -> NewApproval {
     let now = now_millis();
     NewApproval {
-        approval_id: approval_id.to_owned(),
+        approval_id: aid(approval_id),
         call: new_call(call_id, CallState::PendingApproval),
         created_at: now,
         expires_at: now + expires_in_ms,
@@ -212,7 +240,7 @@ fn approval_at(approval_id: &str, created_at: Timestamp, content: String) -> New
     call.input = json!({"path": format!("{approval_id}.txt"), "content": content});
     call.created_at = created_at;
     NewApproval {
-        approval_id: approval_id.to_owned(),
+        approval_id: aid(approval_id),
         call,
         created_at,
         expires_at: created_at + 3_600_000,
@@ -244,7 +272,7 @@ async fn all_pages(store: &Arc<dyn Store>, mut query: ApprovalQuery) -> Vec<Appr
 fn ids(pages: &[ApprovalPage]) -> Vec<String> {
     pages
         .iter()
-        .flat_map(|p| p.approvals.iter().map(|a| a.approval_id.clone()))
+        .flat_map(|p| p.approvals.iter().map(|a| a.approval_id.to_string()))
         .collect()
 }
 
@@ -616,13 +644,13 @@ async fn approvals_decide_once(backend: Backend) {
         ["ap-1", "ap-2"]
     );
     assert_eq!(
-        store.get_call("call-1").await.unwrap().unwrap().state,
+        store.get_call(&cid("call-1")).await.unwrap().unwrap().state,
         CallState::PendingApproval
     );
 
     let now = now_millis();
     let decided = store
-        .decide_approval("ap-1", true, "bob", Some("looks fine"), now)
+        .decide_approval(&aid("ap-1"), true, "bob", Some("looks fine"), now)
         .await
         .unwrap();
     assert_eq!(decided.status, ApprovalStatus::Approved);
@@ -630,7 +658,7 @@ async fn approvals_decide_once(backend: Backend) {
     assert_eq!(decided.reason.as_deref(), Some("looks fine"));
     assert_eq!(decided.decided_at, Some(now));
     let again = store
-        .decide_approval("ap-1", false, "carol", None, now)
+        .decide_approval(&aid("ap-1"), false, "carol", None, now)
         .await;
     assert!(
         matches!(
@@ -642,28 +670,30 @@ async fn approvals_decide_once(backend: Backend) {
         ),
         "{again:?}"
     );
-    let call = store.get_call("call-1").await.unwrap().unwrap();
+    let call = store.get_call(&cid("call-1")).await.unwrap().unwrap();
     assert_eq!(call.state, CallState::Approved);
     assert_eq!(call.approval_id.as_deref(), Some("ap-1"));
 
     let denied = store
-        .decide_approval("ap-2", false, "bob", None, now)
+        .decide_approval(&aid("ap-2"), false, "bob", None, now)
         .await
         .unwrap();
     assert_eq!(denied.status, ApprovalStatus::Denied);
     assert_eq!(
-        store.get_call("call-2").await.unwrap().unwrap().state,
+        store.get_call(&cid("call-2")).await.unwrap().unwrap().state,
         CallState::Rejected
     );
     assert!(matches!(
         store
-            .claim_for_dispatch("call-2", "r1", now, now + 60_000)
+            .claim_for_dispatch(&cid("call-2"), "r1", now, now + 60_000)
             .await,
         Ok(false)
     ));
 
     assert!(matches!(
-        store.decide_approval("nope", true, "bob", None, now).await,
+        store
+            .decide_approval(&aid("nope"), true, "bob", None, now)
+            .await,
         Err(StoreError::NotFound { .. })
     ));
     assert!(
@@ -675,10 +705,15 @@ async fn approvals_decide_once(backend: Backend) {
     );
     assert_eq!(store.list_approvals(None).await.unwrap().len(), 2);
     assert_eq!(
-        store.get_approval("ap-2").await.unwrap().unwrap().status,
+        store
+            .get_approval(&aid("ap-2"))
+            .await
+            .unwrap()
+            .unwrap()
+            .status,
         ApprovalStatus::Denied
     );
-    assert!(store.get_approval("nope").await.unwrap().is_none());
+    assert!(store.get_approval(&aid("nope")).await.unwrap().is_none());
 
     // Concurrent deciders: exactly one wins.
     store
@@ -691,7 +726,7 @@ async fn approvals_decide_once(backend: Backend) {
         tasks.push(tokio::spawn(async move {
             store
                 .decide_approval(
-                    "ap-race",
+                    &aid("ap-race"),
                     i % 2 == 0,
                     &format!("approver-{i}"),
                     None,
@@ -729,19 +764,28 @@ async fn approvals_expire(backend: Backend) {
     // Deciding after the deadline fails and marks it expired.
     let late = a.expires_at.max(b.expires_at) + 1;
     assert!(matches!(
-        store.decide_approval("ap-a", true, "bob", None, late).await,
+        store
+            .decide_approval(&aid("ap-a"), true, "bob", None, late)
+            .await,
         Err(StoreError::Expired { .. })
     ));
     assert_eq!(
-        store.get_approval("ap-a").await.unwrap().unwrap().status,
+        store
+            .get_approval(&aid("ap-a"))
+            .await
+            .unwrap()
+            .unwrap()
+            .status,
         ApprovalStatus::Expired
     );
     assert_eq!(
-        store.get_call("call-a").await.unwrap().unwrap().state,
+        store.get_call(&cid("call-a")).await.unwrap().unwrap().state,
         CallState::Rejected
     );
     assert!(matches!(
-        store.decide_approval("ap-a", true, "bob", None, late).await,
+        store
+            .decide_approval(&aid("ap-a"), true, "bob", None, late)
+            .await,
         Err(StoreError::AlreadyDecided {
             status: ApprovalStatus::Expired,
             ..
@@ -769,11 +813,16 @@ async fn approvals_expire(backend: Backend) {
     );
     assert_eq!(expired[0].call_id, "call-b");
     assert_eq!(
-        store.get_approval("ap-b").await.unwrap().unwrap().status,
+        store
+            .get_approval(&aid("ap-b"))
+            .await
+            .unwrap()
+            .unwrap()
+            .status,
         ApprovalStatus::Expired
     );
     assert_eq!(
-        store.get_call("call-b").await.unwrap().unwrap().state,
+        store.get_call(&cid("call-b")).await.unwrap().unwrap().state,
         CallState::Rejected
     );
     assert_eq!(
@@ -836,7 +885,7 @@ async fn approvals_expire_in_bounded_batches_each_once(backend: Backend) {
     for i in 0..7 {
         assert_eq!(
             store
-                .get_call(&format!("call-{i}"))
+                .get_call(&cid(format!("call-{i}")))
                 .await
                 .unwrap()
                 .unwrap()
@@ -859,7 +908,7 @@ async fn claim_for_dispatch_exactly_once_under_concurrency(backend: Backend) {
         let store = Arc::clone(&store);
         tasks.push(tokio::spawn(async move {
             store
-                .claim_for_dispatch("call-1", &format!("replica-{i}"), now, lease)
+                .claim_for_dispatch(&cid("call-1"), &format!("replica-{i}"), now, lease)
                 .await
                 .unwrap()
         }));
@@ -871,7 +920,7 @@ async fn claim_for_dispatch_exactly_once_under_concurrency(backend: Backend) {
         }
     }
     assert_eq!(winners, 1);
-    let call = store.get_call("call-1").await.unwrap().unwrap();
+    let call = store.get_call(&cid("call-1")).await.unwrap().unwrap();
     assert_eq!(call.state, CallState::Dispatched);
     let holder = call.claimed_by.unwrap();
     assert_eq!(call.lease_until, Some(lease));
@@ -879,19 +928,19 @@ async fn claim_for_dispatch_exactly_once_under_concurrency(backend: Backend) {
     // A live lease cannot be taken; renewal only by its holder.
     assert!(
         !store
-            .claim_for_dispatch("call-1", "other", now + 1, lease + 1)
+            .claim_for_dispatch(&cid("call-1"), "other", now + 1, lease + 1)
             .await
             .unwrap()
     );
     assert!(
         !store
-            .renew_lease("call-1", "other", lease + 10)
+            .renew_lease(&cid("call-1"), "other", lease + 10)
             .await
             .unwrap()
     );
     assert!(
         store
-            .renew_lease("call-1", &holder, lease + 10)
+            .renew_lease(&cid("call-1"), &holder, lease + 10)
             .await
             .unwrap()
     );
@@ -902,7 +951,12 @@ async fn claim_for_dispatch_exactly_once_under_concurrency(backend: Backend) {
         let store = Arc::clone(&store);
         tasks.push(tokio::spawn(async move {
             store
-                .claim_for_dispatch("call-1", &format!("takeover-{i}"), later, later + 60_000)
+                .claim_for_dispatch(
+                    &cid("call-1"),
+                    &format!("takeover-{i}"),
+                    later,
+                    later + 60_000,
+                )
                 .await
                 .unwrap()
         }));
@@ -915,27 +969,34 @@ async fn claim_for_dispatch_exactly_once_under_concurrency(backend: Backend) {
     }
     assert_eq!(winners, 1);
 
-    assert!(store.finish_call("call-1", &outcome("ok")).await.unwrap());
+    assert!(
+        store
+            .finish_call(&cid("call-1"), &outcome("ok"))
+            .await
+            .unwrap()
+    );
     assert!(
         !store
-            .finish_call("call-1", &outcome("error"))
+            .finish_call(&cid("call-1"), &outcome("error"))
             .await
             .unwrap(),
         "finished once"
     );
-    let done = store.get_call("call-1").await.unwrap().unwrap();
+    let done = store.get_call(&cid("call-1")).await.unwrap().unwrap();
     assert_eq!(done.state, CallState::Finished);
     assert_eq!(done.status, Some(CallStatus::Ok));
     assert_eq!(done.duration_ms, Some(12));
     assert_eq!(done.result.unwrap()["content"][0], "done");
     assert!(
         !store
-            .claim_for_dispatch("call-1", "late", i64::MAX, i64::MAX)
+            .claim_for_dispatch(&cid("call-1"), "late", i64::MAX, i64::MAX)
             .await
             .unwrap()
     );
     assert!(matches!(
-        store.claim_for_dispatch("missing", "r", now, lease).await,
+        store
+            .claim_for_dispatch(&cid("missing"), "r", now, lease)
+            .await,
         Err(StoreError::NotFound { .. })
     ));
 }
@@ -957,12 +1018,12 @@ async fn resumable_calls_after_restart(backend: Backend) {
     let now = now_millis();
     assert!(
         store
-            .claim_for_dispatch("call-done", "r0", now, now + 1000)
+            .claim_for_dispatch(&cid("call-done"), "r0", now, now + 1000)
             .await
             .unwrap()
     );
     store
-        .finish_call("call-done", &outcome("ok"))
+        .finish_call(&cid("call-done"), &outcome("ok"))
         .await
         .unwrap();
     assert!(
@@ -970,7 +1031,7 @@ async fn resumable_calls_after_restart(backend: Backend) {
         "pending calls are not resumable"
     );
     store
-        .decide_approval("ap-1", true, "bob", None, now)
+        .decide_approval(&aid("ap-1"), true, "bob", None, now)
         .await
         .unwrap();
     drop(store);
@@ -989,7 +1050,7 @@ async fn resumable_calls_after_restart(backend: Backend) {
     let lease = now + 30_000;
     assert!(
         store
-            .claim_for_dispatch("call-1", "replica-a", now, lease)
+            .claim_for_dispatch(&cid("call-1"), "replica-a", now, lease)
             .await
             .unwrap()
     );
@@ -1005,17 +1066,22 @@ async fn resumable_calls_after_restart(backend: Backend) {
     assert_eq!(resumable[0].claimed_by.as_deref(), Some("replica-a"));
     assert!(
         store
-            .claim_for_dispatch("call-1", "replica-b", lease, lease + 30_000)
+            .claim_for_dispatch(&cid("call-1"), "replica-b", lease, lease + 30_000)
             .await
             .unwrap()
     );
     assert!(
         !store
-            .claim_for_dispatch("call-1", "replica-c", lease, lease + 30_000)
+            .claim_for_dispatch(&cid("call-1"), "replica-c", lease, lease + 30_000)
             .await
             .unwrap()
     );
-    assert!(store.finish_call("call-1", &outcome("ok")).await.unwrap());
+    assert!(
+        store
+            .finish_call(&cid("call-1"), &outcome("ok"))
+            .await
+            .unwrap()
+    );
     assert!(
         store
             .resumable_calls(Timestamp::MAX)
@@ -1058,14 +1124,574 @@ async fn calls_and_session_usage(backend: Backend) {
     assert_eq!(usage.calls, 5);
     assert!(usage.first_at.unwrap() <= first.unwrap() + 1);
     assert_eq!(store.session_usage("bob", "s1").await.unwrap().calls, 1);
-    let none = store.get_call("c-none").await.unwrap().unwrap();
+    let none = store.get_call(&cid("c-none")).await.unwrap().unwrap();
     assert_eq!(none.session_id, None);
     assert_eq!(none.status, None);
-    assert!(store.get_call("missing").await.unwrap().is_none());
+    assert!(store.get_call(&cid("missing")).await.unwrap().is_none());
     assert!(matches!(
-        store.finish_call("missing", &outcome("ok")).await,
+        store.finish_call(&cid("missing"), &outcome("ok")).await,
         Err(StoreError::NotFound { .. })
     ));
+}
+
+// ---------------------------------------------------------------------------------
+// The state machine, one transition per test
+// ---------------------------------------------------------------------------------
+
+async fn call_state(store: &Arc<dyn Store>, call_id: &str) -> CallState {
+    store.get_call(&cid(call_id)).await.unwrap().unwrap().state
+}
+
+/// An approved call, inserted and claimed by `claimant` until `lease_until`.
+async fn dispatched_call(
+    store: &Arc<dyn Store>,
+    call_id: &str,
+    claimant: &str,
+    lease_until: Timestamp,
+) {
+    store
+        .insert_call(new_call(call_id, CallState::Approved))
+        .await
+        .unwrap();
+    assert!(
+        store
+            .claim_for_dispatch(&cid(call_id), claimant, now_millis(), lease_until)
+            .await
+            .unwrap()
+    );
+}
+
+async fn insert_records_a_call_as_approved(backend: Backend) {
+    let store = backend.open().await;
+    let call = new_call("call-1", CallState::Approved);
+    store.insert_call(call.clone()).await.unwrap();
+    let stored = store.get_call(&cid("call-1")).await.unwrap().unwrap();
+    assert_eq!(stored.call_id, "call-1");
+    assert_eq!(stored.state, CallState::Approved);
+    assert_eq!(stored.tool_use_id, call.tool_use_id);
+    assert_eq!(stored.input, call.input);
+    assert_eq!(stored.created_at, call.created_at);
+    assert_eq!(stored.approval_id, None);
+    assert_eq!((stored.claimed_by, stored.lease_until), (None, None));
+    assert_eq!((stored.status, stored.result), (None, None));
+    let again = store.insert_call(call).await;
+    assert!(
+        matches!(again, Err(StoreError::AlreadyExists { what: "call", .. })),
+        "{again:?}"
+    );
+}
+
+async fn create_approval_inserts_a_new_call_as_pending_approval(backend: Backend) {
+    let store = backend.open().await;
+    let created = store
+        .create_approval(new_approval("ap-1", "call-1", 60_000))
+        .await
+        .unwrap();
+    assert_eq!(created.approval_id, "ap-1");
+    assert_eq!(created.call_id, "call-1");
+    assert_eq!(created.status, ApprovalStatus::Pending);
+    assert_eq!(created.input, new_call("call-1", CallState::Approved).input);
+    assert_eq!(
+        (&created.decided_by, &created.reason, created.decided_at),
+        (&None, &None, None)
+    );
+    assert_eq!(
+        store.get_approval(&aid("ap-1")).await.unwrap(),
+        Some(created)
+    );
+    let call = store.get_call(&cid("call-1")).await.unwrap().unwrap();
+    assert_eq!(call.state, CallState::PendingApproval);
+    assert_eq!(call.approval_id.as_deref(), Some("ap-1"));
+}
+
+async fn create_approval_moves_an_existing_call_to_pending_approval(backend: Backend) {
+    let store = backend.open().await;
+    let recorded = new_call("call-1", CallState::Approved);
+    store.insert_call(recorded.clone()).await.unwrap();
+    let mut approval = new_approval("ap-1", "call-1", 60_000);
+    approval.call.input = json!({"another": "input"});
+    let created = store.create_approval(approval).await.unwrap();
+    assert_eq!(created.status, ApprovalStatus::Pending);
+    assert_eq!(created.input, recorded.input, "the recorded call is kept");
+    let call = store.get_call(&cid("call-1")).await.unwrap().unwrap();
+    assert_eq!(call.state, CallState::PendingApproval);
+    assert_eq!(call.approval_id.as_deref(), Some("ap-1"));
+    assert_eq!(call.input, recorded.input);
+
+    // A taken approval id changes nothing: the call's move is rolled back with it.
+    store
+        .insert_call(new_call("call-2", CallState::Approved))
+        .await
+        .unwrap();
+    let taken = store
+        .create_approval(new_approval("ap-1", "call-2", 60_000))
+        .await;
+    assert!(
+        matches!(
+            taken,
+            Err(StoreError::AlreadyExists {
+                what: "approval",
+                ..
+            })
+        ),
+        "{taken:?}"
+    );
+    let untouched = store.get_call(&cid("call-2")).await.unwrap().unwrap();
+    assert_eq!(untouched.state, CallState::Approved);
+    assert_eq!(untouched.approval_id, None);
+    assert_eq!(
+        store
+            .get_approval(&aid("ap-1"))
+            .await
+            .unwrap()
+            .unwrap()
+            .call_id,
+        "call-1"
+    );
+}
+
+async fn decide_moves_pending_to_approved_and_the_call_to_approved(backend: Backend) {
+    let store = backend.open().await;
+    store
+        .create_approval(new_approval("ap-1", "call-1", 60_000))
+        .await
+        .unwrap();
+    let now = now_millis();
+    let decided = store
+        .decide_approval(&aid("ap-1"), true, "bob", Some("fine"), now)
+        .await
+        .unwrap();
+    assert_eq!(decided.status, ApprovalStatus::Approved);
+    assert_eq!(decided.decided_by.as_deref(), Some("bob"));
+    assert_eq!(decided.reason.as_deref(), Some("fine"));
+    assert_eq!(decided.decided_at, Some(now));
+    assert_eq!(
+        store.get_approval(&aid("ap-1")).await.unwrap(),
+        Some(decided)
+    );
+    assert_eq!(call_state(&store, "call-1").await, CallState::Approved);
+}
+
+async fn decide_moves_pending_to_denied_and_the_call_to_rejected(backend: Backend) {
+    let store = backend.open().await;
+    store
+        .create_approval(new_approval("ap-1", "call-1", 60_000))
+        .await
+        .unwrap();
+    let now = now_millis();
+    let decided = store
+        .decide_approval(&aid("ap-1"), false, "bob", None, now)
+        .await
+        .unwrap();
+    assert_eq!(decided.status, ApprovalStatus::Denied);
+    assert_eq!(decided.decided_by.as_deref(), Some("bob"));
+    assert_eq!(decided.reason, None);
+    assert_eq!(decided.decided_at, Some(now));
+    assert_eq!(call_state(&store, "call-1").await, CallState::Rejected);
+    assert!(
+        !store
+            .claim_for_dispatch(&cid("call-1"), "r1", now, now + 60_000)
+            .await
+            .unwrap(),
+        "a rejected call is never dispatched"
+    );
+}
+
+async fn decide_after_the_deadline_moves_pending_to_expired_and_rejects_the_call(backend: Backend) {
+    let store = backend.open().await;
+    let created = store
+        .create_approval(new_approval("ap-1", "call-1", 1_000))
+        .await
+        .unwrap();
+    // The deadline itself is too late (`expires_at <= now`).
+    let at_deadline = created.expires_at;
+    let late = store
+        .decide_approval(&aid("ap-1"), true, "bob", Some("fine"), at_deadline)
+        .await;
+    assert!(
+        matches!(&late, Err(StoreError::Expired { id }) if id == "ap-1"),
+        "{late:?}"
+    );
+    // The expiry is kept although the answer is an error; nobody decided it.
+    let expired = store.get_approval(&aid("ap-1")).await.unwrap().unwrap();
+    assert_eq!(expired.status, ApprovalStatus::Expired);
+    assert_eq!(expired.decided_at, Some(at_deadline));
+    assert_eq!((expired.decided_by, expired.reason), (None, None));
+    assert_eq!(call_state(&store, "call-1").await, CallState::Rejected);
+    assert!(
+        store
+            .expire_approvals(i64::MAX, 10)
+            .await
+            .unwrap()
+            .is_empty(),
+        "already expired: the sweep does not hand it out again"
+    );
+}
+
+async fn decide_twice_is_already_decided_and_keeps_the_first_decision(backend: Backend) {
+    let store = backend.open().await;
+    store
+        .create_approval(new_approval("ap-1", "call-1", 60_000))
+        .await
+        .unwrap();
+    let now = now_millis();
+    let first = store
+        .decide_approval(&aid("ap-1"), false, "bob", Some("no"), now)
+        .await
+        .unwrap();
+    let second = store
+        .decide_approval(&aid("ap-1"), true, "carol", Some("yes"), now + 1)
+        .await;
+    assert!(
+        matches!(
+            &second,
+            Err(StoreError::AlreadyDecided { id, status: ApprovalStatus::Denied }) if id == "ap-1"
+        ),
+        "{second:?}"
+    );
+    assert_eq!(store.get_approval(&aid("ap-1")).await.unwrap(), Some(first));
+    assert_eq!(call_state(&store, "call-1").await, CallState::Rejected);
+}
+
+async fn decide_unknown_approval_is_not_found(backend: Backend) {
+    let store = backend.open().await;
+    let unknown = store
+        .decide_approval(&aid("nope"), true, "bob", None, now_millis())
+        .await;
+    assert!(
+        matches!(&unknown, Err(StoreError::NotFound { what: "approval", id }) if id == "nope"),
+        "{unknown:?}"
+    );
+    assert!(store.get_approval(&aid("nope")).await.unwrap().is_none());
+}
+
+async fn claim_moves_approved_to_dispatched(backend: Backend) {
+    let store = backend.open().await;
+    store
+        .insert_call(new_call("call-1", CallState::Approved))
+        .await
+        .unwrap();
+    let now = now_millis();
+    assert!(
+        store
+            .claim_for_dispatch(&cid("call-1"), "r1", now, now + 60_000)
+            .await
+            .unwrap()
+    );
+    let call = store.get_call(&cid("call-1")).await.unwrap().unwrap();
+    assert_eq!(call.state, CallState::Dispatched);
+    assert_eq!(call.claimed_by.as_deref(), Some("r1"));
+    assert_eq!(call.lease_until, Some(now + 60_000));
+}
+
+async fn claim_refuses_calls_that_are_not_approved_and_unknown_calls(backend: Backend) {
+    let store = backend.open().await;
+    store
+        .create_approval(new_approval("ap-pending", "call-pending", 60_000))
+        .await
+        .unwrap();
+    store
+        .create_approval(new_approval("ap-denied", "call-rejected", 60_000))
+        .await
+        .unwrap();
+    store
+        .decide_approval(&aid("ap-denied"), false, "bob", None, now_millis())
+        .await
+        .unwrap();
+    dispatched_call(&store, "call-finished", "r0", now_millis() + 60_000).await;
+    store
+        .finish_call(&cid("call-finished"), &outcome("ok"))
+        .await
+        .unwrap();
+    for (call_id, state) in [
+        ("call-pending", CallState::PendingApproval),
+        ("call-rejected", CallState::Rejected),
+        ("call-finished", CallState::Finished),
+    ] {
+        // Even with every lease long over.
+        assert!(
+            !store
+                .claim_for_dispatch(&cid(call_id), "r1", i64::MAX, i64::MAX)
+                .await
+                .unwrap(),
+            "{call_id}"
+        );
+        assert_eq!(call_state(&store, call_id).await, state, "{call_id}");
+    }
+    let unknown = store
+        .claim_for_dispatch(&cid("missing"), "r1", now_millis(), now_millis())
+        .await;
+    assert!(
+        matches!(&unknown, Err(StoreError::NotFound { what: "call", id }) if id == "missing"),
+        "{unknown:?}"
+    );
+}
+
+async fn claim_is_lost_by_a_second_claimant_while_the_lease_runs(backend: Backend) {
+    let store = backend.open().await;
+    let lease = now_millis() + 60_000;
+    dispatched_call(&store, "call-1", "first", lease).await;
+    assert!(
+        !store
+            .claim_for_dispatch(&cid("call-1"), "second", lease - 1, lease + 60_000)
+            .await
+            .unwrap()
+    );
+    let call = store.get_call(&cid("call-1")).await.unwrap().unwrap();
+    assert_eq!(call.claimed_by.as_deref(), Some("first"));
+    assert_eq!(call.lease_until, Some(lease));
+}
+
+async fn claim_takes_over_a_dispatched_call_once_its_lease_ran_out(backend: Backend) {
+    let store = backend.open().await;
+    let lease = now_millis() + 60_000;
+    dispatched_call(&store, "call-1", "first", lease).await;
+    // The lease ends at `lease_until`: from then on it may be taken, once.
+    assert!(
+        store
+            .claim_for_dispatch(&cid("call-1"), "second", lease, lease + 60_000)
+            .await
+            .unwrap()
+    );
+    assert!(
+        !store
+            .claim_for_dispatch(&cid("call-1"), "third", lease, lease + 60_000)
+            .await
+            .unwrap()
+    );
+    let call = store.get_call(&cid("call-1")).await.unwrap().unwrap();
+    assert_eq!(call.state, CallState::Dispatched);
+    assert_eq!(call.claimed_by.as_deref(), Some("second"));
+    assert_eq!(call.lease_until, Some(lease + 60_000));
+}
+
+async fn renew_lease_extends_a_dispatched_call_for_its_holder_only(backend: Backend) {
+    let store = backend.open().await;
+    let lease = now_millis() + 60_000;
+    dispatched_call(&store, "call-1", "holder", lease).await;
+    assert!(
+        !store
+            .renew_lease(&cid("call-1"), "other", lease + 10)
+            .await
+            .unwrap()
+    );
+    assert_eq!(
+        store
+            .get_call(&cid("call-1"))
+            .await
+            .unwrap()
+            .unwrap()
+            .lease_until,
+        Some(lease)
+    );
+    assert!(
+        store
+            .renew_lease(&cid("call-1"), "holder", lease + 10)
+            .await
+            .unwrap()
+    );
+    let call = store.get_call(&cid("call-1")).await.unwrap().unwrap();
+    assert_eq!(call.state, CallState::Dispatched);
+    assert_eq!(call.claimed_by.as_deref(), Some("holder"));
+    assert_eq!(call.lease_until, Some(lease + 10));
+    // The renewed lease holds off a claimant the old one would have let in.
+    assert!(
+        !store
+            .claim_for_dispatch(&cid("call-1"), "other", lease, lease + 60_000)
+            .await
+            .unwrap()
+    );
+
+    // Only a dispatched call has a lease to renew; an unknown one has none.
+    store
+        .insert_call(new_call("call-2", CallState::Approved))
+        .await
+        .unwrap();
+    assert!(
+        !store
+            .renew_lease(&cid("call-2"), "holder", lease)
+            .await
+            .unwrap()
+    );
+    assert_eq!(call_state(&store, "call-2").await, CallState::Approved);
+    store
+        .finish_call(&cid("call-1"), &outcome("ok"))
+        .await
+        .unwrap();
+    assert!(
+        !store
+            .renew_lease(&cid("call-1"), "holder", lease + 20)
+            .await
+            .unwrap()
+    );
+    assert!(
+        !store
+            .renew_lease(&cid("missing"), "holder", lease)
+            .await
+            .unwrap()
+    );
+}
+
+async fn finish_moves_dispatched_to_finished_with_its_outcome(backend: Backend) {
+    let store = backend.open().await;
+    dispatched_call(&store, "call-1", "r1", now_millis() + 60_000).await;
+    let done = outcome("ok");
+    assert!(store.finish_call(&cid("call-1"), &done).await.unwrap());
+    let call = store.get_call(&cid("call-1")).await.unwrap().unwrap();
+    assert_eq!(call.state, CallState::Finished);
+    assert_eq!(call.status, Some(CallStatus::Ok));
+    assert_eq!(call.result, Some(done.result));
+    assert_eq!(call.duration_ms, done.duration_ms);
+    assert_eq!(call.replica, done.replica);
+    assert_eq!(call.finished_at, Some(done.finished_at));
+    assert!(
+        store
+            .resumable_calls(Timestamp::MAX)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+}
+
+async fn finish_twice_returns_false_and_keeps_the_first_outcome(backend: Backend) {
+    let store = backend.open().await;
+    dispatched_call(&store, "call-1", "r1", now_millis() + 60_000).await;
+    let first = outcome("ok");
+    assert!(store.finish_call(&cid("call-1"), &first).await.unwrap());
+    let mut second = outcome("error");
+    second.result = json!({"is_error": true, "content": ["other replica"]});
+    second.duration_ms = Some(99);
+    second.replica = Some("unix:/tmp/other.sock".to_owned());
+    second.finished_at = first.finished_at + 5;
+    assert!(!store.finish_call(&cid("call-1"), &second).await.unwrap());
+    let call = store.get_call(&cid("call-1")).await.unwrap().unwrap();
+    assert_eq!(call.state, CallState::Finished);
+    assert_eq!(call.status, Some(CallStatus::Ok));
+    assert_eq!(call.result, Some(first.result));
+    assert_eq!(call.duration_ms, first.duration_ms);
+    assert_eq!(call.replica, first.replica);
+    assert_eq!(call.finished_at, Some(first.finished_at));
+}
+
+async fn finish_unknown_call_is_not_found(backend: Backend) {
+    let store = backend.open().await;
+    let unknown = store.finish_call(&cid("missing"), &outcome("ok")).await;
+    assert!(
+        matches!(&unknown, Err(StoreError::NotFound { what: "call", id }) if id == "missing"),
+        "{unknown:?}"
+    );
+    assert!(store.get_call(&cid("missing")).await.unwrap().is_none());
+}
+
+async fn resumable_calls_list_approved_and_lapsed_dispatched_calls_only(backend: Backend) {
+    let store = backend.open().await;
+    let base = now_millis();
+    let lease = base + 60_000;
+    // One call in every state (and a dispatched one on each side of its lease), created
+    // in an order the listing must keep.
+    let at = |i: i64| base - 1_000 + i;
+    let mut insert = Vec::new();
+    for (i, id) in ["approved", "live", "lapsed", "finished", "approved-late"]
+        .into_iter()
+        .enumerate()
+    {
+        let mut call = new_call(id, CallState::Approved);
+        call.created_at = at(i64::try_from(i).unwrap());
+        insert.push(call);
+    }
+    for call in insert {
+        store.insert_call(call).await.unwrap();
+    }
+    for (id, until) in [("live", lease + 1), ("lapsed", lease), ("finished", lease)] {
+        assert!(
+            store
+                .claim_for_dispatch(&cid(id), "r0", base, until)
+                .await
+                .unwrap()
+        );
+    }
+    store
+        .finish_call(&cid("finished"), &outcome("ok"))
+        .await
+        .unwrap();
+    let mut pending = new_approval("ap-pending", "pending", 60_000);
+    pending.call.created_at = at(5);
+    store.create_approval(pending).await.unwrap();
+    let mut denied = new_approval("ap-denied", "rejected", 60_000);
+    denied.call.created_at = at(6);
+    store.create_approval(denied).await.unwrap();
+    store
+        .decide_approval(&aid("ap-denied"), false, "bob", None, base)
+        .await
+        .unwrap();
+
+    let listed = store.resumable_calls(lease).await.unwrap();
+    assert_eq!(
+        listed
+            .iter()
+            .map(|c| c.call_id.as_str())
+            .collect::<Vec<_>>(),
+        ["approved", "lapsed", "approved-late"],
+        "oldest first"
+    );
+    let lapsed = &listed[1];
+    assert_eq!(lapsed.state, CallState::Dispatched);
+    assert_eq!(lapsed.claimed_by.as_deref(), Some("r0"));
+    assert_eq!(lapsed.input, new_call("lapsed", CallState::Approved).input);
+    // A moment before the lease ends, only the approved ones.
+    let before = store.resumable_calls(lease - 1).await.unwrap();
+    assert_eq!(
+        before
+            .iter()
+            .map(|c| c.call_id.as_str())
+            .collect::<Vec<_>>(),
+        ["approved", "approved-late"]
+    );
+}
+
+/// A state or status the store cannot name is a corrupt row, never a guess, on every
+/// path that reads one (the decision reads the approval's status itself).
+async fn unknown_states_and_statuses_are_corrupt_rows(backend: Backend) {
+    let store = backend.open().await;
+    store
+        .create_approval(new_approval("ap-1", "call-1", 60_000))
+        .await
+        .unwrap();
+    dispatched_call(&store, "call-2", "r1", now_millis() + 60_000).await;
+    store
+        .finish_call(&cid("call-2"), &outcome("ok"))
+        .await
+        .unwrap();
+    backend
+        .exec(
+            "UPDATE approvals SET status = 'maybe' WHERE approval_id = 'ap-1'; \
+             UPDATE calls SET state = 'limbo' WHERE call_id = 'call-1'; \
+             UPDATE calls SET status = 'succeeded' WHERE call_id = 'call-2';",
+        )
+        .await;
+    let corrupt = |what: &str, result: Result<(), StoreError>| match result {
+        Err(StoreError::Corrupt(reason)) => assert!(reason.contains("unknown"), "{reason}"),
+        other => panic!("{what}: {other:?}"),
+    };
+    corrupt(
+        "get_approval",
+        store.get_approval(&aid("ap-1")).await.map(drop),
+    );
+    corrupt(
+        "decide_approval",
+        store
+            .decide_approval(&aid("ap-1"), true, "bob", None, now_millis())
+            .await
+            .map(drop),
+    );
+    corrupt(
+        "get_call state",
+        store.get_call(&cid("call-1")).await.map(drop),
+    );
+    corrupt(
+        "get_call status",
+        store.get_call(&cid("call-2")).await.map(drop),
+    );
 }
 
 // ---------------------------------------------------------------------------------
@@ -1121,7 +1747,7 @@ async fn approval_pages_walk_every_approval_once_in_order(backend: Backend) {
     let mut decided = Vec::new();
     for id in expected.iter().step_by(4) {
         store
-            .decide_approval(id, false, "bob", None, now_millis())
+            .decide_approval(&aid(id), false, "bob", None, now_millis())
             .await
             .unwrap();
         decided.push(id.clone());
@@ -1161,7 +1787,7 @@ async fn approval_pages_walk_every_approval_once_in_order(backend: Backend) {
         .await
         .unwrap()
         .into_iter()
-        .map(|a| a.approval_id)
+        .map(|a| a.approval_id.into_string())
         .collect();
     assert_eq!(listed, pending);
 
@@ -1176,7 +1802,7 @@ async fn approval_pages_walk_every_approval_once_in_order(backend: Backend) {
         .unwrap();
     let cursor = first.next_cursor.clone().unwrap();
     store
-        .decide_approval(&cursor, true, "bob", None, now_millis())
+        .decide_approval(&aid(&cursor), true, "bob", None, now_millis())
         .await
         .unwrap();
     let rest = all_pages(
@@ -1288,7 +1914,7 @@ async fn approval_pages_stop_at_their_byte_budget(backend: Backend) {
     for i in 0..sizes.len() {
         store
             .decide_approval(
-                &format!("apr_big{i}"),
+                &aid(format!("apr_big{i}")),
                 i % 2 == 0,
                 "bob",
                 None,
@@ -1380,11 +2006,11 @@ async fn postgres_pending_on_one_replica_approved_on_the_other_runs_once() {
         .unwrap();
     assert_eq!(seen.len(), 1);
     assert_eq!(seen[0].call_id, "call-x");
-    b.decide_approval("ap-x", true, "bob", None, now_millis())
+    b.decide_approval(&aid("ap-x"), true, "bob", None, now_millis())
         .await
         .unwrap();
     assert!(matches!(
-        a.decide_approval("ap-x", false, "carol", None, now_millis())
+        a.decide_approval(&aid("ap-x"), false, "carol", None, now_millis())
             .await,
         Err(StoreError::AlreadyDecided { .. })
     ));
@@ -1396,7 +2022,7 @@ async fn postgres_pending_on_one_replica_approved_on_the_other_runs_once() {
             let store = Arc::clone(&store);
             tasks.push(tokio::spawn(async move {
                 store
-                    .claim_for_dispatch("call-x", &format!("{name}-{i}"), now, now + 60_000)
+                    .claim_for_dispatch(&cid("call-x"), &format!("{name}-{i}"), now, now + 60_000)
                     .await
                     .unwrap()
             }));
@@ -1409,10 +2035,10 @@ async fn postgres_pending_on_one_replica_approved_on_the_other_runs_once() {
         }
     }
     assert_eq!(winners, 1);
-    assert!(a.finish_call("call-x", &outcome("ok")).await.unwrap());
-    assert!(!b.finish_call("call-x", &outcome("ok")).await.unwrap());
+    assert!(a.finish_call(&cid("call-x"), &outcome("ok")).await.unwrap());
+    assert!(!b.finish_call(&cid("call-x"), &outcome("ok")).await.unwrap());
     assert_eq!(
-        b.get_call("call-x").await.unwrap().unwrap().state,
+        b.get_call(&cid("call-x")).await.unwrap().unwrap().state,
         CallState::Finished
     );
 }

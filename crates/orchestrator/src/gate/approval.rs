@@ -57,7 +57,7 @@ impl Gate {
                 .unwrap_or(i64::MAX);
         self.store
             .create_approval(NewApproval {
-                approval_id: approval_id.clone(),
+                approval_id: approval_id.clone().into(),
                 call: new_call(ctx, CallState::PendingApproval),
                 created_at: now,
                 expires_at,
@@ -78,7 +78,7 @@ impl Gate {
         ))
         .await;
         loop {
-            match self.store.get_approval(&approval_id).await {
+            match self.store.get_approval(&approval_id.as_str().into()).await {
                 Ok(Some(a)) => match a.status {
                     ApprovalStatus::Pending if a.expires_at <= now_millis() => {
                         let _ = self.expire_sweep().await;
@@ -131,7 +131,7 @@ impl Gate {
     ) -> Result<crate::store::Approval, crate::store::StoreError> {
         self.store
             .decide_approval(
-                approval_id,
+                &approval_id.into(),
                 false,
                 "system:cancelled",
                 Some("the caller cancelled the call"),
@@ -143,7 +143,7 @@ impl Gate {
 
 fn new_call(ctx: &CallCtx, state: CallState) -> NewCall {
     NewCall {
-        call_id: ctx.call_id.clone(),
+        call_id: ctx.call_id.clone().into(),
         tool_use_id: ctx.tool_use.id.clone(),
         tool: ctx.tool_use.name.clone(),
         input: ctx.tool_use.input.clone(),

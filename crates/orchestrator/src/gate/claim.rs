@@ -41,9 +41,10 @@ impl Gate {
         ctx: &CallCtx,
         group: Option<&WorkerGroup>,
     ) -> Result<Claim, Rejection> {
+        let call_id = crate::store::CallId::from(&ctx.call_id);
         let claimed = self
             .store
-            .claim_for_dispatch(&ctx.call_id, &self.replica_id, now_millis(), lease_until())
+            .claim_for_dispatch(&call_id, &self.replica_id, now_millis(), lease_until())
             .await
             .map_err(|error| Rejection::Store {
                 doing: "claim the call",
@@ -63,7 +64,7 @@ impl Gate {
         let call_id = ctx.call_id.as_str();
         let mut gave_up_at = None;
         loop {
-            if let Ok(Some(stored)) = self.store.get_call(call_id).await
+            if let Ok(Some(stored)) = self.store.get_call(&call_id.into()).await
                 && let Some(ending) = stored_ending(&stored)
             {
                 return ending;

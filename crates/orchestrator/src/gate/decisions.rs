@@ -53,6 +53,7 @@ pub async fn decide(
     approve: bool,
     reason: Option<&str>,
 ) -> Result<Approval, DecideError> {
+    let approval_id = &crate::store::ApprovalId::from(approval_id);
     let approval = gate
         .store
         .get_approval(approval_id)

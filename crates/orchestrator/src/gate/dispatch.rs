@@ -56,6 +56,7 @@ impl Gate {
         let stop = CancellationToken::new();
         let store = self.store.clone();
         let (call_id, me, stopped) = (call_id.to_owned(), self.replica_id.clone(), stop.clone());
+        let call_id = crate::store::CallId::from(call_id);
         let task = tokio::spawn(async move {
             loop {
                 tokio::select! {

@@ -232,7 +232,7 @@ impl Gate {
             replica: ending.replica.clone(),
             finished_at: now_millis(),
         };
-        match self.store.finish_call(call_id, &stored).await {
+        match self.store.finish_call(&call_id.into(), &stored).await {
             Ok(true) | Err(StoreError::NotFound { .. }) => {}
             // Already finished by another replica: its outcome and audit event stand.
             Ok(false) => return,

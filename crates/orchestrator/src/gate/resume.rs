@@ -104,7 +104,7 @@ impl Gate {
             &call.tool,
             &call.principal,
         );
-        record.approval_id = call.approval_id.clone();
+        record.approval_id = call.approval_id.clone().map(String::from);
         record.checked = true;
         self.calls.insert(record, cancel.clone());
         self.audit(
@@ -124,7 +124,7 @@ impl Gate {
         // that did is joined on its worker, where it started while it was allowed.
         let recheck = (call.state == CallState::Approved).then_some("resume");
         let ctx = CallCtx {
-            call_id: call.call_id,
+            call_id: call.call_id.into(),
             principal: Principal {
                 name: call.principal,
                 roles: Vec::new(),
@@ -158,7 +158,7 @@ impl Gate {
     /// the store knows): a pending approval is withdrawn, a dispatched call is stopped
     /// on its worker. The replica running it records how it ended.
     pub async fn cancel_elsewhere(&self, call_id: &str) {
-        let Ok(Some(stored)) = self.store.get_call(call_id).await else {
+        let Ok(Some(stored)) = self.store.get_call(&call_id.into()).await else {
             return;
         };
         match stored.state {
@@ -193,14 +193,14 @@ impl Gate {
 
     /// A call known only to the store (another replica's, or from before a restart).
     pub async fn stored_record(&self, call_id: &str) -> Option<CallRecord> {
-        let stored = self.store.get_call(call_id).await.ok()??;
+        let stored = self.store.get_call(&call_id.into()).await.ok()??;
         let mut record = CallRecord::running(
             &stored.call_id,
             &stored.tool_use_id,
             &stored.tool,
             &stored.principal,
         );
-        record.approval_id = stored.approval_id.clone();
+        record.approval_id = stored.approval_id.clone().map(String::from);
         record.duration_ms = stored.duration_ms;
         record.replica = stored.replica.clone();
         record.checked = true;

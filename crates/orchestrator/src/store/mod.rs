@@ -12,6 +12,10 @@
 //!   concurrent writers keep the chain linear and dense; approval decisions and
 //!   dispatch claims are compare-and-set updates, so exactly one replica wins.
 //!
+//! The state machine below and the audit seal are written once, in `machine`, over
+//! the row operations each engine supplies (its `Tx`); the engines keep their SQL and
+//! their locking.
+//!
 //! # Call states
 //!
 //! ```text
@@ -31,6 +35,8 @@
 //! take `now` from the caller, so tests can move time; [`now_millis`] gives the real
 //! one and [`rfc3339`] formats one for the wire.
 
+mod ids;
+mod machine;
 mod postgres;
 mod sqlite;
 
@@ -43,6 +49,7 @@ use async_trait::async_trait;
 use serde::{Deserialize, Serialize, Serializer};
 use serde_json::Value;
 
+pub use self::ids::{ApprovalId, CallId};
 pub use crate::audit::{AuditQuery, AuditRecord, NewAuditEvent, VerifyReport};
 
 /// The tables of schema version 1, with `{int}` standing for the engine's 64-bit integer
@@ -283,7 +290,7 @@ impl std::str::FromStr for ApprovalStatus {
 /// A call to record.
 #[derive(Debug, Clone, PartialEq)]
 pub struct NewCall {
-    pub call_id: String,
+    pub call_id: CallId,
     pub tool_use_id: String,
     pub tool: String,
     /// The real (unredacted) arguments: a resumed call runs with them. Only the audit
@@ -299,14 +306,14 @@ pub struct NewCall {
 /// A call as stored.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct StoredCall {
-    pub call_id: String,
+    pub call_id: CallId,
     pub tool_use_id: String,
     pub tool: String,
     pub input: Value,
     pub principal: String,
     pub session_id: Option<String>,
     pub state: CallState,
-    pub approval_id: Option<String>,
+    pub approval_id: Option<ApprovalId>,
     /// The final status once finished.
     pub status: Option<CallStatus>,
     /// The final result (whatever JSON the caller stored) once finished.
@@ -336,7 +343,7 @@ pub struct CallOutcome {
 /// An approval to create, for a call that is recorded in the same transaction.
 #[derive(Debug, Clone, PartialEq)]
 pub struct NewApproval {
-    pub approval_id: String,
+    pub approval_id: ApprovalId,
     /// The call that waits; inserted (state `pending_approval`) if not yet stored,
     /// otherwise moved to `pending_approval`.
     pub call: NewCall,
@@ -348,8 +355,8 @@ pub struct NewApproval {
 /// (which may be megabytes, and the sweep has no use for it).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ExpiredApproval {
-    pub approval_id: String,
-    pub call_id: String,
+    pub approval_id: ApprovalId,
+    pub call_id: CallId,
     pub principal: String,
     pub session_id: Option<String>,
 }
@@ -357,8 +364,8 @@ pub struct ExpiredApproval {
 /// An approval; serializes to the `GET /v1/approvals` item shape (times as RFC 3339).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Approval {
-    pub approval_id: String,
-    pub call_id: String,
+    pub approval_id: ApprovalId,
+    pub call_id: CallId,
     pub tool: String,
     /// The call's real arguments: redact them before showing them if the approver
     /// must not see secrets.
@@ -494,12 +501,16 @@ pub trait Store: Send + Sync {
     /// Records a new call. [`StoreError::AlreadyExists`] if the id is taken.
     async fn insert_call(&self, call: NewCall) -> Result<(), StoreError>;
 
-    async fn get_call(&self, call_id: &str) -> Result<Option<StoredCall>, StoreError>;
+    async fn get_call(&self, call_id: &CallId) -> Result<Option<StoredCall>, StoreError>;
 
     /// Stores the final outcome and moves the call to `finished`. Returns false (and
     /// changes nothing) if it was already finished, so "completed" is recorded once
     /// even if two replicas ran a re-dispatched call. [`StoreError::NotFound`] if absent.
-    async fn finish_call(&self, call_id: &str, outcome: &CallOutcome) -> Result<bool, StoreError>;
+    async fn finish_call(
+        &self,
+        call_id: &CallId,
+        outcome: &CallOutcome,
+    ) -> Result<bool, StoreError>;
 
     /// Creates a pending approval and records its call (`pending_approval`) in one
     /// transaction. [`StoreError::AlreadyExists`] if the approval id is taken.
@@ -533,7 +544,7 @@ pub trait Store: Send + Sync {
         }
     }
 
-    async fn get_approval(&self, approval_id: &str) -> Result<Option<Approval>, StoreError>;
+    async fn get_approval(&self, approval_id: &ApprovalId) -> Result<Option<Approval>, StoreError>;
 
     /// Moves a pending approval to approved or denied (compare-and-set: of concurrent
     /// deciders exactly one succeeds) and its call to `approved` or `rejected`.
@@ -543,7 +554,7 @@ pub trait Store: Send + Sync {
     /// decide (role, distinct approver) is the caller's job.
     async fn decide_approval(
         &self,
-        approval_id: &str,
+        approval_id: &ApprovalId,
         approve: bool,
         decided_by: &str,
         reason: Option<&str>,
@@ -560,7 +571,7 @@ pub trait Store: Send + Sync {
     /// `now = Timestamp::MAX`.
     async fn claim_for_dispatch(
         &self,
-        call_id: &str,
+        call_id: &CallId,
         claimant: &str,
         now: Timestamp,
         lease_until: Timestamp,
@@ -569,7 +580,7 @@ pub trait Store: Send + Sync {
     /// Extends the lease of a call that `claimant` holds; false if it does not hold it.
     async fn renew_lease(
         &self,
-        call_id: &str,
+        call_id: &CallId,
         claimant: &str,
         lease_until: Timestamp,
     ) -> Result<bool, StoreError>;

@@ -14,16 +14,21 @@ use deadpool_postgres::GenericClient;
 use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod, Runtime};
 use tokio_postgres::config::Host;
 use tokio_postgres::error::SqlState;
+use tokio_postgres::types::ToSql;
 use tokio_postgres::{IsolationLevel, NoTls, Row};
 
-use super::{
-    APPROVAL_SELECT, AUDIT_COLUMNS, Approval, ApprovalPage, ApprovalQuery, ApprovalStatus,
-    AuditQuery, AuditRecord, CALL_COLUMNS, CallOutcome, CallState, ExpiredApproval, NewApproval,
-    NewAuditEvent, NewCall, PAGING_INDEXES, SCHEMA_VERSION, SessionUsage, Store, StoreError,
-    StoredCall, Timestamp, VerifyReport, decode_call_status, fill_page, from_json_text, now_millis,
-    rfc3339, schema_v1, to_i64, to_json_text, to_u64,
+use super::machine::{
+    self, ApprovalMove, ApprovalState, CallFilter, CallMove, CallOwner, CallSet, ChainHead, States,
+    Sweep, Tx, Verdict,
 };
-use crate::audit::{ChainVerifier, GENESIS_HASH, chain_hash};
+use super::{
+    APPROVAL_SELECT, AUDIT_COLUMNS, Approval, ApprovalId, ApprovalPage, ApprovalQuery,
+    ApprovalStatus, AuditQuery, AuditRecord, CALL_COLUMNS, CallId, CallOutcome, CallState,
+    ExpiredApproval, NewApproval, NewAuditEvent, NewCall, PAGING_INDEXES, SCHEMA_VERSION,
+    SessionUsage, Store, StoreError, StoredCall, Timestamp, VerifyReport, decode_call_status,
+    fill_page, from_json_text, schema_v1, to_i64, to_json_text, to_u64,
+};
+use crate::audit::{ChainVerifier, GENESIS_HASH};
 
 /// `pg_advisory_xact_lock` key that serializes schema creation across replicas.
 /// Records read per round trip by `verify`.
@@ -170,13 +175,6 @@ fn is_unique_violation(err: &tokio_postgres::Error) -> bool {
     err.code() == Some(&SqlState::UNIQUE_VIOLATION)
 }
 
-fn head_missing() -> StoreError {
-    StoreError::Corrupt(
-        "the audit head anchor is missing (the log was tampered with); run `airlock audit verify`"
-            .to_owned(),
-    )
-}
-
 fn audit_from_row(row: &Row) -> Result<AuditRecord, (u64, String)> {
     let seq: i64 = row
         .try_get("seq")
@@ -208,15 +206,16 @@ fn call_from_row(row: &Row) -> Result<StoredCall, StoreError> {
     let state: String = row.try_get("state")?;
     let result: Option<String> = row.try_get("result")?;
     let duration_ms: Option<i64> = row.try_get("duration_ms")?;
+    let approval_id: Option<String> = row.try_get("approval_id")?;
     Ok(StoredCall {
-        call_id: row.try_get("call_id")?,
+        call_id: CallId::from(row.try_get::<_, String>("call_id")?),
         tool_use_id: row.try_get("tool_use_id")?,
         tool: row.try_get("tool")?,
         input: from_json_text(&input, "a call's input")?,
         principal: row.try_get("principal")?,
         session_id: row.try_get("session_id")?,
         state: CallState::parse(&state)?,
-        approval_id: row.try_get("approval_id")?,
+        approval_id: approval_id.map(ApprovalId::from),
         status: decode_call_status(row.try_get("status")?)?,
         result: result
             .map(|r| from_json_text(&r, "a call's result"))
@@ -236,8 +235,8 @@ fn approval_from_row(row: &Row) -> Result<Approval, StoreError> {
     let input: String = row.try_get("input")?;
     let status: String = row.try_get("status")?;
     Ok(Approval {
-        approval_id: row.try_get("approval_id")?,
-        call_id: row.try_get("call_id")?,
+        approval_id: ApprovalId::from(row.try_get::<_, String>("approval_id")?),
+        call_id: CallId::from(row.try_get::<_, String>("call_id")?),
         tool: row.try_get("tool")?,
         input: from_json_text(&input, "an approval's input")?,
         principal: row.try_get("principal")?,
@@ -334,46 +333,386 @@ async fn approval_page_ids<C: GenericClient>(
         .collect()
 }
 
-async fn call_exists<C: GenericClient>(client: &C, call_id: &str) -> Result<bool, StoreError> {
+async fn call_exists<C: GenericClient>(client: &C, call_id: &CallId) -> Result<bool, StoreError> {
     Ok(client
-        .query_opt("SELECT 1 FROM calls WHERE call_id = $1", &[&call_id])
+        .query_opt(
+            "SELECT 1 FROM calls WHERE call_id = $1",
+            &[&call_id.as_str()],
+        )
         .await?
         .is_some())
 }
 
-async fn insert_call_row<C: GenericClient>(
+async fn select_call<C: GenericClient>(
     client: &C,
-    call: &NewCall,
-    approval_id: Option<&str>,
-) -> Result<(), StoreError> {
-    client
-        .execute(
-            "INSERT INTO calls (call_id, tool_use_id, tool, input, principal, session_id, state, \
-             approval_id, created_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
-            &[
-                &call.call_id,
-                &call.tool_use_id,
-                &call.tool,
-                &to_json_text(&call.input),
-                &call.principal,
-                &call.session_id,
-                &call.state.as_str(),
-                &approval_id,
-                &call.created_at,
-            ],
+    call_id: &CallId,
+) -> Result<Option<StoredCall>, StoreError> {
+    let row = client
+        .query_opt(
+            &format!("SELECT {CALL_COLUMNS} FROM calls WHERE call_id = $1"),
+            &[&call_id.as_str()],
         )
-        .await
-        .map_err(|e| {
-            if is_unique_violation(&e) {
-                StoreError::AlreadyExists {
-                    what: "call",
-                    id: call.call_id.clone(),
-                }
-            } else {
-                e.into()
+        .await?;
+    row.as_ref().map(call_from_row).transpose()
+}
+
+/// A statement parameter built from a move.
+type Bind = Box<dyn ToSql + Sync + Send>;
+
+/// Parameters of a statement built from a move, numbered `$1`, `$2`, … as bound.
+#[derive(Default)]
+struct Binds(Vec<Bind>);
+
+impl Binds {
+    /// Binds `value` and answers its placeholder.
+    fn bind(&mut self, value: impl ToSql + Sync + Send + 'static) -> String {
+        self.push(Box::new(value))
+    }
+
+    fn push(&mut self, value: Bind) -> String {
+        self.0.push(value);
+        format!("${}", self.0.len())
+    }
+
+    fn refs(&self) -> Vec<&(dyn ToSql + Sync)> {
+        self.0
+            .iter()
+            .map(|bind| &**bind as &(dyn ToSql + Sync))
+            .collect()
+    }
+}
+
+/// `state = 'a'`, `state IN ('a', 'b')`: the names are `CallState::as_str`, never input.
+fn states_sql(states: States) -> Option<String> {
+    match states {
+        States::Any => None,
+        States::In([]) => Some("FALSE".to_owned()),
+        States::In([one]) => Some(format!("state = '{}'", one.as_str())),
+        States::In(many) => {
+            let names: Vec<String> = many.iter().map(|s| format!("'{}'", s.as_str())).collect();
+            Some(format!("state IN ({})", names.join(", ")))
+        }
+        States::Not(state) => Some(format!("state <> '{}'", state.as_str())),
+    }
+}
+
+/// The condition of a [`CallFilter`], or `None` when it takes every call.
+fn filter_sql(filter: &CallFilter<'_>, binds: &mut Binds) -> Option<String> {
+    let mut conds = Vec::new();
+    // Any state already takes a lapsed claim.
+    if let Some(states) = states_sql(filter.states) {
+        match filter.or_lapsed_at {
+            Some(at) => conds.push(format!(
+                "({states} OR (state = '{}' AND (lease_until IS NULL OR lease_until <= {})))",
+                CallState::Dispatched.as_str(),
+                binds.bind(at)
+            )),
+            None => conds.push(states),
+        }
+    }
+    if let Some(holder) = filter.held_by {
+        conds.push(format!("claimed_by = {}", binds.bind(holder.to_owned())));
+    }
+    (!conds.is_empty()).then(|| conds.join(" AND "))
+}
+
+/// `UPDATE calls SET …` for a move: one statement, which PostgreSQL re-checks against a
+/// row a concurrent writer changed, so of racing movers at most one moves the call.
+fn move_call_sql(mv: &CallMove<'_>) -> (String, Binds) {
+    let mut columns: Vec<(&str, Bind)> = vec![("state", Box::new(mv.to.as_str()))];
+    match mv.set {
+        CallSet::State => {}
+        CallSet::Approval(id) => columns.push(("approval_id", Box::new(id.as_str().to_owned()))),
+        CallSet::Claim {
+            claimant,
+            lease_until,
+        } => columns.extend([
+            ("claimed_by", Box::new(claimant.to_owned()) as Bind),
+            ("lease_until", Box::new(lease_until)),
+        ]),
+        CallSet::Lease(lease_until) => columns.push(("lease_until", Box::new(lease_until))),
+        CallSet::Outcome(outcome) => columns.extend([
+            ("status", Box::new(outcome.status.as_str()) as Bind),
+            ("result", Box::new(to_json_text(&outcome.result))),
+            ("duration_ms", Box::new(outcome.duration_ms.map(to_i64))),
+            ("replica", Box::new(outcome.replica.clone())),
+            ("finished_at", Box::new(outcome.finished_at)),
+        ]),
+    }
+    let mut binds = Binds::default();
+    let set: Vec<String> = columns
+        .into_iter()
+        .map(|(column, value)| format!("{column} = {}", binds.push(value)))
+        .collect();
+    let call_id = binds.bind(mv.call_id.as_str().to_owned());
+    let mut sql = format!(
+        "UPDATE calls SET {} WHERE call_id = {call_id}",
+        set.join(", ")
+    );
+    if let Some(cond) = filter_sql(&mv.from, &mut binds) {
+        sql.push_str(" AND ");
+        sql.push_str(&cond);
+    }
+    (sql, binds)
+}
+
+/// The [`Tx`] primitives on a transaction, or on a pooled connection where a method of
+/// the store runs single statements, each atomic on its own (as it did before the state
+/// machine moved to [`machine`]).
+struct PgTx<'a, C> {
+    client: &'a C,
+}
+
+impl<C: GenericClient> Tx for PgTx<'_, C> {
+    async fn chain_head(&mut self) -> Result<Option<ChainHead>, StoreError> {
+        // The row lock serializes appenders of every replica until commit.
+        let row = self
+            .client
+            .query_opt(
+                "SELECT seq, hash FROM audit_head WHERE id = 1 FOR UPDATE",
+                &[],
+            )
+            .await?;
+        row.map(|row| {
+            Ok(ChainHead {
+                seq: row.try_get("seq")?,
+                hash: row.try_get("hash")?,
+            })
+        })
+        .transpose()
+    }
+
+    async fn insert_audit(&mut self, record: &AuditRecord) -> Result<(), StoreError> {
+        self.client
+            .execute(
+                &format!(
+                    "INSERT INTO audit_events ({AUDIT_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)"
+                ),
+                &[
+                    &to_i64(record.seq),
+                    &record.ts,
+                    &record.kind,
+                    &record.call_id,
+                    &record.principal,
+                    &record.session_id,
+                    &to_json_text(&record.data),
+                    &record.prev_hash,
+                    &record.hash,
+                ],
+            )
+            .await?;
+        Ok(())
+    }
+
+    async fn move_chain_head(&mut self, seq: u64, hash: &str) -> Result<(), StoreError> {
+        self.client
+            .execute(
+                "UPDATE audit_head SET seq = $1, hash = $2 WHERE id = 1",
+                &[&to_i64(seq), &hash],
+            )
+            .await?;
+        Ok(())
+    }
+
+    async fn insert_call_row(
+        &mut self,
+        call: &NewCall,
+        approval_id: Option<&ApprovalId>,
+    ) -> Result<bool, StoreError> {
+        let inserted = self
+            .client
+            .execute(
+                "INSERT INTO calls (call_id, tool_use_id, tool, input, principal, session_id, state, \
+                 approval_id, created_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+                &[
+                    &call.call_id.as_str(),
+                    &call.tool_use_id,
+                    &call.tool,
+                    &to_json_text(&call.input),
+                    &call.principal,
+                    &call.session_id,
+                    &call.state.as_str(),
+                    &approval_id.map(ApprovalId::as_str),
+                    &call.created_at,
+                ],
+            )
+            .await;
+        match inserted {
+            Ok(_) => Ok(true),
+            Err(e) if is_unique_violation(&e) => Ok(false),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    async fn call_exists(&mut self, call_id: &CallId) -> Result<bool, StoreError> {
+        call_exists(self.client, call_id).await
+    }
+
+    async fn call(&mut self, call_id: &CallId) -> Result<Option<StoredCall>, StoreError> {
+        select_call(self.client, call_id).await
+    }
+
+    async fn call_owner(&mut self, call_id: &CallId) -> Result<Option<CallOwner>, StoreError> {
+        let row = self
+            .client
+            .query_opt(
+                "SELECT principal, session_id FROM calls WHERE call_id = $1",
+                &[&call_id.as_str()],
+            )
+            .await?;
+        row.map(|row| {
+            Ok(CallOwner {
+                principal: row.try_get("principal")?,
+                session_id: row.try_get("session_id")?,
+            })
+        })
+        .transpose()
+    }
+
+    async fn move_call(&mut self, mv: &CallMove<'_>) -> Result<bool, StoreError> {
+        let (sql, binds) = move_call_sql(mv);
+        let changed = self.client.execute(sql.as_str(), &binds.refs()).await?;
+        Ok(changed == 1)
+    }
+
+    async fn call_ids(&mut self, filter: &CallFilter<'_>) -> Result<Vec<CallId>, StoreError> {
+        let mut binds = Binds::default();
+        let filter = filter_sql(filter, &mut binds)
+            .map(|cond| format!(" WHERE {cond}"))
+            .unwrap_or_default();
+        let rows = self
+            .client
+            .query(
+                &format!("SELECT call_id FROM calls{filter} ORDER BY created_at ASC, call_id ASC"),
+                &binds.refs(),
+            )
+            .await?;
+        rows.iter()
+            .map(|row| Ok(CallId::from(row.try_get::<_, String>("call_id")?)))
+            .collect()
+    }
+
+    async fn insert_approval_row(
+        &mut self,
+        approval: &NewApproval,
+        status: ApprovalStatus,
+    ) -> Result<bool, StoreError> {
+        let inserted = self
+            .client
+            .execute(
+                "INSERT INTO approvals (approval_id, call_id, status, created_at, expires_at) \
+                 VALUES ($1, $2, $3, $4, $5)",
+                &[
+                    &approval.approval_id.as_str(),
+                    &approval.call.call_id.as_str(),
+                    &status.as_str(),
+                    &approval.created_at,
+                    &approval.expires_at,
+                ],
+            )
+            .await;
+        match inserted {
+            Ok(_) => Ok(true),
+            Err(e) if is_unique_violation(&e) => Ok(false),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    async fn approval_for_update(
+        &mut self,
+        approval_id: &ApprovalId,
+    ) -> Result<Option<ApprovalState>, StoreError> {
+        // The row lock makes concurrent deciders (of any replica) wait for this one.
+        let row = self
+            .client
+            .query_opt(
+                "SELECT call_id, status, expires_at FROM approvals WHERE approval_id = $1 FOR UPDATE",
+                &[&approval_id.as_str()],
+            )
+            .await?;
+        row.map(|row| {
+            let status: String = row.try_get("status")?;
+            Ok(ApprovalState {
+                call_id: CallId::from(row.try_get::<_, String>("call_id")?),
+                status: ApprovalStatus::parse(&status)?,
+                expires_at: row.try_get("expires_at")?,
+            })
+        })
+        .transpose()
+    }
+
+    async fn approval(&mut self, approval_id: &ApprovalId) -> Result<Option<Approval>, StoreError> {
+        select_approval(self.client, approval_id.as_str()).await
+    }
+
+    async fn move_approval(&mut self, mv: &ApprovalMove<'_>) -> Result<bool, StoreError> {
+        let changed = match mv.verdict {
+            Some(verdict) => {
+                self.client
+                    .execute(
+                        "UPDATE approvals SET status = $2, decided_by = $3, reason = $4, \
+                         decided_at = $5 WHERE approval_id = $1 AND status = $6",
+                        &[
+                            &mv.approval_id.as_str(),
+                            &mv.to.as_str(),
+                            &verdict.by,
+                            &verdict.reason,
+                            &mv.decided_at,
+                            &mv.from.as_str(),
+                        ],
+                    )
+                    .await?
             }
-        })?;
-    Ok(())
+            None => {
+                self.client
+                    .execute(
+                        "UPDATE approvals SET status = $2, decided_at = $3 \
+                         WHERE approval_id = $1 AND status = $4",
+                        &[
+                            &mv.approval_id.as_str(),
+                            &mv.to.as_str(),
+                            &mv.decided_at,
+                            &mv.from.as_str(),
+                        ],
+                    )
+                    .await?
+            }
+        };
+        Ok(changed == 1)
+    }
+
+    async fn sweep_approvals(
+        &mut self,
+        sweep: &Sweep,
+    ) -> Result<Vec<(ApprovalId, CallId)>, StoreError> {
+        let limit = i64::try_from(sweep.limit).unwrap_or(i64::MAX);
+        // SKIP LOCKED: sweeping replicas take disjoint batches instead of queueing.
+        let rows = self
+            .client
+            .query(
+                "UPDATE approvals SET status = $1, decided_at = $2 \
+                 WHERE status = $3 AND approval_id IN (SELECT approval_id FROM \
+                 approvals WHERE status = $3 AND expires_at <= $4 \
+                 ORDER BY expires_at, approval_id LIMIT $5 FOR UPDATE SKIP LOCKED) \
+                 RETURNING approval_id, call_id",
+                &[
+                    &sweep.to.as_str(),
+                    &sweep.decided_at,
+                    &sweep.from.as_str(),
+                    &sweep.due_by,
+                    &limit,
+                ],
+            )
+            .await?;
+        rows.iter()
+            .map(|row| {
+                Ok((
+                    ApprovalId::from(row.try_get::<_, String>("approval_id")?),
+                    CallId::from(row.try_get::<_, String>("call_id")?),
+                ))
+            })
+            .collect()
+    }
 }
 
 #[async_trait]
@@ -385,62 +724,9 @@ impl Store for PostgresStore {
     async fn append(&self, event: NewAuditEvent) -> Result<AuditRecord, StoreError> {
         let mut client = self.client().await?;
         let tx = client.transaction().await?;
-        // The row lock serializes appenders of every replica until commit.
-        let head = tx
-            .query_opt(
-                "SELECT seq, hash FROM audit_head WHERE id = 1 FOR UPDATE",
-                &[],
-            )
-            .await?
-            .ok_or_else(head_missing)?;
-        let head_seq: i64 = head.try_get(0)?;
-        let prev_hash: String = head.try_get(1)?;
-        let seq = to_u64(head_seq, "the audit head's seq")? + 1;
-        let ts = rfc3339(now_millis());
-        let hash = chain_hash(
-            &prev_hash,
-            seq,
-            &ts,
-            event.kind.as_str(),
-            event.call_id.as_deref(),
-            event.principal.as_deref(),
-            event.session_id.as_deref(),
-            &event.data,
-        );
-        tx.execute(
-            &format!(
-                "INSERT INTO audit_events ({AUDIT_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)"
-            ),
-            &[
-                &to_i64(seq),
-                &ts,
-                &event.kind.as_str(),
-                &event.call_id,
-                &event.principal,
-                &event.session_id,
-                &to_json_text(&event.data),
-                &prev_hash,
-                &hash,
-            ],
-        )
-        .await?;
-        tx.execute(
-            "UPDATE audit_head SET seq = $1, hash = $2 WHERE id = 1",
-            &[&to_i64(seq), &hash],
-        )
-        .await?;
+        let record = machine::append(&mut PgTx { client: &tx }, event).await?;
         tx.commit().await?;
-        Ok(AuditRecord {
-            seq,
-            ts,
-            kind: event.kind.as_str().to_owned(),
-            call_id: event.call_id,
-            principal: event.principal,
-            session_id: event.session_id,
-            data: event.data,
-            prev_hash,
-            hash,
-        })
+        Ok(record)
     }
 
     async fn audit(&self, query: AuditQuery) -> Result<Vec<AuditRecord>, StoreError> {
@@ -516,88 +802,27 @@ impl Store for PostgresStore {
 
     async fn insert_call(&self, call: NewCall) -> Result<(), StoreError> {
         let client = self.client().await?;
-        insert_call_row(&client, &call, None).await
+        machine::insert_call(&mut PgTx { client: &client }, &call, None).await
     }
 
-    async fn get_call(&self, call_id: &str) -> Result<Option<StoredCall>, StoreError> {
+    async fn get_call(&self, call_id: &CallId) -> Result<Option<StoredCall>, StoreError> {
         let client = self.client().await?;
-        let row = client
-            .query_opt(
-                &format!("SELECT {CALL_COLUMNS} FROM calls WHERE call_id = $1"),
-                &[&call_id],
-            )
-            .await?;
-        row.as_ref().map(call_from_row).transpose()
+        select_call(&client, call_id).await
     }
 
-    async fn finish_call(&self, call_id: &str, outcome: &CallOutcome) -> Result<bool, StoreError> {
+    async fn finish_call(
+        &self,
+        call_id: &CallId,
+        outcome: &CallOutcome,
+    ) -> Result<bool, StoreError> {
         let client = self.client().await?;
-        let changed = client
-            .execute(
-                "UPDATE calls SET state = 'finished', status = $2, result = $3, duration_ms = $4, \
-                 replica = $5, finished_at = $6 WHERE call_id = $1 AND state <> 'finished'",
-                &[
-                    &call_id,
-                    &outcome.status.as_str(),
-                    &to_json_text(&outcome.result),
-                    &outcome.duration_ms.map(to_i64),
-                    &outcome.replica,
-                    &outcome.finished_at,
-                ],
-            )
-            .await?;
-        if changed == 0 && !call_exists(&client, call_id).await? {
-            return Err(StoreError::NotFound {
-                what: "call",
-                id: call_id.to_owned(),
-            });
-        }
-        Ok(changed == 1)
+        machine::finish_call(&mut PgTx { client: &client }, call_id, outcome).await
     }
 
     async fn create_approval(&self, approval: NewApproval) -> Result<Approval, StoreError> {
         let mut client = self.client().await?;
         let tx = client.transaction().await?;
-        let id = approval.approval_id.as_str();
-        let call = &approval.call;
-        let updated = tx
-            .execute(
-                "UPDATE calls SET state = 'pending_approval', approval_id = $2 WHERE call_id = $1",
-                &[&call.call_id, &id],
-            )
-            .await?;
-        if updated == 0 {
-            let mut pending = call.clone();
-            pending.state = CallState::PendingApproval;
-            insert_call_row(&tx, &pending, Some(id)).await?;
-        }
-        tx.execute(
-            "INSERT INTO approvals (approval_id, call_id, status, created_at, expires_at) \
-             VALUES ($1, $2, 'pending', $3, $4)",
-            &[
-                &id,
-                &call.call_id,
-                &approval.created_at,
-                &approval.expires_at,
-            ],
-        )
-        .await
-        .map_err(|e| {
-            if is_unique_violation(&e) {
-                StoreError::AlreadyExists {
-                    what: "approval",
-                    id: id.to_owned(),
-                }
-            } else {
-                e.into()
-            }
-        })?;
-        let created = select_approval(&tx, id)
-            .await?
-            .ok_or_else(|| StoreError::NotFound {
-                what: "approval",
-                id: id.to_owned(),
-            })?;
+        let created = machine::create_approval(&mut PgTx { client: &tx }, &approval).await?;
         tx.commit().await?;
         Ok(created)
     }
@@ -635,14 +860,14 @@ impl Store for PostgresStore {
         fill_page(ids, query, |_| Ok(fetched.next().flatten()))
     }
 
-    async fn get_approval(&self, approval_id: &str) -> Result<Option<Approval>, StoreError> {
+    async fn get_approval(&self, approval_id: &ApprovalId) -> Result<Option<Approval>, StoreError> {
         let client = self.client().await?;
-        select_approval(&client, approval_id).await
+        select_approval(&client, approval_id.as_str()).await
     }
 
     async fn decide_approval(
         &self,
-        approval_id: &str,
+        approval_id: &ApprovalId,
         approve: bool,
         decided_by: &str,
         reason: Option<&str>,
@@ -650,144 +875,53 @@ impl Store for PostgresStore {
     ) -> Result<Approval, StoreError> {
         let mut client = self.client().await?;
         let tx = client.transaction().await?;
-        let found = tx
-            .query_opt(
-                "SELECT call_id, status, expires_at FROM approvals WHERE approval_id = $1 FOR UPDATE",
-                &[&approval_id],
-            )
-            .await?;
-        let Some(found) = found else {
-            return Err(StoreError::NotFound {
-                what: "approval",
-                id: approval_id.to_owned(),
-            });
+        let verdict = Verdict {
+            by: decided_by,
+            reason,
         };
-        let call_id: String = found.try_get(0)?;
-        let status: String = found.try_get(1)?;
-        let expires_at: Timestamp = found.try_get(2)?;
-        let status = ApprovalStatus::parse(&status)?;
-        if status != ApprovalStatus::Pending {
-            return Err(StoreError::AlreadyDecided {
-                id: approval_id.to_owned(),
-                status,
-            });
-        }
-        if expires_at <= now {
-            tx.execute(
-                "UPDATE approvals SET status = 'expired', decided_at = $2 \
-                 WHERE approval_id = $1 AND status = 'pending'",
-                &[&approval_id, &now],
-            )
-            .await?;
-            tx.execute(
-                "UPDATE calls SET state = 'rejected' WHERE call_id = $1 AND state = 'pending_approval'",
-                &[&call_id],
-            )
-            .await?;
-            tx.commit().await?;
-            return Err(StoreError::Expired {
-                id: approval_id.to_owned(),
-            });
-        }
-        let (new_status, new_state) = if approve {
-            (ApprovalStatus::Approved, CallState::Approved)
-        } else {
-            (ApprovalStatus::Denied, CallState::Rejected)
-        };
-        tx.execute(
-            "UPDATE approvals SET status = $2, decided_by = $3, reason = $4, decided_at = $5 \
-             WHERE approval_id = $1 AND status = 'pending'",
-            &[
-                &approval_id,
-                &new_status.as_str(),
-                &decided_by,
-                &reason,
-                &now,
-            ],
+        let answer = machine::decide_approval(
+            &mut PgTx { client: &tx },
+            approval_id,
+            approve,
+            verdict,
+            now,
         )
         .await?;
-        tx.execute(
-            "UPDATE calls SET state = $2 WHERE call_id = $1 AND state = 'pending_approval'",
-            &[&call_id, &new_state.as_str()],
-        )
-        .await?;
-        let decided =
-            select_approval(&tx, approval_id)
-                .await?
-                .ok_or_else(|| StoreError::NotFound {
-                    what: "approval",
-                    id: approval_id.to_owned(),
-                })?;
         tx.commit().await?;
-        Ok(decided)
+        answer
     }
 
     async fn claim_for_dispatch(
         &self,
-        call_id: &str,
+        call_id: &CallId,
         claimant: &str,
         now: Timestamp,
         lease_until: Timestamp,
     ) -> Result<bool, StoreError> {
         let client = self.client().await?;
-        let changed = client
-            .execute(
-                "UPDATE calls SET state = 'dispatched', claimed_by = $2, lease_until = $3 \
-                 WHERE call_id = $1 AND (state = 'approved' OR (state = 'dispatched' \
-                 AND (lease_until IS NULL OR lease_until <= $4)))",
-                &[&call_id, &claimant, &lease_until, &now],
-            )
-            .await?;
-        if changed == 0 && !call_exists(&client, call_id).await? {
-            return Err(StoreError::NotFound {
-                what: "call",
-                id: call_id.to_owned(),
-            });
-        }
-        Ok(changed == 1)
+        let mut tx = PgTx { client: &client };
+        machine::claim_for_dispatch(&mut tx, call_id, claimant, now, lease_until).await
     }
 
     async fn renew_lease(
         &self,
-        call_id: &str,
+        call_id: &CallId,
         claimant: &str,
         lease_until: Timestamp,
     ) -> Result<bool, StoreError> {
         let client = self.client().await?;
-        let changed = client
-            .execute(
-                "UPDATE calls SET lease_until = $3 \
-                 WHERE call_id = $1 AND state = 'dispatched' AND claimed_by = $2",
-                &[&call_id, &claimant, &lease_until],
-            )
-            .await?;
-        Ok(changed == 1)
+        machine::renew_lease(
+            &mut PgTx { client: &client },
+            call_id,
+            claimant,
+            lease_until,
+        )
+        .await
     }
 
     async fn resumable_calls(&self, now: Timestamp) -> Result<Vec<StoredCall>, StoreError> {
         let client = self.client().await?;
-        // Ids first, then each row: the sort never holds a call's input.
-        let ids = client
-            .query(
-                "SELECT call_id FROM calls WHERE state = 'approved' OR (state = 'dispatched' \
-                 AND (lease_until IS NULL OR lease_until <= $1)) ORDER BY created_at ASC, call_id ASC",
-                &[&now],
-            )
-            .await?;
-        let mut out = Vec::with_capacity(ids.len());
-        for id in &ids {
-            let id: &str = id.try_get(0)?;
-            let row = client
-                .query_opt(
-                    &format!("SELECT {CALL_COLUMNS} FROM calls WHERE call_id = $1"),
-                    &[&id],
-                )
-                .await?;
-            if let Some(row) = row {
-                out.push(call_from_row(&row)?);
-            }
-        }
-        Ok(out)
+        machine::resumable_calls(&mut PgTx { client: &client }, now).await
     }
 
     async fn expire_approvals(
@@ -795,41 +929,11 @@ impl Store for PostgresStore {
         now: Timestamp,
         limit: usize,
     ) -> Result<Vec<ExpiredApproval>, StoreError> {
-        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
         let mut client = self.client().await?;
         let tx = client.transaction().await?;
-        // SKIP LOCKED: sweeping replicas take disjoint batches instead of queueing.
-        let rows = tx
-            .query(
-                "UPDATE approvals SET status = 'expired', decided_at = $1 \
-                 WHERE status = 'pending' AND approval_id IN (SELECT approval_id FROM \
-                 approvals WHERE status = 'pending' AND expires_at <= $1 \
-                 ORDER BY expires_at, approval_id LIMIT $2 FOR UPDATE SKIP LOCKED) \
-                 RETURNING approval_id, call_id",
-                &[&now, &limit],
-            )
-            .await?;
-        let mut out = Vec::with_capacity(rows.len());
-        for row in &rows {
-            let approval_id: String = row.try_get("approval_id")?;
-            let call_id: String = row.try_get("call_id")?;
-            let call = tx
-                .query_one(
-                    "UPDATE calls SET state = CASE WHEN state = 'pending_approval' \
-                     THEN 'rejected' ELSE state END WHERE call_id = $1 \
-                     RETURNING principal, session_id",
-                    &[&call_id],
-                )
-                .await?;
-            out.push(ExpiredApproval {
-                approval_id,
-                call_id,
-                principal: call.try_get("principal")?,
-                session_id: call.try_get("session_id")?,
-            });
-        }
+        let expired = machine::expire_approvals(&mut PgTx { client: &tx }, now, limit).await?;
         tx.commit().await?;
-        Ok(out)
+        Ok(expired)
     }
 
     async fn session_usage(

@@ -10,18 +10,24 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use rusqlite::types::Value;
 use rusqlite::{
     Connection, ErrorCode, OptionalExtension as _, Row, Transaction, TransactionBehavior, params,
+    params_from_iter,
 };
 
-use super::{
-    APPROVAL_SELECT, AUDIT_COLUMNS, Approval, ApprovalPage, ApprovalQuery, ApprovalStatus,
-    AuditQuery, AuditRecord, CALL_COLUMNS, CallOutcome, CallState, ExpiredApproval, NewApproval,
-    NewAuditEvent, NewCall, PAGING_INDEXES, SCHEMA_VERSION, SessionUsage, Store, StoreError,
-    StoredCall, Timestamp, VerifyReport, decode_call_status, fill_page, from_json_text, now_millis,
-    rfc3339, schema_v1, to_i64, to_json_text, to_u64,
+use super::machine::{
+    self, ApprovalMove, ApprovalState, CallFilter, CallMove, CallOwner, CallSet, ChainHead, States,
+    Sweep, Tx, Verdict,
 };
-use crate::audit::{ChainVerifier, GENESIS_HASH, chain_hash};
+use super::{
+    APPROVAL_SELECT, AUDIT_COLUMNS, Approval, ApprovalId, ApprovalPage, ApprovalQuery,
+    ApprovalStatus, AuditQuery, AuditRecord, CALL_COLUMNS, CallId, CallOutcome, CallState,
+    ExpiredApproval, NewApproval, NewAuditEvent, NewCall, PAGING_INDEXES, SCHEMA_VERSION,
+    SessionUsage, Store, StoreError, StoredCall, Timestamp, VerifyReport, decode_call_status,
+    fill_page, from_json_text, schema_v1, to_i64, to_json_text, to_u64,
+};
+use crate::audit::{ChainVerifier, GENESIS_HASH};
 
 pub(super) struct SqliteStore {
     conn: Arc<Mutex<Connection>>,
@@ -137,13 +143,6 @@ fn is_unique_violation(err: &rusqlite::Error) -> bool {
     matches!(err, rusqlite::Error::SqliteFailure(e, _) if e.code == ErrorCode::ConstraintViolation)
 }
 
-fn head_missing() -> StoreError {
-    StoreError::Corrupt(
-        "the audit head anchor is missing (the log was tampered with); run `airlock audit verify`"
-            .to_owned(),
-    )
-}
-
 fn audit_from_row(row: &Row<'_>) -> rusqlite::Result<(i64, RawAudit)> {
     let seq: i64 = row.get("seq")?;
     Ok((
@@ -202,15 +201,16 @@ fn call_from_row(row: &Row<'_>) -> Result<StoredCall, StoreError> {
     let state: String = row.get("state")?;
     let result: Option<String> = row.get("result")?;
     let duration_ms: Option<i64> = row.get("duration_ms")?;
+    let approval_id: Option<String> = row.get("approval_id")?;
     Ok(StoredCall {
-        call_id: row.get("call_id")?,
+        call_id: CallId::from(row.get::<_, String>("call_id")?),
         tool_use_id: row.get("tool_use_id")?,
         tool: row.get("tool")?,
         input: from_json_text(&input, "a call's input")?,
         principal: row.get("principal")?,
         session_id: row.get("session_id")?,
         state: CallState::parse(&state)?,
-        approval_id: row.get("approval_id")?,
+        approval_id: approval_id.map(ApprovalId::from),
         status: decode_call_status(row.get("status")?)?,
         result: result
             .map(|r| from_json_text(&r, "a call's result"))
@@ -230,8 +230,8 @@ fn approval_from_row(row: &Row<'_>) -> Result<Approval, StoreError> {
     let input: String = row.get("input")?;
     let status: String = row.get("status")?;
     Ok(Approval {
-        approval_id: row.get("approval_id")?,
-        call_id: row.get("call_id")?,
+        approval_id: ApprovalId::from(row.get::<_, String>("approval_id")?),
+        call_id: CallId::from(row.get::<_, String>("call_id")?),
         tool: row.get("tool")?,
         input: from_json_text(&input, "an approval's input")?,
         principal: row.get("principal")?,
@@ -312,46 +312,381 @@ fn approval_page_ids(
     Ok(ids)
 }
 
-fn call_exists(conn: &Connection, call_id: &str) -> Result<bool, StoreError> {
+fn call_exists(conn: &Connection, call_id: &CallId) -> Result<bool, StoreError> {
     Ok(conn
-        .query_row("SELECT 1 FROM calls WHERE call_id = ?1", [call_id], |_| {
-            Ok(())
-        })
+        .query_row(
+            "SELECT 1 FROM calls WHERE call_id = ?1",
+            [call_id.as_str()],
+            |_| Ok(()),
+        )
         .optional()?
         .is_some())
 }
 
-fn insert_call_row(
-    tx: &Transaction<'_>,
-    call: &NewCall,
-    approval_id: Option<&str>,
-) -> Result<(), StoreError> {
-    tx.execute(
-        "INSERT INTO calls (call_id, tool_use_id, tool, input, principal, session_id, state, \
-         approval_id, created_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
-        params![
-            call.call_id,
-            call.tool_use_id,
-            call.tool,
-            to_json_text(&call.input),
-            call.principal,
-            call.session_id,
-            call.state.as_str(),
-            approval_id,
-            call.created_at,
-        ],
-    )
-    .map_err(|e| {
-        if is_unique_violation(&e) {
-            StoreError::AlreadyExists {
-                what: "call",
-                id: call.call_id.clone(),
-            }
-        } else {
-            e.into()
+fn select_call(conn: &Connection, call_id: &CallId) -> Result<Option<StoredCall>, StoreError> {
+    let mut stmt = conn.prepare_cached(&format!(
+        "SELECT {CALL_COLUMNS} FROM calls WHERE call_id = ?1"
+    ))?;
+    let mut rows = stmt.query([call_id.as_str()])?;
+    match rows.next()? {
+        Some(row) => Ok(Some(call_from_row(row)?)),
+        None => Ok(None),
+    }
+}
+
+/// Parameters of a statement built from a move, numbered `?1`, `?2`, … as bound.
+#[derive(Default)]
+struct Binds(Vec<Value>);
+
+impl Binds {
+    /// Binds `value` and answers its placeholder.
+    fn bind(&mut self, value: impl Into<Value>) -> String {
+        self.0.push(value.into());
+        format!("?{}", self.0.len())
+    }
+}
+
+/// `state = 'a'`, `state IN ('a', 'b')`: the names are `CallState::as_str`, never input.
+fn states_sql(states: States) -> Option<String> {
+    match states {
+        States::Any => None,
+        States::In([]) => Some("FALSE".to_owned()),
+        States::In([one]) => Some(format!("state = '{}'", one.as_str())),
+        States::In(many) => {
+            let names: Vec<String> = many.iter().map(|s| format!("'{}'", s.as_str())).collect();
+            Some(format!("state IN ({})", names.join(", ")))
         }
-    })?;
-    Ok(())
+        States::Not(state) => Some(format!("state <> '{}'", state.as_str())),
+    }
+}
+
+/// The condition of a [`CallFilter`], or `None` when it takes every call.
+fn filter_sql(filter: &CallFilter<'_>, binds: &mut Binds) -> Option<String> {
+    let mut conds = Vec::new();
+    // Any state already takes a lapsed claim.
+    if let Some(states) = states_sql(filter.states) {
+        match filter.or_lapsed_at {
+            Some(at) => conds.push(format!(
+                "({states} OR (state = '{}' AND (lease_until IS NULL OR lease_until <= {})))",
+                CallState::Dispatched.as_str(),
+                binds.bind(at)
+            )),
+            None => conds.push(states),
+        }
+    }
+    if let Some(holder) = filter.held_by {
+        conds.push(format!("claimed_by = {}", binds.bind(holder.to_owned())));
+    }
+    (!conds.is_empty()).then(|| conds.join(" AND "))
+}
+
+/// `UPDATE calls SET …` for a move.
+fn move_call_sql(mv: &CallMove<'_>) -> (String, Vec<Value>) {
+    let mut columns: Vec<(&str, Value)> = vec![("state", mv.to.as_str().to_owned().into())];
+    match mv.set {
+        CallSet::State => {}
+        CallSet::Approval(id) => columns.push(("approval_id", id.as_str().to_owned().into())),
+        CallSet::Claim {
+            claimant,
+            lease_until,
+        } => columns.extend([
+            ("claimed_by", claimant.to_owned().into()),
+            ("lease_until", lease_until.into()),
+        ]),
+        CallSet::Lease(lease_until) => columns.push(("lease_until", lease_until.into())),
+        CallSet::Outcome(outcome) => columns.extend([
+            ("status", outcome.status.as_str().to_owned().into()),
+            ("result", to_json_text(&outcome.result).into()),
+            ("duration_ms", outcome.duration_ms.map(to_i64).into()),
+            ("replica", outcome.replica.clone().into()),
+            ("finished_at", outcome.finished_at.into()),
+        ]),
+    }
+    let mut binds = Binds::default();
+    let set: Vec<String> = columns
+        .into_iter()
+        .map(|(column, value)| format!("{column} = {}", binds.bind(value)))
+        .collect();
+    let call_id = binds.bind(mv.call_id.as_str().to_owned());
+    let mut sql = format!(
+        "UPDATE calls SET {} WHERE call_id = {call_id}",
+        set.join(", ")
+    );
+    if let Some(cond) = filter_sql(&mv.from, &mut binds) {
+        sql.push_str(" AND ");
+        sql.push_str(&cond);
+    }
+    (sql, binds.0)
+}
+
+/// The [`Tx`] primitives on one connection: inside a transaction (a [`Transaction`]
+/// derefs to its connection) or, for a single statement, on its own. Every method does
+/// its work synchronously, so the state machine's futures complete on their first poll
+/// (see [`drive`]).
+struct SqliteTx<'c> {
+    conn: &'c Connection,
+}
+
+/// Runs one of the state machine's functions over this engine's synchronous primitives.
+fn drive<T>(work: impl Future<Output = T>) -> T {
+    futures::executor::block_on(work)
+}
+
+impl Tx for SqliteTx<'_> {
+    async fn chain_head(&mut self) -> Result<Option<ChainHead>, StoreError> {
+        // The write lock `BEGIN IMMEDIATE` took holds the head until commit.
+        Ok(self
+            .conn
+            .query_row("SELECT seq, hash FROM audit_head WHERE id = 1", [], |row| {
+                Ok(ChainHead {
+                    seq: row.get("seq")?,
+                    hash: row.get("hash")?,
+                })
+            })
+            .optional()?)
+    }
+
+    async fn insert_audit(&mut self, record: &AuditRecord) -> Result<(), StoreError> {
+        self.conn.execute(
+            &format!(
+                "INSERT INTO audit_events ({AUDIT_COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)"
+            ),
+            params![
+                to_i64(record.seq),
+                record.ts,
+                record.kind,
+                record.call_id,
+                record.principal,
+                record.session_id,
+                to_json_text(&record.data),
+                record.prev_hash,
+                record.hash,
+            ],
+        )?;
+        Ok(())
+    }
+
+    async fn move_chain_head(&mut self, seq: u64, hash: &str) -> Result<(), StoreError> {
+        self.conn.execute(
+            "UPDATE audit_head SET seq = ?1, hash = ?2 WHERE id = 1",
+            params![to_i64(seq), hash],
+        )?;
+        Ok(())
+    }
+
+    async fn insert_call_row(
+        &mut self,
+        call: &NewCall,
+        approval_id: Option<&ApprovalId>,
+    ) -> Result<bool, StoreError> {
+        let inserted = self.conn.execute(
+            "INSERT INTO calls (call_id, tool_use_id, tool, input, principal, session_id, state, \
+             approval_id, created_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
+            params![
+                call.call_id.as_str(),
+                call.tool_use_id,
+                call.tool,
+                to_json_text(&call.input),
+                call.principal,
+                call.session_id,
+                call.state.as_str(),
+                approval_id.map(ApprovalId::as_str),
+                call.created_at,
+            ],
+        );
+        match inserted {
+            Ok(_) => Ok(true),
+            Err(e) if is_unique_violation(&e) => Ok(false),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    async fn call_exists(&mut self, call_id: &CallId) -> Result<bool, StoreError> {
+        call_exists(self.conn, call_id)
+    }
+
+    async fn call(&mut self, call_id: &CallId) -> Result<Option<StoredCall>, StoreError> {
+        select_call(self.conn, call_id)
+    }
+
+    async fn call_owner(&mut self, call_id: &CallId) -> Result<Option<CallOwner>, StoreError> {
+        Ok(self
+            .conn
+            .query_row(
+                "SELECT principal, session_id FROM calls WHERE call_id = ?1",
+                [call_id.as_str()],
+                |row| {
+                    Ok(CallOwner {
+                        principal: row.get("principal")?,
+                        session_id: row.get("session_id")?,
+                    })
+                },
+            )
+            .optional()?)
+    }
+
+    async fn move_call(&mut self, mv: &CallMove<'_>) -> Result<bool, StoreError> {
+        let (sql, binds) = move_call_sql(mv);
+        let changed = self.conn.execute(&sql, params_from_iter(binds))?;
+        Ok(changed == 1)
+    }
+
+    async fn call_ids(&mut self, filter: &CallFilter<'_>) -> Result<Vec<CallId>, StoreError> {
+        let mut binds = Binds::default();
+        let filter = filter_sql(filter, &mut binds)
+            .map(|cond| format!(" WHERE {cond}"))
+            .unwrap_or_default();
+        let mut stmt = self.conn.prepare_cached(&format!(
+            "SELECT call_id FROM calls{filter} ORDER BY created_at ASC, call_id ASC"
+        ))?;
+        let rows = stmt.query_map(params_from_iter(binds.0), |row| {
+            row.get::<_, String>("call_id")
+        })?;
+        let mut ids = Vec::new();
+        for id in rows {
+            ids.push(CallId::from(id?));
+        }
+        Ok(ids)
+    }
+
+    async fn insert_approval_row(
+        &mut self,
+        approval: &NewApproval,
+        status: ApprovalStatus,
+    ) -> Result<bool, StoreError> {
+        let inserted = self.conn.execute(
+            "INSERT INTO approvals (approval_id, call_id, status, created_at, expires_at) \
+             VALUES (?1, ?2, ?3, ?4, ?5)",
+            params![
+                approval.approval_id.as_str(),
+                approval.call.call_id.as_str(),
+                status.as_str(),
+                approval.created_at,
+                approval.expires_at
+            ],
+        );
+        match inserted {
+            Ok(_) => Ok(true),
+            Err(e) if is_unique_violation(&e) => Ok(false),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    async fn approval_for_update(
+        &mut self,
+        approval_id: &ApprovalId,
+    ) -> Result<Option<ApprovalState>, StoreError> {
+        // The write lock `BEGIN IMMEDIATE` took keeps other deciders out until commit.
+        let found: Option<(String, String, Timestamp)> = self
+            .conn
+            .query_row(
+                "SELECT call_id, status, expires_at FROM approvals WHERE approval_id = ?1",
+                [approval_id.as_str()],
+                |row| {
+                    Ok((
+                        row.get("call_id")?,
+                        row.get("status")?,
+                        row.get("expires_at")?,
+                    ))
+                },
+            )
+            .optional()?;
+        found
+            .map(|(call_id, status, expires_at)| {
+                Ok(ApprovalState {
+                    call_id: CallId::from(call_id),
+                    status: ApprovalStatus::parse(&status)?,
+                    expires_at,
+                })
+            })
+            .transpose()
+    }
+
+    async fn approval(&mut self, approval_id: &ApprovalId) -> Result<Option<Approval>, StoreError> {
+        select_approval(self.conn, approval_id.as_str())
+    }
+
+    async fn move_approval(&mut self, mv: &ApprovalMove<'_>) -> Result<bool, StoreError> {
+        let changed = match mv.verdict {
+            Some(verdict) => self.conn.execute(
+                "UPDATE approvals SET status = ?2, decided_by = ?3, reason = ?4, decided_at = ?5 \
+                 WHERE approval_id = ?1 AND status = ?6",
+                params![
+                    mv.approval_id.as_str(),
+                    mv.to.as_str(),
+                    verdict.by,
+                    verdict.reason,
+                    mv.decided_at,
+                    mv.from.as_str(),
+                ],
+            )?,
+            None => self.conn.execute(
+                "UPDATE approvals SET status = ?2, decided_at = ?3 \
+                 WHERE approval_id = ?1 AND status = ?4",
+                params![
+                    mv.approval_id.as_str(),
+                    mv.to.as_str(),
+                    mv.decided_at,
+                    mv.from.as_str(),
+                ],
+            )?,
+        };
+        Ok(changed == 1)
+    }
+
+    async fn sweep_approvals(
+        &mut self,
+        sweep: &Sweep,
+    ) -> Result<Vec<(ApprovalId, CallId)>, StoreError> {
+        let limit = i64::try_from(sweep.limit).unwrap_or(i64::MAX);
+        // One statement under the write lock: a concurrent sweeper (another task or
+        // process) waits for it and then finds these no longer in `from`.
+        let mut stmt = self.conn.prepare(
+            "UPDATE approvals SET status = ?1, decided_at = ?2 \
+             WHERE status = ?3 AND approval_id IN (SELECT approval_id FROM \
+             approvals WHERE status = ?3 AND expires_at <= ?4 \
+             ORDER BY expires_at, approval_id LIMIT ?5) RETURNING approval_id, call_id",
+        )?;
+        let rows = stmt.query_map(
+            params![
+                sweep.to.as_str(),
+                sweep.decided_at,
+                sweep.from.as_str(),
+                sweep.due_by,
+                limit
+            ],
+            |row| {
+                Ok((
+                    row.get::<_, String>("approval_id")?,
+                    row.get::<_, String>("call_id")?,
+                ))
+            },
+        )?;
+        let mut swept = Vec::new();
+        for row in rows {
+            let (approval_id, call_id) = row?;
+            swept.push((ApprovalId::from(approval_id), CallId::from(call_id)));
+        }
+        Ok(swept)
+    }
+}
+
+impl SqliteStore {
+    /// Runs `work` in a `BEGIN IMMEDIATE` transaction and commits when it succeeds (an
+    /// error rolls it back).
+    async fn write<T, F>(&self, work: F) -> Result<T, StoreError>
+    where
+        T: Send + 'static,
+        F: FnOnce(&mut SqliteTx<'_>) -> Result<T, StoreError> + Send + 'static,
+    {
+        self.run(move |conn| {
+            let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+            let answer = work(&mut SqliteTx { conn: &tx })?;
+            tx.commit()?;
+            Ok(answer)
+        })
+        .await
+    }
 }
 
 #[async_trait]
@@ -361,60 +696,8 @@ impl Store for SqliteStore {
     }
 
     async fn append(&self, event: NewAuditEvent) -> Result<AuditRecord, StoreError> {
-        self.run(move |conn| {
-            let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
-            let (head_seq, prev_hash): (i64, String) = tx
-                .query_row("SELECT seq, hash FROM audit_head WHERE id = 1", [], |row| {
-                    Ok((row.get(0)?, row.get(1)?))
-                })
-                .optional()?
-                .ok_or_else(head_missing)?;
-            let seq = to_u64(head_seq, "the audit head's seq")? + 1;
-            let ts = rfc3339(now_millis());
-            let hash = chain_hash(
-                &prev_hash,
-                seq,
-                &ts,
-                event.kind.as_str(),
-                event.call_id.as_deref(),
-                event.principal.as_deref(),
-                event.session_id.as_deref(),
-                &event.data,
-            );
-            tx.execute(
-                &format!(
-                    "INSERT INTO audit_events ({AUDIT_COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)"
-                ),
-                params![
-                    to_i64(seq),
-                    ts,
-                    event.kind.as_str(),
-                    event.call_id,
-                    event.principal,
-                    event.session_id,
-                    to_json_text(&event.data),
-                    prev_hash,
-                    hash,
-                ],
-            )?;
-            tx.execute(
-                "UPDATE audit_head SET seq = ?1, hash = ?2 WHERE id = 1",
-                params![to_i64(seq), hash],
-            )?;
-            tx.commit()?;
-            Ok(AuditRecord {
-                seq,
-                ts,
-                kind: event.kind.as_str().to_owned(),
-                call_id: event.call_id,
-                principal: event.principal,
-                session_id: event.session_id,
-                data: event.data,
-                prev_hash,
-                hash,
-            })
-        })
-        .await
+        self.write(move |tx| drive(machine::append(tx, event)))
+            .await
     }
 
     async fn audit(&self, query: AuditQuery) -> Result<Vec<AuditRecord>, StoreError> {
@@ -479,97 +762,29 @@ impl Store for SqliteStore {
     }
 
     async fn insert_call(&self, call: NewCall) -> Result<(), StoreError> {
-        self.run(move |conn| {
-            let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
-            insert_call_row(&tx, &call, None)?;
-            tx.commit()?;
-            Ok(())
-        })
-        .await
+        self.write(move |tx| drive(machine::insert_call(tx, &call, None)))
+            .await
     }
 
-    async fn get_call(&self, call_id: &str) -> Result<Option<StoredCall>, StoreError> {
-        let call_id = call_id.to_owned();
-        self.run(move |conn| {
-            let mut stmt = conn.prepare_cached(&format!(
-                "SELECT {CALL_COLUMNS} FROM calls WHERE call_id = ?1"
-            ))?;
-            let mut rows = stmt.query([call_id])?;
-            match rows.next()? {
-                Some(row) => Ok(Some(call_from_row(row)?)),
-                None => Ok(None),
-            }
-        })
-        .await
+    async fn get_call(&self, call_id: &CallId) -> Result<Option<StoredCall>, StoreError> {
+        let call_id = call_id.clone();
+        self.run(move |conn| select_call(conn, &call_id)).await
     }
 
-    async fn finish_call(&self, call_id: &str, outcome: &CallOutcome) -> Result<bool, StoreError> {
-        let call_id = call_id.to_owned();
+    async fn finish_call(
+        &self,
+        call_id: &CallId,
+        outcome: &CallOutcome,
+    ) -> Result<bool, StoreError> {
+        let call_id = call_id.clone();
         let outcome = outcome.clone();
-        self.run(move |conn| {
-            let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
-            let changed = tx.execute(
-                "UPDATE calls SET state = 'finished', status = ?2, result = ?3, duration_ms = ?4, \
-                 replica = ?5, finished_at = ?6 WHERE call_id = ?1 AND state <> 'finished'",
-                params![
-                    call_id,
-                    outcome.status.as_str(),
-                    to_json_text(&outcome.result),
-                    outcome.duration_ms.map(to_i64),
-                    outcome.replica,
-                    outcome.finished_at,
-                ],
-            )?;
-            if changed == 0 && !call_exists(&tx, &call_id)? {
-                return Err(StoreError::NotFound {
-                    what: "call",
-                    id: call_id,
-                });
-            }
-            tx.commit()?;
-            Ok(changed == 1)
-        })
-        .await
+        self.write(move |tx| drive(machine::finish_call(tx, &call_id, &outcome)))
+            .await
     }
 
     async fn create_approval(&self, approval: NewApproval) -> Result<Approval, StoreError> {
-        self.run(move |conn| {
-            let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
-            let id = approval.approval_id.clone();
-            let call = &approval.call;
-            if call_exists(&tx, &call.call_id)? {
-                tx.execute(
-                    "UPDATE calls SET state = 'pending_approval', approval_id = ?2 WHERE call_id = ?1",
-                    params![call.call_id, id],
-                )?;
-            } else {
-                let mut pending = call.clone();
-                pending.state = CallState::PendingApproval;
-                insert_call_row(&tx, &pending, Some(&id))?;
-            }
-            tx.execute(
-                "INSERT INTO approvals (approval_id, call_id, status, created_at, expires_at) \
-                 VALUES (?1, ?2, 'pending', ?3, ?4)",
-                params![id, call.call_id, approval.created_at, approval.expires_at],
-            )
-            .map_err(|e| {
-                if is_unique_violation(&e) {
-                    StoreError::AlreadyExists {
-                        what: "approval",
-                        id: id.clone(),
-                    }
-                } else {
-                    e.into()
-                }
-            })?;
-            let created = select_approval(&tx, &id)?.ok_or_else(|| StoreError::NotFound {
-                what: "approval",
-                id: id.clone(),
-            })?;
-            tx.commit()?;
-            Ok(created)
-        })
-        .await
+        self.write(move |tx| drive(machine::create_approval(tx, &approval)))
+            .await
     }
 
     async fn approvals_page(&self, query: &ApprovalQuery) -> Result<ApprovalPage, StoreError> {
@@ -585,150 +800,80 @@ impl Store for SqliteStore {
         .await
     }
 
-    async fn get_approval(&self, approval_id: &str) -> Result<Option<Approval>, StoreError> {
-        let id = approval_id.to_owned();
-        self.run(move |conn| select_approval(conn, &id)).await
+    async fn get_approval(&self, approval_id: &ApprovalId) -> Result<Option<Approval>, StoreError> {
+        let id = approval_id.clone();
+        self.run(move |conn| select_approval(conn, id.as_str()))
+            .await
     }
 
     async fn decide_approval(
         &self,
-        approval_id: &str,
+        approval_id: &ApprovalId,
         approve: bool,
         decided_by: &str,
         reason: Option<&str>,
         now: Timestamp,
     ) -> Result<Approval, StoreError> {
-        let id = approval_id.to_owned();
+        let id = approval_id.clone();
         let decided_by = decided_by.to_owned();
         let reason = reason.map(str::to_owned);
-        self.run(move |conn| {
-            let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
-            let found: Option<(String, String, Timestamp)> = tx
-                .query_row(
-                    "SELECT call_id, status, expires_at FROM approvals WHERE approval_id = ?1",
-                    [&id],
-                    |row| Ok((row.get(0)?, row.get(1)?, row.get(2)?)),
-                )
-                .optional()?;
-            let Some((call_id, status, expires_at)) = found else {
-                return Err(StoreError::NotFound {
-                    what: "approval",
-                    id,
-                });
+        self.write(move |tx| {
+            let verdict = Verdict {
+                by: &decided_by,
+                reason: reason.as_deref(),
             };
-            let status = ApprovalStatus::parse(&status)?;
-            if status != ApprovalStatus::Pending {
-                return Err(StoreError::AlreadyDecided { id, status });
-            }
-            if expires_at <= now {
-                tx.execute(
-                    "UPDATE approvals SET status = 'expired', decided_at = ?2 \
-                     WHERE approval_id = ?1 AND status = 'pending'",
-                    params![id, now],
-                )?;
-                tx.execute(
-                    "UPDATE calls SET state = 'rejected' WHERE call_id = ?1 AND state = 'pending_approval'",
-                    [&call_id],
-                )?;
-                tx.commit()?;
-                return Err(StoreError::Expired { id });
-            }
-            let (new_status, new_state) = if approve {
-                (ApprovalStatus::Approved, CallState::Approved)
-            } else {
-                (ApprovalStatus::Denied, CallState::Rejected)
-            };
-            tx.execute(
-                "UPDATE approvals SET status = ?2, decided_by = ?3, reason = ?4, decided_at = ?5 \
-                 WHERE approval_id = ?1 AND status = 'pending'",
-                params![id, new_status.as_str(), decided_by, reason, now],
-            )?;
-            tx.execute(
-                "UPDATE calls SET state = ?2 WHERE call_id = ?1 AND state = 'pending_approval'",
-                params![call_id, new_state.as_str()],
-            )?;
-            let decided = select_approval(&tx, &id)?.ok_or_else(|| StoreError::NotFound {
-                what: "approval",
-                id: id.clone(),
-            })?;
-            tx.commit()?;
-            Ok(decided)
+            drive(machine::decide_approval(tx, &id, approve, verdict, now))
         })
-        .await
+        .await?
     }
 
     async fn claim_for_dispatch(
         &self,
-        call_id: &str,
+        call_id: &CallId,
         claimant: &str,
         now: Timestamp,
         lease_until: Timestamp,
     ) -> Result<bool, StoreError> {
-        let call_id = call_id.to_owned();
+        let call_id = call_id.clone();
         let claimant = claimant.to_owned();
-        self.run(move |conn| {
-            let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
-            let changed = tx.execute(
-                "UPDATE calls SET state = 'dispatched', claimed_by = ?2, lease_until = ?3 \
-                 WHERE call_id = ?1 AND (state = 'approved' OR (state = 'dispatched' \
-                 AND (lease_until IS NULL OR lease_until <= ?4)))",
-                params![call_id, claimant, lease_until, now],
-            )?;
-            if changed == 0 && !call_exists(&tx, &call_id)? {
-                return Err(StoreError::NotFound {
-                    what: "call",
-                    id: call_id,
-                });
-            }
-            tx.commit()?;
-            Ok(changed == 1)
+        self.write(move |tx| {
+            drive(machine::claim_for_dispatch(
+                tx,
+                &call_id,
+                &claimant,
+                now,
+                lease_until,
+            ))
         })
         .await
     }
 
     async fn renew_lease(
         &self,
-        call_id: &str,
+        call_id: &CallId,
         claimant: &str,
         lease_until: Timestamp,
     ) -> Result<bool, StoreError> {
-        let call_id = call_id.to_owned();
+        let call_id = call_id.clone();
         let claimant = claimant.to_owned();
+        // One statement: atomic on its own, no transaction needed.
         self.run(move |conn| {
-            let changed = conn.execute(
-                "UPDATE calls SET lease_until = ?3 \
-                 WHERE call_id = ?1 AND state = 'dispatched' AND claimed_by = ?2",
-                params![call_id, claimant, lease_until],
-            )?;
-            Ok(changed == 1)
+            let mut tx = SqliteTx { conn };
+            drive(machine::renew_lease(
+                &mut tx,
+                &call_id,
+                &claimant,
+                lease_until,
+            ))
         })
         .await
     }
 
     async fn resumable_calls(&self, now: Timestamp) -> Result<Vec<StoredCall>, StoreError> {
         self.run(move |conn| {
-            // Ids first, then each row: the sort never holds a call's input.
+            // One read transaction: the ids and the rows come from the same snapshot.
             let tx = conn.transaction_with_behavior(TransactionBehavior::Deferred)?;
-            let ids: Vec<String> = {
-                let mut stmt = tx.prepare_cached(
-                    "SELECT call_id FROM calls WHERE state = 'approved' OR (state = 'dispatched' \
-                     AND (lease_until IS NULL OR lease_until <= ?1)) ORDER BY created_at ASC, call_id ASC",
-                )?;
-                let rows = stmt.query_map([now], |row| row.get(0))?;
-                rows.collect::<Result<_, _>>()?
-            };
-            let mut out = Vec::with_capacity(ids.len());
-            {
-                let mut stmt = tx.prepare_cached(&format!(
-                    "SELECT {CALL_COLUMNS} FROM calls WHERE call_id = ?1"
-                ))?;
-                for id in &ids {
-                    let mut rows = stmt.query([id])?;
-                    if let Some(row) = rows.next()? {
-                        out.push(call_from_row(row)?);
-                    }
-                }
-            }
+            let out = drive(machine::resumable_calls(&mut SqliteTx { conn: &tx }, now))?;
             tx.finish()?;
             Ok(out)
         })
@@ -740,46 +885,8 @@ impl Store for SqliteStore {
         now: Timestamp,
         limit: usize,
     ) -> Result<Vec<ExpiredApproval>, StoreError> {
-        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-        self.run(move |conn| {
-            let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
-            let ids: Vec<String> = {
-                let mut stmt = tx.prepare(
-                    "UPDATE approvals SET status = 'expired', decided_at = ?1 \
-                     WHERE status = 'pending' AND approval_id IN (SELECT approval_id FROM \
-                     approvals WHERE status = 'pending' AND expires_at <= ?1 \
-                     ORDER BY expires_at, approval_id LIMIT ?2) RETURNING approval_id",
-                )?;
-                let rows = stmt.query_map(params![now, limit], |row| row.get(0))?;
-                rows.collect::<Result<_, _>>()?
-            };
-            let mut out = Vec::with_capacity(ids.len());
-            for id in &ids {
-                tx.execute(
-                    "UPDATE calls SET state = 'rejected' WHERE state = 'pending_approval' \
-                     AND call_id = (SELECT call_id FROM approvals WHERE approval_id = ?1)",
-                    [id],
-                )?;
-                let expired = tx.query_row(
-                    "SELECT a.approval_id, a.call_id, c.principal, c.session_id \
-                     FROM approvals a JOIN calls c ON c.call_id = a.call_id \
-                     WHERE a.approval_id = ?1",
-                    [id],
-                    |row| {
-                        Ok(ExpiredApproval {
-                            approval_id: row.get("approval_id")?,
-                            call_id: row.get("call_id")?,
-                            principal: row.get("principal")?,
-                            session_id: row.get("session_id")?,
-                        })
-                    },
-                )?;
-                out.push(expired);
-            }
-            tx.commit()?;
-            Ok(out)
-        })
-        .await
+        self.write(move |tx| drive(machine::expire_approvals(tx, now, limit)))
+            .await
     }
 
     async fn session_usage(
