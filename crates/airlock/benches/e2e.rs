@@ -13,6 +13,10 @@
 //! request to having the whole body; checking the body is outside the timed part.
 //!
 //! The result is printed as a Markdown table and written to `target/bench-e2e.md`.
+//!
+//! A/B: with `AIRLOCK_BENCH_BASELINE=<path to another airlock binary>` (a build of an
+//! earlier commit), that binary runs as a third server in the same rounds, so a change is
+//! measured against its parent on the same machine at the same time.
 
 use std::fmt::Write as _;
 use std::io::Read as _;
@@ -73,14 +77,29 @@ async fn run() -> Result<()> {
     check_python()?;
 
     eprintln!("starting airlock ({AIRLOCK_BIN})");
-    let airlock = Airlock::start(scratch.path()).await?;
+    let airlock = Airlock::start(scratch.path(), Path::new(AIRLOCK_BIN), "airlock").await?;
     let small = airlock.write_file("small.txt", &text_file(SMALL_BYTES))?;
     let large = airlock.write_file("large.txt", &text_file(LARGE_BYTES))?;
+    let baseline = match std::env::var_os("AIRLOCK_BENCH_BASELINE") {
+        Some(bin) => {
+            let bin = PathBuf::from(bin);
+            eprintln!("starting the baseline airlock ({})", bin.display());
+            let dir = scratch.path().join("baseline");
+            std::fs::create_dir(&dir).context("cannot create the baseline's scratch dir")?;
+            let baseline = Airlock::start(&dir, &bin, "airlock (baseline)").await?;
+            baseline.write_file("small.txt", &text_file(SMALL_BYTES))?;
+            baseline.write_file("large.txt", &text_file(LARGE_BYTES))?;
+            Some(baseline)
+        }
+        None => None,
+    };
 
     eprintln!("starting the FastAPI peer ({})", peer_dir.display());
     let peer = Peer::start(&peer_dir, scratch.path()).await?;
 
-    let targets = [airlock.target(), peer.target()];
+    let mut targets = vec![airlock.target()];
+    targets.extend(baseline.as_ref().map(Airlock::target));
+    targets.push(peer.target());
     for target in &targets {
         eprintln!("warming up {}", target.name);
         run_requests(target, &small, WARMUP_SMALL, 1, ROW_TIME_CAP).await?;
@@ -111,12 +130,11 @@ async fn run() -> Result<()> {
             for round in 0..ROUNDS {
                 let quota = budget.div_ceil(ROUNDS);
                 let cap = ROW_TIME_CAP / ROUNDS as u32;
-                // Alternate who goes first, so neither always runs on a "warmer" machine.
-                let order: Vec<usize> = if round % 2 == 0 {
-                    vec![0, 1]
-                } else {
-                    vec![1, 0]
-                };
+                // Alternate who goes first, so no one always runs on a "warmer" machine.
+                let mut order: Vec<usize> = (0..targets.len()).collect();
+                if round % 2 == 1 {
+                    order.reverse();
+                }
                 for index in order {
                     let run = run_requests(&targets[index], file, quota, concurrency, cap).await?;
                     stats[index].add(run);
@@ -134,6 +152,7 @@ async fn run() -> Result<()> {
     eprintln!("written to {}", out.display());
 
     drop(peer);
+    drop(baseline);
     drop(airlock);
     drop(scratch);
     Ok(())
@@ -296,6 +315,7 @@ impl Drop for ChildGuard {
 }
 
 struct Airlock {
+    name: &'static str,
     process: ChildGuard,
     url: String,
     token: String,
@@ -303,7 +323,7 @@ struct Airlock {
 }
 
 impl Airlock {
-    async fn start(scratch: &Path) -> Result<Self> {
+    async fn start(scratch: &Path, bin: &Path, name: &'static str) -> Result<Self> {
         let data_dir = scratch.join("data");
         let config = scratch.join("airlock.toml");
         // Ephemeral ports; a read cap that lets the 1 MiB file through whole; and no
@@ -318,14 +338,14 @@ impl Airlock {
                  [approvals]\ntools = []\n"
             ),
         )?;
-        let mut command = Command::new(AIRLOCK_BIN);
+        let mut command = Command::new(bin);
         command
             .arg("up")
             .arg("--data-dir")
             .arg(&data_dir)
             .arg("--config")
             .arg(&config);
-        let mut process = ChildGuard::spawn("airlock up", command, scratch.join("airlock.log"))?;
+        let mut process = ChildGuard::spawn(name, command, scratch.join("airlock.log"))?;
 
         let endpoints_file = data_dir.join("endpoints.json");
         let deadline = Instant::now() + START_TIMEOUT;
@@ -367,6 +387,7 @@ impl Airlock {
             .create(&workspace)
             .with_context(|| format!("cannot create the workspace {}", workspace.display()))?;
         Ok(Self {
+            name,
             process,
             url,
             token,
@@ -393,7 +414,7 @@ impl Airlock {
 
     fn target(&self) -> Target {
         Target {
-            name: "airlock",
+            name: self.name,
             url: format!("{}/v1/tool_calls", self.url),
             kind: Kind::Airlock {
                 auth: format!("Bearer {}", self.token),
