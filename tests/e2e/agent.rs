@@ -754,13 +754,7 @@ async fn openai_streaming_assembles_fragments_and_answers_invalid_arguments() {
 
     // gRPC RunAgent streams the same events.
     use airlock_proto::v1 as pb;
-    use airlock_proto::v1::orchestrator_client::OrchestratorClient;
-    let channel = tonic::transport::Endpoint::from_shared(airlock.grpc.clone())
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
-    let mut client = OrchestratorClient::new(channel);
+    let mut client = airlock.grpc_client().await;
     let mut request = tonic::Request::new(pb::RunAgentRequest {
         prompt: "hi".into(),
         session_id: "grpc-run".into(),

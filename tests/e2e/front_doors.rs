@@ -2,21 +2,10 @@
 //! the same answer about its token, and the same rate limit, whichever door it uses.
 
 use airlock_proto::v1 as pb;
-use airlock_proto::v1::orchestrator_client::OrchestratorClient;
 use serde_json::{Value, json};
 use tonic::Request;
-use tonic::transport::{Channel, Endpoint};
 
 use crate::support::Airlock;
-
-async fn grpc(airlock: &Airlock) -> OrchestratorClient<Channel> {
-    let channel = Endpoint::from_shared(airlock.grpc.clone())
-        .expect("endpoint")
-        .connect()
-        .await
-        .expect("connect");
-    OrchestratorClient::new(channel)
-}
 
 fn with_authorization<T>(message: T, value: Option<&str>) -> Request<T> {
     let mut request = Request::new(message);
@@ -67,7 +56,7 @@ fn mcp_result(text: &str, id: u64) -> Value {
 #[tokio::test]
 async fn every_door_refuses_a_bad_token_with_the_same_words() {
     let airlock = Airlock::start().await;
-    let mut client = grpc(&airlock).await;
+    let mut client = airlock.grpc_client().await;
     let wrong = "Bearer alk_not_a_token".to_owned();
     let cases: [(&str, Option<&str>); 3] = [
         ("missing", None),
@@ -163,7 +152,7 @@ async fn every_door_refuses_a_bad_token_with_the_same_words() {
 #[tokio::test]
 async fn one_rate_limit_across_every_door() {
     let airlock = Airlock::start_with("[budgets]\nrate_per_minute = 3\n").await;
-    let mut client = grpc(&airlock).await;
+    let mut client = airlock.grpc_client().await;
     let bearer = format!("Bearer {}", airlock.token);
     let touch = |name: &str| json!({"command": format!("touch /workspace/{name}")});
 

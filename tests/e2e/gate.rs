@@ -721,7 +721,6 @@ async fn budgets_rate_limits_and_the_cache() {
 #[tokio::test]
 async fn approvals_are_decided_over_grpc_and_the_cli_too() {
     use airlock_proto::v1 as pb;
-    use airlock_proto::v1::orchestrator_client::OrchestratorClient;
     let airlock = Airlock::start_with("[approvals]\ntools = [\"write_file\"]\n").await;
     let pending = |path: &str| json!({"wait_ms": 200, "tool_uses": [one_use("write_file", json!({"path": path, "content": "x"}))]});
 
@@ -731,12 +730,7 @@ async fn approvals_are_decided_over_grpc_and_the_cli_too() {
         .as_str()
         .expect("approval")
         .to_owned();
-    let channel = tonic::transport::Endpoint::from_shared(airlock.grpc.clone())
-        .expect("endpoint")
-        .connect()
-        .await
-        .expect("connect");
-    let mut client = OrchestratorClient::new(channel);
+    let mut client = airlock.grpc_client().await;
     let listed = client
         .list_approvals(authed_request(
             &airlock.token,

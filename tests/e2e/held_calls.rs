@@ -11,7 +11,6 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use airlock_proto::v1 as pb;
-use airlock_proto::v1::orchestrator_client::OrchestratorClient;
 use serde_json::{Value, json};
 
 use crate::support::{AIRLOCK, Airlock};
@@ -360,12 +359,7 @@ async fn wait_ms_zero_answers_at_once_on_http_and_grpc() {
     check(&http, "HTTP");
 
     // gRPC: the same request, the same answer.
-    let channel = tonic::transport::Endpoint::from_shared(airlock.grpc.clone())
-        .expect("endpoint")
-        .connect()
-        .await
-        .expect("connect");
-    let mut client = OrchestratorClient::new(channel);
+    let mut client = airlock.grpc_client().await;
     let tool_uses = uses("grpc")
         .as_array()
         .expect("uses")
@@ -470,12 +464,7 @@ async fn duration_ms_is_the_run_time_and_approval_wait_ms_the_wait() {
     assert_eq!(completed["data"]["approval_wait_ms"], wait, "{completed}");
 
     // gRPC reports them too, for a call held and approved while CallTools waits.
-    let channel = tonic::transport::Endpoint::from_shared(airlock.grpc.clone())
-        .expect("endpoint")
-        .connect()
-        .await
-        .expect("connect");
-    let mut client = OrchestratorClient::new(channel);
+    let mut client = airlock.grpc_client().await;
     let mut request = tonic::Request::new(pb::CallToolsRequest {
         session_id: "timing".into(),
         tool_uses: vec![pb::ToolUse {

@@ -188,14 +188,8 @@ async fn cancelling_a_call_kills_its_sandbox() {
 #[tokio::test]
 async fn output_streams_over_grpc_while_the_command_runs() {
     use airlock_proto::v1 as pb;
-    use airlock_proto::v1::orchestrator_client::OrchestratorClient;
     let airlock = Airlock::start().await;
-    let channel = tonic::transport::Endpoint::from_shared(airlock.grpc.clone())
-        .expect("endpoint")
-        .connect()
-        .await
-        .expect("connect");
-    let mut client = OrchestratorClient::new(channel);
+    let mut client = airlock.grpc_client().await;
     let mut request = tonic::Request::new(pb::CallToolStreamRequest {
         session_id: "stream".into(),
         tool_use: Some(pb::ToolUse {
@@ -438,15 +432,9 @@ async fn tool_calls_stream_server_sent_events_and_closing_cancels() {
 #[tokio::test]
 async fn closing_a_grpc_call_stream_kills_its_sandbox() {
     use airlock_proto::v1 as pb;
-    use airlock_proto::v1::orchestrator_client::OrchestratorClient;
     let airlock = Airlock::start().await;
     let marker = format!("airlock-grpc-close-{}", std::process::id());
-    let channel = tonic::transport::Endpoint::from_shared(airlock.grpc.clone())
-        .expect("endpoint")
-        .connect()
-        .await
-        .expect("connect");
-    let mut client = OrchestratorClient::new(channel);
+    let mut client = airlock.grpc_client().await;
     let mut request = tonic::Request::new(pb::CallToolStreamRequest {
         session_id: "grpc-close".into(),
         tool_use: Some(pb::ToolUse {

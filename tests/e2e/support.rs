@@ -257,6 +257,18 @@ impl Airlock {
         &self.client
     }
 
+    /// A client of the orchestrator's gRPC front door (no credentials attached).
+    pub async fn grpc_client(
+        &self,
+    ) -> airlock_proto::v1::orchestrator_client::OrchestratorClient<tonic::transport::Channel> {
+        let channel = tonic::transport::Endpoint::from_shared(self.grpc.clone())
+            .expect("endpoint")
+            .connect()
+            .await
+            .expect("connect to the gRPC front door");
+        airlock_proto::v1::orchestrator_client::OrchestratorClient::new(channel)
+    }
+
     /// An authenticated request.
     pub fn request(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
         self.client

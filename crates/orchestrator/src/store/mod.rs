@@ -38,6 +38,7 @@
 mod ids;
 mod machine;
 mod postgres;
+mod sql;
 mod sqlite;
 
 use std::path::Path;

@@ -17,9 +17,10 @@ use rusqlite::{
 };
 
 use super::machine::{
-    self, ApprovalMove, ApprovalState, CallFilter, CallMove, CallOwner, CallSet, ChainHead, States,
-    Sweep, Tx, Verdict,
+    self, ApprovalMove, ApprovalState, CallFilter, CallMove, CallOwner, CallSet, ChainHead, Sweep,
+    Tx, Verdict,
 };
+use super::sql::{Placeholders, filter_sql};
 use super::{
     APPROVAL_SELECT, AUDIT_COLUMNS, Approval, ApprovalId, ApprovalPage, ApprovalQuery,
     ApprovalStatus, AuditQuery, AuditRecord, CALL_COLUMNS, CallId, CallOutcome, CallState,
@@ -346,38 +347,14 @@ impl Binds {
     }
 }
 
-/// `state = 'a'`, `state IN ('a', 'b')`: the names are `CallState::as_str`, never input.
-fn states_sql(states: States) -> Option<String> {
-    match states {
-        States::Any => None,
-        States::In([]) => Some("FALSE".to_owned()),
-        States::In([one]) => Some(format!("state = '{}'", one.as_str())),
-        States::In(many) => {
-            let names: Vec<String> = many.iter().map(|s| format!("'{}'", s.as_str())).collect();
-            Some(format!("state IN ({})", names.join(", ")))
-        }
-        States::Not(state) => Some(format!("state <> '{}'", state.as_str())),
+impl Placeholders for Binds {
+    fn timestamp(&mut self, value: Timestamp) -> String {
+        self.bind(value)
     }
-}
 
-/// The condition of a [`CallFilter`], or `None` when it takes every call.
-fn filter_sql(filter: &CallFilter<'_>, binds: &mut Binds) -> Option<String> {
-    let mut conds = Vec::new();
-    // Any state already takes a lapsed claim.
-    if let Some(states) = states_sql(filter.states) {
-        match filter.or_lapsed_at {
-            Some(at) => conds.push(format!(
-                "({states} OR (state = '{}' AND (lease_until IS NULL OR lease_until <= {})))",
-                CallState::Dispatched.as_str(),
-                binds.bind(at)
-            )),
-            None => conds.push(states),
-        }
+    fn text(&mut self, value: String) -> String {
+        self.bind(value)
     }
-    if let Some(holder) = filter.held_by {
-        conds.push(format!("claimed_by = {}", binds.bind(holder.to_owned())));
-    }
-    (!conds.is_empty()).then(|| conds.join(" AND "))
 }
 
 /// `UPDATE calls SET …` for a move.
