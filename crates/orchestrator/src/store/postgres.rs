@@ -302,7 +302,7 @@ async fn approval_page_ids<C: GenericClient>(
                     what: "approval",
                     id: id.clone(),
                 })?;
-            let at: Timestamp = row.try_get(0)?;
+            let at: Timestamp = row.try_get("created_at")?;
             (at, id.clone())
         }
         None => (Timestamp::MIN, String::new()),
@@ -330,7 +330,7 @@ async fn approval_page_ids<C: GenericClient>(
                 .await?,
         };
     rows.iter()
-        .map(|row| row.try_get(0).map_err(StoreError::from))
+        .map(|row| row.try_get("approval_id").map_err(StoreError::from))
         .collect()
 }
 
@@ -746,8 +746,8 @@ impl Store for PostgresStore {
             .await?;
         let head = match head {
             Some(row) => {
-                let seq: i64 = row.try_get(0)?;
-                Some((to_u64(seq, "the audit head's seq")?, row.try_get(1)?))
+                let seq: i64 = row.try_get("seq")?;
+                Some((to_u64(seq, "the audit head's seq")?, row.try_get("hash")?))
             }
             None => None,
         };
@@ -764,7 +764,7 @@ impl Store for PostgresStore {
                 )
                 .await?;
             let Some(last) = rows.last() else { break };
-            after = last.try_get(0)?;
+            after = last.try_get("seq")?;
             let full = i64::try_from(rows.len()).unwrap_or(i64::MAX) == VERIFY_PAGE;
             for row in &rows {
                 verifier.push(audit_from_row(row));
@@ -921,14 +921,15 @@ impl Store for PostgresStore {
         let client = self.client().await?;
         let row = client
             .query_one(
-                "SELECT COUNT(*), MIN(created_at) FROM calls WHERE principal = $1 AND session_id = $2",
+                "SELECT COUNT(*) AS calls, MIN(created_at) AS first_at FROM calls \
+                 WHERE principal = $1 AND session_id = $2",
                 &[&principal, &session_id],
             )
             .await?;
-        let calls: i64 = row.try_get(0)?;
+        let calls: i64 = row.try_get("calls")?;
         Ok(SessionUsage {
             calls: to_u64(calls, "a call count")?,
-            first_at: row.try_get(1)?,
+            first_at: row.try_get("first_at")?,
         })
     }
 }

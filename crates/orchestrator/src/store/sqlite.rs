@@ -278,7 +278,7 @@ fn approval_page_ids(
                 .query_row(
                     "SELECT created_at FROM approvals WHERE approval_id = ?1",
                     [id],
-                    |row| row.get(0),
+                    |row| row.get("created_at"),
                 )
                 .optional()?;
             let at = at.ok_or_else(|| StoreError::NotFound {
@@ -298,7 +298,7 @@ fn approval_page_ids(
             )?;
             let rows = stmt
                 .query_map(params![status.as_str(), from_at, from_id, fetch], |row| {
-                    row.get(0)
+                    row.get("approval_id")
                 })?;
             rows.collect::<Result<Vec<String>, _>>()?
         }
@@ -306,7 +306,9 @@ fn approval_page_ids(
             let mut stmt = tx.prepare_cached(
                 "SELECT approval_id FROM approvals WHERE (created_at, approval_id) > (?1, ?2)                  ORDER BY created_at ASC, approval_id ASC LIMIT ?3",
             )?;
-            let rows = stmt.query_map(params![from_at, from_id, fetch], |row| row.get(0))?;
+            let rows = stmt.query_map(params![from_at, from_id, fetch], |row| {
+                row.get("approval_id")
+            })?;
             rows.collect::<Result<Vec<String>, _>>()?
         }
     };
@@ -713,7 +715,7 @@ impl Store for SqliteStore {
             let tx = conn.transaction_with_behavior(TransactionBehavior::Deferred)?;
             let head: Option<(i64, String)> = tx
                 .query_row("SELECT seq, hash FROM audit_head WHERE id = 1", [], |row| {
-                    Ok((row.get(0)?, row.get(1)?))
+                    Ok((row.get("seq")?, row.get("hash")?))
                 })
                 .optional()?;
             let head = head
@@ -875,9 +877,10 @@ impl Store for SqliteStore {
         let session_id = session_id.to_owned();
         self.run(move |conn| {
             let (calls, first_at): (i64, Option<Timestamp>) = conn.query_row(
-                "SELECT COUNT(*), MIN(created_at) FROM calls WHERE principal = ?1 AND session_id = ?2",
+                "SELECT COUNT(*) AS calls, MIN(created_at) AS first_at FROM calls \
+                 WHERE principal = ?1 AND session_id = ?2",
                 params![principal, session_id],
-                |row| Ok((row.get(0)?, row.get(1)?)),
+                |row| Ok((row.get("calls")?, row.get("first_at")?)),
             )?;
             Ok(SessionUsage {
                 calls: to_u64(calls, "a call count")?,
