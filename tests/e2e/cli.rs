@@ -282,3 +282,93 @@ fn sandbox_run_with_a_data_dir_uses_its_workspaces() {
         "kept\n"
     );
 }
+
+/// `airlock certs init`: the files DESIGN §9 names, keys private, each certificate
+/// valid for its own name and the `--san`s, as a third party (OpenSSL) checks them.
+#[test]
+fn certs_init_writes_a_ca_and_component_certificates_that_openssl_accepts() {
+    assert!(
+        Command::new("openssl")
+            .arg("version")
+            .output()
+            .is_ok_and(|o| o.status.success()),
+        "this test checks the certificates with openssl (Debian: openssl)"
+    );
+    let scratch = tempfile::tempdir().expect("temp dir");
+    let out = scratch.path().join("pki");
+    let run = |extra: &[&str]| {
+        Command::new(AIRLOCK)
+            .args(["certs", "init", "--out"])
+            .arg(&out)
+            .args(extra)
+            .output()
+            .expect("run airlock certs init")
+    };
+    let first = run(&["--san", "airlock.internal", "--san", "10.0.0.7"]);
+    assert!(
+        first.status.success(),
+        "{}",
+        String::from_utf8_lossy(&first.stderr)
+    );
+    let listed = String::from_utf8_lossy(&first.stdout).into_owned();
+    let components = [
+        "orchestrator",
+        "worker-shell",
+        "worker-fs",
+        "worker-http",
+        "worker-db",
+    ];
+    for name in std::iter::once("ca").chain(components) {
+        for ext in ["crt", "key"] {
+            let file = out.join(format!("{name}.{ext}"));
+            assert!(listed.contains(&file.display().to_string()), "{listed}");
+            let mode = std::os::unix::fs::PermissionsExt::mode(
+                &std::fs::metadata(&file).expect("written").permissions(),
+            ) & 0o777;
+            assert_eq!(
+                mode,
+                if ext == "key" { 0o600 } else { 0o644 },
+                "{}",
+                file.display()
+            );
+        }
+    }
+    let ca = out.join("ca.crt");
+    for component in components {
+        let cert = out.join(format!("{component}.crt"));
+        for purpose in ["sslserver", "sslclient"] {
+            let verify = Command::new("openssl")
+                .args(["verify", "-purpose", purpose, "-CAfile"])
+                .arg(&ca)
+                .arg(&cert)
+                .output()
+                .expect("openssl verify");
+            assert!(
+                verify.status.success(),
+                "{component} ({purpose}): {}{}",
+                String::from_utf8_lossy(&verify.stdout),
+                String::from_utf8_lossy(&verify.stderr)
+            );
+        }
+        let text = Command::new("openssl")
+            .args(["x509", "-noout", "-ext", "subjectAltName", "-in"])
+            .arg(&cert)
+            .output()
+            .expect("openssl x509");
+        let sans = String::from_utf8_lossy(&text.stdout).into_owned();
+        for needle in [
+            format!("DNS:{component}"),
+            "DNS:airlock.internal".to_owned(),
+            "IP Address:10.0.0.7".to_owned(),
+        ] {
+            assert!(sans.contains(&needle), "{component}: {needle} in {sans}");
+        }
+    }
+    // A second run changes nothing and says why.
+    let key = std::fs::read(out.join("ca.key")).expect("ca.key");
+    let second = run(&[]);
+    assert!(!second.status.success());
+    let stderr = String::from_utf8_lossy(&second.stderr);
+    assert!(stderr.contains("never overwrites"), "{stderr}");
+    assert_eq!(std::fs::read(out.join("ca.key")).expect("ca.key"), key);
+}

@@ -118,6 +118,11 @@ enum Command {
         #[command(flatten)]
         options: client::CallOptions,
     },
+    /// Development certificates for mutual TLS between components.
+    Certs {
+        #[command(subcommand)]
+        action: CertsAction,
+    },
     /// Run the agent loop with the configured model provider ([agent] in airlock.toml).
     Agent {
         prompt: String,
@@ -169,6 +174,23 @@ pub enum AuditAction {
     },
     /// Check the hash chain; exits 1 when a record was edited, deleted, inserted or moved.
     Verify,
+}
+
+#[derive(Debug, Subcommand)]
+enum CertsAction {
+    /// Write a development CA (ca.crt, ca.key) and a certificate and key per component
+    /// (orchestrator, worker-shell, worker-fs, worker-http, worker-db), each with its
+    /// name as a DNS SAN. For labs, compose files and tests; production issues its own.
+    Init {
+        /// Directory to write into (created with mode 0700); existing files are never
+        /// overwritten.
+        #[arg(long)]
+        out: PathBuf,
+        /// An extra DNS name or IP address for every certificate (repeatable), e.g. the
+        /// host names the components are reached by.
+        #[arg(long = "san")]
+        sans: Vec<String>,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -234,6 +256,9 @@ fn main() -> ExitCode {
             json,
             &options,
         ),
+        Command::Certs {
+            action: CertsAction::Init { out, sans },
+        } => certs_init(&out, &sans),
         Command::Agent {
             prompt,
             connection,
@@ -249,6 +274,18 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+fn certs_init(out: &std::path::Path, sans: &[String]) -> anyhow::Result<ExitCode> {
+    let written = airlock_tls::devpki::init(out, sans)?;
+    for file in &written.files {
+        println!("{}", file.display());
+    }
+    eprintln!(
+        "development certificates written (keys mode 0600), one per component, each \
+         valid for its own name and every --san"
+    );
+    Ok(ExitCode::SUCCESS)
 }
 
 /// The error and its causes on one line, `outer: inner: …`, like `{:#}` — except that a

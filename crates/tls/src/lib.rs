@@ -1,0 +1,10 @@
+//! Airlock's certificates (DESIGN §9): the development PKI that `airlock certs init`
+//! writes ([`devpki`]), and the `[tls]` files each component loads and checks before it
+//! listens or connects ([`files`]).
+#![forbid(unsafe_code)]
+
+pub mod devpki;
+pub mod files;
+
+pub use devpki::{COMPONENTS, DevPkiError};
+pub use files::{Identity, TlsFileError, TlsFiles};
