@@ -23,6 +23,7 @@ mod grpc_api;
 mod held_calls;
 mod http_api;
 mod mcp;
+mod mtls;
 mod net_db;
 mod ordinary_user;
 mod replicas;

@@ -45,6 +45,8 @@ pub struct AirlockConfig {
     pub workspaces_root: Option<PathBuf>,
     /// The agent loop's model provider and limits (`airlock agent`, `POST /v1/agent/runs`).
     pub agent: AgentConfig,
+    /// Mutual TLS between components on TCP (DESIGN §9).
+    pub tls: airlock_tls::TlsConfig,
 }
 
 #[derive(Debug, Deserialize)]
@@ -183,6 +185,7 @@ impl Loaded {
                 .map(|g| WorkerGroupConfig {
                     group: (*g).to_owned(),
                     endpoints: vec![format!("unix:{}", self.socket_path(g).display())],
+                    server_name: None,
                 })
                 .collect()
         } else {
@@ -204,6 +207,30 @@ impl Loaded {
             audit: self.config.audit.clone(),
             cache: self.config.cache.clone(),
             agent: self.config.agent.clone(),
+            worker_tls: self.worker_tls()?,
+        })
+    }
+
+    /// `[tls]` for dialing workers: the files loaded and checked now (before the
+    /// orchestrator confines itself), or the lab switch, or nothing (Unix sockets only).
+    fn worker_tls(&self) -> anyhow::Result<airlock_orchestrator::WorkerTls> {
+        let tls = &self.config.tls;
+        let mtls = if tls.has_files() {
+            let mtls = tls
+                .mutual_tls(&[])
+                .context("the orchestrator cannot use [tls]; refusing to start")?;
+            Some(std::sync::Arc::new(mtls))
+        } else {
+            None
+        };
+        if tls.insecure_plaintext {
+            tracing::warn!(
+                "[tls] insecure_plaintext = true: http:// and dns:/// worker endpoints are dialed in plaintext"
+            );
+        }
+        Ok(airlock_orchestrator::WorkerTls {
+            mtls,
+            insecure_plaintext: tls.insecure_plaintext,
         })
     }
 

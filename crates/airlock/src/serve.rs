@@ -293,6 +293,36 @@ fn listen_addr(loaded: &Loaded, group: &str, listen: Option<String>) -> anyhow::
     })
 }
 
+/// A worker on TCP serves mutual TLS (`[tls]`: only a peer with a certificate from
+/// `ca_file` carrying one of `allowed_peers`, by default the orchestrator, reaches it),
+/// or plaintext only with the explicit lab switch; without either it refuses to start.
+/// The files are read here, before the worker confines itself.
+fn secure(
+    loaded: &Loaded,
+    listener: BoundListener,
+    component: &str,
+) -> anyhow::Result<BoundListener> {
+    if !listener.is_tcp() {
+        return Ok(listener);
+    }
+    let tls = &loaded.config.tls;
+    let listen = listener.local_addr();
+    if tls.has_files() {
+        let mtls = tls
+            .mutual_tls(&["orchestrator"])
+            .with_context(|| format!("the {component} cannot use [tls]; refusing to start"))?;
+        tracing::info!(component, %listen, allowed_peers = ?mtls.allowed_peers, "mutual TLS on TCP");
+        return Ok(listener.with_mutual_tls(std::sync::Arc::new(mtls)));
+    }
+    if tls.insecure_plaintext {
+        tracing::warn!(component, %listen, "[tls] insecure_plaintext = true: plaintext gRPC on TCP, so anyone who reaches this port can run tools past the orchestrator's gate");
+        return Ok(listener);
+    }
+    anyhow::bail!(
+        "the {component} listens on TCP ({listen}) without [tls]: set [tls] cert_file, key_file and ca_file (airlock certs init writes a development set) so that only the orchestrator can call it, or [tls] insecure_plaintext = true for a lab; refusing to start"
+    )
+}
+
 fn serve_worker(
     loaded: &Loaded,
     listener: BoundListener,
@@ -312,6 +342,7 @@ fn fs_worker(loaded: &Loaded, listen: Option<String>) -> anyhow::Result<ExitCode
     ensure_dir(&fs.workspaces_root)?;
     fs.volumes = workspace_volumes(loaded, "fs worker")?;
     let listener = BoundListener::bind(&listen_addr(loaded, "fs", listen)?)?;
+    let listener = secure(loaded, listener, "fs worker")?;
     tracing::info!(listen = %listener.local_addr(), root = %fs.workspaces_root.display(), "fs worker starting");
     limit_memory("fs worker", loaded, Ceiling::Fixed)?;
     confine(
@@ -331,6 +362,7 @@ fn shell_worker(loaded: &Loaded, listen: Option<String>) -> anyhow::Result<ExitC
     ensure_dir(&shell.workspaces_root)?;
     shell.volumes = workspace_volumes(loaded, "shell worker")?;
     let listener = BoundListener::bind(&listen_addr(loaded, "shell", listen)?)?;
+    let listener = secure(loaded, listener, "shell worker")?;
     // Probing the host and creating the parent cgroups needs the privileges the
     // confinement below gives up, so the sandbox is prepared first.
     let (tools, sandbox) = airlock_worker_shell::tools(shell.clone())
@@ -354,6 +386,7 @@ fn http_worker(loaded: &Loaded, listen: Option<String>) -> anyhow::Result<ExitCo
     let tools = airlock_worker_http::tools(loaded.config.http.clone())
         .context("invalid [http] configuration")?;
     let listener = BoundListener::bind(&listen_addr(loaded, "http", listen)?)?;
+    let listener = secure(loaded, listener, "http worker")?;
     tracing::info!(listen = %listener.local_addr(), "http worker starting");
     limit_memory("http worker", loaded, Ceiling::Fixed)?;
     confine(
@@ -381,6 +414,7 @@ fn db_worker(loaded: &Loaded, listen: Option<String>) -> anyhow::Result<ExitCode
     let tools =
         airlock_worker_db::tools(databases).context("invalid [[databases]] configuration")?;
     let listener = BoundListener::bind(&listen_addr(loaded, "db", listen)?)?;
+    let listener = secure(loaded, listener, "db worker")?;
     tracing::info!(listen = %listener.local_addr(), "db worker starting");
     limit_memory("db worker", loaded, Ceiling::Fixed)?;
     confine(

@@ -16,7 +16,7 @@ use airlock_proto::v1 as pb;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::WorkerGroupConfig;
-use crate::dispatch::{EndpointSpec, Replica};
+use crate::dispatch::{Dialer, EndpointSpec, Replica};
 
 /// How often a group that is down is asked again.
 const DOWN_PROBE_INTERVAL: Duration = Duration::from_millis(500);
@@ -53,13 +53,16 @@ impl CatalogTool {
 pub struct WorkerGroup {
     pub name: String,
     specs: Vec<EndpointSpec>,
+    dialer: Dialer,
+    /// The name a worker's certificate must carry, when not the endpoint's host.
+    server_name: Option<String>,
     replicas: RwLock<Vec<Arc<Replica>>>,
     next: AtomicUsize,
     live: AtomicBool,
 }
 
 impl WorkerGroup {
-    fn new(config: &WorkerGroupConfig) -> Result<Self, CatalogError> {
+    fn new(config: &WorkerGroupConfig, dialer: &Dialer) -> Result<Self, CatalogError> {
         let bad = |reason: String| CatalogError::BadGroup {
             group: config.group.clone(),
             reason,
@@ -70,16 +73,23 @@ impl WorkerGroup {
         let specs = config
             .endpoints
             .iter()
-            .map(|e| EndpointSpec::parse(e).map_err(|e| bad(e.to_string())))
-            .collect::<Result<Vec<_>, _>>()?;
+            .map(|e| {
+                let spec = EndpointSpec::parse(e).map_err(|e| bad(e.to_string()))?;
+                dialer.check(e, &spec).map_err(|e| bad(e.to_string()))?;
+                Ok(spec)
+            })
+            .collect::<Result<Vec<_>, CatalogError>>()?;
+        let server_name = config.server_name.as_deref();
         let replicas = specs
             .iter()
-            .filter_map(|spec| spec.static_replica())
+            .filter_map(|spec| dialer.static_replica(spec, server_name))
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| bad(e.to_string()))?;
         Ok(Self {
             name: config.group.clone(),
             specs,
+            dialer: dialer.clone(),
+            server_name: config.server_name.clone(),
             replicas: RwLock::new(replicas.into_iter().map(Arc::new).collect()),
             next: AtomicUsize::new(0),
             live: AtomicBool::new(false),
@@ -122,7 +132,11 @@ impl WorkerGroup {
         let mut fresh = Vec::new();
         let current = self.replicas_in_turn();
         for spec in &self.specs {
-            for replica in spec.resolve(&current).await {
+            for replica in self
+                .dialer
+                .resolve(spec, self.server_name.as_deref(), &current)
+                .await
+            {
                 fresh.push(replica);
             }
         }
@@ -141,10 +155,10 @@ pub struct Catalog {
 }
 
 impl Catalog {
-    pub fn new(configs: &[WorkerGroupConfig]) -> Result<Self, CatalogError> {
+    pub fn new(configs: &[WorkerGroupConfig], dialer: &Dialer) -> Result<Self, CatalogError> {
         let groups = configs
             .iter()
-            .map(WorkerGroup::new)
+            .map(|config| WorkerGroup::new(config, dialer))
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Self {
             groups: groups.into_iter().map(Arc::new).collect(),
@@ -154,7 +168,7 @@ impl Catalog {
     }
 
     /// Checks the configuration without connecting (no async runtime needed).
-    pub fn check(configs: &[WorkerGroupConfig]) -> Result<(), CatalogError> {
+    pub fn check(configs: &[WorkerGroupConfig], dialer: &Dialer) -> Result<(), CatalogError> {
         for config in configs {
             let bad = |reason: String| CatalogError::BadGroup {
                 group: config.group.clone(),
@@ -164,7 +178,10 @@ impl Catalog {
                 return Err(bad("has no endpoints".to_owned()));
             }
             for endpoint in &config.endpoints {
-                EndpointSpec::parse(endpoint).map_err(|e| bad(e.to_string()))?;
+                let spec = EndpointSpec::parse(endpoint).map_err(|e| bad(e.to_string()))?;
+                dialer
+                    .check(endpoint, &spec)
+                    .map_err(|e| bad(e.to_string()))?;
             }
         }
         Ok(())

@@ -35,6 +35,26 @@ pub struct OrchestratorConfig {
     pub cache: CacheConfig,
     /// `[agent]`: the model provider of the agent loop and its limits.
     pub agent: crate::agent::AgentConfig,
+    /// How TCP worker endpoints are dialed (`[tls]`, loaded before confinement).
+    pub worker_tls: WorkerTls,
+}
+
+/// `[tls]` as the orchestrator dials its workers with it.
+#[derive(Debug, Clone, Default)]
+pub struct WorkerTls {
+    /// The orchestrator's identity and the workers' trust anchor.
+    pub mtls: Option<std::sync::Arc<airlock_tls::Mtls>>,
+    /// `insecure_plaintext = true`: `http://` and `dns:///` endpoints dial plaintext.
+    pub insecure_plaintext: bool,
+}
+
+impl WorkerTls {
+    pub(crate) fn dialer(&self) -> crate::dispatch::Dialer {
+        crate::dispatch::Dialer {
+            mtls: self.mtls.clone(),
+            insecure_plaintext: self.insecure_plaintext,
+        }
+    }
 }
 
 /// `[[workers]]`: where the replicas of one tool group listen.
@@ -42,8 +62,13 @@ pub struct OrchestratorConfig {
 #[serde(deny_unknown_fields)]
 pub struct WorkerGroupConfig {
     pub group: String,
-    /// `unix:/path.sock`, `http://host:port`, or `dns:///service:port`.
+    /// `unix:/path.sock`, `https://host:port`, `dns:///service:port`, or (with
+    /// `[tls] insecure_plaintext`) `http://host:port`.
     pub endpoints: Vec<String>,
+    /// The name the workers' certificates carry, when it is not the endpoint's host
+    /// (an IP address, or a headless Service name).
+    #[serde(default)]
+    pub server_name: Option<String>,
 }
 
 /// `[[principals]]`: a caller identity. The token is never stored in the config in clear:

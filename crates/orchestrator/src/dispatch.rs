@@ -24,12 +24,18 @@ const STOP_BOUND: Duration = Duration::from_secs(15);
 
 #[derive(Debug, thiserror::Error)]
 pub enum EndpointError {
-    #[error("endpoint {0:?} must be unix:/path, http://host:port or dns:///host:port")]
+    #[error(
+        "endpoint {0:?} must be unix:/path, https://host:port, http://host:port or dns:///host:port"
+    )]
     Unrecognised(String),
     #[error(
-        "endpoint {0:?}: https needs mTLS configuration, which this build does not have; use unix: or http:// on a private network"
+        "endpoint {0:?} is reached over TCP, where workers take mutual TLS: give the orchestrator [tls] cert_file, key_file and ca_file (airlock certs init writes a development set), or [tls] insecure_plaintext = true for a lab"
     )]
-    TlsUnsupported(String),
+    TlsRequired(String),
+    #[error(
+        "endpoint {0:?} is plaintext while [tls] is set: use https://host:port or dns:///host:port (both mutual TLS), or set [tls] insecure_plaintext = true for a lab"
+    )]
+    PlaintextWithTls(String),
     #[error("endpoint {endpoint:?}: {reason}")]
     Invalid { endpoint: String, reason: String },
 }
@@ -39,11 +45,33 @@ pub enum EndpointError {
 pub enum EndpointSpec {
     Unix(PathBuf),
     Http(String),
-    /// Every address the name resolves to is a replica (a headless Service).
+    /// Mutual TLS to one address.
+    Https {
+        host: String,
+        port: u16,
+    },
+    /// Every address the name resolves to is a replica (a headless Service); mutual TLS
+    /// when the orchestrator has `[tls]`.
     Dns {
         host: String,
         port: u16,
     },
+}
+
+/// `host:port` of an endpoint, `[v6]:port` included.
+fn host_port(value: &str, rest: &str) -> Result<(String, u16), EndpointError> {
+    let (host, port) = rest
+        .trim_end_matches('/')
+        .rsplit_once(':')
+        .ok_or_else(|| EndpointError::Unrecognised(value.to_owned()))?;
+    let port = port
+        .parse()
+        .map_err(|_| EndpointError::Unrecognised(value.to_owned()))?;
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    if host.is_empty() {
+        return Err(EndpointError::Unrecognised(value.to_owned()));
+    }
+    Ok((host.to_owned(), port))
 }
 
 impl EndpointSpec {
@@ -55,8 +83,9 @@ impl EndpointSpec {
             }
             return Ok(EndpointSpec::Unix(PathBuf::from(path)));
         }
-        if value.starts_with("https://") {
-            return Err(EndpointError::TlsUnsupported(value.to_owned()));
+        if let Some(rest) = value.strip_prefix("https://") {
+            let (host, port) = host_port(value, rest)?;
+            return Ok(EndpointSpec::Https { host, port });
         }
         if value.starts_with("http://") {
             value.parse::<Uri>().map_err(|e| EndpointError::Invalid {
@@ -66,19 +95,8 @@ impl EndpointSpec {
             return Ok(EndpointSpec::Http(value.to_owned()));
         }
         if let Some(rest) = value.strip_prefix("dns:///") {
-            let (host, port) = rest
-                .rsplit_once(':')
-                .ok_or_else(|| EndpointError::Unrecognised(value.to_owned()))?;
-            let port = port
-                .parse()
-                .map_err(|_| EndpointError::Unrecognised(value.to_owned()))?;
-            if host.is_empty() {
-                return Err(EndpointError::Unrecognised(value.to_owned()));
-            }
-            return Ok(EndpointSpec::Dns {
-                host: host.to_owned(),
-                port,
-            });
+            let (host, port) = host_port(value, rest)?;
+            return Ok(EndpointSpec::Dns { host, port });
         }
         Err(EndpointError::Unrecognised(value.to_owned()))
     }
@@ -86,48 +104,136 @@ impl EndpointSpec {
     pub fn is_dns(&self) -> bool {
         matches!(self, EndpointSpec::Dns { .. })
     }
+}
+
+/// How the orchestrator dials its workers: Unix sockets as they are; TCP under mutual
+/// TLS with `[tls]`, plaintext only with `[tls] insecure_plaintext = true`.
+#[derive(Clone, Default)]
+pub struct Dialer {
+    pub mtls: Option<Arc<airlock_tls::Mtls>>,
+    pub insecure_plaintext: bool,
+}
+
+impl Dialer {
+    /// Refuses an endpoint this dialer would reach in a weaker way than it must.
+    pub fn check(&self, endpoint: &str, spec: &EndpointSpec) -> Result<(), EndpointError> {
+        match (spec, &self.mtls, self.insecure_plaintext) {
+            (EndpointSpec::Unix(_), _, _) => Ok(()),
+            (EndpointSpec::Https { .. }, Some(_), _) => Ok(()),
+            (EndpointSpec::Https { .. }, None, _) => {
+                Err(EndpointError::TlsRequired(endpoint.to_owned()))
+            }
+            (EndpointSpec::Dns { .. }, Some(_), _) => Ok(()),
+            (EndpointSpec::Http(_) | EndpointSpec::Dns { .. }, _, true) => Ok(()),
+            (EndpointSpec::Http(_), Some(_), false) => {
+                Err(EndpointError::PlaintextWithTls(endpoint.to_owned()))
+            }
+            (EndpointSpec::Http(_) | EndpointSpec::Dns { .. }, None, false) => {
+                Err(EndpointError::TlsRequired(endpoint.to_owned()))
+            }
+        }
+    }
 
     /// The replica of a static endpoint; `None` for DNS endpoints, resolved later.
-    pub fn static_replica(&self) -> Option<Result<Replica, EndpointError>> {
-        match self {
+    pub fn static_replica(
+        &self,
+        spec: &EndpointSpec,
+        server_name: Option<&str>,
+    ) -> Option<Result<Replica, EndpointError>> {
+        match spec {
             EndpointSpec::Unix(path) => Some(Ok(Replica::unix(path.clone()))),
             EndpointSpec::Http(url) => Some(Replica::http(url)),
+            EndpointSpec::Https { host, port } => Some(self.tls_replica(
+                format!("https://{host}:{port}"),
+                (host.clone(), *port),
+                server_name.unwrap_or(host),
+            )),
             EndpointSpec::Dns { .. } => None,
         }
     }
 
-    /// The replicas this endpoint stands for now, reusing channels from `current`.
-    pub async fn resolve(&self, current: &[Arc<Replica>]) -> Vec<Arc<Replica>> {
+    /// The replicas `spec` stands for now, reusing channels from `current`.
+    pub async fn resolve(
+        &self,
+        spec: &EndpointSpec,
+        server_name: Option<&str>,
+        current: &[Arc<Replica>],
+    ) -> Vec<Arc<Replica>> {
         let reuse = |endpoint: &str| current.iter().find(|r| r.endpoint == endpoint).cloned();
-        match self {
-            EndpointSpec::Unix(path) => {
-                let name = format!("unix:{}", path.display());
-                vec![reuse(&name).unwrap_or_else(|| Arc::new(Replica::unix(path.clone())))]
-            }
-            EndpointSpec::Http(url) => match reuse(url) {
+        let EndpointSpec::Dns { host, port } = spec else {
+            let name = match spec {
+                EndpointSpec::Unix(path) => format!("unix:{}", path.display()),
+                EndpointSpec::Http(url) => url.clone(),
+                EndpointSpec::Https { host, port } => format!("https://{host}:{port}"),
+                EndpointSpec::Dns { .. } => String::new(),
+            };
+            return match reuse(&name) {
                 Some(r) => vec![r],
-                None => Replica::http(url).map(Arc::new).into_iter().collect(),
-            },
-            EndpointSpec::Dns { host, port } => {
-                let Ok(addrs) = tokio::net::lookup_host((host.as_str(), *port)).await else {
-                    tracing::warn!(%host, port, "cannot resolve worker service");
-                    return Vec::new();
-                };
-                let mut replicas = Vec::new();
-                for addr in addrs {
-                    let url = format!("http://{addr}");
-                    match reuse(&url) {
-                        Some(r) => replicas.push(r),
-                        None => {
-                            if let Ok(r) = Replica::http(&url) {
-                                replicas.push(Arc::new(r));
-                            }
-                        }
-                    }
-                }
-                replicas
+                None => self
+                    .static_replica(spec, server_name)
+                    .and_then(Result::ok)
+                    .map(Arc::new)
+                    .into_iter()
+                    .collect(),
+            };
+        };
+        let Ok(addrs) = tokio::net::lookup_host((host.as_str(), *port)).await else {
+            tracing::warn!(%host, port, "cannot resolve worker service");
+            return Vec::new();
+        };
+        let mut replicas = Vec::new();
+        for addr in addrs {
+            let scheme = if self.mtls.is_some() { "https" } else { "http" };
+            let url = format!("{scheme}://{addr}");
+            if let Some(r) = reuse(&url) {
+                replicas.push(r);
+                continue;
+            }
+            let made = match self.mtls {
+                Some(_) => self.tls_replica(
+                    url,
+                    (addr.ip().to_string(), addr.port()),
+                    server_name.unwrap_or(host),
+                ),
+                None => Replica::http(&url),
+            };
+            if let Ok(r) = made {
+                replicas.push(Arc::new(r));
             }
         }
+        replicas
+    }
+
+    fn tls_replica(
+        &self,
+        endpoint: String,
+        target: (String, u16),
+        server_name: &str,
+    ) -> Result<Replica, EndpointError> {
+        let invalid = |reason: String| EndpointError::Invalid {
+            endpoint: endpoint.clone(),
+            reason,
+        };
+        let Some(mtls) = &self.mtls else {
+            return Err(EndpointError::TlsRequired(endpoint));
+        };
+        let name = rustls::pki_types::ServerName::try_from(server_name.to_owned())
+            .map_err(|e| invalid(format!("server name {server_name:?}: {e}")))?;
+        let connector = tokio_rustls::TlsConnector::from(mtls.client.clone());
+        // The URI is required by the HTTP/2 layer; the connector dials `target` and checks
+        // the worker's certificate against `ca_file` and `name`.
+        let channel = Endpoint::from_static("http://worker.airlock.invalid")
+            .connect_timeout(CONNECT_TIMEOUT)
+            .connect_with_connector_lazy(tower::service_fn(move |_: Uri| {
+                let (connector, name, target) = (connector.clone(), name.clone(), target.clone());
+                async move {
+                    let tcp = tokio::net::TcpStream::connect((target.0.as_str(), target.1)).await?;
+                    tcp.set_nodelay(true)?;
+                    let tls = connector.connect(name, tcp).await?;
+                    Ok::<_, std::io::Error>(TokioIo::new(tls))
+                }
+            }));
+        Ok(Replica { endpoint, channel })
     }
 }
 
@@ -479,11 +585,44 @@ mod tests {
                 port: 50051
             }
         );
-        assert!(matches!(
-            EndpointSpec::parse("https://x:1"),
-            Err(EndpointError::TlsUnsupported(_))
-        ));
+        assert_eq!(
+            EndpointSpec::parse("https://worker-fs:50051").unwrap(),
+            EndpointSpec::Https {
+                host: "worker-fs".into(),
+                port: 50051
+            }
+        );
         assert!(EndpointSpec::parse("ftp://x").is_err());
         assert!(EndpointSpec::parse("dns:///nohost").is_err());
+        assert!(EndpointSpec::parse("https://:1").is_err());
+    }
+
+    /// TCP is mutual TLS, or plaintext only with the explicit switch; never a quiet
+    /// downgrade either way.
+    #[test]
+    fn tcp_endpoints_need_tls_or_the_lab_switch() {
+        let bare = Dialer::default();
+        let lab = Dialer {
+            mtls: None,
+            insecure_plaintext: true,
+        };
+        let unix = EndpointSpec::parse("unix:/a.sock").unwrap();
+        let http = EndpointSpec::parse("http://10.0.0.1:50051").unwrap();
+        let https = EndpointSpec::parse("https://worker-fs:50051").unwrap();
+        let dns = EndpointSpec::parse("dns:///fs.svc:50051").unwrap();
+        assert!(bare.check("unix", &unix).is_ok());
+        for (name, spec) in [("http", &http), ("https", &https), ("dns", &dns)] {
+            let error = bare.check(name, spec).unwrap_err().to_string();
+            assert!(
+                error.contains("[tls]") && error.contains("insecure_plaintext"),
+                "{error}"
+            );
+        }
+        assert!(lab.check("http", &http).is_ok());
+        assert!(lab.check("dns", &dns).is_ok());
+        assert!(matches!(
+            lab.check("https", &https),
+            Err(EndpointError::TlsRequired(_))
+        ));
     }
 }

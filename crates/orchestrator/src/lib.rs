@@ -33,7 +33,7 @@ pub use agent::{AgentConfig, ProviderKind};
 pub use auth::{AuthError, Principal, Principals, Role};
 pub use config::{
     ApprovalsConfig, AuditConfig, BudgetConfig, CacheConfig, OrchestratorConfig, PrincipalConfig,
-    WorkerGroupConfig,
+    WorkerGroupConfig, WorkerTls,
 };
 /// The (method, path) of every authenticated HTTP route, as the router serves them.
 pub use http_api::route_table as http_route_table;

@@ -115,7 +115,7 @@ impl Orchestrator {
     /// outside the data dir happens here, before the caller confines the process.
     pub fn prepare(config: &OrchestratorConfig) -> Result<Prepared, ServeError> {
         let principals = Principals::load(&config.principals, &config.data_dir)?;
-        Catalog::check(&config.workers)?;
+        Catalog::check(&config.workers, &config.worker_tls.dialer())?;
         let authorizer = load_policy(config)?;
         for warning in authorizer.warnings() {
             tracing::warn!(%warning, "policy warning");
@@ -136,7 +136,7 @@ impl Orchestrator {
         mut reload: tokio::sync::mpsc::Receiver<Reload>,
     ) -> Result<(), ServeError> {
         // Channels need the runtime, so the catalog is built here, not in `prepare`.
-        let catalog = Arc::new(Catalog::new(&config.workers)?);
+        let catalog = Arc::new(Catalog::new(&config.workers, &config.worker_tls.dialer())?);
         let store = crate::store::open(
             &config.store,
             &config.data_dir,

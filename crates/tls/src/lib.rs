@@ -5,6 +5,8 @@
 
 pub mod devpki;
 pub mod files;
+pub mod mtls;
 
 pub use devpki::{COMPONENTS, DevPkiError};
 pub use files::{Identity, TlsFileError, TlsFiles};
+pub use mtls::{Mtls, MtlsError, TlsConfig};

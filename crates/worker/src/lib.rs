@@ -9,6 +9,7 @@
 mod context;
 mod endpoint;
 mod server;
+mod tls;
 mod tool;
 pub mod volumes;
 

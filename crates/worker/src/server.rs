@@ -71,6 +71,8 @@ impl Default for WorkerSettings {
 pub enum BoundListener {
     Unix(std::os::unix::net::UnixListener),
     Tcp(std::net::TcpListener),
+    /// TCP under mutual TLS (see [`BoundListener::with_mutual_tls`]).
+    TcpTls(std::net::TcpListener, std::sync::Arc<airlock_tls::Mtls>),
 }
 
 impl BoundListener {
@@ -98,6 +100,19 @@ impl BoundListener {
         }
     }
 
+    /// Serves a TCP listener under mutual TLS: only peers authenticated by `mtls` reach
+    /// the worker. A Unix socket is left as it is (its file mode is its access control).
+    pub fn with_mutual_tls(self, mtls: std::sync::Arc<airlock_tls::Mtls>) -> Self {
+        match self {
+            BoundListener::Tcp(l) | BoundListener::TcpTls(l, _) => BoundListener::TcpTls(l, mtls),
+            unix @ BoundListener::Unix(_) => unix,
+        }
+    }
+
+    pub fn is_tcp(&self) -> bool {
+        !matches!(self, BoundListener::Unix(_))
+    }
+
     /// The address actually bound (resolves port 0).
     pub fn local_addr(&self) -> String {
         match self {
@@ -106,7 +121,7 @@ impl BoundListener {
                 .ok()
                 .and_then(|a| a.as_pathname().map(|p| format!("unix:{}", p.display())))
                 .unwrap_or_else(|| "unix:?".to_owned()),
-            BoundListener::Tcp(l) => l
+            BoundListener::Tcp(l) | BoundListener::TcpTls(l, _) => l
                 .local_addr()
                 .map(|a| a.to_string())
                 .unwrap_or_else(|_| "tcp:?".to_owned()),
@@ -229,6 +244,20 @@ impl WorkerServer {
                         )?);
                     router
                         .serve_with_incoming_shutdown(incoming, stop_accepting)
+                        .await?;
+                }
+                BoundListener::TcpTls(l, mtls) => {
+                    let listener = tokio::net::TcpListener::from_std(l).map_err(|source| {
+                        ServeError::Bind {
+                            addr: "tcp socket".to_owned(),
+                            source,
+                        }
+                    })?;
+                    router
+                        .serve_with_incoming_shutdown(
+                            crate::tls::incoming(listener, mtls),
+                            stop_accepting,
+                        )
                         .await?;
                 }
             }

@@ -1,0 +1,142 @@
+//! Mutual TLS between the orchestrator and its workers (DESIGN §9): the `[tls]` section,
+//! the server side (a client certificate is required, chained to `ca_file` and carrying
+//! one of `allowed_peers`), and the client side (the worker's certificate must chain to
+//! `ca_file` and be valid for the endpoint's name).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use rustls::pki_types::{CertificateDer, ServerName};
+use rustls::server::WebPkiClientVerifier;
+use rustls::{ClientConfig, ServerConfig};
+use serde::Deserialize;
+
+use crate::files::{Identity, TlsFileError, TlsFiles};
+
+/// How long a peer may take to finish the TLS handshake.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// `[tls]` in any component's configuration.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TlsConfig {
+    pub cert_file: Option<PathBuf>,
+    pub key_file: Option<PathBuf>,
+    /// The trust anchor for peers.
+    pub ca_file: Option<PathBuf>,
+    /// Names one of which a peer's certificate must carry as a SAN (a worker's default:
+    /// `["orchestrator"]`).
+    pub allowed_peers: Vec<String>,
+    /// The explicit lab switch: serve or dial plaintext TCP.
+    pub insecure_plaintext: bool,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum MtlsError {
+    #[error(
+        "[tls] {key} is not set; give cert_file, key_file and ca_file (airlock certs init writes a development set)"
+    )]
+    Missing { key: &'static str },
+    #[error(transparent)]
+    File(#[from] TlsFileError),
+    #[error("[tls] cannot be used: {0}")]
+    Config(String),
+}
+
+/// A loaded, checked identity with its trust anchor and the peers it accepts.
+pub struct Mtls {
+    pub server: Arc<ServerConfig>,
+    pub client: Arc<ClientConfig>,
+    pub allowed_peers: Vec<String>,
+}
+
+impl std::fmt::Debug for Mtls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The configs hold the private key: only what identifies the set-up is shown.
+        f.debug_struct("Mtls")
+            .field("allowed_peers", &self.allowed_peers)
+            .finish_non_exhaustive()
+    }
+}
+
+impl TlsConfig {
+    /// The files of the section; every one is required.
+    pub fn files(&self) -> Result<TlsFiles, MtlsError> {
+        let need = |value: &Option<PathBuf>, key| value.clone().ok_or(MtlsError::Missing { key });
+        Ok(TlsFiles {
+            cert_file: need(&self.cert_file, "cert_file")?,
+            key_file: need(&self.key_file, "key_file")?,
+            ca_file: need(&self.ca_file, "ca_file")?,
+        })
+    }
+
+    /// Whether the section names any file (a section with only `insecure_plaintext` is
+    /// the lab switch).
+    pub fn has_files(&self) -> bool {
+        self.cert_file.is_some() || self.key_file.is_some() || self.ca_file.is_some()
+    }
+
+    /// Loads and checks the files; `default_peers` when `allowed_peers` is empty.
+    pub fn mutual_tls(&self, default_peers: &[&str]) -> Result<Mtls, MtlsError> {
+        let identity = self.files()?.load()?;
+        let allowed_peers = if self.allowed_peers.is_empty() {
+            default_peers.iter().map(|p| (*p).to_owned()).collect()
+        } else {
+            self.allowed_peers.clone()
+        };
+        Mtls::new(identity, allowed_peers)
+    }
+}
+
+impl Mtls {
+    pub fn new(identity: Identity, allowed_peers: Vec<String>) -> Result<Self, MtlsError> {
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let roots = Arc::new(identity.roots);
+        let verifier = WebPkiClientVerifier::builder_with_provider(roots.clone(), provider.clone())
+            .build()
+            .map_err(|e| MtlsError::Config(e.to_string()))?;
+        let server = ServerConfig::builder_with_provider(provider.clone())
+            .with_safe_default_protocol_versions()
+            .map_err(|e| MtlsError::Config(e.to_string()))?
+            .with_client_cert_verifier(verifier)
+            .with_single_cert(identity.chain.clone(), identity.key.clone_key())
+            .map_err(|e| MtlsError::Config(e.to_string()))?;
+        let client = ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .map_err(|e| MtlsError::Config(e.to_string()))?
+            .with_root_certificates(roots)
+            .with_client_auth_cert(identity.chain, identity.key)
+            .map_err(|e| MtlsError::Config(e.to_string()))?;
+        let mut server = server;
+        server.alpn_protocols = vec![b"h2".to_vec()];
+        let mut client = client;
+        client.alpn_protocols = vec![b"h2".to_vec()];
+        Ok(Self {
+            server: Arc::new(server),
+            client: Arc::new(client),
+            allowed_peers,
+        })
+    }
+
+    /// The allowed name the peer's certificate carries, or why it is refused. The chain
+    /// itself was verified in the handshake.
+    pub fn allowed_peer(&self, peer: Option<&[CertificateDer<'_>]>) -> Result<String, String> {
+        let Some(end) = peer.and_then(|chain| chain.first()) else {
+            return Err("the peer sent no certificate".to_owned());
+        };
+        let cert = webpki::EndEntityCert::try_from(end).map_err(|e| format!("{e:?}"))?;
+        for name in &self.allowed_peers {
+            let Ok(server_name) = ServerName::try_from(name.clone()) else {
+                continue;
+            };
+            if cert.verify_is_valid_for_subject_name(&server_name).is_ok() {
+                return Ok(name.clone());
+            }
+        }
+        Err(format!(
+            "the peer's certificate carries none of the allowed names {:?}",
+            self.allowed_peers
+        ))
+    }
+}

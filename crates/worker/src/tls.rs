@@ -1,0 +1,111 @@
+//! A worker's TCP listener under mutual TLS: every connection is handshaken on its own
+//! task (a slow or silent peer holds up no one), must present a certificate chained to
+//! `[tls] ca_file` that carries one of `allowed_peers`, and is refused — and logged with
+//! its address and the reason — otherwise. Only authenticated connections reach gRPC.
+
+use std::io;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use airlock_tls::Mtls;
+use airlock_tls::mtls::HANDSHAKE_TIMEOUT;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+use tokio_rustls::server::TlsStream;
+use tokio_stream::wrappers::ReceiverStream;
+
+/// Authenticated connections waiting for the server to take them.
+const ACCEPTED_BACKLOG: usize = 64;
+
+/// One authenticated connection.
+pub struct TlsConn {
+    stream: TlsStream<TcpStream>,
+    peer: SocketAddr,
+}
+
+impl tonic::transport::server::Connected for TlsConn {
+    type ConnectInfo = SocketAddr;
+
+    fn connect_info(&self) -> SocketAddr {
+        self.peer
+    }
+}
+
+impl AsyncRead for TlsConn {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.stream).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for TlsConn {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.stream).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.stream).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.stream).poll_shutdown(cx)
+    }
+}
+
+/// The authenticated connections of `listener`, until the returned stream is dropped.
+pub fn incoming(listener: TcpListener, mtls: Arc<Mtls>) -> ReceiverStream<io::Result<TlsConn>> {
+    let (accepted, rx) = mpsc::channel(ACCEPTED_BACKLOG);
+    let acceptor = tokio_rustls::TlsAcceptor::from(mtls.server.clone());
+    tokio::spawn(async move {
+        loop {
+            let (tcp, peer) = tokio::select! {
+                () = accepted.closed() => return,
+                next = listener.accept() => match next {
+                    Ok(next) => next,
+                    Err(e) => {
+                        // Out of descriptors and the like: the next accept may work.
+                        tracing::warn!(error = %e, "cannot accept a connection");
+                        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                        continue;
+                    }
+                },
+            };
+            let (acceptor, mtls, accepted) = (acceptor.clone(), mtls.clone(), accepted.clone());
+            tokio::spawn(async move {
+                let stream = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp))
+                    .await
+                {
+                    Ok(Ok(stream)) => stream,
+                    Ok(Err(e)) => {
+                        tracing::warn!(%peer, reason = %e, "refused a connection: the TLS handshake failed (a client without a certificate from [tls] ca_file, or not TLS)");
+                        return;
+                    }
+                    Err(_) => {
+                        tracing::warn!(%peer, "refused a connection: no TLS handshake within {} s", HANDSHAKE_TIMEOUT.as_secs());
+                        return;
+                    }
+                };
+                match mtls.allowed_peer(stream.get_ref().1.peer_certificates()) {
+                    Ok(name) => {
+                        tracing::debug!(%peer, name, "peer authenticated");
+                        let _ = accepted.send(Ok(TlsConn { stream, peer })).await;
+                    }
+                    Err(reason) => {
+                        tracing::warn!(%peer, %reason, "refused a connection: the peer is not allowed ([tls] allowed_peers)");
+                    }
+                }
+            });
+        }
+    });
+    ReceiverStream::new(rx)
+}

@@ -1,0 +1,370 @@
+//! Workers on TCP trust only their orchestrator (DESIGN §9): a worker and an
+//! orchestrator as separate processes with certificates from `airlock certs init`. The
+//! orchestrator's calls run; a plaintext client, a client with another CA's certificate,
+//! and a client whose certificate lacks an allowed name reach no tool, and the worker logs
+//! each refusal. Without `[tls]` a worker on TCP does not start, and an orchestrator does
+//! not dial `https://` workers.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use airlock_proto::v1 as pb;
+use airlock_proto::v1::tool_worker_client::ToolWorkerClient;
+use serde_json::{Value, json};
+use tonic::transport::{Endpoint, Uri};
+
+use crate::support::{AIRLOCK, token_digest};
+
+const TOKEN: &str = "mtls-test-token-9f1";
+
+/// A component process, killed on drop; its stderr goes to `log`.
+struct Component {
+    child: Child,
+    log: PathBuf,
+}
+
+impl Component {
+    fn start(args: &[&str], config: &Path, data_dir: &Path, log: PathBuf) -> Self {
+        let child = Command::new(AIRLOCK)
+            .args(args)
+            .arg("--config")
+            .arg(config)
+            .arg("--data-dir")
+            .arg(data_dir)
+            .env("RUST_LOG", "info")
+            .env("AIRLOCK_LAUNCHER_PID", std::process::id().to_string())
+            .env_remove("AIRLOCK_URL")
+            .env_remove("AIRLOCK_TOKEN")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).expect("log file"))
+            .spawn()
+            .expect("spawn airlock");
+        Self { child, log }
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Waits until the log has a line with `needle`, and returns that line.
+    fn wait_for_line(&mut self, needle: &str) -> String {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Some(line) = self.log().lines().find(|l| l.contains(needle)) {
+                return line.to_owned();
+            }
+            if let Ok(Some(status)) = self.child.try_wait() {
+                panic!(
+                    "exited ({status}) before logging {needle:?}:\n{}",
+                    self.log()
+                );
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no {needle:?} in:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Component {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// `key=value` of a log line.
+fn field(line: &str, key: &str) -> String {
+    line.split_whitespace()
+        .find_map(|w| w.strip_prefix(&format!("{key}=")))
+        .unwrap_or_else(|| panic!("no {key}= in {line}"))
+        .trim_matches('"')
+        .to_owned()
+}
+
+fn tls_section(pki: &Path, component: &str) -> String {
+    format!(
+        "[tls]\ncert_file = \"{dir}/{component}.crt\"\nkey_file = \"{dir}/{component}.key\"\nca_file = \"{dir}/ca.crt\"\n",
+        dir = pki.display()
+    )
+}
+
+fn certs_init(out: &Path) {
+    let status = Command::new(AIRLOCK)
+        .args(["certs", "init", "--out"])
+        .arg(out)
+        .stdout(Stdio::null())
+        .status()
+        .expect("airlock certs init");
+    assert!(status.success());
+}
+
+/// A worker client over mutual TLS with `component`'s certificate from `pki`, trusting
+/// `trust`'s CA and expecting the worker to be `worker-fs`.
+async fn tls_client(
+    addr: &str,
+    pki: &Path,
+    component: &str,
+    trust: &Path,
+) -> ToolWorkerClient<tonic::transport::Channel> {
+    let identity = airlock_tls::TlsFiles {
+        cert_file: pki.join(format!("{component}.crt")),
+        key_file: pki.join(format!("{component}.key")),
+        ca_file: pki.join("ca.crt"),
+    }
+    .load()
+    .expect("client identity");
+    let roots = airlock_tls::files::roots(&trust.join("ca.crt")).expect("roots");
+    let identity = airlock_tls::Identity { roots, ..identity };
+    let mtls = airlock_tls::Mtls::new(identity, Vec::new()).expect("client config");
+    let connector = tokio_rustls::TlsConnector::from(mtls.client.clone());
+    let addr = addr.to_owned();
+    let channel = Endpoint::from_static("http://worker.invalid")
+        .connect_timeout(Duration::from_secs(5))
+        .connect_with_connector_lazy(tower::service_fn(move |_: Uri| {
+            let (connector, addr) = (connector.clone(), addr.clone());
+            async move {
+                let tcp = tokio::net::TcpStream::connect(addr).await?;
+                let name = rustls::pki_types::ServerName::try_from("worker-fs").expect("name");
+                let tls = connector.connect(name, tcp).await?;
+                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tls))
+            }
+        }));
+    ToolWorkerClient::new(channel)
+}
+
+async fn list_tools(
+    client: &mut ToolWorkerClient<tonic::transport::Channel>,
+) -> Result<usize, tonic::Status> {
+    let listed = tokio::time::timeout(
+        Duration::from_secs(15),
+        client.list_tools(pb::ListToolsRequest {}),
+    )
+    .await
+    .map_err(|_| tonic::Status::deadline_exceeded("no answer in 15 s"))??;
+    Ok(listed.into_inner().tools.len())
+}
+
+#[tokio::test]
+async fn a_worker_on_tcp_serves_only_its_orchestrator() {
+    let scratch = tempfile::tempdir().expect("temp dir");
+    let pki = scratch.path().join("pki");
+    let other = scratch.path().join("other-pki");
+    certs_init(&pki);
+    certs_init(&other);
+    let workspaces = scratch.path().join("workspaces");
+
+    // The fs worker on TCP, trusting only `orchestrator` from `pki`.
+    let worker_config = scratch.path().join("worker.toml");
+    std::fs::write(
+        &worker_config,
+        format!(
+            "workspaces_root = \"{}\"\n[sandbox]\nworkspace_bytes = 0\nworkspace_inodes = 0\n{}",
+            workspaces.display(),
+            tls_section(&pki, "worker-fs")
+        ),
+    )
+    .expect("worker config");
+    let mut worker = Component::start(
+        &["serve", "worker", "fs", "--listen", "127.0.0.1:0"],
+        &worker_config,
+        &scratch.path().join("worker-data"),
+        scratch.path().join("worker.log"),
+    );
+    let addr = field(&worker.wait_for_line("mutual TLS on TCP"), "listen");
+
+    // The orchestrator dials it by address, checking the certificate's name.
+    let orchestrator_config = scratch.path().join("orchestrator.toml");
+    std::fs::write(
+        &orchestrator_config,
+        format!(
+            "workspaces_root = \"{}\"\n[orchestrator]\nhttp_listen = \"127.0.0.1:0\"\ngrpc_listen = \"127.0.0.1:0\"\n\n\
+             [[principals]]\nname = \"ops\"\ntoken_sha256 = \"{}\"\nroles = [\"agent\", \"admin\"]\n\n\
+             [approvals]\ntools = []\n[budgets]\nrate_per_minute = 0\n\n\
+             [[workers]]\ngroup = \"fs\"\nendpoints = [\"https://{addr}\"]\nserver_name = \"worker-fs\"\n\n{}",
+            workspaces.display(),
+            token_digest(TOKEN),
+            tls_section(&pki, "orchestrator")
+        ),
+    )
+    .expect("orchestrator config");
+    let orchestrator_data = scratch.path().join("orchestrator-data");
+    let orchestrator = Component::start(
+        &["serve", "orchestrator"],
+        &orchestrator_config,
+        &orchestrator_data,
+        scratch.path().join("orchestrator.log"),
+    );
+    let run_file = orchestrator_data.join("run/orchestrator.json");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let url = loop {
+        if let Some(url) = std::fs::read_to_string(&run_file)
+            .ok()
+            .and_then(|t| serde_json::from_str::<Value>(&t).ok())
+            .and_then(|v| v["http"].as_str().map(str::to_owned))
+        {
+            break url;
+        }
+        assert!(Instant::now() < deadline, "{}", orchestrator.log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+
+    // 1. The orchestrator's calls run on the worker, over mutual TLS.
+    let http = reqwest::Client::new();
+    let call = |tool: &str, input: Value| {
+        http.post(format!("{url}/v1/tool_calls"))
+            .bearer_auth(TOKEN)
+            .json(&json!({"session_id": "mtls", "tool_uses": [{"type": "tool_use", "id": "t", "name": tool, "input": input}]}))
+            .send()
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let response: Value = call(
+            "write_file",
+            json!({"path": "hello.txt", "content": "over mTLS"}),
+        )
+        .await
+        .expect("send")
+        .json()
+        .await
+        .expect("json");
+        if response["calls"][0]["status"] == "ok" {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{response}\n--- orchestrator\n{}\n--- worker\n{}",
+            orchestrator.log(),
+            worker.log()
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let response: Value = call("read_file", json!({"path": "hello.txt"}))
+        .await
+        .expect("send")
+        .json()
+        .await
+        .expect("json");
+    assert_eq!(response["calls"][0]["status"], "ok", "{response}");
+    assert!(response.to_string().contains("over mTLS"), "{response}");
+
+    // 2. A client with the orchestrator's certificate is served (the control).
+    let mut allowed = tls_client(&addr, &pki, "orchestrator", &pki).await;
+    assert!(
+        list_tools(&mut allowed)
+            .await
+            .expect("the orchestrator's identity is served")
+            >= 9
+    );
+
+    // 3. Everyone else reaches no tool, however they try.
+    let mut plaintext = ToolWorkerClient::new(
+        Endpoint::from_shared(format!("http://{addr}"))
+            .expect("endpoint")
+            .connect_timeout(Duration::from_secs(5))
+            .connect_lazy(),
+    );
+    assert!(
+        list_tools(&mut plaintext).await.is_err(),
+        "plaintext gRPC is refused"
+    );
+    let mut foreign = tls_client(&addr, &other, "orchestrator", &pki).await;
+    assert!(
+        list_tools(&mut foreign).await.is_err(),
+        "another CA's certificate is refused"
+    );
+    let mut wrong_name = tls_client(&addr, &pki, "worker-shell", &pki).await;
+    assert!(
+        list_tools(&mut wrong_name).await.is_err(),
+        "a certificate without an allowed name is refused"
+    );
+    let mut execute = tls_client(&addr, &pki, "worker-shell", &pki).await;
+    let attempt = tokio::time::timeout(
+        Duration::from_secs(15),
+        execute.execute(pb::ExecuteRequest {
+            call_id: "call_forged".into(),
+            tool: "write_file".into(),
+            arguments_json: json!({"path": "forged.txt", "content": "x"}).to_string(),
+            principal: "ops".into(),
+            session_id: "mtls".into(),
+            timeout_ms: 5000,
+            ..Default::default()
+        }),
+    )
+    .await;
+    assert!(!matches!(attempt, Ok(Ok(_))), "Execute is refused too");
+    assert!(
+        !workspaces.join("ops/mtls/forged.txt").exists(),
+        "nothing was written"
+    );
+    assert!(workspaces.join("ops/mtls/hello.txt").exists());
+    // Each refusal is in the worker's log, with its reason.
+    let log = worker.log();
+    assert!(log.contains("the TLS handshake failed"), "{log}");
+    assert!(log.contains("the peer is not allowed"), "{log}");
+    drop(allowed);
+}
+
+#[tokio::test]
+async fn tcp_without_tls_is_refused_at_start_naming_the_fix() {
+    let scratch = tempfile::tempdir().expect("temp dir");
+    let pki = scratch.path().join("pki");
+    certs_init(&pki);
+    let run = |args: &[&str], config: &str| {
+        let path = scratch.path().join("config.toml");
+        std::fs::write(&path, config).expect("config");
+        Command::new(AIRLOCK)
+            .args(args)
+            .arg("--config")
+            .arg(&path)
+            .arg("--data-dir")
+            .arg(scratch.path().join("data"))
+            .env("AIRLOCK_LAUNCHER_PID", std::process::id().to_string())
+            .stdin(Stdio::null())
+            .output()
+            .expect("run airlock")
+    };
+    let worker = ["serve", "worker", "http", "--listen", "127.0.0.1:0"];
+    // No [tls]: refused, naming both ways out.
+    let out = run(&worker, "");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("[tls]") && stderr.contains("insecure_plaintext"),
+        "{stderr}"
+    );
+    // Broken files: refused, naming the file, never plaintext.
+    let mut broken = tls_section(&pki, "worker-http");
+    broken = broken.replace("worker-http.key", "worker-db.key");
+    let out = run(&worker, &broken);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("worker-db.key") && stderr.contains("does not belong"),
+        "{stderr}"
+    );
+    // An orchestrator without [tls] does not dial a TLS worker, nor plaintext TCP.
+    for endpoint in [
+        "https://127.0.0.1:1",
+        "http://127.0.0.1:1",
+        "dns:///localhost:1",
+    ] {
+        let out = run(
+            &["serve", "orchestrator"],
+            &format!(
+                "[orchestrator]\nhttp_listen = \"127.0.0.1:0\"\ngrpc_listen = \"127.0.0.1:0\"\n[[workers]]\ngroup = \"fs\"\nendpoints = [\"{endpoint}\"]\n"
+            ),
+        );
+        assert!(!out.status.success(), "{endpoint}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            stderr.contains("[tls]") && stderr.contains("insecure_plaintext"),
+            "{endpoint}: {stderr}"
+        );
+    }
+}
