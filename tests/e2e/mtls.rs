@@ -338,6 +338,38 @@ async fn tcp_without_tls_is_refused_at_start_naming_the_fix() {
         stderr.contains("[tls]") && stderr.contains("insecure_plaintext"),
         "{stderr}"
     );
+    // The lab switch: it starts, and says so in its log and in health.
+    {
+        let config = scratch.path().join("lab.toml");
+        std::fs::write(&config, "[tls]\ninsecure_plaintext = true\n").expect("config");
+        let mut lab = Component::start(
+            &worker,
+            &config,
+            &scratch.path().join("lab-data"),
+            scratch.path().join("lab.log"),
+        );
+        let line = lab.wait_for_line("insecure_plaintext = true");
+        assert!(line.contains("WARN"), "{line}");
+        let addr = field(&lab.wait_for_line("http worker starting"), "listen");
+        let channel = Endpoint::from_shared(format!("http://{addr}"))
+            .expect("endpoint")
+            .connect()
+            .await
+            .expect("connect");
+        let mut health = tonic_health::pb::health_client::HealthClient::new(channel);
+        let status = health
+            .check(tonic_health::pb::HealthCheckRequest {
+                service: "airlock.insecure_plaintext".into(),
+            })
+            .await
+            .expect("the marker is known")
+            .into_inner()
+            .status;
+        assert_eq!(
+            status,
+            tonic_health::pb::health_check_response::ServingStatus::Serving as i32
+        );
+    }
     // Broken files: refused, naming the file, never plaintext.
     let mut broken = tls_section(&pki, "worker-http");
     broken = broken.replace("worker-http.key", "worker-db.key");

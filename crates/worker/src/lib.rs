@@ -15,7 +15,9 @@ pub mod volumes;
 
 pub use context::{CallContext, OutputStream, ToolEvent};
 pub use endpoint::{ListenAddr, ListenAddrError};
-pub use server::{BoundListener, ServeError, WorkerServer, WorkerSettings};
+pub use server::{
+    BoundListener, INSECURE_PLAINTEXT_SERVICE, ServeError, WorkerServer, WorkerSettings,
+};
 pub use tool::{Tool, ToolSet};
 
 pub use airlock_policy::{SessionId, ToolAnnotations, ToolDefinition, ToolOutcome};

@@ -65,6 +65,10 @@ impl Default for WorkerSettings {
     }
 }
 
+/// A health "service" that a worker serving plaintext TCP reports as SERVING
+/// (`grpc_health_probe -service airlock.insecure_plaintext`); unknown otherwise.
+pub const INSECURE_PLAINTEXT_SERVICE: &str = "airlock.insecure_plaintext";
+
 /// A bound, not yet serving, listener. Binding is synchronous so that a process can bind,
 /// confine itself and only then start its async runtime.
 #[derive(Debug)]
@@ -184,6 +188,16 @@ impl WorkerServer {
         health
             .set_serving::<ToolWorkerServer<WorkerService>>()
             .await;
+        if matches!(listener, BoundListener::Tcp(_)) {
+            // Plaintext TCP exists only with `[tls] insecure_plaintext = true`; health
+            // says so to anyone who asks, not only the start-up log.
+            health
+                .set_service_status(
+                    INSECURE_PLAINTEXT_SERVICE,
+                    tonic_health::ServingStatus::Serving,
+                )
+                .await;
+        }
         let reflection_v1 = reflection().build_v1()?;
         let reflection_v1alpha = reflection().build_v1alpha()?;
 
