@@ -308,6 +308,72 @@ async fn a_worker_on_tcp_serves_only_its_orchestrator() {
     assert!(log.contains("the TLS handshake failed"), "{log}");
     assert!(log.contains("the peer is not allowed"), "{log}");
     drop(allowed);
+
+    // 4. Rotation under load: a new CA and new certificates replace the files on both
+    // sides (each file renamed into place, one after another); no call fails, the new
+    // identity is served, and the old one is refused from then on.
+    let old = scratch.path().join("old-pki");
+    std::fs::create_dir(&old).expect("old pki dir");
+    for file in ["ca.crt", "orchestrator.crt", "orchestrator.key"] {
+        std::fs::copy(pki.join(file), old.join(file)).expect("keep the old identity");
+    }
+    let rotated = scratch.path().join("rotated-pki");
+    certs_init(&rotated);
+    let calls = {
+        let (http, url) = (http.clone(), url.clone());
+        tokio::spawn(async move {
+            let mut failures = Vec::new();
+            for i in 0..60 {
+                let response: Value = http
+                    .post(format!("{url}/v1/tool_calls"))
+                    .bearer_auth(TOKEN)
+                    .json(&json!({"session_id": "mtls", "tool_uses": [{"type": "tool_use", "id": "t", "name": "read_file", "input": {"path": "hello.txt"}}]}))
+                    .send()
+                    .await
+                    .expect("send")
+                    .json()
+                    .await
+                    .expect("json");
+                if response["calls"][0]["status"] != "ok" {
+                    failures.push(format!("call {i}: {response}"));
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            failures
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    for file in [
+        "ca.crt",
+        "worker-fs.crt",
+        "worker-fs.key",
+        "orchestrator.crt",
+        "orchestrator.key",
+    ] {
+        let staged = pki.join(format!(".{file}.new"));
+        std::fs::copy(rotated.join(file), &staged).expect("stage");
+        std::fs::rename(&staged, pki.join(file)).expect("rotate");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    let failures = calls.await.expect("load task");
+    assert!(
+        failures.is_empty(),
+        "calls failed during rotation:\n{}",
+        failures.join("\n")
+    );
+    worker.wait_for_line("the new certificate is in force");
+    let mut renewed = tls_client(&addr, &rotated, "orchestrator", &rotated).await;
+    assert!(
+        list_tools(&mut renewed)
+            .await
+            .expect("the rotated identity is served")
+            >= 9
+    );
+    let mut stale = tls_client(&addr, &old, "orchestrator", &old).await;
+    assert!(
+        list_tools(&mut stale).await.is_err(),
+        "the old certificate is refused after rotation"
+    );
 }
 
 #[tokio::test]

@@ -216,10 +216,9 @@ impl Loaded {
     fn worker_tls(&self) -> anyhow::Result<airlock_orchestrator::WorkerTls> {
         let tls = &self.config.tls;
         let mtls = if tls.has_files() {
-            let mtls = tls
-                .mutual_tls(&[])
+            let identity = airlock_tls::mtls::Reloading::new(tls, &[])
                 .context("the orchestrator cannot use [tls]; refusing to start")?;
-            Some(std::sync::Arc::new(mtls))
+            Some(identity)
         } else {
             None
         };

@@ -217,6 +217,8 @@ fn orchestrator(loaded: &Loaded) -> anyhow::Result<ExitCode> {
                         .as_ref()
                         .and_then(|p| p.parent().map(PathBuf::from)),
                 )
+                // Rotated certificates are re-read.
+                .chain(tls_dirs(loaded))
                 .collect(),
             write_paths: vec![config.data_dir.clone()],
             allow_exec: false,
@@ -308,11 +310,11 @@ fn secure(
     let tls = &loaded.config.tls;
     let listen = listener.local_addr();
     if tls.has_files() {
-        let mtls = tls
-            .mutual_tls(&["orchestrator"])
+        let reloading = airlock_tls::mtls::Reloading::new(tls, &["orchestrator"])
             .with_context(|| format!("the {component} cannot use [tls]; refusing to start"))?;
-        tracing::info!(component, %listen, allowed_peers = ?mtls.allowed_peers, "mutual TLS on TCP");
-        return Ok(listener.with_mutual_tls(std::sync::Arc::new(mtls)));
+        let allowed_peers = reloading.current().allowed_peers.clone();
+        tracing::info!(component, %listen, ?allowed_peers, "mutual TLS on TCP");
+        return Ok(listener.with_mutual_tls(reloading));
     }
     if tls.insecure_plaintext {
         tracing::warn!(component, %listen, "[tls] insecure_plaintext = true: plaintext gRPC on TCP, so anyone who reaches this port can run tools past the orchestrator's gate");
@@ -321,6 +323,20 @@ fn secure(
     anyhow::bail!(
         "the {component} listens on TCP ({listen}) without [tls]: set [tls] cert_file, key_file and ca_file (airlock certs init writes a development set) so that only the orchestrator can call it, or [tls] insecure_plaintext = true for a lab; refusing to start"
     )
+}
+
+/// The directories of the `[tls]` files, readable after confinement so that rotated
+/// certificates can be re-read.
+fn tls_dirs(loaded: &Loaded) -> Vec<PathBuf> {
+    let tls = &loaded.config.tls;
+    let mut dirs: Vec<PathBuf> = [&tls.cert_file, &tls.key_file, &tls.ca_file]
+        .into_iter()
+        .flatten()
+        .filter_map(|path| path.parent().map(PathBuf::from))
+        .collect();
+    dirs.sort();
+    dirs.dedup();
+    dirs
 }
 
 fn serve_worker(
@@ -348,7 +364,7 @@ fn fs_worker(loaded: &Loaded, listen: Option<String>) -> anyhow::Result<ExitCode
     confine(
         "fs worker",
         SelfConfinement {
-            read_paths: Vec::new(),
+            read_paths: tls_dirs(loaded),
             write_paths: vec![fs.workspaces_root.clone()],
             allow_exec: false,
             allow_namespaces: false,
@@ -373,7 +389,7 @@ fn shell_worker(loaded: &Loaded, listen: Option<String>) -> anyhow::Result<ExitC
     confine(
         "shell worker",
         SelfConfinement {
-            read_paths: Vec::new(),
+            read_paths: tls_dirs(loaded),
             write_paths: vec![shell.workspaces_root.clone()],
             allow_exec: true,
             allow_namespaces: true,
@@ -392,7 +408,7 @@ fn http_worker(loaded: &Loaded, listen: Option<String>) -> anyhow::Result<ExitCo
     confine(
         "http worker",
         SelfConfinement {
-            read_paths: Vec::new(),
+            read_paths: tls_dirs(loaded),
             write_paths: Vec::new(),
             allow_exec: false,
             allow_namespaces: false,
@@ -420,7 +436,7 @@ fn db_worker(loaded: &Loaded, listen: Option<String>) -> anyhow::Result<ExitCode
     confine(
         "db worker",
         SelfConfinement {
-            read_paths: Vec::new(),
+            read_paths: tls_dirs(loaded),
             write_paths,
             allow_exec: false,
             allow_namespaces: false,

@@ -43,7 +43,7 @@ pub struct OrchestratorConfig {
 #[derive(Debug, Clone, Default)]
 pub struct WorkerTls {
     /// The orchestrator's identity and the workers' trust anchor.
-    pub mtls: Option<std::sync::Arc<airlock_tls::Mtls>>,
+    pub mtls: Option<std::sync::Arc<airlock_tls::mtls::Reloading>>,
     /// `insecure_plaintext = true`: `http://` and `dns:///` endpoints dial plaintext.
     pub insecure_plaintext: bool,
 }

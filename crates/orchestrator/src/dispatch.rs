@@ -110,7 +110,7 @@ impl EndpointSpec {
 /// TLS with `[tls]`, plaintext only with `[tls] insecure_plaintext = true`.
 #[derive(Clone, Default)]
 pub struct Dialer {
-    pub mtls: Option<Arc<airlock_tls::Mtls>>,
+    pub mtls: Option<Arc<airlock_tls::mtls::Reloading>>,
     pub insecure_plaintext: bool,
 }
 
@@ -219,13 +219,15 @@ impl Dialer {
         };
         let name = rustls::pki_types::ServerName::try_from(server_name.to_owned())
             .map_err(|e| invalid(format!("server name {server_name:?}: {e}")))?;
-        let connector = tokio_rustls::TlsConnector::from(mtls.client.clone());
+        let identity = mtls.clone();
         // The URI is required by the HTTP/2 layer; the connector dials `target` and checks
-        // the worker's certificate against `ca_file` and `name`.
+        // the worker's certificate against `ca_file` and `name`, with the identity in
+        // force when it connects (a rotation applies from the next connection).
         let channel = Endpoint::from_static("http://worker.airlock.invalid")
             .connect_timeout(CONNECT_TIMEOUT)
             .connect_with_connector_lazy(tower::service_fn(move |_: Uri| {
-                let (connector, name, target) = (connector.clone(), name.clone(), target.clone());
+                let connector = tokio_rustls::TlsConnector::from(identity.current().client.clone());
+                let (name, target) = (name.clone(), target.clone());
                 async move {
                     let tcp = tokio::net::TcpStream::connect((target.0.as_str(), target.1)).await?;
                     tcp.set_nodelay(true)?;

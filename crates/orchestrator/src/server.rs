@@ -135,6 +135,9 @@ impl Orchestrator {
         shutdown: impl Future<Output = ()> + Send + 'static,
         mut reload: tokio::sync::mpsc::Receiver<Reload>,
     ) -> Result<(), ServeError> {
+        if let Some(identity) = &config.worker_tls.mtls {
+            airlock_tls::mtls::watch(identity.clone(), "orchestrator");
+        }
         // Channels need the runtime, so the catalog is built here, not in `prepare`.
         let catalog = Arc::new(Catalog::new(&config.workers, &config.worker_tls.dialer())?);
         let store = crate::store::open(

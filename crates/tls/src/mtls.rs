@@ -140,3 +140,110 @@ impl Mtls {
         ))
     }
 }
+
+/// How often the `[tls]` files are looked at for a rotation.
+pub const RELOAD_CHECK: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// The identity in force, re-read when its files change (rotation) without a restart.
+/// A new connection takes the identity in force when it starts; connections already
+/// open keep theirs, so calls in flight are unharmed. A rotated set that does not load
+/// (a key written before its certificate, a CA that does not sign) leaves the last good
+/// identity in force and is logged, naming the file; it is tried again at the next
+/// change.
+pub struct Reloading {
+    config: TlsConfig,
+    default_peers: Vec<String>,
+    current: std::sync::RwLock<Arc<Mtls>>,
+    seen: std::sync::Mutex<Fingerprint>,
+}
+
+/// Size and modification time of each file: what a rotation changes.
+type Fingerprint = Vec<Option<(u64, std::time::SystemTime)>>;
+
+impl std::fmt::Debug for Reloading {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reloading")
+            .field("current", &self.current())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Reloading {
+    /// Loads the files now (an error here refuses the start).
+    pub fn new(config: &TlsConfig, default_peers: &[&str]) -> Result<Arc<Self>, MtlsError> {
+        let default_peers: Vec<String> = default_peers.iter().map(|p| (*p).to_owned()).collect();
+        let peers: Vec<&str> = default_peers.iter().map(String::as_str).collect();
+        let seen = fingerprint(config);
+        let mtls = config.mutual_tls(&peers)?;
+        Ok(Arc::new(Self {
+            config: config.clone(),
+            default_peers,
+            current: std::sync::RwLock::new(Arc::new(mtls)),
+            seen: std::sync::Mutex::new(seen),
+        }))
+    }
+
+    /// The identity in force.
+    pub fn current(&self) -> Arc<Mtls> {
+        match self.current.read() {
+            Ok(current) => current.clone(),
+            Err(poisoned) => poisoned.into_inner().clone(),
+        }
+    }
+
+    /// Re-reads the files if they changed since the last look: `Ok(true)` when a new
+    /// identity is in force, `Ok(false)` when nothing changed, `Err` when the changed
+    /// files do not load (the last good identity stays in force).
+    pub fn reload_if_changed(&self) -> Result<bool, MtlsError> {
+        let now = fingerprint(&self.config);
+        {
+            let mut seen = match self.seen.lock() {
+                Ok(seen) => seen,
+                Err(poisoned) => poisoned.into_inner(),
+            };
+            if *seen == now {
+                return Ok(false);
+            }
+            *seen = now;
+        }
+        let peers: Vec<&str> = self.default_peers.iter().map(String::as_str).collect();
+        let mtls = Arc::new(self.config.mutual_tls(&peers)?);
+        match self.current.write() {
+            Ok(mut current) => *current = mtls,
+            Err(poisoned) => *poisoned.into_inner() = mtls,
+        }
+        Ok(true)
+    }
+}
+
+/// Looks at the files every [`RELOAD_CHECK`] for as long as the runtime runs, and logs
+/// each rotation (or why a rotated set was not taken).
+pub fn watch(reloading: Arc<Reloading>, component: &'static str) {
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(RELOAD_CHECK).await;
+            match reloading.reload_if_changed() {
+                Ok(true) => tracing::info!(
+                    component,
+                    "[tls] files changed: the new certificate is in force for new connections"
+                ),
+                Ok(false) => {}
+                Err(e) => tracing::error!(
+                    component,
+                    error = %e,
+                    "[tls] files changed but do not load; the previous certificate stays in force"
+                ),
+            }
+        }
+    });
+}
+
+fn fingerprint(config: &TlsConfig) -> Fingerprint {
+    [&config.cert_file, &config.key_file, &config.ca_file]
+        .into_iter()
+        .map(|path| {
+            let meta = std::fs::metadata(path.as_ref()?).ok()?;
+            Some((meta.len(), meta.modified().ok()?))
+        })
+        .collect()
+}

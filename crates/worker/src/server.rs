@@ -76,7 +76,10 @@ pub enum BoundListener {
     Unix(std::os::unix::net::UnixListener),
     Tcp(std::net::TcpListener),
     /// TCP under mutual TLS (see [`BoundListener::with_mutual_tls`]).
-    TcpTls(std::net::TcpListener, std::sync::Arc<airlock_tls::Mtls>),
+    TcpTls(
+        std::net::TcpListener,
+        std::sync::Arc<airlock_tls::mtls::Reloading>,
+    ),
 }
 
 impl BoundListener {
@@ -106,7 +109,7 @@ impl BoundListener {
 
     /// Serves a TCP listener under mutual TLS: only peers authenticated by `mtls` reach
     /// the worker. A Unix socket is left as it is (its file mode is its access control).
-    pub fn with_mutual_tls(self, mtls: std::sync::Arc<airlock_tls::Mtls>) -> Self {
+    pub fn with_mutual_tls(self, mtls: std::sync::Arc<airlock_tls::mtls::Reloading>) -> Self {
         match self {
             BoundListener::Tcp(l) | BoundListener::TcpTls(l, _) => BoundListener::TcpTls(l, mtls),
             unix @ BoundListener::Unix(_) => unix,
@@ -261,6 +264,7 @@ impl WorkerServer {
                         .await?;
                 }
                 BoundListener::TcpTls(l, mtls) => {
+                    airlock_tls::mtls::watch(mtls.clone(), "worker");
                     let listener = tokio::net::TcpListener::from_std(l).map_err(|source| {
                         ServeError::Bind {
                             addr: "tcp socket".to_owned(),

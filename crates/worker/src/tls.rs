@@ -9,8 +9,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use airlock_tls::Mtls;
-use airlock_tls::mtls::HANDSHAKE_TIMEOUT;
+use airlock_tls::mtls::{HANDSHAKE_TIMEOUT, Reloading};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
@@ -63,9 +62,11 @@ impl AsyncWrite for TlsConn {
 }
 
 /// The authenticated connections of `listener`, until the returned stream is dropped.
-pub fn incoming(listener: TcpListener, mtls: Arc<Mtls>) -> ReceiverStream<io::Result<TlsConn>> {
+pub fn incoming(
+    listener: TcpListener,
+    identity: Arc<Reloading>,
+) -> ReceiverStream<io::Result<TlsConn>> {
     let (accepted, rx) = mpsc::channel(ACCEPTED_BACKLOG);
-    let acceptor = tokio_rustls::TlsAcceptor::from(mtls.server.clone());
     tokio::spawn(async move {
         loop {
             let (tcp, peer) = tokio::select! {
@@ -80,7 +81,10 @@ pub fn incoming(listener: TcpListener, mtls: Arc<Mtls>) -> ReceiverStream<io::Re
                     }
                 },
             };
-            let (acceptor, mtls, accepted) = (acceptor.clone(), mtls.clone(), accepted.clone());
+            // The identity in force now: a rotation applies from the next connection.
+            let mtls = identity.current();
+            let acceptor = tokio_rustls::TlsAcceptor::from(mtls.server.clone());
+            let accepted = accepted.clone();
             tokio::spawn(async move {
                 let stream = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp))
                     .await
