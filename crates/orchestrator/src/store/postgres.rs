@@ -18,10 +18,10 @@ use tokio_postgres::types::ToSql;
 use tokio_postgres::{IsolationLevel, NoTls, Row};
 
 use super::machine::{
-    self, ApprovalMove, ApprovalState, CallFilter, CallMove, CallOwner, CallSet, ChainHead, Sweep,
-    Tx, Verdict,
+    self, ApprovalMove, ApprovalState, CallFilter, CallMove, CallOwner, ChainHead, Sweep, Tx,
+    Verdict,
 };
-use super::sql::{Placeholders, filter_sql};
+use super::sql::{Placeholders, filter_sql, move_call_sql};
 use super::{
     APPROVAL_SELECT, AUDIT_COLUMNS, Approval, ApprovalId, ApprovalPage, ApprovalQuery,
     ApprovalStatus, AuditQuery, AuditRecord, CALL_COLUMNS, CallId, CallOutcome, CallState,
@@ -391,46 +391,14 @@ impl Placeholders for Binds {
     fn text(&mut self, value: String) -> String {
         self.bind(value)
     }
-}
 
-/// `UPDATE calls SET …` for a move: one statement, which PostgreSQL re-checks against a
-/// row a concurrent writer changed, so of racing movers at most one moves the call.
-fn move_call_sql(mv: &CallMove<'_>) -> (String, Binds) {
-    let mut columns: Vec<(&str, Bind)> = vec![("state", Box::new(mv.to.as_str()))];
-    match mv.set {
-        CallSet::State => {}
-        CallSet::Approval(id) => columns.push(("approval_id", Box::new(id.as_str().to_owned()))),
-        CallSet::Claim {
-            claimant,
-            lease_until,
-        } => columns.extend([
-            ("claimed_by", Box::new(claimant.to_owned()) as Bind),
-            ("lease_until", Box::new(lease_until)),
-        ]),
-        CallSet::Lease(lease_until) => columns.push(("lease_until", Box::new(lease_until))),
-        CallSet::Outcome(outcome) => columns.extend([
-            ("status", Box::new(outcome.status.as_str()) as Bind),
-            ("result", Box::new(to_json_text(&outcome.result))),
-            ("duration_ms", Box::new(outcome.duration_ms.map(to_i64))),
-            ("replica", Box::new(outcome.replica.clone())),
-            ("finished_at", Box::new(outcome.finished_at)),
-        ]),
+    fn maybe_integer(&mut self, value: Option<i64>) -> String {
+        self.bind(value)
     }
-    let mut binds = Binds::default();
-    let set: Vec<String> = columns
-        .into_iter()
-        .map(|(column, value)| format!("{column} = {}", binds.push(value)))
-        .collect();
-    let call_id = binds.bind(mv.call_id.as_str().to_owned());
-    let mut sql = format!(
-        "UPDATE calls SET {} WHERE call_id = {call_id}",
-        set.join(", ")
-    );
-    if let Some(cond) = filter_sql(&mv.from, &mut binds) {
-        sql.push_str(" AND ");
-        sql.push_str(&cond);
+
+    fn maybe_text(&mut self, value: Option<String>) -> String {
+        self.bind(value)
     }
-    (sql, binds)
 }
 
 /// The [`Tx`] primitives on a transaction, or on a pooled connection where a method of
@@ -547,7 +515,8 @@ impl<C: GenericClient> Tx for PgTx<'_, C> {
     }
 
     async fn move_call(&mut self, mv: &CallMove<'_>) -> Result<bool, StoreError> {
-        let (sql, binds) = move_call_sql(mv);
+        let mut binds = Binds::default();
+        let sql = move_call_sql(mv, &mut binds);
         let changed = self.client.execute(sql.as_str(), &binds.refs()).await?;
         Ok(changed == 1)
     }

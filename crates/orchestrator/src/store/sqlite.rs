@@ -17,10 +17,10 @@ use rusqlite::{
 };
 
 use super::machine::{
-    self, ApprovalMove, ApprovalState, CallFilter, CallMove, CallOwner, CallSet, ChainHead, Sweep,
-    Tx, Verdict,
+    self, ApprovalMove, ApprovalState, CallFilter, CallMove, CallOwner, ChainHead, Sweep, Tx,
+    Verdict,
 };
-use super::sql::{Placeholders, filter_sql};
+use super::sql::{Placeholders, filter_sql, move_call_sql};
 use super::{
     APPROVAL_SELECT, AUDIT_COLUMNS, Approval, ApprovalId, ApprovalPage, ApprovalQuery,
     ApprovalStatus, AuditQuery, AuditRecord, CALL_COLUMNS, CallId, CallOutcome, CallState,
@@ -357,45 +357,14 @@ impl Placeholders for Binds {
     fn text(&mut self, value: String) -> String {
         self.bind(value)
     }
-}
 
-/// `UPDATE calls SET …` for a move.
-fn move_call_sql(mv: &CallMove<'_>) -> (String, Vec<Value>) {
-    let mut columns: Vec<(&str, Value)> = vec![("state", mv.to.as_str().to_owned().into())];
-    match mv.set {
-        CallSet::State => {}
-        CallSet::Approval(id) => columns.push(("approval_id", id.as_str().to_owned().into())),
-        CallSet::Claim {
-            claimant,
-            lease_until,
-        } => columns.extend([
-            ("claimed_by", claimant.to_owned().into()),
-            ("lease_until", lease_until.into()),
-        ]),
-        CallSet::Lease(lease_until) => columns.push(("lease_until", lease_until.into())),
-        CallSet::Outcome(outcome) => columns.extend([
-            ("status", outcome.status.as_str().to_owned().into()),
-            ("result", to_json_text(&outcome.result).into()),
-            ("duration_ms", outcome.duration_ms.map(to_i64).into()),
-            ("replica", outcome.replica.clone().into()),
-            ("finished_at", outcome.finished_at.into()),
-        ]),
+    fn maybe_integer(&mut self, value: Option<i64>) -> String {
+        self.bind(value)
     }
-    let mut binds = Binds::default();
-    let set: Vec<String> = columns
-        .into_iter()
-        .map(|(column, value)| format!("{column} = {}", binds.bind(value)))
-        .collect();
-    let call_id = binds.bind(mv.call_id.as_str().to_owned());
-    let mut sql = format!(
-        "UPDATE calls SET {} WHERE call_id = {call_id}",
-        set.join(", ")
-    );
-    if let Some(cond) = filter_sql(&mv.from, &mut binds) {
-        sql.push_str(" AND ");
-        sql.push_str(&cond);
+
+    fn maybe_text(&mut self, value: Option<String>) -> String {
+        self.bind(value)
     }
-    (sql, binds.0)
 }
 
 /// The [`Tx`] primitives on one connection: inside a transaction (a [`Transaction`]
@@ -505,8 +474,9 @@ impl Tx for SqliteTx<'_> {
     }
 
     async fn move_call(&mut self, mv: &CallMove<'_>) -> Result<bool, StoreError> {
-        let (sql, binds) = move_call_sql(mv);
-        let changed = self.conn.execute(&sql, params_from_iter(binds))?;
+        let mut binds = Binds::default();
+        let sql = move_call_sql(mv, &mut binds);
+        let changed = self.conn.execute(&sql, params_from_iter(binds.0))?;
         Ok(changed == 1)
     }
 
