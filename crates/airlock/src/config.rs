@@ -47,6 +47,25 @@ pub struct AirlockConfig {
     pub agent: AgentConfig,
     /// Mutual TLS between components on TCP (DESIGN §9).
     pub tls: airlock_tls::TlsConfig,
+    /// How the orchestrator finds the replicas behind a `dns:///` endpoint.
+    pub dispatch: airlock_orchestrator::DispatchConfig,
+    /// How a worker stops.
+    pub worker: WorkerSection,
+}
+
+/// `[worker]`.
+#[derive(Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct WorkerSection {
+    /// How long calls in flight may run on after SIGTERM (DESIGN §9); new calls are
+    /// refused from the first moment.
+    pub drain_seconds: u64,
+}
+
+impl Default for WorkerSection {
+    fn default() -> Self {
+        Self { drain_seconds: 30 }
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -117,6 +136,7 @@ impl Loaded {
         let data_dir = absolute(&data_dir)?;
         check_worker_memory(parsed.limits.worker_memory_bytes)?;
         check_workspace_quota(&parsed.sandbox)?;
+        check_dispatch(&parsed)?;
         airlock_worker_fs::Hidden::new(&parsed.fs.hidden).context("invalid [fs] hidden")?;
         let configured = match &parsed.workspaces_root {
             Some(root) => absolute(root)?,
@@ -208,6 +228,7 @@ impl Loaded {
             cache: self.config.cache.clone(),
             agent: self.config.agent.clone(),
             worker_tls: self.worker_tls()?,
+            dispatch: self.config.dispatch.clone(),
         })
     }
 
@@ -291,6 +312,30 @@ impl Loaded {
         fs.workspaces_root = self.workspaces_root();
         fs
     }
+}
+
+/// Bounds of `[dispatch] resolve_interval_ms` and `[worker] drain_seconds`.
+const MIN_RESOLVE_INTERVAL_MS: u64 = 100;
+const MAX_DRAIN_SECONDS: u64 = 3600;
+
+/// Refuses a resolve interval that would hammer the resolver and a drain that would
+/// outlast any orchestrator's patience, at load time.
+fn check_dispatch(config: &AirlockConfig) -> anyhow::Result<()> {
+    let interval = config.dispatch.resolve_interval_ms;
+    if interval < MIN_RESOLVE_INTERVAL_MS {
+        bail!(
+            "[dispatch] resolve_interval_ms = {interval} is below {MIN_RESOLVE_INTERVAL_MS}; \
+             raise it (the default is 5000)"
+        );
+    }
+    let drain = config.worker.drain_seconds;
+    if drain > MAX_DRAIN_SECONDS {
+        bail!(
+            "[worker] drain_seconds = {drain} is above {MAX_DRAIN_SECONDS}; lower it (the \
+             default is 30)"
+        );
+    }
+    Ok(())
 }
 
 /// The smallest workspace file system worth mounting: ext4 keeps a few MiB for its

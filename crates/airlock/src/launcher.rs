@@ -25,8 +25,10 @@ use crate::volumes::Volumes;
 
 /// How long the orchestrator may take to come up.
 const START_TIMEOUT: Duration = Duration::from_secs(30);
-/// How long children get to drain after SIGTERM before SIGKILL.
-const STOP_GRACE: Duration = Duration::from_secs(10);
+/// How long children get beyond `[worker] drain_seconds` after SIGTERM before SIGKILL:
+/// a worker cancels what is still running when its drain ends and waits for that (5 s),
+/// then closes its connections (5 s).
+const STOP_SLACK: Duration = Duration::from_secs(10);
 /// A child that ran this long before crashing restarts without delay.
 const HEALTHY_RUN: Duration = Duration::from_secs(30);
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
@@ -205,6 +207,7 @@ async fn supervise(loaded: Loaded) -> anyhow::Result<ExitCode> {
             restarts: 0,
         })
         .collect();
+    let drain = Duration::from_secs(loaded.config.worker.drain_seconds);
     // A restarted orchestrator must come back on the same ports, so port 0 ("any free
     // port") is settled here, once.
     let http = settle_port(&loaded.config.orchestrator.http_listen)?;
@@ -233,7 +236,7 @@ async fn supervise(loaded: Loaded) -> anyhow::Result<ExitCode> {
     let endpoints = tokio::select! {
         e = wait_for_orchestrator(&loaded.data_dir, &mut components) => e,
         _ = &mut shutdown => {
-            stop_all(&mut components).await;
+            stop_all(&mut components, drain).await;
             remove_sockets(&loaded.data_dir);
             return Ok(ExitCode::SUCCESS);
         }
@@ -241,7 +244,7 @@ async fn supervise(loaded: Loaded) -> anyhow::Result<ExitCode> {
     let endpoints = match endpoints {
         Ok(e) => e,
         Err(e) => {
-            stop_all(&mut components).await;
+            stop_all(&mut components, drain).await;
             remove_sockets(&loaded.data_dir);
             return Err(e);
         }
@@ -267,7 +270,7 @@ async fn supervise(loaded: Loaded) -> anyhow::Result<ExitCode> {
         }
         spawn(&exe, component)?;
     }
-    stop_all(&mut components).await;
+    stop_all(&mut components, drain).await;
     remove_sockets(&loaded.data_dir);
     let _ = std::fs::remove_file(loaded.data_dir.join("endpoints.json"));
     Ok(ExitCode::SUCCESS)
@@ -411,7 +414,7 @@ fn announce(loaded: &Loaded, endpoints: &serde_json::Value) -> anyhow::Result<()
 }
 
 /// SIGTERM to every child, SIGKILL to those still running after the grace period.
-async fn stop_all(components: &mut [Component]) {
+async fn stop_all(components: &mut [Component], drain: Duration) {
     for component in components.iter() {
         if let Some(pid) = component.child.as_ref().and_then(Child::id)
             && let Some(pid) = rustix::process::Pid::from_raw(pid as i32)
@@ -421,7 +424,7 @@ async fn stop_all(components: &mut [Component]) {
     }
     for component in components.iter_mut() {
         if let Some(mut child) = component.child.take() {
-            match tokio::time::timeout(STOP_GRACE, child.wait()).await {
+            match tokio::time::timeout(drain + STOP_SLACK, child.wait()).await {
                 Ok(_) => {}
                 Err(_) => {
                     tracing::warn!(component = %component.name, "did not stop in time; killing");

@@ -450,6 +450,6 @@ fn worker_settings(loaded: &Loaded) -> WorkerSettings {
     WorkerSettings {
         default_timeout: std::time::Duration::from_millis(limits.default_call_timeout_ms),
         max_timeout: std::time::Duration::from_millis(limits.max_call_timeout_ms),
-        ..WorkerSettings::default()
+        drain_grace: std::time::Duration::from_secs(loaded.config.worker.drain_seconds),
     }
 }

@@ -7,7 +7,7 @@
 //! calls to its tools then fail with a clear "unavailable" result.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
@@ -15,8 +15,9 @@ use airlock_policy::ToolDefinition;
 use airlock_proto::v1 as pb;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::WorkerGroupConfig;
-use crate::dispatch::{Dialer, EndpointSpec, Replica};
+use crate::config::{DispatchConfig, WorkerGroupConfig};
+use crate::endpoints::{Dialer, EndpointSpec};
+use crate::replicas::ReplicaSet;
 
 /// How often a group that is down is asked again.
 const DOWN_PROBE_INTERVAL: Duration = Duration::from_millis(500);
@@ -52,46 +53,32 @@ impl CatalogTool {
 /// The replicas of one tool group and whether any of them answered lately.
 pub struct WorkerGroup {
     pub name: String,
-    specs: Vec<EndpointSpec>,
-    dialer: Dialer,
-    /// The name a worker's certificate must carry, when not the endpoint's host.
-    server_name: Option<String>,
-    replicas: RwLock<Vec<Arc<Replica>>>,
-    next: AtomicUsize,
+    pub replicas: ReplicaSet,
     live: AtomicBool,
 }
 
 impl WorkerGroup {
-    fn new(config: &WorkerGroupConfig, dialer: &Dialer) -> Result<Self, CatalogError> {
+    fn new(
+        config: &WorkerGroupConfig,
+        dialer: &Dialer,
+        dispatch: &DispatchConfig,
+    ) -> Result<Self, CatalogError> {
         let bad = |reason: String| CatalogError::BadGroup {
             group: config.group.clone(),
             reason,
         };
-        if config.endpoints.is_empty() {
-            return Err(bad("has no endpoints".to_owned()));
-        }
-        let specs = config
-            .endpoints
-            .iter()
-            .map(|e| {
-                let spec = EndpointSpec::parse(e).map_err(|e| bad(e.to_string()))?;
-                dialer.check(e, &spec).map_err(|e| bad(e.to_string()))?;
-                Ok(spec)
-            })
-            .collect::<Result<Vec<_>, CatalogError>>()?;
-        let server_name = config.server_name.as_deref();
-        let replicas = specs
-            .iter()
-            .filter_map(|spec| dialer.static_replica(spec, server_name))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| bad(e.to_string()))?;
+        let specs = check_group(config, dialer)?;
+        let replicas = ReplicaSet::new(
+            &config.group,
+            specs,
+            dialer,
+            config.server_name.clone(),
+            Duration::from_millis(dispatch.resolve_interval_ms),
+        )
+        .map_err(|e| bad(e.to_string()))?;
         Ok(Self {
             name: config.group.clone(),
-            specs,
-            dialer: dialer.clone(),
-            server_name: config.server_name.clone(),
-            replicas: RwLock::new(replicas.into_iter().map(Arc::new).collect()),
-            next: AtomicUsize::new(0),
+            replicas,
             live: AtomicBool::new(false),
         })
     }
@@ -103,47 +90,30 @@ impl WorkerGroup {
     pub fn mark_down(&self) {
         self.live.store(false, Ordering::Relaxed);
     }
+}
 
-    /// Replicas in the order a call should try them (round robin).
-    pub fn replicas_in_turn(&self) -> Vec<Arc<Replica>> {
-        let replicas = match self.replicas.read() {
-            Ok(r) => r.clone(),
-            Err(poisoned) => poisoned.into_inner().clone(),
-        };
-        if replicas.is_empty() {
-            return replicas;
-        }
-        let start = self.next.fetch_add(1, Ordering::Relaxed) % replicas.len();
-        replicas
-            .iter()
-            .cycle()
-            .skip(start)
-            .take(replicas.len())
-            .cloned()
-            .collect()
+/// The endpoints of one `[[workers]]` entry, parsed and checked against how this
+/// orchestrator dials (TCP needs `[tls]` or the lab switch).
+fn check_group(
+    config: &WorkerGroupConfig,
+    dialer: &Dialer,
+) -> Result<Vec<EndpointSpec>, CatalogError> {
+    let bad = |reason: String| CatalogError::BadGroup {
+        group: config.group.clone(),
+        reason,
+    };
+    if config.endpoints.is_empty() {
+        return Err(bad("has no endpoints".to_owned()));
     }
-
-    /// Re-resolves `dns:///` endpoints so every current replica behind a headless
-    /// service is used; static endpoints keep their channel.
-    async fn resolve_replicas(&self) {
-        if !self.specs.iter().any(EndpointSpec::is_dns) {
-            return;
-        }
-        let mut fresh = Vec::new();
-        let current = self.replicas_in_turn();
-        for spec in &self.specs {
-            for replica in self
-                .dialer
-                .resolve(spec, self.server_name.as_deref(), &current)
-                .await
-            {
-                fresh.push(replica);
-            }
-        }
-        if let Ok(mut replicas) = self.replicas.write() {
-            *replicas = fresh;
-        }
-    }
+    config
+        .endpoints
+        .iter()
+        .map(|e| {
+            let spec = EndpointSpec::parse(e).map_err(|e| bad(e.to_string()))?;
+            dialer.check(e, &spec).map_err(|e| bad(e.to_string()))?;
+            Ok(spec)
+        })
+        .collect()
 }
 
 /// The catalog: every group and the tools they serve.
@@ -155,10 +125,14 @@ pub struct Catalog {
 }
 
 impl Catalog {
-    pub fn new(configs: &[WorkerGroupConfig], dialer: &Dialer) -> Result<Self, CatalogError> {
+    pub fn new(
+        configs: &[WorkerGroupConfig],
+        dialer: &Dialer,
+        dispatch: &DispatchConfig,
+    ) -> Result<Self, CatalogError> {
         let groups = configs
             .iter()
-            .map(|config| WorkerGroup::new(config, dialer))
+            .map(|config| WorkerGroup::new(config, dialer, dispatch))
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Self {
             groups: groups.into_iter().map(Arc::new).collect(),
@@ -170,19 +144,7 @@ impl Catalog {
     /// Checks the configuration without connecting (no async runtime needed).
     pub fn check(configs: &[WorkerGroupConfig], dialer: &Dialer) -> Result<(), CatalogError> {
         for config in configs {
-            let bad = |reason: String| CatalogError::BadGroup {
-                group: config.group.clone(),
-                reason,
-            };
-            if config.endpoints.is_empty() {
-                return Err(bad("has no endpoints".to_owned()));
-            }
-            for endpoint in &config.endpoints {
-                let spec = EndpointSpec::parse(endpoint).map_err(|e| bad(e.to_string()))?;
-                dialer
-                    .check(endpoint, &spec)
-                    .map_err(|e| bad(e.to_string()))?;
-            }
+            check_group(config, dialer)?;
         }
         Ok(())
     }
@@ -211,9 +173,14 @@ impl Catalog {
         }
     }
 
-    /// Asks every group for its tools until `stop` is cancelled.
+    /// Keeps every group's replicas current and asks every group for its tools, until
+    /// `stop` is cancelled.
     pub async fn refresh_forever(self: Arc<Self>, stop: CancellationToken) {
         let mut tasks = Vec::new();
+        for group in self.groups.clone() {
+            let stop = stop.clone();
+            tasks.push(tokio::spawn(async move { group.replicas.maintain(stop).await }));
+        }
         for group in self.groups.clone() {
             let catalog = self.clone();
             let stop = stop.clone();
@@ -238,12 +205,14 @@ impl Catalog {
     /// One probe of one group: the first replica that answers `ListTools` defines the
     /// group's tools.
     pub async fn refresh_group(&self, group: &WorkerGroup) {
-        group.resolve_replicas().await;
-        for replica in group.replicas_in_turn() {
+        let mut tried = Vec::new();
+        while let Some(replica) = group.replicas.choose(&tried) {
+            tried.push(replica.clone());
             let mut client = replica.client();
             let request = tonic::Request::new(pb::ListToolsRequest {});
             match tokio::time::timeout(PROBE_TIMEOUT, client.list_tools(request)).await {
                 Ok(Ok(response)) => {
+                    group.replicas.answered(&replica);
                     let was_live = group.live.swap(true, Ordering::Relaxed);
                     if !was_live {
                         tracing::info!(group = %group.name, endpoint = %replica.endpoint, "worker group is live");

@@ -37,6 +37,25 @@ pub struct OrchestratorConfig {
     pub agent: crate::agent::AgentConfig,
     /// How TCP worker endpoints are dialed (`[tls]`, loaded before confinement).
     pub worker_tls: WorkerTls,
+    /// `[dispatch]`: how replicas behind a name are found.
+    pub dispatch: DispatchConfig,
+}
+
+/// `[dispatch]` (DESIGN §9).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DispatchConfig {
+    /// How often a `dns:///` endpoint is resolved again (it also is at once when a
+    /// replica fails).
+    pub resolve_interval_ms: u64,
+}
+
+impl Default for DispatchConfig {
+    fn default() -> Self {
+        Self {
+            resolve_interval_ms: 5000,
+        }
+    }
 }
 
 /// `[tls]` as the orchestrator dials its workers with it.
@@ -49,8 +68,8 @@ pub struct WorkerTls {
 }
 
 impl WorkerTls {
-    pub(crate) fn dialer(&self) -> crate::dispatch::Dialer {
-        crate::dispatch::Dialer {
+    pub(crate) fn dialer(&self) -> crate::endpoints::Dialer {
+        crate::endpoints::Dialer {
             mtls: self.mtls.clone(),
             insecure_plaintext: self.insecure_plaintext,
         }

@@ -203,17 +203,32 @@ async fn healthz() -> axum::Json<Value> {
 
 async fn readyz(State(state): State<HttpState>) -> Response {
     let health = state.gate.worker_health();
-    let ready = health.iter().all(|(_, live)| *live);
+    let ready = health.iter().all(|g| g.live);
     let groups: serde_json::Map<String, Value> = health
-        .into_iter()
-        .map(|(name, live)| (name, json!(if live { "live" } else { "down" })))
+        .iter()
+        .map(|g| (g.name.clone(), json!(if g.live { "live" } else { "down" })))
+        .collect();
+    let replicas: serde_json::Map<String, Value> = health
+        .iter()
+        .map(|g| {
+            let each: Vec<Value> = g
+                .replicas
+                .iter()
+                .map(|r| json!({"endpoint": r.endpoint, "state": r.state, "in_flight": r.in_flight}))
+                .collect();
+            (g.name.clone(), Value::Array(each))
+        })
         .collect();
     let status = if ready {
         StatusCode::OK
     } else {
         StatusCode::SERVICE_UNAVAILABLE
     };
-    let body = json!({"status": if ready { "ready" } else { "not_ready" }, "workers": groups});
+    let body = json!({
+        "status": if ready { "ready" } else { "not_ready" },
+        "workers": groups,
+        "replicas": replicas,
+    });
     (status, axum::Json(body)).into_response()
 }
 

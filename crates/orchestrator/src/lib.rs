@@ -17,11 +17,13 @@ pub mod catalog;
 pub mod config;
 mod connections;
 mod dispatch;
+mod endpoints;
 mod gate;
 mod grpc_api;
 mod http_api;
 mod mcp;
 mod openapi;
+mod replicas;
 mod server;
 mod service;
 pub mod store;
@@ -32,8 +34,8 @@ mod wire;
 pub use agent::{AgentConfig, ProviderKind};
 pub use auth::{AuthError, Principal, Principals, Role};
 pub use config::{
-    ApprovalsConfig, AuditConfig, BudgetConfig, CacheConfig, OrchestratorConfig, PrincipalConfig,
-    WorkerGroupConfig, WorkerTls,
+    ApprovalsConfig, AuditConfig, BudgetConfig, CacheConfig, DispatchConfig, OrchestratorConfig,
+    PrincipalConfig, WorkerGroupConfig, WorkerTls,
 };
 /// The (method, path) of every authenticated HTTP route, as the router serves them.
 pub use http_api::route_table as http_route_table;

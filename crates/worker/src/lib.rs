@@ -8,6 +8,7 @@
 
 mod context;
 mod endpoint;
+mod health;
 mod server;
 mod tls;
 mod tool;

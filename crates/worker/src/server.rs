@@ -31,6 +31,8 @@ const MAX_MESSAGE_BYTES: usize = 32 * 1024 * 1024;
 /// How long a cancelled call may take to clean up (kill its sandbox, remove temp files)
 /// before its future is dropped.
 const CANCEL_GRACE: Duration = Duration::from_secs(5);
+/// How long connections may stay open once every call has ended in a drain.
+const CLOSE_GRACE: Duration = Duration::from_secs(5);
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
@@ -179,15 +181,19 @@ impl WorkerServer {
         Self { tools, settings }
     }
 
-    /// Serves until `shutdown` resolves, then drains: the listener stops accepting,
-    /// health turns NOT_SERVING, in-flight calls get `drain_grace` to finish and are
-    /// cancelled after that.
+    /// Serves until `shutdown` resolves, then drains (DESIGN §9):
+    /// 1. health turns NOT_SERVING at once and every health `Watch` ends, so the
+    ///    orchestrator stops choosing this replica;
+    /// 2. `Execute` refuses new calls as not started (the orchestrator may send them to
+    ///    another replica), while the listener stays open for the calls in flight;
+    /// 3. in-flight calls get `drain_grace` to finish, and are cancelled after that;
+    /// 4. only then does the server stop, closing its connections.
     pub async fn serve(
         self,
         listener: BoundListener,
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> Result<(), ServeError> {
-        let (health, health_service) = tonic_health::server::health_reporter();
+        let (health, _) = tonic_health::server::health_reporter();
         health
             .set_serving::<ToolWorkerServer<WorkerService>>()
             .await;
@@ -204,18 +210,23 @@ impl WorkerServer {
         let reflection_v1 = reflection().build_v1()?;
         let reflection_v1alpha = reflection().build_v1alpha()?;
 
+        let draining = CancellationToken::new();
         let all_calls = CancellationToken::new();
         let in_flight = TaskTracker::new();
         let service = WorkerService {
             tools: self.tools,
             settings: self.settings.clone(),
+            draining: draining.clone(),
             all_calls: all_calls.clone(),
             in_flight: in_flight.clone(),
             ledger: Ledger::default(),
             running: Running::default(),
         };
         let router = tonic::transport::Server::builder()
-            .add_service(health_service)
+            .add_service(crate::health::DrainingHealth::server(
+                &health,
+                draining.clone(),
+            ))
             .add_service(reflection_v1)
             .add_service(reflection_v1alpha)
             .add_service(
@@ -224,19 +235,41 @@ impl WorkerServer {
                     .max_encoding_message_size(MAX_MESSAGE_BYTES),
             );
 
-        let draining = CancellationToken::new();
-        let stop_accepting = {
-            let draining = draining.clone();
-            let health = health.clone();
+        let stop_serving = CancellationToken::new();
+        let grace = self.settings.drain_grace;
+        let drain = {
+            let (draining, stop_serving) = (draining.clone(), stop_serving.clone());
             async move {
                 shutdown.await;
-                tracing::info!("shutdown requested: draining in-flight calls");
+                let calls = in_flight.len();
+                tracing::info!(
+                    calls,
+                    grace_ms = grace.as_millis() as u64,
+                    "shutdown requested: NOT_SERVING, taking no new calls, draining those in flight"
+                );
                 health
                     .set_not_serving::<ToolWorkerServer<WorkerService>>()
                     .await;
+                health
+                    .set_service_status("", tonic_health::ServingStatus::NotServing)
+                    .await;
                 draining.cancel();
+                in_flight.close();
+                if tokio::time::timeout(grace, in_flight.wait()).await.is_err() {
+                    tracing::warn!(
+                        grace_ms = grace.as_millis() as u64,
+                        calls = in_flight.len(),
+                        "drain grace period over: cancelling in-flight calls"
+                    );
+                    all_calls.cancel();
+                    let _ = tokio::time::timeout(CANCEL_GRACE, in_flight.wait()).await;
+                }
+                tracing::info!("drained");
+                stop_serving.cancel();
             }
         };
+        tokio::spawn(drain);
+        let stopped = stop_serving.clone().cancelled_owned();
         let serving = async move {
             match listener {
                 BoundListener::Unix(l) => {
@@ -248,7 +281,7 @@ impl WorkerServer {
                             },
                         )?);
                     router
-                        .serve_with_incoming_shutdown(incoming, stop_accepting)
+                        .serve_with_incoming_shutdown(incoming, stopped)
                         .await?;
                 }
                 BoundListener::Tcp(l) => {
@@ -260,7 +293,7 @@ impl WorkerServer {
                             },
                         )?);
                     router
-                        .serve_with_incoming_shutdown(incoming, stop_accepting)
+                        .serve_with_incoming_shutdown(incoming, stopped)
                         .await?;
                 }
                 BoundListener::TcpTls(l, mtls) => {
@@ -274,21 +307,19 @@ impl WorkerServer {
                     router
                         .serve_with_incoming_shutdown(
                             crate::tls::incoming(listener, mtls),
-                            stop_accepting,
+                            stopped,
                         )
                         .await?;
                 }
             }
             Ok::<(), ServeError>(())
         };
-        let grace = self.settings.drain_grace;
         tokio::select! {
             result = serving => result,
-            _ = async { draining.cancelled().await; tokio::time::sleep(grace).await } => {
-                tracing::warn!(grace_ms = grace.as_millis() as u64, "drain grace period over: cancelling in-flight calls");
-                all_calls.cancel();
-                in_flight.close();
-                let _ = tokio::time::timeout(CANCEL_GRACE, in_flight.wait()).await;
+            // Every call has ended; a connection that does not close (a client that
+            // keeps a stream open) does not hold the process beyond this.
+            _ = async { stop_serving.cancelled().await; tokio::time::sleep(CLOSE_GRACE).await } => {
+                tracing::warn!("connections still open after the drain; closing them");
                 Ok(())
             }
         }
@@ -298,6 +329,8 @@ impl WorkerServer {
 struct WorkerService {
     tools: ToolSet,
     settings: WorkerSettings,
+    /// Cancelled when the worker starts draining: new calls are refused as not started.
+    draining: CancellationToken,
     all_calls: CancellationToken,
     in_flight: TaskTracker,
     ledger: Ledger,
@@ -363,6 +396,14 @@ impl ToolWorker for WorkerService {
                 .map_err(|e| Status::invalid_argument(e.to_string()))?
         };
 
+        if self.draining.is_cancelled() {
+            // A detached call sent again joins its run, which is in flight; anything
+            // else is new, and a draining worker starts nothing new.
+            if let Some(existing) = self.ledger.answer(&request.call_id) {
+                return Ok(Response::new(replay(existing)));
+            }
+            return Err(not_started("the worker is draining"));
+        }
         // Only detached (durable, approved) calls are ever sent again; the ledger keeps
         // just those, so ordinary results are not retained.
         let ledger = if request.call_id.is_empty() || !request.detached {
@@ -568,6 +609,17 @@ impl Ledger {
         };
         calls.get(call_id).map(|(_, answer)| answer.clone())
     }
+}
+
+/// `UNAVAILABLE`, marked as a call this worker did not start (see
+/// [`airlock_proto::NOT_STARTED_METADATA`]).
+fn not_started(why: &str) -> Status {
+    let mut status = Status::unavailable(format!("{why}; the call was not started"));
+    status.metadata_mut().insert(
+        airlock_proto::NOT_STARTED_METADATA,
+        tonic::metadata::MetadataValue::from_static("true"),
+    );
+    status
 }
 
 /// Extra time a `Cancel` waits beyond the call's cleanup grace for its answer.

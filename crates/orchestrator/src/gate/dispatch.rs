@@ -37,6 +37,7 @@ impl Gate {
             session_id: ctx.session.as_str().to_owned(),
             timeout_ms: self.call_timeout_ms(&ctx.tool_use.input),
             detached: durable,
+            retryable: self.is_retryable(&ctx.tool_use.name),
         };
         let renewal = self.renew_lease(&ctx.call_id);
         let result = dispatch::execute(group, call, ctx.events.clone(), &ctx.cancel).await;
@@ -68,6 +69,16 @@ impl Gate {
             }
         });
         LeaseRenewal { stop, task }
+    }
+
+    /// Whether a call of `tool` may run once more on another replica when its replica
+    /// failed before answering: only a tool that changes nothing and gives the same
+    /// answer twice.
+    fn is_retryable(&self, tool: &str) -> bool {
+        self.catalog.get(tool).is_some_and(|t| {
+            let hints = t.definition.annotations;
+            hints.read_only && hints.idempotent && !hints.destructive
+        })
     }
 
     /// The deadline the worker enforces: the call's own `timeout_seconds` when the tool

@@ -59,6 +59,21 @@ use crate::store::{Store, StoreError};
 use ctx::CallCtx;
 use ending::{Ending, Rejection};
 
+/// How one worker group is doing (`/readyz`).
+pub struct GroupHealth {
+    pub name: String,
+    pub live: bool,
+    pub replicas: Vec<ReplicaHealth>,
+}
+
+/// How one replica is doing: `serving`, `unknown`, `draining` or `down`, and the
+/// calls this orchestrator runs on it now.
+pub struct ReplicaHealth {
+    pub endpoint: String,
+    pub state: &'static str,
+    pub in_flight: usize,
+}
+
 /// What the gate is assembled from, once, at start-up.
 pub struct GateParts {
     pub catalog: Arc<Catalog>,
@@ -162,12 +177,26 @@ impl Gate {
         Ok(())
     }
 
-    /// Each worker group's name and whether a replica of it is live.
-    pub fn worker_health(&self) -> Vec<(String, bool)> {
+    /// Each worker group: its name, whether a replica of it is live, and how each of
+    /// its replicas is doing.
+    pub fn worker_health(&self) -> Vec<GroupHealth> {
         self.catalog
             .groups()
             .iter()
-            .map(|g| (g.name.clone(), g.is_live()))
+            .map(|g| GroupHealth {
+                name: g.name.clone(),
+                live: g.is_live(),
+                replicas: g
+                    .replicas
+                    .all()
+                    .iter()
+                    .map(|r| ReplicaHealth {
+                        endpoint: r.endpoint.clone(),
+                        state: r.state().as_str(),
+                        in_flight: r.in_flight(),
+                    })
+                    .collect(),
+            })
             .collect()
     }
 
