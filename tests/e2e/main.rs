@@ -28,6 +28,7 @@ mod net_db;
 mod ordinary_user;
 mod replicas;
 mod shell;
+mod spread;
 mod supervision;
 mod support;
 mod traversal;

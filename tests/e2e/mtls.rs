@@ -19,13 +19,13 @@ use crate::support::{AIRLOCK, token_digest};
 const TOKEN: &str = "mtls-test-token-9f1";
 
 /// A component process, killed on drop; its stderr goes to `log`.
-struct Component {
-    child: Child,
-    log: PathBuf,
+pub(crate) struct Component {
+    pub(crate) child: Child,
+    pub(crate) log: PathBuf,
 }
 
 impl Component {
-    fn start(args: &[&str], config: &Path, data_dir: &Path, log: PathBuf) -> Self {
+    pub(crate) fn start(args: &[&str], config: &Path, data_dir: &Path, log: PathBuf) -> Self {
         let child = Command::new(AIRLOCK)
             .args(args)
             .arg("--config")
@@ -44,12 +44,12 @@ impl Component {
         Self { child, log }
     }
 
-    fn log(&self) -> String {
+    pub(crate) fn log(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
     /// Waits until the log has a line with `needle`, and returns that line.
-    fn wait_for_line(&mut self, needle: &str) -> String {
+    pub(crate) fn wait_for_line(&mut self, needle: &str) -> String {
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
             if let Some(line) = self.log().lines().find(|l| l.contains(needle)) {
@@ -79,7 +79,7 @@ impl Drop for Component {
 }
 
 /// `key=value` of a log line.
-fn field(line: &str, key: &str) -> String {
+pub(crate) fn field(line: &str, key: &str) -> String {
     line.split_whitespace()
         .find_map(|w| w.strip_prefix(&format!("{key}=")))
         .unwrap_or_else(|| panic!("no {key}= in {line}"))
@@ -87,14 +87,14 @@ fn field(line: &str, key: &str) -> String {
         .to_owned()
 }
 
-fn tls_section(pki: &Path, component: &str) -> String {
+pub(crate) fn tls_section(pki: &Path, component: &str) -> String {
     format!(
         "[tls]\ncert_file = \"{dir}/{component}.crt\"\nkey_file = \"{dir}/{component}.key\"\nca_file = \"{dir}/ca.crt\"\n",
         dir = pki.display()
     )
 }
 
-fn certs_init(out: &Path) {
+pub(crate) fn certs_init(out: &Path) {
     let status = Command::new(AIRLOCK)
         .args(["certs", "init", "--out"])
         .arg(out)

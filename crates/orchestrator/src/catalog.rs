@@ -179,7 +179,9 @@ impl Catalog {
         let mut tasks = Vec::new();
         for group in self.groups.clone() {
             let stop = stop.clone();
-            tasks.push(tokio::spawn(async move { group.replicas.maintain(stop).await }));
+            tasks.push(tokio::spawn(
+                async move { group.replicas.maintain(stop).await },
+            ));
         }
         for group in self.groups.clone() {
             let catalog = self.clone();

@@ -158,7 +158,11 @@ pub async fn execute(
         };
         if never_started(&failure) {
             tracing::warn!(group = %group.name, endpoint = %replica.endpoint, status = %failure, "replica did not take the call; trying another");
-            if failure.metadata().get(airlock_proto::NOT_STARTED_METADATA).is_none() {
+            if failure
+                .metadata()
+                .get(airlock_proto::NOT_STARTED_METADATA)
+                .is_none()
+            {
                 group.replicas.failed(&replica, failure.message());
             }
             last_unreachable = failure.message().to_owned();
@@ -176,7 +180,11 @@ pub async fn execute(
         }
         return Err(DispatchError::Failed {
             group: group.name.clone(),
-            detail: format!("replica {} failed before answering: {}", replica.endpoint, failure.message()),
+            detail: format!(
+                "replica {} failed before answering: {}",
+                replica.endpoint,
+                failure.message()
+            ),
         });
     }
     group.mark_down();
@@ -329,4 +337,3 @@ fn status_error(group: &str, status: tonic::Status, timeout_ms: u64) -> Dispatch
         },
     }
 }
-

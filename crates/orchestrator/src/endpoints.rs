@@ -194,7 +194,10 @@ impl Dialer {
                     (addr.ip().to_string(), addr.port()),
                     server_name.unwrap_or(host),
                 ),
-                None => Ok(Replica::new(url, tcp_channel(addr.ip().to_string(), addr.port()))),
+                None => Ok(Replica::new(
+                    url,
+                    tcp_channel(addr.ip().to_string(), addr.port()),
+                )),
             };
             match made {
                 Ok(r) => replicas.push(Arc::new(r)),
@@ -286,16 +289,20 @@ fn tcp_channel(host: String, port: u16) -> Channel {
 
 /// A plaintext `http://host:port` replica (`[tls] insecure_plaintext = true` only).
 fn http_replica(url: &str) -> Result<Replica, EndpointError> {
-    let uri: Uri = url.parse().map_err(|e: tonic::codegen::http::uri::InvalidUri| {
-        EndpointError::Invalid {
-            endpoint: url.to_owned(),
-            reason: e.to_string(),
-        }
-    })?;
+    let uri: Uri =
+        url.parse().map_err(
+            |e: tonic::codegen::http::uri::InvalidUri| EndpointError::Invalid {
+                endpoint: url.to_owned(),
+                reason: e.to_string(),
+            },
+        )?;
     let (Some(host), Some(port)) = (uri.host(), uri.port_u16()) else {
         return Err(EndpointError::Unrecognised(url.to_owned()));
     };
-    let host = host.trim_start_matches('[').trim_end_matches(']').to_owned();
+    let host = host
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .to_owned();
     Ok(Replica::new(url.to_owned(), tcp_channel(host, port)))
 }
 

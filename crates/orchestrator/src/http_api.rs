@@ -214,7 +214,9 @@ async fn readyz(State(state): State<HttpState>) -> Response {
             let each: Vec<Value> = g
                 .replicas
                 .iter()
-                .map(|r| json!({"endpoint": r.endpoint, "state": r.state, "in_flight": r.in_flight}))
+                .map(
+                    |r| json!({"endpoint": r.endpoint, "state": r.state, "in_flight": r.in_flight}),
+                )
                 .collect();
             (g.name.clone(), Value::Array(each))
         })

@@ -466,7 +466,10 @@ mod tests {
         let first = set.choose(&[]).unwrap();
         assert_eq!(first.endpoint, "b");
         // With b tried, a (serving, busier) comes before c (unknown, idle).
-        assert_eq!(set.choose(std::slice::from_ref(&first)).unwrap().endpoint, "a");
+        assert_eq!(
+            set.choose(std::slice::from_ref(&first)).unwrap().endpoint,
+            "a"
+        );
         let serving: Vec<_> = set.all().into_iter().take(2).collect();
         assert_eq!(set.choose(&serving).unwrap().endpoint, "c");
         // Draining and down replicas only when nothing else is left.

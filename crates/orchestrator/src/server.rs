@@ -139,7 +139,11 @@ impl Orchestrator {
             airlock_tls::mtls::watch(identity.clone(), "orchestrator");
         }
         // Channels need the runtime, so the catalog is built here, not in `prepare`.
-        let catalog = Arc::new(Catalog::new(&config.workers, &config.worker_tls.dialer(), &config.dispatch)?);
+        let catalog = Arc::new(Catalog::new(
+            &config.workers,
+            &config.worker_tls.dialer(),
+            &config.dispatch,
+        )?);
         let store = crate::store::open(
             &config.store,
             &config.data_dir,

@@ -305,10 +305,7 @@ impl WorkerServer {
                         }
                     })?;
                     router
-                        .serve_with_incoming_shutdown(
-                            crate::tls::incoming(listener, mtls),
-                            stopped,
-                        )
+                        .serve_with_incoming_shutdown(crate::tls::incoming(listener, mtls), stopped)
                         .await?;
                 }
             }
