@@ -37,6 +37,10 @@ pub struct OrchestratorConfig {
     pub agent: crate::agent::AgentConfig,
     /// How TCP worker endpoints are dialed (`[tls]`, loaded before confinement).
     pub worker_tls: WorkerTls,
+    /// `[orchestrator] grpc_tls = true`: the gRPC front door serves TLS with this
+    /// identity (`[tls]` cert_file/key_file, the same one that dials workers); no client
+    /// certificate is asked for. `None`: plaintext, as before.
+    pub grpc_tls: Option<std::sync::Arc<airlock_tls::mtls::Reloading>>,
 }
 
 /// `[tls]` as the orchestrator dials its workers with it.
