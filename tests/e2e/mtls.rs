@@ -4,17 +4,23 @@
 //! and a client whose certificate lacks an allowed name reach no tool, and the worker logs
 //! each refusal. Without `[tls]` a worker on TCP does not start, and an orchestrator does
 //! not dial `https://` workers.
+//!
+//! With `[orchestrator] grpc_tls = true` the orchestrator's gRPC front door serves TLS
+//! with its `[tls]` certificate: a client trusting the CA reaches the API with its token,
+//! a plaintext client and a client trusting another CA do not, and a missing or broken
+//! certificate refuses the start.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use airlock_proto::v1 as pb;
+use airlock_proto::v1::orchestrator_client::OrchestratorClient;
 use airlock_proto::v1::tool_worker_client::ToolWorkerClient;
 use serde_json::{Value, json};
 use tonic::transport::{Endpoint, Uri};
 
-use crate::support::{AIRLOCK, token_digest};
+use crate::support::{AIRLOCK, Airlock, token_digest};
 
 const TOKEN: &str = "mtls-test-token-9f1";
 
@@ -465,4 +471,301 @@ async fn tcp_without_tls_is_refused_at_start_naming_the_fix() {
             "{endpoint}: {stderr}"
         );
     }
+}
+
+/// A gRPC client of the orchestrator's front door at `grpc` (`https://host:port`) over
+/// TLS without a client certificate, trusting only `trust`'s CA and expecting the
+/// server's certificate to be valid for `orchestrator`.
+fn front_door_client(grpc: &str, trust: &Path) -> OrchestratorClient<tonic::transport::Channel> {
+    let addr = grpc
+        .strip_prefix("https://")
+        .unwrap_or_else(|| panic!("the gRPC front door is not https:// ({grpc})"))
+        .to_owned();
+    let roots = airlock_tls::files::roots(&trust.join("ca.crt")).expect("roots");
+    let mut config = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .expect("protocol versions")
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config));
+    let channel = Endpoint::from_static("http://orchestrator.invalid")
+        .connect_timeout(Duration::from_secs(5))
+        .connect_with_connector_lazy(tower::service_fn(move |_: Uri| {
+            let (connector, addr) = (connector.clone(), addr.clone());
+            async move {
+                let tcp = tokio::net::TcpStream::connect(addr).await?;
+                let name = rustls::pki_types::ServerName::try_from("orchestrator").expect("name");
+                let tls = connector.connect(name, tcp).await?;
+                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tls))
+            }
+        }));
+    OrchestratorClient::new(channel)
+}
+
+fn authed<T>(message: T, token: &str) -> tonic::Request<T> {
+    let mut request = tonic::Request::new(message);
+    request.metadata_mut().insert(
+        "authorization",
+        format!("Bearer {token}").parse().expect("metadata"),
+    );
+    request
+}
+
+/// The tools the front door lists to `token`, within 15 s.
+async fn front_door_tools(
+    client: &mut OrchestratorClient<tonic::transport::Channel>,
+    token: &str,
+) -> Result<Vec<String>, tonic::Status> {
+    let listed = tokio::time::timeout(
+        Duration::from_secs(15),
+        client.list_tools(authed(pb::OrchestratorListToolsRequest {}, token)),
+    )
+    .await
+    .map_err(|_| tonic::Status::deadline_exceeded("no answer in 15 s"))??;
+    Ok(listed
+        .into_inner()
+        .tools
+        .into_iter()
+        .map(|t| t.name)
+        .collect())
+}
+
+#[tokio::test]
+async fn the_grpc_front_door_serves_tls_with_grpc_tls() {
+    let scratch = tempfile::tempdir().expect("temp dir");
+    let pki = scratch.path().join("pki");
+    let other = scratch.path().join("other-pki");
+    certs_init(&pki);
+    certs_init(&other);
+    let before = scratch.path().join("pki-before");
+    std::fs::create_dir(&before).expect("dir");
+    std::fs::copy(pki.join("ca.crt"), before.join("ca.crt")).expect("keep the old CA");
+    let airlock = Airlock::start_with(&format!(
+        "grpc_tls = true\n{}",
+        tls_section(&pki, "orchestrator")
+    ))
+    .await;
+
+    // Announced: https:// in the run file, the endpoints file and the start-up log.
+    let run: Value = serde_json::from_str(
+        &std::fs::read_to_string(airlock.data_dir().join("run/orchestrator.json"))
+            .expect("run file"),
+    )
+    .expect("run file JSON");
+    let grpc = run["grpc"]
+        .as_str()
+        .expect("grpc in the run file")
+        .to_owned();
+    assert!(grpc.starts_with("https://127.0.0.1:"), "{run}");
+    assert!(
+        run["http"].as_str().expect("http").starts_with("http://"),
+        "{run}"
+    );
+    assert_eq!(airlock.grpc, grpc);
+    let log = airlock.log();
+    let listening = log
+        .lines()
+        .find(|l| l.contains("orchestrator listening"))
+        .unwrap_or_else(|| panic!("no start-up line in:\n{log}"));
+    assert!(
+        listening.contains("grpc_tls=true") && listening.contains(&grpc),
+        "{listening}"
+    );
+
+    // A client trusting the CA, checking the name `orchestrator`: the API as ever,
+    // token and all.
+    let mut client = front_door_client(&grpc, &pki);
+    let tools = front_door_tools(&mut client, &airlock.token)
+        .await
+        .expect("listed over TLS");
+    assert!(tools.iter().any(|t| t == "read_file"), "{tools:?}");
+    let anonymous = front_door_tools(&mut client, "alk_wrong").await;
+    assert_eq!(
+        anonymous.expect_err("a wrong token").code(),
+        tonic::Code::Unauthenticated
+    );
+    let response = client
+        .call_tools(authed(
+            pb::CallToolsRequest {
+                session_id: "grpc-tls".into(),
+                tool_uses: vec![pb::ToolUse {
+                    id: "w".into(),
+                    name: "write_file".into(),
+                    input_json: r#"{"path":"t.txt","content":"over TLS"}"#.into(),
+                }],
+                wait_ms: None,
+            },
+            &airlock.token,
+        ))
+        .await
+        .expect("call over TLS")
+        .into_inner();
+    assert_eq!(response.calls[0].status, "ok", "{response:?}");
+    assert_eq!(
+        std::fs::read_to_string(airlock.workspace("grpc-tls").join("t.txt")).expect("file"),
+        "over TLS"
+    );
+
+    // A plaintext client, and one trusting another CA, get nothing.
+    let mut plaintext = OrchestratorClient::new(
+        Endpoint::from_shared(format!("http://{}", grpc.trim_start_matches("https://")))
+            .expect("endpoint")
+            .connect_timeout(Duration::from_secs(5))
+            .connect_lazy(),
+    );
+    assert!(
+        front_door_tools(&mut plaintext, &airlock.token)
+            .await
+            .is_err(),
+        "plaintext gRPC is refused"
+    );
+    let mut foreign = front_door_client(&grpc, &other);
+    assert!(
+        front_door_tools(&mut foreign, &airlock.token)
+            .await
+            .is_err(),
+        "a client trusting another CA does not connect"
+    );
+    // Each failed handshake is logged with its reason and harms no one else: the open
+    // connection and a new one are both served.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !airlock.log().contains("the TLS handshake failed") {
+        assert!(Instant::now() < deadline, "{}", airlock.log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    front_door_tools(&mut client, &airlock.token)
+        .await
+        .expect("the open connection is still served");
+    let mut again = front_door_client(&grpc, &pki);
+    front_door_tools(&mut again, &airlock.token)
+        .await
+        .expect("a new connection is served");
+
+    // Rotation: new files are served to new connections without a restart; the open
+    // connection keeps its session, and the old CA no longer verifies a new one.
+    let rotated = scratch.path().join("rotated-pki");
+    certs_init(&rotated);
+    for file in ["ca.crt", "orchestrator.crt", "orchestrator.key"] {
+        let staged = pki.join(format!(".{file}.new"));
+        std::fs::copy(rotated.join(file), &staged).expect("stage");
+        std::fs::rename(&staged, pki.join(file)).expect("rotate");
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !airlock.log().contains("the new certificate is in force") {
+        assert!(Instant::now() < deadline, "{}", airlock.log());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    front_door_tools(&mut client, &airlock.token)
+        .await
+        .expect("the connection opened before the rotation is still served");
+    let mut renewed = front_door_client(&grpc, &rotated);
+    front_door_tools(&mut renewed, &airlock.token)
+        .await
+        .expect("the rotated certificate is served");
+    let mut stale = front_door_client(&grpc, &scratch.path().join("pki-before"));
+    assert!(
+        front_door_tools(&mut stale, &airlock.token).await.is_err(),
+        "the old certificate is no longer served"
+    );
+
+    // The HTTP front door is unchanged: plaintext HTTP, as before.
+    let (is_error, text, _) = airlock
+        .call_in("grpc-tls", "read_file", json!({"path": "t.txt"}))
+        .await;
+    assert!(!is_error && text.contains("over TLS"), "{text}");
+}
+
+/// Runs `airlock serve orchestrator` with `config`, expecting it to refuse to start
+/// within 60 s; returns its stderr.
+fn orchestrator_refuses(scratch: &Path, name: &str, config: &str) -> String {
+    let path = scratch.join(format!("{name}.toml"));
+    std::fs::write(&path, config).expect("config");
+    let stderr = scratch.join(format!("{name}.log"));
+    let mut child = Command::new(AIRLOCK)
+        .args(["serve", "orchestrator", "--config"])
+        .arg(&path)
+        .arg("--data-dir")
+        .arg(scratch.join(format!("{name}-data")))
+        .env("AIRLOCK_LAUNCHER_PID", std::process::id().to_string())
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&stderr).expect("log file"))
+        .spawn()
+        .expect("spawn airlock");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "{name}: the orchestrator started:\n{}",
+                std::fs::read_to_string(&stderr).unwrap_or_default()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let log = std::fs::read_to_string(&stderr).unwrap_or_default();
+    assert!(!status.success(), "{name}: {log}");
+    log
+}
+
+#[test]
+fn grpc_tls_without_a_usable_certificate_refuses_to_start() {
+    let scratch = tempfile::tempdir().expect("temp dir");
+    let pki = scratch.path().join("pki");
+    certs_init(&pki);
+    let orchestrator = "[orchestrator]\nhttp_listen = \"127.0.0.1:0\"\ngrpc_listen = \"127.0.0.1:0\"\ngrpc_tls = true\n";
+
+    // No [tls] at all, and a section without key_file: refused, naming [tls] and the key.
+    let stderr = orchestrator_refuses(scratch.path(), "none", orchestrator);
+    assert!(
+        stderr.contains("grpc_tls") && stderr.contains("[tls] cert_file"),
+        "{stderr}"
+    );
+    let no_key = tls_section(&pki, "orchestrator")
+        .lines()
+        .filter(|l| !l.starts_with("key_file"))
+        .collect::<Vec<_>>()
+        .join("\n");
+    let stderr = orchestrator_refuses(
+        scratch.path(),
+        "no-key",
+        &format!("{orchestrator}{no_key}\n"),
+    );
+    assert!(stderr.contains("[tls] key_file"), "{stderr}");
+
+    // A certificate file that is not there, and one that is garbage: refused, naming it.
+    let missing = pki.join("absent.crt");
+    let config = format!(
+        "{orchestrator}{}",
+        tls_section(&pki, "orchestrator").replace(
+            &pki.join("orchestrator.crt").display().to_string(),
+            &missing.display().to_string()
+        )
+    );
+    let stderr = orchestrator_refuses(scratch.path(), "missing", &config);
+    assert!(
+        stderr.contains(&missing.display().to_string()) && stderr.contains("cannot read"),
+        "{stderr}"
+    );
+    let garbage = pki.join("garbage.crt");
+    std::fs::write(&garbage, "not a certificate\n").expect("garbage");
+    let config = format!(
+        "{orchestrator}{}",
+        tls_section(&pki, "orchestrator").replace(
+            &pki.join("orchestrator.crt").display().to_string(),
+            &garbage.display().to_string()
+        )
+    );
+    let stderr = orchestrator_refuses(scratch.path(), "garbage", &config);
+    assert!(
+        stderr.contains(&garbage.display().to_string()) && stderr.contains("no PEM certificate"),
+        "{stderr}"
+    );
 }

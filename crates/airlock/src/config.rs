@@ -79,6 +79,9 @@ pub struct OrchestratorSection {
     /// Where the PostgreSQL password comes from (never in the URL of a shared config).
     pub store_password_env: Option<String>,
     pub store_password_file: Option<PathBuf>,
+    /// Serve the gRPC front door over TLS with `[tls]` cert_file/key_file (callers still
+    /// authenticate with their bearer token; no client certificate is asked for).
+    pub grpc_tls: bool,
 }
 
 impl Default for OrchestratorSection {
@@ -90,6 +93,7 @@ impl Default for OrchestratorSection {
             store: "sqlite".to_owned(),
             store_password_env: None,
             store_password_file: None,
+            grpc_tls: false,
         }
     }
 }
@@ -211,6 +215,7 @@ impl Loaded {
         } else {
             self.config.workers.clone()
         };
+        let worker_tls = self.worker_tls()?;
         Ok(OrchestratorConfig {
             http_listen: self.config.orchestrator.http_listen.clone(),
             grpc_listen: self.config.orchestrator.grpc_listen.clone(),
@@ -227,15 +232,30 @@ impl Loaded {
             audit: self.config.audit.clone(),
             cache: self.config.cache.clone(),
             agent: self.config.agent.clone(),
-            worker_tls: self.worker_tls()?,
+            grpc_tls: worker_tls
+                .mtls
+                .clone()
+                .filter(|_| self.config.orchestrator.grpc_tls),
+            worker_tls,
             dispatch: self.config.dispatch.clone(),
         })
     }
 
     /// `[tls]` for dialing workers: the files loaded and checked now (before the
     /// orchestrator confines itself), or the lab switch, or nothing (Unix sockets only).
+    /// With `[orchestrator] grpc_tls`, the same identity serves the gRPC front door, so
+    /// cert_file and key_file are required.
     fn worker_tls(&self) -> anyhow::Result<airlock_orchestrator::WorkerTls> {
         let tls = &self.config.tls;
+        if self.config.orchestrator.grpc_tls {
+            for (key, value) in [("cert_file", &tls.cert_file), ("key_file", &tls.key_file)] {
+                if value.is_none() {
+                    bail!(
+                        "[orchestrator] grpc_tls = true needs [tls] {key}: the gRPC front door serves the certificate in [tls] cert_file with the key in key_file (airlock certs init writes a development set); refusing to start"
+                    );
+                }
+            }
+        }
         let mtls = if tls.has_files() {
             let identity = airlock_tls::mtls::Reloading::new(tls, &[])
                 .context("the orchestrator cannot use [tls]; refusing to start")?;

@@ -39,6 +39,10 @@ pub struct OrchestratorConfig {
     pub worker_tls: WorkerTls,
     /// `[dispatch]`: how replicas behind a name are found.
     pub dispatch: DispatchConfig,
+    /// `[orchestrator] grpc_tls = true`: the gRPC front door serves TLS with this
+    /// identity (`[tls]` cert_file/key_file, the same one that dials workers); no client
+    /// certificate is asked for. `None`: plaintext, as before.
+    pub grpc_tls: Option<std::sync::Arc<airlock_tls::mtls::Reloading>>,
 }
 
 /// `[dispatch]` (DESIGN §9).

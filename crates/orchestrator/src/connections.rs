@@ -13,7 +13,9 @@
 //!   are read by the handlers under their own deadline.
 //! - **gRPC**: the client's HTTP/2 preface (its first 24 bytes) must arrive within the
 //!   timeout; afterwards HTTP/2 keep-alive pings (see `server.rs`) close peers that stop
-//!   answering.
+//!   answering. With `[orchestrator] grpc_tls` the TLS handshake comes first, on its
+//!   own task within the handshake timeout and under the same cap; the preface timer
+//!   starts when it is done.
 //! - **The cap**: a semaphore permit is taken before each `accept` and released when the
 //!   connection closes. At the cap the server stops accepting: new connections wait in
 //!   the kernel's listen backlog (they cost the orchestrator no descriptor) and are
@@ -21,19 +23,23 @@
 
 use std::future::Future;
 use std::io;
+use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use airlock_policy::Limits;
-use futures::Stream;
+use airlock_tls::accept::{Side, handshake_each};
+use airlock_tls::mtls::Reloading;
+use futures::{Stream, StreamExt as _};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Sleep;
+use tokio_rustls::server::TlsStream;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -67,7 +73,7 @@ async fn accept(
     permits: &Arc<Semaphore>,
     stop: &CancellationToken,
     door: &'static str,
-) -> Option<(TcpStream, OwnedSemaphorePermit)> {
+) -> Option<(TcpStream, SocketAddr, OwnedSemaphorePermit)> {
     let permit = tokio::select! {
         permit = permits.clone().acquire_owned() => permit.ok()?,
         () = stop.cancelled() => return None,
@@ -78,7 +84,7 @@ async fn accept(
             () = stop.cancelled() => return None,
         };
         match accepted {
-            Ok((stream, _peer)) => return Some((stream, permit)),
+            Ok((stream, peer)) => return Some((stream, peer, permit)),
             // The peer gave up before we accepted it: nothing is wrong here.
             Err(e) if is_peer_error(&e) => continue,
             Err(e) => {
@@ -112,7 +118,7 @@ pub async fn serve_http(
 ) {
     let permits = Arc::new(Semaphore::new(limits.max));
     let connections = TaskTracker::new();
-    while let Some((stream, permit)) = accept(&listener, &permits, &stop, "http").await {
+    while let Some((stream, _peer, permit)) = accept(&listener, &permits, &stop, "http").await {
         let service = TowerToHyperService::new(router.clone());
         let stop = stop.clone();
         connections.spawn(async move {
@@ -148,21 +154,47 @@ pub fn grpc_incoming(
     listener: TcpListener,
     limits: ConnectionLimits,
     stop: CancellationToken,
-) -> impl Stream<Item = Result<GuardedStream, io::Error>> + Send + 'static {
+) -> impl Stream<Item = Result<GuardedStream<TcpStream>, io::Error>> + Send + 'static {
+    accepted(listener, limits, stop).map(move |(stream, peer, permit)| {
+        let local = stream.local_addr().ok();
+        Ok(GuardedStream::new(stream, peer, permit, limits, local))
+    })
+}
+
+/// [`grpc_incoming`] under TLS (`[orchestrator] grpc_tls`): the same limits, and each
+/// connection handshaken on its own task within the handshake timeout, holding its
+/// permit meanwhile; the preface deadline starts once the handshake is done. No client
+/// certificate is asked for: callers authenticate with their bearer token. A failed
+/// handshake is logged and closes only its own connection.
+pub fn grpc_incoming_tls(
+    listener: TcpListener,
+    limits: ConnectionLimits,
+    stop: CancellationToken,
+    identity: Arc<Reloading>,
+) -> impl Stream<Item = Result<GuardedStream<TlsStream<TcpStream>>, io::Error>> + Send + 'static {
+    handshake_each(
+        accepted(listener, limits, stop),
+        identity,
+        Side::ServerOnly,
+        move |stream, peer, permit, _| {
+            let local = stream.get_ref().0.local_addr().ok();
+            Some(GuardedStream::new(stream, peer, permit, limits, local))
+        },
+    )
+}
+
+/// The front door's accepted TCP connections, each with its permit, until `stop` fires.
+fn accepted(
+    listener: TcpListener,
+    limits: ConnectionLimits,
+    stop: CancellationToken,
+) -> impl Stream<Item = (TcpStream, SocketAddr, OwnedSemaphorePermit)> + Send + 'static {
     let permits = Arc::new(Semaphore::new(limits.max));
     futures::stream::unfold(
         (listener, permits, stop),
         move |(listener, permits, stop)| async move {
-            let (stream, permit) = accept(&listener, &permits, &stop, "grpc").await?;
-            let guarded = GuardedStream {
-                inner: stream,
-                _permit: permit,
-                preface_left: HTTP2_PREFACE_LEN,
-                preface_by: limits
-                    .header_read_timeout
-                    .map(|t| Box::pin(tokio::time::sleep(t))),
-            };
-            Some((Ok(guarded), (listener, permits, stop)))
+            let accepted = accept(&listener, &permits, &stop, "grpc").await?;
+            Some((accepted, (listener, permits, stop)))
         },
     )
 }
@@ -174,8 +206,10 @@ const HTTP2_PREFACE_LEN: usize = 24;
 /// reads once the deadline for the client's HTTP/2 preface has passed without all of it
 /// (a lone byte does not buy a connection). After the preface, HTTP/2 keep-alive pings
 /// watch the peer.
-pub struct GuardedStream {
-    inner: TcpStream,
+pub struct GuardedStream<IO> {
+    inner: IO,
+    /// What tonic reports as the connection's addresses.
+    addrs: tonic::transport::server::TcpConnectInfo,
     _permit: OwnedSemaphorePermit,
     /// Preface bytes still to come.
     preface_left: usize,
@@ -183,7 +217,30 @@ pub struct GuardedStream {
     preface_by: Option<Pin<Box<Sleep>>>,
 }
 
-impl AsyncRead for GuardedStream {
+impl<IO> GuardedStream<IO> {
+    fn new(
+        inner: IO,
+        peer: SocketAddr,
+        permit: OwnedSemaphorePermit,
+        limits: ConnectionLimits,
+        local: Option<SocketAddr>,
+    ) -> Self {
+        Self {
+            inner,
+            addrs: tonic::transport::server::TcpConnectInfo {
+                local_addr: local,
+                remote_addr: Some(peer),
+            },
+            _permit: permit,
+            preface_left: HTTP2_PREFACE_LEN,
+            preface_by: limits
+                .header_read_timeout
+                .map(|t| Box::pin(tokio::time::sleep(t))),
+        }
+    }
+}
+
+impl<IO: AsyncRead + Unpin> AsyncRead for GuardedStream<IO> {
     fn poll_read(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -220,7 +277,7 @@ impl AsyncRead for GuardedStream {
     }
 }
 
-impl AsyncWrite for GuardedStream {
+impl<IO: AsyncWrite + Unpin> AsyncWrite for GuardedStream<IO> {
     fn poll_write(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -250,10 +307,10 @@ impl AsyncWrite for GuardedStream {
     }
 }
 
-impl tonic::transport::server::Connected for GuardedStream {
+impl<IO> tonic::transport::server::Connected for GuardedStream<IO> {
     type ConnectInfo = tonic::transport::server::TcpConnectInfo;
 
     fn connect_info(&self) -> Self::ConnectInfo {
-        self.inner.connect_info()
+        self.addrs.clone()
     }
 }

@@ -97,14 +97,16 @@ impl BoundListeners {
         })
     }
 
-    /// `{"http": "http://…", "grpc": "http://…"}` as bound (port 0 resolved).
-    pub fn endpoints(&self) -> serde_json::Value {
-        let url = |l: &TcpListener| {
+    /// `{"http": "http://…", "grpc": "http://…"}` as bound (port 0 resolved); the gRPC
+    /// URL is `https://…` when the front door serves TLS (`grpc_tls`).
+    pub fn endpoints(&self, grpc_tls: bool) -> serde_json::Value {
+        let url = |l: &TcpListener, scheme: &str| {
             l.local_addr()
-                .map(|a| format!("http://{a}"))
+                .map(|a| format!("{scheme}://{a}"))
                 .unwrap_or_default()
         };
-        serde_json::json!({"http": url(&self.http), "grpc": url(&self.grpc)})
+        let grpc_scheme = if grpc_tls { "https" } else { "http" };
+        serde_json::json!({"http": url(&self.http, "http"), "grpc": url(&self.grpc, grpc_scheme)})
     }
 }
 
@@ -214,7 +216,7 @@ impl Orchestrator {
             agent,
         });
 
-        let endpoints = listeners.endpoints();
+        let endpoints = listeners.endpoints(config.grpc_tls.is_some());
         let http_listener =
             tokio::net::TcpListener::from_std(listeners.http).map_err(|source| {
                 ServeError::Bind {
@@ -232,7 +234,12 @@ impl Orchestrator {
                 }
             })?;
         write_run_file(&config.data_dir, &endpoints)?;
-        tracing::info!(http = %endpoints["http"], grpc = %endpoints["grpc"], "orchestrator listening");
+        tracing::info!(
+            http = %endpoints["http"],
+            grpc = %endpoints["grpc"],
+            grpc_tls = config.grpc_tls.is_some(),
+            "orchestrator listening"
+        );
 
         let shutting_down = CancellationToken::new();
         let trigger = shutting_down.clone();
@@ -244,10 +251,36 @@ impl Orchestrator {
         let http =
             connections::serve_http(http_listener, http_router, limits, shutting_down.clone());
         let grpc_stop = shutting_down.clone();
-        let grpc = grpc_router.serve_with_incoming_shutdown(
-            connections::grpc_incoming(grpc_listener, limits, shutting_down.clone()),
-            async move { grpc_stop.cancelled().await },
-        );
+        let grpc_stopped = async move { grpc_stop.cancelled().await };
+        let grpc = async {
+            match config.grpc_tls.clone() {
+                Some(identity) => {
+                    grpc_router
+                        .serve_with_incoming_shutdown(
+                            connections::grpc_incoming_tls(
+                                grpc_listener,
+                                limits,
+                                shutting_down.clone(),
+                                identity,
+                            ),
+                            grpc_stopped,
+                        )
+                        .await
+                }
+                None => {
+                    grpc_router
+                        .serve_with_incoming_shutdown(
+                            connections::grpc_incoming(
+                                grpc_listener,
+                                limits,
+                                shutting_down.clone(),
+                            ),
+                            grpc_stopped,
+                        )
+                        .await
+                }
+            }
+        };
         let ((), grpc_result) = tokio::join!(http, grpc);
         stop.cancel();
         grpc_result?;

@@ -1,7 +1,9 @@
 //! Mutual TLS between the orchestrator and its workers (DESIGN §9): the `[tls]` section,
 //! the server side (a client certificate is required, chained to `ca_file` and carrying
 //! one of `allowed_peers`), and the client side (the worker's certificate must chain to
-//! `ca_file` and be valid for the endpoint's name).
+//! `ca_file` and be valid for the endpoint's name). The same identity also serves the
+//! orchestrator's gRPC front door (`[orchestrator] grpc_tls`), where callers authenticate
+//! with bearer tokens and no client certificate is asked for.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -46,7 +48,11 @@ pub enum MtlsError {
 
 /// A loaded, checked identity with its trust anchor and the peers it accepts.
 pub struct Mtls {
+    /// Mutual TLS: a client certificate chained to `ca_file` is required (workers).
     pub server: Arc<ServerConfig>,
+    /// Server authentication only: no client certificate is requested (the
+    /// orchestrator's gRPC front door, whose callers present bearer tokens).
+    pub front_door: Arc<ServerConfig>,
     pub client: Arc<ClientConfig>,
     pub allowed_peers: Vec<String>,
 }
@@ -102,6 +108,13 @@ impl Mtls {
             .with_client_cert_verifier(verifier)
             .with_single_cert(identity.chain.clone(), identity.key.clone_key())
             .map_err(|e| MtlsError::Config(e.to_string()))?;
+        let mut front_door = ServerConfig::builder_with_provider(provider.clone())
+            .with_safe_default_protocol_versions()
+            .map_err(|e| MtlsError::Config(e.to_string()))?
+            .with_no_client_auth()
+            .with_single_cert(identity.chain.clone(), identity.key.clone_key())
+            .map_err(|e| MtlsError::Config(e.to_string()))?;
+        front_door.alpn_protocols = vec![b"h2".to_vec()];
         let client = ClientConfig::builder_with_provider(provider)
             .with_safe_default_protocol_versions()
             .map_err(|e| MtlsError::Config(e.to_string()))?
@@ -114,6 +127,7 @@ impl Mtls {
         client.alpn_protocols = vec![b"h2".to_vec()];
         Ok(Self {
             server: Arc::new(server),
+            front_door: Arc::new(front_door),
             client: Arc::new(client),
             allowed_peers,
         })

@@ -1,5 +1,5 @@
 //! A worker's TCP listener under mutual TLS: every connection is handshaken on its own
-//! task (a slow or silent peer holds up no one), must present a certificate chained to
+//! task ([`airlock_tls::accept`]: a slow or silent peer holds up no one), must present a certificate chained to
 //! `[tls] ca_file` that carries one of `allowed_peers`, and is refused — and logged with
 //! its address and the reason — otherwise. Only authenticated connections reach gRPC.
 
@@ -9,15 +9,12 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use airlock_tls::mtls::{HANDSHAKE_TIMEOUT, Reloading};
+use airlock_tls::accept::{Side, handshake_each};
+use airlock_tls::mtls::Reloading;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::mpsc;
 use tokio_rustls::server::TlsStream;
 use tokio_stream::wrappers::ReceiverStream;
-
-/// Authenticated connections waiting for the server to take them.
-const ACCEPTED_BACKLOG: usize = 64;
 
 /// One authenticated connection.
 pub struct TlsConn {
@@ -66,50 +63,31 @@ pub fn incoming(
     listener: TcpListener,
     identity: Arc<Reloading>,
 ) -> ReceiverStream<io::Result<TlsConn>> {
-    let (accepted, rx) = mpsc::channel(ACCEPTED_BACKLOG);
-    tokio::spawn(async move {
+    let accepted = futures::stream::unfold(listener, |listener| async move {
         loop {
-            let (tcp, peer) = tokio::select! {
-                () = accepted.closed() => return,
-                next = listener.accept() => match next {
-                    Ok(next) => next,
-                    Err(e) => {
-                        // Out of descriptors and the like: the next accept may work.
-                        tracing::warn!(error = %e, "cannot accept a connection");
-                        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-                        continue;
-                    }
-                },
-            };
-            // The identity in force now: a rotation applies from the next connection.
-            let mtls = identity.current();
-            let acceptor = tokio_rustls::TlsAcceptor::from(mtls.server.clone());
-            let accepted = accepted.clone();
-            tokio::spawn(async move {
-                let stream = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp))
-                    .await
-                {
-                    Ok(Ok(stream)) => stream,
-                    Ok(Err(e)) => {
-                        tracing::warn!(%peer, reason = %e, "refused a connection: the TLS handshake failed (a client without a certificate from [tls] ca_file, or not TLS)");
-                        return;
-                    }
-                    Err(_) => {
-                        tracing::warn!(%peer, "refused a connection: no TLS handshake within {} s", HANDSHAKE_TIMEOUT.as_secs());
-                        return;
-                    }
-                };
-                match mtls.allowed_peer(stream.get_ref().1.peer_certificates()) {
-                    Ok(name) => {
-                        tracing::debug!(%peer, name, "peer authenticated");
-                        let _ = accepted.send(Ok(TlsConn { stream, peer })).await;
-                    }
-                    Err(reason) => {
-                        tracing::warn!(%peer, %reason, "refused a connection: the peer is not allowed ([tls] allowed_peers)");
-                    }
+            match listener.accept().await {
+                Ok((tcp, peer)) => return Some(((tcp, peer, ()), listener)),
+                Err(e) => {
+                    // Out of descriptors and the like: the next accept may work.
+                    tracing::warn!(error = %e, "cannot accept a connection");
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
                 }
-            });
+            }
         }
     });
-    ReceiverStream::new(rx)
+    handshake_each(
+        accepted,
+        identity,
+        Side::Mutual,
+        |stream, peer, (), mtls| match mtls.allowed_peer(stream.get_ref().1.peer_certificates()) {
+            Ok(name) => {
+                tracing::debug!(%peer, name, "peer authenticated");
+                Some(TlsConn { stream, peer })
+            }
+            Err(reason) => {
+                tracing::warn!(%peer, %reason, "refused a connection: the peer is not allowed ([tls] allowed_peers)");
+                None
+            }
+        },
+    )
 }
