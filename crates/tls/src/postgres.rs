@@ -265,6 +265,7 @@ where
 }
 
 /// The connector for one server.
+#[derive(Clone)]
 pub struct RustlsTlsConnect {
     config: Arc<ClientConfig>,
     rootcert: PathBuf,
@@ -295,7 +296,10 @@ where
 }
 
 fn handshake_error(e: io::Error, host: String, rootcert: PathBuf) -> PgTlsError {
-    match e.get_ref().and_then(|inner| inner.downcast_ref::<rustls::Error>()) {
+    match e
+        .get_ref()
+        .and_then(|inner| inner.downcast_ref::<rustls::Error>())
+    {
         Some(tls @ rustls::Error::InvalidCertificate(_)) => PgTlsError::Verification {
             host,
             rootcert,
@@ -400,13 +404,17 @@ mod tests {
         for mode in ["require", "prefer", "allow", "verify-ca", "bogus"] {
             let e = err(&format!("postgres://u@h/db?sslmode={mode}"));
             assert!(
-                e.contains(&format!("sslmode={mode} is not supported")) && e.contains("verify-full"),
+                e.contains(&format!("sslmode={mode} is not supported"))
+                    && e.contains("verify-full"),
                 "{e}"
             );
         }
         assert!(err("postgres://u@h/db?sslmode=verify-full").contains("needs sslrootcert"));
         assert!(err("postgres://u@h/db?sslrootcert=/x").contains("not verify-full"));
-        assert!(err("postgres://u@h/db?sslmode=verify-full&sslrootcert=/x&sslcert=/c").contains("sslcert"));
+        assert!(
+            err("postgres://u@h/db?sslmode=verify-full&sslrootcert=/x&sslcert=/c")
+                .contains("sslcert")
+        );
         let e = err("postgres://u@%2Ftmp/db?sslmode=verify-full&sslrootcert=/nonexistent/ca.crt");
         assert!(e.contains("Unix socket"), "{e}");
     }
