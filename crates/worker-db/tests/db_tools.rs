@@ -1339,7 +1339,7 @@ async fn postgres_results_are_capped(set: &ToolSet) {
     let tables = ok(set, "list_tables", json!({"database": "pg"})).await;
     assert!(tables.to_string().contains("\"big\""), "{tables}");
     let out = query(
-        &set,
+        set,
         "pg",
         "SELECT length(repeat('x', 3000000)), repeat('x', 700000)",
     )
