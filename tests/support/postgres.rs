@@ -17,6 +17,10 @@
 //! no password; a password given anyway is ignored), every other role must log in with
 //! its password (SCRAM), see [`Server::create_role`]. Unix-socket logins are trusted.
 //!
+//! [`start_tls`] starts a server of the caller's own that takes only TLS connections over
+//! TCP (`ssl = on`, `hostssl` lines only, so the server itself refuses plaintext),
+//! stopped when it is dropped.
+//!
 //! The server binaries are looked up in `$AIRLOCK_PG_BIN`, /usr/local/bin,
 //! /usr/lib/postgresql/*/bin (newest first) and PATH. When they are missing the tests
 //! FAIL — never skip — telling how to install them.
@@ -50,6 +54,9 @@ pub struct Server {
     pub dir: PathBuf,
     /// The directory holding `initdb`, `postgres` and (usually) `psql`.
     pub bin: PathBuf,
+    /// Where [`Server::sql`] connects: loopback TCP, or the Unix socket in `dir` for a
+    /// TLS-only server.
+    psql_host: String,
     /// Closing this pipe makes the watchdog stop postgres and delete `dir`.
     _watchdog_stdin: Mutex<ChildStdin>,
     _watchdog: Mutex<Child>,
@@ -116,7 +123,7 @@ impl Server {
                 "-v",
                 "ON_ERROR_STOP=1",
                 "-h",
-                "127.0.0.1",
+                &self.psql_host,
             ])
             .args([
                 "-p",
@@ -338,20 +345,42 @@ host all all 127.0.0.1/32 scram-sha-256
 host all all ::1/128 scram-sha-256
 ";
 
+/// A TLS-only server: TCP connections without TLS match no line and are refused.
+const HBA_TLS: &str = "\
+local all all trust
+hostssl all airlock 127.0.0.1/32 trust
+hostssl all airlock ::1/128 trust
+hostssl all all 127.0.0.1/32 scram-sha-256
+hostssl all all ::1/128 scram-sha-256
+";
+
 /// The watchdog: starts postgres in the background, waits for its stdin to close (this
 /// process exiting), then stops postgres (fast shutdown) and deletes the directory.
+/// Arguments after the third are more server options (`-c ssl=on`, ...).
 const WATCHDOG: &str = r#"
-"$1" -D "$2/data" -p "$3" -k "$2" -c listen_addresses=127.0.0.1 -c fsync=off \
+bin=$1; dir=$2; port=$3; shift 3
+"$bin" -D "$dir/data" -p "$port" -k "$dir" -c listen_addresses=127.0.0.1 -c fsync=off \
   -c synchronous_commit=off -c full_page_writes=off -c max_connections=400 \
-  -c shared_buffers=32MB >"$2/postgres.log" 2>&1 &
+  -c shared_buffers=32MB "$@" >"$dir/postgres.log" 2>&1 &
 pid=$!
 read -r _ignored || true
 kill -INT "$pid" 2>/dev/null
 wait "$pid"
-rm -rf "$2"
+rm -rf "$dir"
 "#;
 
 fn start() -> Result<Server, String> {
+    start_with(None)
+}
+
+/// Starts a server of the caller's own (stopped when dropped) that serves TLS with
+/// `cert` and `key` (copied into its directory, the key mode 0600 and owned by the
+/// server's user, as PostgreSQL requires) and refuses TCP connections without TLS.
+pub fn start_tls(cert: &Path, key: &Path) -> Result<Server, String> {
+    start_with(Some((cert, key)))
+}
+
+fn start_with(tls: Option<(&Path, &Path)>) -> Result<Server, String> {
     let bin = bin_dir()?;
     let (prefix, owner) = as_nobody()?;
     let tmp = std::env::temp_dir();
@@ -396,23 +425,55 @@ fn start() -> Result<Server, String> {
         ));
     }
     // Overwriting keeps the file's owner (nobody) and mode.
-    std::fs::write(data.join("pg_hba.conf"), HBA).map_err(|e| format!("write pg_hba.conf: {e}"))?;
+    let hba = if tls.is_some() { HBA_TLS } else { HBA };
+    std::fs::write(data.join("pg_hba.conf"), hba).map_err(|e| format!("write pg_hba.conf: {e}"))?;
+    let mut options: Vec<String> = Vec::new();
+    if let Some((cert, key)) = tls {
+        let (server_cert, server_key) = (dir.join("server.crt"), dir.join("server.key"));
+        std::fs::copy(cert, &server_cert)
+            .map_err(|e| format!("copy {} to {}: {e}", cert.display(), server_cert.display()))?;
+        std::fs::copy(key, &server_key)
+            .map_err(|e| format!("copy {} to {}: {e}", key.display(), server_key.display()))?;
+        std::fs::set_permissions(&server_key, std::fs::Permissions::from_mode(0o600))
+            .map_err(|e| format!("chmod {}: {e}", server_key.display()))?;
+        if let Some((uid, gid)) = owner {
+            for file in [&server_cert, &server_key] {
+                std::os::unix::fs::chown(file, Some(uid), Some(gid))
+                    .map_err(|e| format!("chown {} to nobody: {e}", file.display()))?;
+            }
+        }
+        options.extend([
+            "-c".to_owned(),
+            "ssl=on".to_owned(),
+            "-c".to_owned(),
+            format!("ssl_cert_file={}", server_cert.display()),
+            "-c".to_owned(),
+            format!("ssl_key_file={}", server_key.display()),
+        ]);
+    }
     let port = free_port();
     let mut watchdog = command(Path::new("/bin/sh"))
         .args(["-c", WATCHDOG, "sh"])
         .arg(bin.join("postgres"))
         .arg(&dir)
         .arg(port.to_string())
+        .args(&options)
         .stdin(Stdio::piped())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
         .map_err(|e| format!("cannot start postgres: {e}"))?;
     let stdin = watchdog.stdin.take().unwrap();
+    let psql_host = if tls.is_some() {
+        dir.display().to_string()
+    } else {
+        "127.0.0.1".to_owned()
+    };
     let server = Server {
         port,
         dir,
         bin,
+        psql_host,
         _watchdog_stdin: Mutex::new(stdin),
         _watchdog: Mutex::new(watchdog),
     };

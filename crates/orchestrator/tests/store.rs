@@ -28,6 +28,10 @@ use serde_json::json;
 #[path = "../../../tests/support/postgres.rs"]
 mod pg;
 
+/// The store over TLS (store/tls.rs).
+#[path = "store/tls.rs"]
+mod tls;
+
 /// The shared server's port, starting it (off the async threads) on first use.
 async fn cluster_port() -> u16 {
     tokio::task::spawn_blocking(pg::port).await.unwrap()

@@ -1,7 +1,8 @@
 //! One `[[databases]]` entry of `airlock.toml`, its validation, and its password.
 
 use std::path::{Path, PathBuf};
-use std::str::FromStr;
+
+use airlock_tls::postgres::{PgTls, PgTlsError, PgUrl};
 
 /// How an entry's `url` is understood.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -39,6 +40,11 @@ pub enum DbError {
     RelativeSqlitePath { name: String, path: PathBuf },
     #[error("database {name:?}: invalid postgres url: {reason}")]
     InvalidPostgresUrl { name: String, reason: String },
+    #[error("database {name:?}: {source}")]
+    PostgresTls {
+        name: String,
+        source: airlock_tls::postgres::PgTlsError,
+    },
     #[error(
         "database {name:?}: the url must not hold a password; set password_env or password_file instead"
     )]
@@ -80,7 +86,8 @@ pub struct DatabaseConfig {
     pub name: String,
     /// `sqlite:///abs/path.db` (`sqlite://` + path; relative paths are relative to the
     /// config file, see [`DatabaseConfig::resolve_relative`]) or
-    /// `postgres://user@host:port/db` (`postgresql://` too).
+    /// `postgres://user@host:port/db` (`postgresql://` too; TLS with
+    /// `?sslmode=verify-full&sslrootcert=/path/ca.crt`, see airlock_tls::postgres).
     pub url: String,
     /// Environment variable holding the PostgreSQL password.
     #[serde(default)]
@@ -135,7 +142,7 @@ impl std::fmt::Debug for DatabaseConfig {
 #[derive(Clone)]
 pub(crate) enum Target {
     Sqlite(PathBuf),
-    Postgres(Box<tokio_postgres::Config>),
+    Postgres(Box<tokio_postgres::Config>, PgTls),
 }
 
 impl DatabaseConfig {
@@ -231,12 +238,17 @@ impl DatabaseConfig {
                 }
             }
             Some(Engine::Postgres) => {
-                let mut config = tokio_postgres::Config::from_str(&self.url).map_err(|e| {
-                    DbError::InvalidPostgresUrl {
-                        name: name.clone(),
-                        reason: e.to_string(),
-                    }
-                })?;
+                let PgUrl { mut config, tls } =
+                    airlock_tls::postgres::parse(&self.url).map_err(|e| match e {
+                        PgTlsError::Url(reason) => DbError::InvalidPostgresUrl {
+                            name: name.clone(),
+                            reason,
+                        },
+                        source => DbError::PostgresTls {
+                            name: name.clone(),
+                            source,
+                        },
+                    })?;
                 if config.get_password().is_some() {
                     return Err(DbError::PasswordInUrl { name });
                 }
@@ -249,7 +261,7 @@ impl DatabaseConfig {
                 if config.get_application_name().is_none() {
                     config.application_name("airlock-worker-db");
                 }
-                Ok(Target::Postgres(Box::new(config)))
+                Ok(Target::Postgres(Box::new(config), tls))
             }
         }
     }

@@ -11,10 +11,18 @@
 //!
 //! Owning the socket means connecting here, under `Config::connect_raw`: hosts and
 //! `hostaddr`s in order, ports, `connect_timeout`, `tcp_user_timeout`, TCP keepalives
-//! and `target_session_attrs`, as tokio-postgres does them. Connections never use TLS
-//! (`NoTls`, as before), so no server answers with the single unframed byte that
-//! follows an `SSLRequest`.
+//! and `target_session_attrs`, as tokio-postgres does them.
+//!
+//! TLS (`sslmode=verify-full`, airlock_tls::postgres): the bound must see PostgreSQL's
+//! messages, not TLS records, so [`Bounded`] goes *around* the TLS stream. The plain
+//! socket is handed to `connect_raw`, which writes the `SSLRequest` and reads the single
+//! unframed byte of the answer on it (refusing the connection unless the server says
+//! `S`: no fallback to plaintext), then [`BoundedTls`] runs the handshake and wraps the
+//! TLS stream in [`Bounded`], so every message after it, start-up included, is bounded
+//! as over plaintext. Plaintext connections hand `connect_raw` the [`Bounded`] socket
+//! itself (`NoTls`), so no server answers with that unframed byte.
 
+use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -23,10 +31,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 
+use airlock_tls::postgres::{PgTls, PgTlsError, RustlsStream, RustlsTlsConnect};
 use socket2::{SockRef, TcpKeepalive};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpStream, UnixStream};
 use tokio_postgres::config::{Host, TargetSessionAttrs};
+use tokio_postgres::tls::{ChannelBinding, TlsConnect, TlsStream};
 use tokio_postgres::{Client, Config, NoTls, SimpleQueryMessage};
 
 /// Why a connection could not be made.
@@ -40,6 +50,8 @@ pub enum WireError {
     SessionAttrs(&'static str),
     #[error("the url names no host")]
     NoHost,
+    #[error(transparent)]
+    Tls(#[from] PgTlsError),
 }
 
 /// The size limit of one connection's server messages, and whether it was hit.
@@ -125,9 +137,10 @@ impl AsyncWrite for Socket {
     }
 }
 
-/// The connection's socket, reading the header of every server message as it passes.
-pub(crate) struct Bounded {
-    inner: Socket,
+/// The connection's stream (the socket, or TLS over it), reading the header of every
+/// server message as it passes.
+pub(crate) struct Bounded<S> {
+    inner: S,
     guard: Arc<Guard>,
     header: [u8; 5],
     /// Bytes of `header` read so far.
@@ -136,8 +149,8 @@ pub(crate) struct Bounded {
     body_left: usize,
 }
 
-impl Bounded {
-    fn new(inner: Socket, guard: Arc<Guard>) -> Self {
+impl<S> Bounded<S> {
+    fn new(inner: S, guard: Arc<Guard>) -> Self {
         Self {
             inner,
             guard,
@@ -182,7 +195,7 @@ impl Bounded {
     }
 }
 
-impl AsyncRead for Bounded {
+impl<S: AsyncRead + Unpin> AsyncRead for Bounded<S> {
     fn poll_read(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -202,7 +215,7 @@ impl AsyncRead for Bounded {
     }
 }
 
-impl AsyncWrite for Bounded {
+impl<S: AsyncWrite + Unpin> AsyncWrite for Bounded<S> {
     fn poll_write(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -220,18 +233,66 @@ impl AsyncWrite for Bounded {
     }
 }
 
+impl<S: TlsStream + Unpin> TlsStream for Bounded<S> {
+    fn channel_binding(&self) -> ChannelBinding {
+        self.inner.channel_binding()
+    }
+}
+
+/// The TLS handshake over the plain socket, then the bound around the TLS stream.
+pub(crate) struct BoundedTls {
+    tls: RustlsTlsConnect,
+    guard: Arc<Guard>,
+}
+
+type BoundedHandshake =
+    Pin<Box<dyn Future<Output = Result<Bounded<RustlsStream<Socket>>, PgTlsError>> + Send>>;
+
+impl TlsConnect<Socket> for BoundedTls {
+    type Stream = Bounded<RustlsStream<Socket>>;
+    type Error = PgTlsError;
+    type Future = BoundedHandshake;
+
+    fn connect(self, stream: Socket) -> BoundedHandshake {
+        let Self { tls, guard } = self;
+        Box::pin(async move { Ok(Bounded::new(tls.connect(stream).await?, guard)) })
+    }
+}
+
+/// The TLS name of host `i` of `config` (its `host`, not a `hostaddr`), as tokio-postgres
+/// takes it.
+pub(crate) fn tls_for(
+    tls: &PgTls,
+    config: &Config,
+    i: usize,
+) -> Result<Option<RustlsTlsConnect>, PgTlsError> {
+    match tls {
+        PgTls::Plaintext => Ok(None),
+        PgTls::VerifyFull(rustls) => {
+            let host = match config.get_hosts().get(i) {
+                Some(Host::Tcp(host)) => host.as_str(),
+                _ => "",
+            };
+            rustls.for_host(host).map(Some)
+        }
+    }
+}
+
 /// One open connection: its client (the connection itself runs on a spawned task), its
 /// guard and where it goes.
 pub(crate) struct Connected {
     pub client: Client,
     pub guard: Arc<Guard>,
     pub addr: Addr,
+    /// TLS for a cancel request to `addr` (None over plaintext).
+    pub tls: Option<RustlsTlsConnect>,
 }
 
 /// Connects as `config` says, with server messages limited to `limit` bytes (changed per
 /// call with [`Guard::set_limit`]). `name` labels the connection task's log lines.
 pub(crate) async fn connect(
     config: &Config,
+    tls: &PgTls,
     limit: usize,
     name: &str,
 ) -> Result<Connected, WireError> {
@@ -259,8 +320,9 @@ pub(crate) async fn connect(
             }
             (None, None) => continue,
         };
+        let tls = tls_for(tls, config, i)?;
         for addr in candidates {
-            match connect_once(config, addr, limit, name).await {
+            match connect_once(config, addr, tls.clone(), limit, name).await {
                 Ok(connected) => return Ok(connected),
                 Err(e) => last = e,
             }
@@ -272,20 +334,36 @@ pub(crate) async fn connect(
 async fn connect_once(
     config: &Config,
     addr: Addr,
+    tls: Option<RustlsTlsConnect>,
     limit: usize,
     name: &str,
 ) -> Result<Connected, WireError> {
     let socket = open(config, &addr).await?;
     let guard = Arc::new(Guard::new(limit));
-    let (client, connection) = config
-        .connect_raw(Bounded::new(socket, Arc::clone(&guard)), NoTls)
-        .await?;
     let label = name.to_owned();
-    tokio::spawn(async move {
-        if let Err(e) = connection.await {
+    let ended = move |result: Result<(), tokio_postgres::Error>| {
+        if let Err(e) = result {
             tracing::debug!(database = %label, error = %e, "postgres connection ended");
         }
-    });
+    };
+    let client = match tls.clone() {
+        None => {
+            let (client, connection) = config
+                .connect_raw(Bounded::new(socket, Arc::clone(&guard)), NoTls)
+                .await?;
+            tokio::spawn(async move { ended(connection.await) });
+            client
+        }
+        Some(tls) => {
+            let tls = BoundedTls {
+                tls,
+                guard: Arc::clone(&guard),
+            };
+            let (client, connection) = config.connect_raw(socket, tls).await?;
+            tokio::spawn(async move { ended(connection.await) });
+            client
+        }
+    };
     let wanted = config.get_target_session_attrs();
     if wanted != TargetSessionAttrs::Any {
         let read_only = client
@@ -312,6 +390,7 @@ async fn connect_once(
         client,
         guard,
         addr,
+        tls,
     })
 }
 
@@ -360,7 +439,7 @@ mod tests {
     }
 
     /// A `Bounded` over a socket that is never read: only `scan` is exercised.
-    async fn bounded(limit: usize) -> (Bounded, Arc<Guard>) {
+    async fn bounded(limit: usize) -> (Bounded<Socket>, Arc<Guard>) {
         let (a, _b) = UnixStream::pair().unwrap();
         let guard = Arc::new(Guard::new(limit));
         (Bounded::new(Socket::Unix(a), Arc::clone(&guard)), guard)

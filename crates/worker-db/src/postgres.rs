@@ -18,6 +18,7 @@ use std::error::Error as _;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use airlock_tls::postgres::{PgTls, PgTlsError};
 use futures::TryStreamExt;
 use serde_json::Value;
 use tokio_postgres::config::Host;
@@ -44,6 +45,10 @@ pub enum PgError {
         "could not connect to database {name:?}: {reason}; check the user, database and password (password_env or password_file) in the configuration"
     )]
     Connect { name: String, reason: String },
+    #[error(
+        "could not connect to database {name:?} over TLS: {reason}; check sslmode and sslrootcert in its url and the server's certificate"
+    )]
+    Tls { name: String, reason: String },
     #[error(transparent)]
     Refused(#[from] ReadOnlyError),
     #[error(
@@ -73,10 +78,39 @@ pub enum PgError {
     NoTable(String),
 }
 
+/// The first error of type `E` among `e`'s causes.
+fn find_source<E: std::error::Error + 'static>(e: &dyn std::error::Error) -> Option<&E> {
+    let mut source = e.source();
+    while let Some(s) = source {
+        if let Some(found) = s.downcast_ref::<E>() {
+            return Some(found);
+        }
+        source = s.source();
+    }
+    None
+}
+
+/// An error and its causes, `a: b: c`.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        let cause_text = cause.to_string();
+        if !text.contains(&cause_text) {
+            text.push_str(": ");
+            text.push_str(&cause_text);
+        }
+        source = cause.source();
+    }
+    text
+}
+
 /// One configured PostgreSQL database.
 pub(crate) struct Postgres {
     pub name: String,
     pub config: tokio_postgres::Config,
+    /// Plaintext, or TLS with the server's certificate verified (`sslmode=verify-full`).
+    pub tls: PgTls,
     pub password: Option<String>,
     pub skip_parser: bool,
     pub skip_engine: bool,
@@ -208,6 +242,7 @@ impl Postgres {
                 reason: e.to_string(),
                 at: self.at(),
             },
+            WireError::Tls(tls) => self.tls_error(tls),
         }
     }
 
@@ -220,6 +255,15 @@ impl Postgres {
         }
     }
 
+    /// A TLS failure: the url's TLS settings, or the handshake (the server's
+    /// certificate not verified, no TLS on the server).
+    fn tls_error(&self, e: &PgTlsError) -> PgError {
+        PgError::Tls {
+            name: self.name.clone(),
+            reason: self.scrub(e.to_string()),
+        }
+    }
+
     fn connect_error(&self, e: &tokio_postgres::Error) -> PgError {
         let name = self.name.clone();
         if let Some(db) = e.as_db_error() {
@@ -227,6 +271,9 @@ impl Postgres {
                 name,
                 reason: self.scrub(db.message().to_owned()),
             };
+        }
+        if let Some(tls) = find_source::<PgTlsError>(e) {
+            return self.tls_error(tls);
         }
         let mut source = e.source();
         while let Some(s) = source {
@@ -240,9 +287,15 @@ impl Postgres {
             }
             source = s.source();
         }
+        let reason = self.scrub(error_chain(e));
+        // tokio-postgres' own TLS failures ("error performing TLS handshake: server
+        // does not support TLS"): never a fallback to plaintext.
+        if e.to_string().contains("TLS") {
+            return PgError::Tls { name, reason };
+        }
         PgError::Unreachable {
             name,
-            reason: self.scrub(e.to_string()),
+            reason,
             at: self.at(),
         }
     }
@@ -296,7 +349,7 @@ impl Postgres {
                 _permit: permit,
             });
         }
-        let connect = pgwire::connect(&self.config, limits.max_value_bytes, &self.name);
+        let connect = pgwire::connect(&self.config, &self.tls, limits.max_value_bytes, &self.name);
         let conn = tokio::select! {
             r = connect => r.map_err(|e| self.wire_error(&e))?,
             () = limits.cancel.cancelled() => return Err(PgError::Cancelled),
@@ -328,6 +381,7 @@ impl Postgres {
         let cancel_token = pooled.conn.client.cancel_token();
         let guard = Arc::clone(&pooled.conn.guard);
         let addr = pooled.conn.addr.clone();
+        let cancel_tls = pooled.conn.tls.clone();
         let budget = limits.budget_ms();
         let (max_rows, max_bytes) = (limits.max_rows, limits.max_bytes);
         let work = async {
@@ -392,7 +446,10 @@ impl Postgres {
                     // Stop the statement on the server too; the connection is dropped.
                     let cancel = async {
                         let socket = pgwire::open(&self.config, &addr).await.ok()?;
-                        cancel_token.cancel_query_raw(socket, NoTls).await.ok()
+                        match cancel_tls {
+                            Some(tls) => cancel_token.cancel_query_raw(socket, tls).await.ok(),
+                            None => cancel_token.cancel_query_raw(socket, NoTls).await.ok(),
+                        }
                     };
                     let _ = tokio::time::timeout(Duration::from_secs(2), cancel).await;
                 }

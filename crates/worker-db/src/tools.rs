@@ -183,7 +183,7 @@ pub fn tools(databases: Vec<DatabaseConfig>) -> Result<ToolSet, DbError> {
                     permits,
                 }),
             ),
-            Target::Postgres(pg) => (
+            Target::Postgres(pg, tls) => (
                 Engine::Postgres,
                 Backend::Postgres(Box::new(Postgres {
                     name: config.name.clone(),
@@ -191,6 +191,7 @@ pub fn tools(databases: Vec<DatabaseConfig>) -> Result<ToolSet, DbError> {
                         .get_password()
                         .map(|p| String::from_utf8_lossy(p).into_owned()),
                     config: *pg,
+                    tls,
                     skip_parser: config.unsafe_skip_parser_for_tests,
                     skip_engine: config.unsafe_skip_engine_read_only_for_tests,
                     permits,

@@ -23,6 +23,10 @@ use serde_json::{Value, json};
 #[path = "../../../tests/support/postgres.rs"]
 mod postgres;
 
+/// `[[databases]]` over TLS (db_tools/tls.rs).
+#[path = "db_tools/tls.rs"]
+mod tls;
+
 /// The shared server (tests/support/postgres.rs) with this binary's roles, database
 /// `airlock_test` and password files on top.
 struct PgServer {
@@ -1293,9 +1297,14 @@ async fn sqlite_results_are_capped_before_they_are_allocated() {
 
 #[tokio::test]
 async fn postgres_results_are_capped_before_they_are_allocated() {
-    let _one = MEMORY_LOCK.lock().await;
     let set = tools(vec![pg_db("pg", "airlock_ro")]).unwrap();
-    query(&set, "pg", "SELECT 1").await; // connect and set up before measuring
+    postgres_results_are_capped(&set).await;
+}
+
+/// On database `pg` of `set` (plaintext here, TLS in tls.rs): needs table `big`.
+async fn postgres_results_are_capped(set: &ToolSet) {
+    let _one = MEMORY_LOCK.lock().await;
+    query(set, "pg", "SELECT 1").await; // connect and set up before measuring
     let q = "query_database";
     for (sql, expect) in [
         // The attack pass's payload: one 200 MB value, refused at its message header.
@@ -1320,17 +1329,17 @@ async fn postgres_results_are_capped_before_they_are_allocated() {
             "truncated",
         ),
     ] {
-        attack(&set, q, "pg", sql, expect, MAX_GROWTH).await;
+        attack(set, q, "pg", sql, expect, MAX_GROWTH).await;
     }
     // The worker still answers; the connection that was closed is replaced.
     assert_eq!(
-        query(&set, "pg", "SELECT count(*)::int FROM big").await["rows"],
+        query(set, "pg", "SELECT count(*)::int FROM big").await["rows"],
         json!([[5000]])
     );
-    let tables = ok(&set, "list_tables", json!({"database": "pg"})).await;
+    let tables = ok(set, "list_tables", json!({"database": "pg"})).await;
     assert!(tables.to_string().contains("\"big\""), "{tables}");
     let out = query(
-        &set,
+        set,
         "pg",
         "SELECT length(repeat('x', 3000000)), repeat('x', 700000)",
     )

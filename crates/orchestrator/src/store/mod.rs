@@ -160,10 +160,16 @@ pub enum StoreError {
     UnknownKind(String),
     #[error("invalid postgres store url: {0}")]
     InvalidUrl(String),
+    #[error("postgres store url: {0}")]
+    Tls(airlock_tls::postgres::PgTlsError),
     #[error(
         "cannot reach the postgresql store at {endpoint}: {cause}; start the server or fix `store` (host, port, user, database) and its password in [orchestrator]"
     )]
     Unreachable { endpoint: String, cause: String },
+    #[error(
+        "no TLS connection to the postgresql store at {endpoint}: {cause}; check sslrootcert in `store` and the server's certificate (it must chain to that CA and name the url's host)"
+    )]
+    TlsHandshake { endpoint: String, cause: String },
     #[error("cannot open the sqlite store at {path}: {cause}")]
     Open { path: String, cause: String },
     #[error(

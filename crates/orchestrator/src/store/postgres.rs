@@ -5,10 +5,12 @@
 //! other and the chain stays linear and dense. Approval decisions lock the approval
 //! row; dispatch claims and expiry are single conditional `UPDATE`s, which PostgreSQL
 //! re-checks after a concurrent writer commits, so exactly one replica wins each.
-//! Connections are plain TCP or Unix-socket (no TLS).
+//! Connections are plain TCP or Unix-socket, or TLS with `sslmode=verify-full` and
+//! `sslrootcert=` in the url (airlock_tls::postgres; no fallback to plaintext).
 
 use std::time::Duration;
 
+use airlock_tls::postgres::{PgTls, PgTlsError, PgUrl};
 use async_trait::async_trait;
 use deadpool_postgres::GenericClient;
 use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod, Runtime};
@@ -69,9 +71,10 @@ fn endpoint_of(config: &tokio_postgres::Config) -> String {
 
 impl PostgresStore {
     pub(super) async fn open(url: &str, password: Option<String>) -> Result<Self, StoreError> {
-        let mut config: tokio_postgres::Config = url
-            .parse()
-            .map_err(|e: tokio_postgres::Error| StoreError::InvalidUrl(e.to_string()))?;
+        let PgUrl { mut config, tls } = airlock_tls::postgres::parse(url).map_err(|e| match e {
+            PgTlsError::Url(message) => StoreError::InvalidUrl(message),
+            other => StoreError::Tls(other),
+        })?;
         if let Some(password) = password {
             config.password(password);
         }
@@ -82,13 +85,13 @@ impl PostgresStore {
             config.application_name("airlock-orchestrator");
         }
         let endpoint = endpoint_of(&config);
-        let manager = Manager::from_config(
-            config,
-            NoTls,
-            ManagerConfig {
-                recycling_method: RecyclingMethod::Fast,
-            },
-        );
+        let manager_config = ManagerConfig {
+            recycling_method: RecyclingMethod::Fast,
+        };
+        let manager = match tls {
+            PgTls::Plaintext => Manager::from_config(config, NoTls, manager_config),
+            PgTls::VerifyFull(rustls) => Manager::from_config(config, rustls, manager_config),
+        };
         let pool = Pool::builder(manager)
             .max_size(16)
             .runtime(Runtime::Tokio1)
@@ -97,14 +100,19 @@ impl PostgresStore {
             .build()
             .map_err(|e| StoreError::Pool(e.to_string()))?;
         let mut client = pool.get().await.map_err(|e| {
-            let cause = match &e {
+            let (cause, tls) = match &e {
                 deadpool_postgres::PoolError::Backend(err) => match err.as_db_error() {
-                    Some(db) => db.message().to_owned(),
-                    None => error_chain(err),
+                    Some(db) => (db.message().to_owned(), false),
+                    // tokio-postgres' "error performing TLS handshake: …"
+                    None => (error_chain(err), err.to_string().contains("TLS")),
                 },
-                other => other.to_string(),
+                other => (other.to_string(), false),
             };
-            StoreError::Unreachable { endpoint, cause }
+            if tls {
+                StoreError::TlsHandshake { endpoint, cause }
+            } else {
+                StoreError::Unreachable { endpoint, cause }
+            }
         })?;
         migrate(&mut client).await?;
         drop(client);
