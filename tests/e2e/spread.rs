@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use rustix::process::Signal;
 use serde_json::{Value, json};
 
-use crate::mtls::{Component, certs_init, field, tls_section};
+use crate::mtls::{Component, certs_init, tls_section};
 use crate::support::{AIRLOCK, signal, token_digest};
 
 const TOKEN: &str = "spread-test-token-77a";
@@ -69,7 +69,7 @@ impl Cluster {
             format!(
                 "workspaces_root = \"{workspaces}\"\n[orchestrator]\nhttp_listen = \"127.0.0.1:0\"\ngrpc_listen = \"127.0.0.1:0\"\n\n\
                  [[principals]]\nname = \"ops\"\ntoken_sha256 = \"{digest}\"\nroles = [\"agent\", \"admin\"]\n\n\
-                 [approvals]\ntools = []\n[budgets]\nrate_per_minute = 0\n\n\
+                 [approvals]\ntools = []\n[budgets]\nrate_per_minute = 0\nmax_calls_per_session = 1000000\nsession_wall_time_seconds = 86400\n\n\
                  [dispatch]\nresolve_interval_ms = 1000\n\n\
                  [[workers]]\ngroup = \"fs\"\nendpoints = [\"dns:///{NAME}:{port}\"]\nserver_name = \"worker-fs\"\n\n{tls}",
                 workspaces = scratch.path().join("workspaces").display(),
@@ -103,6 +103,20 @@ impl Cluster {
             http: reqwest::Client::new(),
         };
         cluster.wait_states(&["serving"; 3]).await;
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while cluster
+            .call("list_directory", json!({"path": "."}))
+            .await
+            .status
+            != "ok"
+        {
+            assert!(
+                Instant::now() < deadline,
+                "the fs tools never appeared:\n{}",
+                cluster.orchestrator.log()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
         cluster
     }
 
@@ -314,6 +328,51 @@ async fn load(
         .collect()
 }
 
+/// The calls `cluster` runs on replica `index` now.
+async fn held_by(cluster: &Cluster, index: usize) -> u64 {
+    let endpoint = cluster.endpoint(index);
+    cluster
+        .replica_states()
+        .await
+        .into_iter()
+        .find(|(e, _, _)| *e == endpoint)
+        .map(|(_, _, n)| n)
+        .unwrap_or_default()
+}
+
+/// Sends `tool` calls in waves of 8 until replica `index` (frozen) holds `want` calls;
+/// bounded in time. Returns the calls, still running.
+async fn until_held(
+    cluster: &Cluster,
+    index: usize,
+    tool: &'static str,
+    want: u64,
+) -> Vec<tokio::task::JoinHandle<Call>> {
+    let mut tasks = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        assert!(
+            Instant::now() < deadline,
+            "no {tool} call reached the frozen replica"
+        );
+        for n in 0..8 {
+            let (http, url) = (cluster.http.clone(), cluster.url.clone());
+            let input = if tool == "write_file" {
+                json!({"path": format!("w{}-{n}.txt", tasks.len()), "content": "x"})
+            } else {
+                json!({"path": "shared.txt"})
+            };
+            tasks.push(tokio::spawn(
+                async move { call(&http, &url, tool, input).await },
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        if held_by(cluster, index).await >= want {
+            return tasks;
+        }
+    }
+}
+
 fn read(_: usize) -> (&'static str, Value) {
     ("read_file", json!({"path": "shared.txt"}))
 }
@@ -343,80 +402,47 @@ async fn three_replicas_behind_one_name_share_the_calls_and_survive_losing_one()
     }
 
     // 2. A replica dies with calls in flight. To have calls on it when it dies, it is
-    //    frozen first: the calls sent to it wait there, then it is killed.
+    //    frozen first: writes go out in waves until one waits on it, then reads until
+    //    one waits there too; then it is killed.
     let victim = 1;
     signal(cluster.pid(victim), Signal::STOP);
-    let writes_done = Arc::new(AtomicBool::new(false));
-    let reads = {
-        let (http, url) = (cluster.http.clone(), cluster.url.clone());
-        tokio::spawn(async move {
-            let mut out = Vec::new();
-            for i in 0..40 {
-                let (tool, input) = read(i);
-                out.push(call(&http, &url, tool, input).await);
-            }
-            out
-        })
-    };
-    let writes = {
-        let (http, url, done) = (
-            cluster.http.clone(),
-            cluster.url.clone(),
-            writes_done.clone(),
-        );
-        tokio::spawn(async move {
-            let mut tasks = Vec::new();
-            for i in 0..8 {
-                let (http, url) = (http.clone(), url.clone());
-                tasks.push(tokio::spawn(async move {
-                    call(
-                        &http,
-                        &url,
-                        "write_file",
-                        json!({"path": format!("w{i}.txt"), "content": "x"}),
-                    )
-                    .await
-                }));
-            }
-            let mut out = Vec::new();
-            for t in tasks {
-                out.push(t.await.expect("write task"));
-            }
-            done.store(true, Ordering::Relaxed);
-            out
-        })
-    };
-    // Wait (bounded) until the frozen replica holds calls, then kill it.
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let held = cluster
-            .replica_states()
-            .await
-            .into_iter()
-            .find(|(e, _, _)| *e == cluster.endpoint(victim))
-            .map(|(_, _, n)| n)
-            .unwrap_or_default();
-        if held > 0 || writes_done.load(Ordering::Relaxed) {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "no call reached the frozen replica"
-        );
+    let writes = until_held(&cluster, victim, "write_file", 1).await;
+    // Settled: every write still running waits on the frozen replica.
+    let settle = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < settle
+        && writes.iter().filter(|t| !t.is_finished()).count() as u64
+            != held_by(&cluster, victim).await
+    {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    let waiting = held_by(&cluster, victim).await;
+    let reads = until_held(&cluster, victim, "read_file", waiting + 1).await;
     signal(cluster.pid(victim), Signal::KILL);
     if let Some(mut dead) = cluster.workers[victim].take() {
         let _ = dead.child.wait();
     }
-    let reads = reads.await.expect("reads");
-    let writes = writes.await.expect("writes");
-    for c in &reads {
+    let mut read_results = Vec::new();
+    for t in reads {
+        read_results.push(t.await.expect("read"));
+    }
+    let mut write_results = Vec::new();
+    for t in writes {
+        write_results.push(t.await.expect("write"));
+    }
+    for c in &read_results {
         assert_eq!(c.status, "ok", "a read-only call is never lost: {c:?}");
         assert_ne!(c.replica, cluster.endpoint(victim), "{c:?}");
     }
+    assert!(
+        cluster
+            .orchestrator
+            .log()
+            .contains("running the read-only call once more"),
+        "the read that waited on the dead replica ran again elsewhere:\n{}",
+        cluster.orchestrator.log()
+    );
     let mut unknown = 0;
-    for c in &writes {
+    for c in &write_results {
         if c.status == "ok" {
             assert_ne!(c.replica, cluster.endpoint(victim), "{c:?}");
             continue;
@@ -428,14 +454,9 @@ async fn three_replicas_behind_one_name_share_the_calls_and_survive_losing_one()
         );
         unknown += 1;
     }
-    let read_on_victim_retried = cluster
-        .orchestrator
-        .log()
-        .contains("running the read-only call once more");
     assert!(
-        unknown > 0 || read_on_victim_retried,
-        "some call was in flight on the replica when it died: {writes:?}\n{}",
-        cluster.orchestrator.log()
+        unknown > 0,
+        "the write that waited on the dead replica: {write_results:?}"
     );
     cluster.wait_states(&["serving", "down", "serving"]).await;
 
@@ -568,9 +589,10 @@ async fn a_rolling_restart_under_load_loses_no_call() {
     let failed: Vec<&Call> = all.iter().filter(|c| c.status != "ok").collect();
     assert!(
         failed.is_empty(),
-        "{} of {} calls failed during the rolling restart: {failed:?}\n--- orchestrator\n{}",
+        "{} of {} calls failed during the rolling restart, first: {:?}\n--- orchestrator\n{}",
         failed.len(),
         all.len(),
+        &failed[..failed.len().min(5)],
         cluster.orchestrator.log()
     );
     let on: std::collections::BTreeSet<&str> = all.iter().map(|c| c.replica.as_str()).collect();

@@ -318,9 +318,21 @@ async fn consume(
     ))
 }
 
-/// A failure to reach the worker at all, as opposed to one the worker reported.
+/// A failure of the replica or of the connection to it, as opposed to an answer the
+/// worker gave: UNAVAILABLE, or any status made here from a transport error (a reset
+/// connection surfaces as UNKNOWN "transport error", a stream the dying server dropped
+/// as CANCELLED). A worker's own answers carry no source; this side's deadline
+/// (`TimeoutExpired`) is not the replica's failure.
 fn is_unreachable(status: &tonic::Status) -> bool {
-    status.code() == tonic::Code::Unavailable
+    use std::error::Error;
+    let mut source = status.source();
+    while let Some(error) = source {
+        if error.downcast_ref::<tonic::TimeoutExpired>().is_some() {
+            return false;
+        }
+        source = error.source();
+    }
+    status.code() == tonic::Code::Unavailable || status.source().is_some()
 }
 
 fn status_error(group: &str, status: tonic::Status, timeout_ms: u64) -> DispatchError {

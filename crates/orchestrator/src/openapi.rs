@@ -180,7 +180,7 @@ pub fn document() -> Value {
                 "CallSummary": {"type": "object", "required": ["tool_use_id", "call_id", "status"], "properties": {
                     "tool_use_id": {"type": "string"}, "call_id": {"type": "string"},
                     "status": {"type": "string", "enum": ["running", "ok", "error", "denied", "pending_approval", "timeout", "cancelled"]},
-                    "approval_id": {"type": "string"}, "duration_ms": {"type": "integer", "description": "Run time (the gate's checks and the worker), without any approval wait"}, "approval_wait_ms": {"type": "integer", "description": "How long the call was held for approval, to the decision"}, "isolation": {"type": "object"}}},
+                    "approval_id": {"type": "string"}, "duration_ms": {"type": "integer", "description": "Run time (the gate's checks and the worker), without any approval wait"}, "approval_wait_ms": {"type": "integer", "description": "How long the call was held for approval, to the decision"}, "replica": {"type": "string", "description": "The worker replica that ran the call"}, "isolation": {"type": "object"}}},
                 "ToolCallsResponse": {"type": "object", "required": ["calls"], "properties": {
                     "tool_results": {"type": "array", "items": {"$ref": "#/components/schemas/ToolResult"}},
                     "messages": {"type": "array", "items": {"type": "object"}},

@@ -338,20 +338,25 @@ impl ReplicaSet {
             &[ReplicaState::Down, ReplicaState::Draining],
         ];
         for tier in tiers {
-            let candidates: Vec<&Arc<Replica>> = replicas
+            // Loads are read once: they change while this runs.
+            let candidates: Vec<(&Arc<Replica>, usize)> = replicas
                 .iter()
                 .filter(untried)
                 .filter(|r| tier.contains(&r.state()))
+                .map(|r| (r, r.in_flight()))
                 .collect();
-            let Some(least) = candidates.iter().map(|r| r.in_flight()).min() else {
+            let Some(least) = candidates.iter().map(|(_, load)| *load).min() else {
                 continue;
             };
             let least: Vec<&Arc<Replica>> = candidates
                 .into_iter()
-                .filter(|r| r.in_flight() == least)
+                .filter(|(_, load)| *load == least)
+                .map(|(r, _)| r)
                 .collect();
-            let turn = self.next.fetch_add(1, Ordering::Relaxed) % least.len();
-            return Some(least[turn].clone());
+            let turn = self.next.fetch_add(1, Ordering::Relaxed) % least.len().max(1);
+            if let Some(chosen) = least.get(turn) {
+                return Some((*chosen).clone());
+            }
         }
         None
     }

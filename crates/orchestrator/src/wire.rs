@@ -232,6 +232,10 @@ pub fn call_summary(record: &CallRecord) -> Value {
     if let Some(ms) = record.approval_wait_ms {
         entry["approval_wait_ms"] = json!(ms);
     }
+    if let Some(replica) = &record.replica {
+        // Which worker replica ran it (DESIGN §9): where to look when one misbehaves.
+        entry["replica"] = json!(replica);
+    }
     if let Some(isolation) = record.isolation() {
         entry["isolation"] = isolation.clone();
     }

@@ -393,6 +393,9 @@ impl ToolWorker for WorkerService {
                 .map_err(|e| Status::invalid_argument(e.to_string()))?
         };
 
+        // Counted as in flight from here, so that a drain starting now waits for this
+        // call rather than stopping the server under it.
+        let _admitted = self.in_flight.token();
         if self.draining.is_cancelled() {
             // A detached call sent again joins its run, which is in flight; anything
             // else is new, and a draining worker starts nothing new.
