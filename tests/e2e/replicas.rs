@@ -431,3 +431,99 @@ async fn two_orchestrators_share_approvals_and_one_audit_chain() {
     drop(b);
     drop(a);
 }
+
+/// The store over TLS, from the binary as it runs confined (DESIGN §9): the CA named by
+/// `sslrootcert` lives in a directory of its own, read when the pool connects, after
+/// the orchestrator has confined itself.
+#[tokio::test]
+async fn the_confined_orchestrator_reaches_its_store_over_verified_tls() {
+    let scratch = tempfile::tempdir().expect("temp dir");
+    let pki = scratch.path().join("pki");
+    let status = Command::new(AIRLOCK)
+        .args(["certs", "init", "--san", "localhost", "--out"])
+        .arg(&pki)
+        .stdout(Stdio::null())
+        .status()
+        .expect("airlock certs init");
+    assert!(status.success());
+    let (cert, key) = (pki.join("worker-db.crt"), pki.join("worker-db.key"));
+    let server = tokio::task::spawn_blocking(move || postgres::start_tls(&cert, &key))
+        .await
+        .expect("join")
+        .unwrap_or_else(|e| panic!("cannot start a TLS PostgreSQL: {e}"));
+    let role = postgres::unique_name(STORE_ROLE);
+    let db = postgres::unique_name("airlock_store_tls");
+    server.create_role(&role, STORE_PASSWORD);
+    server
+        .sql("postgres", &format!("CREATE DATABASE {db} OWNER {role};"))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let ca_dir = scratch.path().join("store-ca");
+    std::fs::create_dir(&ca_dir).expect("ca dir");
+    std::fs::copy(pki.join("ca.crt"), ca_dir.join("ca.crt")).expect("copy ca");
+    let password_file = scratch.path().join("store.pw");
+    std::fs::write(&password_file, STORE_PASSWORD).expect("password file");
+    let store = format!(
+        "postgres://{role}@localhost:{}/{db}?sslmode=verify-full&sslrootcert={}",
+        server.port,
+        ca_dir.join("ca.crt").display()
+    );
+    // The config's own directory stays readable; the CA's is elsewhere.
+    std::fs::create_dir(scratch.path().join("config")).expect("config dir");
+    let config = scratch.path().join("config/airlock.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[orchestrator]\nhttp_listen = \"127.0.0.1:0\"\ngrpc_listen = \"127.0.0.1:0\"\n\
+             store = \"{store}\"\nstore_password_file = \"{}\"\n\n\
+             [[principals]]\nname = \"{PRINCIPAL}\"\ntoken_sha256 = \"{}\"\nroles = [\"agent\", \"admin\"]\n",
+            password_file.display(),
+            token_digest(TOKEN)
+        ),
+    )
+    .expect("config");
+    let data = scratch.path().join("data");
+    let log = scratch.path().join("orchestrator.log");
+    let mut child = Command::new(AIRLOCK)
+        .args(["serve", "orchestrator", "--config"])
+        .arg(&config)
+        .arg("--data-dir")
+        .arg(&data)
+        .env("RUST_LOG", "info")
+        .env("AIRLOCK_LAUNCHER_PID", std::process::id().to_string())
+        .env_remove("AIRLOCK_URL")
+        .env_remove("AIRLOCK_TOKEN")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).expect("log"))
+        .spawn()
+        .expect("spawn airlock serve orchestrator");
+    let read_log = || std::fs::read_to_string(&log).unwrap_or_default();
+    let run_file = data.join("run/orchestrator.json");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let url = loop {
+        if let Some(url) = std::fs::read_to_string(&run_file)
+            .ok()
+            .and_then(|t| serde_json::from_str::<Value>(&t).ok())
+            .and_then(|v| v["http"].as_str().map(str::to_owned))
+        {
+            break url;
+        }
+        if let Ok(Some(status)) = child.try_wait() {
+            panic!("the orchestrator exited ({status}):\n{}", read_log());
+        }
+        assert!(Instant::now() < deadline, "{}", read_log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let verified: Value = reqwest::Client::new()
+        .get(format!("{url}/v1/audit/verify"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .expect("verify")
+        .json()
+        .await
+        .expect("json");
+    let _ = child.kill();
+    let _ = child.wait();
+    assert_eq!(verified["ok"], true, "{verified}\n{}", read_log());
+}

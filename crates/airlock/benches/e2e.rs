@@ -14,6 +14,10 @@
 //!
 //! The result is printed as a Markdown table and written to `target/bench-e2e.md`.
 //!
+//! After those rows come the rows across hosts (see [`cluster`]): the fs worker over TCP,
+//! plaintext and mutual TLS, next to the Unix socket, and three replicas against one.
+//! Those need root (each replica is held to half a CPU by a cgroup).
+//!
 //! A/B: with `AIRLOCK_BENCH_BASELINE=<path to another airlock binary>` (a build of an
 //! earlier commit), that binary runs as a third server in the same rounds, so a change is
 //! measured against its parent on the same machine at the same time.
@@ -30,6 +34,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
 use serde_json::{Value, json};
+
+#[path = "e2e/cluster.rs"]
+mod cluster;
 
 /// The airlock binary under test, built by cargo in the bench profile.
 const AIRLOCK_BIN: &str = env!("CARGO_BIN_EXE_airlock");
@@ -145,7 +152,11 @@ async fn run() -> Result<()> {
     }
 
     let load = format!("{load_before} before the rows, {} after", load_average());
-    let table = render(&rows, &targets, &load);
+    let mut table = render(&rows, &targets, &load);
+    eprintln!("starting the cluster rows (TCP, mutual TLS, replicas)");
+    let cluster = cluster::run(scratch.path(), &airlock.target(), &small, &filters).await?;
+    table.push('\n');
+    table.push_str(&cluster);
     println!("\n{table}");
     let out = target_dir().join("bench-e2e.md");
     std::fs::write(&out, &table).with_context(|| format!("cannot write {}", out.display()))?;
@@ -224,6 +235,9 @@ struct BenchFile {
     /// When set, the row calls `execute_shell` with this command instead of `read_file`,
     /// and `content` is the expected stdout.
     shell: Option<String>,
+    /// When set, the row calls this tool with these arguments (Airlock only), and
+    /// `content` is the expected text of the result.
+    tool: Option<(&'static str, Value)>,
 }
 
 impl BenchFile {
@@ -235,6 +249,7 @@ impl BenchFile {
             path: PathBuf::new(),
             content: expected_stdout.into(),
             shell: Some(command.to_owned()),
+            tool: None,
         }
     }
 }
@@ -409,6 +424,7 @@ impl Airlock {
             path,
             content: content.into(),
             shell: None,
+            tool: None,
         })
     }
 
@@ -505,12 +521,14 @@ fn client() -> Result<reqwest::Client> {
         .context("cannot build the HTTP client")
 }
 
+#[derive(Clone)]
 enum Kind {
     Airlock { auth: String },
     Peer,
 }
 
 /// One server's `read_file` endpoint.
+#[derive(Clone)]
 struct Target {
     name: &'static str,
     url: String,
@@ -521,6 +539,15 @@ struct Target {
 
 impl Target {
     fn body(&self, file: &BenchFile) -> Result<Vec<u8>> {
+        if let Some((tool, input)) = &file.tool {
+            ensure!(
+                matches!(self.kind, Kind::Airlock { .. }),
+                "{}: {tool} rows are for airlock only",
+                self.name
+            );
+            let body = json!({"tool_uses": [{"type": "tool_use", "id": "t1", "name": tool, "input": input}]});
+            return Ok(serde_json::to_vec(&body)?);
+        }
         if let Some(command) = &file.shell {
             let body = match &self.kind {
                 Kind::Airlock { .. } => json!({"tool_uses": [{

@@ -219,6 +219,8 @@ fn orchestrator(loaded: &Loaded) -> anyhow::Result<ExitCode> {
                 )
                 // Rotated certificates are re-read.
                 .chain(tls_dirs(loaded))
+                // The store's CA (`sslrootcert`) is read when it connects.
+                .chain(root_cert_dirs([config.store.as_str()]))
                 .collect(),
             write_paths: vec![config.data_dir.clone()],
             allow_exec: false,
@@ -323,6 +325,20 @@ fn secure(
     anyhow::bail!(
         "the {component} listens on TCP ({listen}) without [tls]: set [tls] cert_file, key_file and ca_file (airlock certs init writes a development set) so that only the orchestrator can call it, or [tls] insecure_plaintext = true for a lab; refusing to start"
     )
+}
+
+/// The directories of the `sslrootcert` files of PostgreSQL `urls`, readable after
+/// confinement (connections are made, and the CA read, after it).
+fn root_cert_dirs<'a>(urls: impl IntoIterator<Item = &'a str>) -> Vec<PathBuf> {
+    let mut dirs: Vec<PathBuf> = urls
+        .into_iter()
+        .filter_map(airlock_tls::postgres::root_cert)
+        .filter_map(|path| path.parent().map(PathBuf::from))
+        .filter(|dir| !dir.as_os_str().is_empty())
+        .collect();
+    dirs.sort();
+    dirs.dedup();
+    dirs
 }
 
 /// The directories of the `[tls]` files, readable after confinement so that rotated
@@ -433,10 +449,14 @@ fn db_worker(loaded: &Loaded, listen: Option<String>) -> anyhow::Result<ExitCode
     let listener = secure(loaded, listener, "db worker")?;
     tracing::info!(listen = %listener.local_addr(), "db worker starting");
     limit_memory("db worker", loaded, Ceiling::Fixed)?;
+    let mut read_paths = tls_dirs(loaded);
+    read_paths.extend(root_cert_dirs(
+        loaded.config.databases.iter().map(|d| d.url.as_str()),
+    ));
     confine(
         "db worker",
         SelfConfinement {
-            read_paths: tls_dirs(loaded),
+            read_paths,
             write_paths,
             allow_exec: false,
             allow_namespaces: false,

@@ -84,7 +84,11 @@ async fn accept(
             () = stop.cancelled() => return None,
         };
         match accepted {
-            Ok((stream, peer)) => return Some((stream, peer, permit)),
+            Ok((stream, peer)) => {
+                // Answers must not wait for Nagle and delayed ACKs (40 ms).
+                let _ = stream.set_nodelay(true);
+                return Some((stream, peer, permit));
+            }
             // The peer gave up before we accepted it: nothing is wrong here.
             Err(e) if is_peer_error(&e) => continue,
             Err(e) => {

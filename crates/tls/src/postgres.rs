@@ -106,6 +106,15 @@ pub struct PgUrl {
     pub tls: PgTls,
 }
 
+/// The `sslrootcert` a url names, if any: a component that confines itself keeps its
+/// directory readable, since the file is read when connections are made.
+pub fn root_cert(url: &str) -> Option<PathBuf> {
+    split_tls_params(url)
+        .ok()
+        .and_then(|(_, _, rootcert)| rootcert)
+        .map(PathBuf::from)
+}
+
 /// Reads a libpq-style url (see the module docs). Urls that are not `postgres://` or
 /// `postgresql://` go to tokio-postgres unchanged (plaintext unless it says otherwise).
 pub fn parse(url: &str) -> Result<PgUrl, PgTlsError> {

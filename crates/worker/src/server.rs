@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use airlock_policy::{SessionId, ToolOutcome, validate_segment};
 use airlock_proto::v1 as pb;
 use airlock_proto::v1::tool_worker_server::{ToolWorker, ToolWorkerServer};
-use futures::Stream;
+use futures::{Stream, StreamExt};
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream, UnixListenerStream};
 use tokio_util::sync::{CancellationToken, DropGuard};
@@ -291,7 +291,13 @@ impl WorkerServer {
                                 addr: "tcp socket".to_owned(),
                                 source,
                             },
-                        )?);
+                        )?)
+                        .map(|accepted| {
+                            // Small gRPC frames must not wait for Nagle and delayed ACKs.
+                            accepted.inspect(|tcp| {
+                                let _ = tcp.set_nodelay(true);
+                            })
+                        });
                     router
                         .serve_with_incoming_shutdown(incoming, stopped)
                         .await?;

@@ -66,7 +66,11 @@ pub fn incoming(
     let accepted = futures::stream::unfold(listener, |listener| async move {
         loop {
             match listener.accept().await {
-                Ok((tcp, peer)) => return Some(((tcp, peer, ()), listener)),
+                Ok((tcp, peer)) => {
+                    // Small gRPC frames must not wait for Nagle and delayed ACKs (40 ms).
+                    let _ = tcp.set_nodelay(true);
+                    return Some(((tcp, peer, ()), listener));
+                }
                 Err(e) => {
                     // Out of descriptors and the like: the next accept may work.
                     tracing::warn!(error = %e, "cannot accept a connection");

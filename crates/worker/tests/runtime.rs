@@ -118,19 +118,7 @@ async fn start(settings: WorkerSettings) -> Harness {
 }
 
 async fn client(socket: &std::path::Path) -> ToolWorkerClient<Channel> {
-    let path = socket.to_path_buf();
-    let channel = Endpoint::from_static("http://w.invalid")
-        .connect_with_connector(tower::service_fn(move |_: Uri| {
-            let path = path.clone();
-            async move {
-                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
-                    tokio::net::UnixStream::connect(path).await?,
-                ))
-            }
-        }))
-        .await
-        .unwrap();
-    ToolWorkerClient::new(channel)
+    ToolWorkerClient::new(client_channel(socket).await)
 }
 
 fn request(millis: u64, timeout_ms: u64) -> pb::ExecuteRequest {
@@ -526,4 +514,88 @@ async fn cancelling_a_call_that_already_finished_keeps_its_result() {
     // A repeated Execute still gets the original answer.
     let again = result_of(&mut c, req).await.unwrap();
     assert_eq!(again.content, result.content);
+}
+
+/// SIGTERM's drain (DESIGN §9): health says NOT_SERVING at once and the health stream
+/// ends; a new call is refused as not started (so the orchestrator may send it
+/// elsewhere); the call in flight runs to its end; then the server stops.
+#[tokio::test]
+async fn a_draining_worker_refuses_new_calls_and_finishes_those_in_flight() {
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
+
+    let mut h = start(WorkerSettings::default()).await;
+    let mut c = client(&h.socket).await;
+    let mut health = HealthClient::new(client_channel(&h.socket).await);
+    let mut watch = health
+        .watch(HealthCheckRequest {
+            service: "airlock.v1.ToolWorker".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let first = watch.message().await.unwrap().unwrap();
+    assert_eq!(first.status, ServingStatus::Serving as i32);
+
+    let release = h._dir.path().join("release");
+    let mut held = request(0, 0);
+    held.arguments_json = serde_json::json!({"until": release}).to_string();
+    let in_flight = tokio::spawn(result_from(running(&mut c, held).await));
+
+    h.stop.take().unwrap().send(()).unwrap();
+    let said = tokio::time::timeout(Duration::from_secs(5), watch.message())
+        .await
+        .expect("health answers at once")
+        .unwrap()
+        .unwrap();
+    assert_eq!(said.status, ServingStatus::NotServing as i32);
+    let ended = tokio::time::timeout(Duration::from_secs(5), async {
+        while let Some(m) = watch.message().await.unwrap() {
+            assert_eq!(m.status, ServingStatus::NotServing as i32);
+        }
+    })
+    .await;
+    assert!(ended.is_ok(), "the health stream ends during the drain");
+
+    let mut fresh = request(1, 0);
+    fresh.call_id = "c2".into();
+    let refused = c.execute(fresh).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::Unavailable, "{refused:?}");
+    assert!(
+        refused
+            .metadata()
+            .get(airlock_proto::NOT_STARTED_METADATA)
+            .is_some(),
+        "marked as not started: {refused:?}"
+    );
+    assert!(!h.server.is_finished(), "the worker waits for its call");
+
+    std::fs::write(&release, "").unwrap();
+    let result = tokio::time::timeout(Duration::from_secs(10), in_flight)
+        .await
+        .expect("the call in flight finishes")
+        .unwrap()
+        .unwrap();
+    assert!(!result.is_error, "{result:?}");
+    assert_eq!(h.finished.load(Ordering::SeqCst), 1);
+    assert!(!h.cancelled.load(Ordering::SeqCst));
+    tokio::time::timeout(Duration::from_secs(15), h.server)
+        .await
+        .expect("the worker stops once drained")
+        .unwrap();
+}
+
+async fn client_channel(socket: &std::path::Path) -> Channel {
+    let path = socket.to_path_buf();
+    Endpoint::from_static("http://w.invalid")
+        .connect_with_connector(tower::service_fn(move |_: Uri| {
+            let path = path.clone();
+            async move {
+                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
+                    tokio::net::UnixStream::connect(path).await?,
+                ))
+            }
+        }))
+        .await
+        .unwrap()
 }
