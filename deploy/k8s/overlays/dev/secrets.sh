@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Makes the Secrets that the dev overlay mounts, in the namespace airlock of the
+# current kubectl context:
+#   airlock-tls-<component>   tls.crt, tls.key, ca.crt from `airlock certs init`
+#   airlock-principals        agent-token, approver-token (random)
+#   airlock-store             password (random; the store's role, and PostgreSQL's)
+#   airlock-databases         sandbox-password (random; the db worker's role)
+# Safe to run again: existing certificates, tokens and passwords are kept.
+#
+#   deploy/k8s/overlays/dev/secrets.sh [CERT_DIR]   (default ./airlock-dev-certs)
+#
+# Needs kubectl, openssl, and the airlock binary (AIRLOCK=/path/to/airlock, or on PATH;
+# `docker run --rm -v "$PWD/airlock-dev-certs:/out" airlock:dev certs init --out /out
+# --san ...` with the same --san flags writes the same files).
+set -euo pipefail
+
+ns=airlock
+certs=${1:-./airlock-dev-certs}
+airlock=${AIRLOCK:-airlock}
+components=(orchestrator worker-shell worker-fs worker-http worker-db)
+
+kubectl create namespace "$ns" --dry-run=client -o yaml | kubectl apply -f -
+
+if [ ! -e "$certs/ca.crt" ]; then
+  # Each certificate carries its component's name (what the peers check) plus these:
+  # the front door's Service name, for clients of the TLS gRPC port.
+  "$airlock" certs init --out "$certs" \
+    --san airlock-orchestrator.airlock.svc.cluster.local \
+    --san airlock-orchestrator.airlock.svc \
+    --san localhost
+fi
+for c in "${components[@]}"; do
+  kubectl -n "$ns" create secret generic "airlock-tls-$c" \
+    --from-file=tls.crt="$certs/$c.crt" \
+    --from-file=tls.key="$certs/$c.key" \
+    --from-file=ca.crt="$certs/ca.crt" \
+    --dry-run=client -o yaml | kubectl apply -f -
+done
+
+# A Secret that exists is left alone, so tokens and passwords survive a second run.
+random() { openssl rand -hex 32; }
+create_once() {
+  local name=$1
+  shift
+  if kubectl -n "$ns" get secret "$name" >/dev/null 2>&1; then
+    echo "secret/$name kept"
+  else
+    kubectl -n "$ns" create secret generic "$name" "$@"
+  fi
+}
+create_once airlock-principals \
+  --from-literal=agent-token="$(random)" \
+  --from-literal=approver-token="$(random)"
+create_once airlock-store --from-literal=password="$(random)"
+create_once airlock-databases --from-literal=sandbox-password="$(random)"
+
+cat <<MSG
+Secrets are in namespace $ns. The agent's token:
+  kubectl -n $ns get secret airlock-principals -o jsonpath='{.data.agent-token}' | base64 -d
+Next: kubectl apply -k deploy/k8s/overlays/dev
+MSG

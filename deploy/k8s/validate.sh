@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# Renders every overlay (and production with components/shell-strict) into a temp dir
+# and checks what comes out:
+#   - kubernetes-validate: every object against the OpenAPI schemas of Kubernetes
+#     $K8S_VERSION, strict (an unknown field is an error). Kinds without a bundled
+#     schema (cert-manager's) are listed and checked by checkov only.
+#   - checkov: its Kubernetes checks; a failed check fails the run unless the object
+#     skips it inline (checkov.io/skipN: CKV_K8S_xx=reason).
+#
+#   deploy/k8s/validate.sh
+#
+# Needs kubectl with kustomize v5 (or kustomize v5 on PATH), kubernetes-validate and
+# checkov (PyPI; .ci/run installs both in a virtualenv, AIRLOCK_K8S_VENV).
+set -euo pipefail
+
+here=$(cd "$(dirname "$0")" && pwd)
+K8S_VERSION=${K8S_VERSION:-1.35.0}
+venv=${AIRLOCK_K8S_VENV:-}
+if [ -n "$venv" ]; then
+  PATH="$venv/bin:$PATH"
+fi
+
+# --- tools -------------------------------------------------------------------------
+if command -v kustomize >/dev/null 2>&1 && kustomize version 2>/dev/null | grep -q '^v5'; then
+  render() { kustomize build "$1"; }
+elif command -v kubectl >/dev/null 2>&1 \
+  && kubectl version --client 2>/dev/null | grep -q 'Kustomize Version: v5'; then
+  render() { kubectl kustomize "$1"; }
+else
+  echo "deploy/k8s/validate.sh: needs kustomize v5: kubectl 1.27 or later (it embeds kustomize v5; Debian's kubernetes-client 1.20 embeds v2, too old for components and labels), or kustomize v5 on PATH (go install sigs.k8s.io/kustomize/kustomize/v5@v5.5.0)" >&2
+  exit 1
+fi
+for tool in kubernetes-validate checkov; do
+  if ! command -v "$tool" >/dev/null 2>&1; then
+    echo "deploy/k8s/validate.sh: $tool is missing: python3 -m pip install kubernetes-validate checkov (or set AIRLOCK_K8S_VENV to a virtualenv that has them)" >&2
+    exit 1
+  fi
+done
+
+out=$(mktemp -d)
+trap 'rm -rf "$out"' EXIT
+
+# --- render ------------------------------------------------------------------------
+# production + shell-strict: a throwaway overlay, as a site would write it (kustomize
+# takes only relative paths).
+mkdir -p "$out/production-strict"
+rel=$(realpath --relative-to="$out/production-strict" "$here")
+cat > "$out/production-strict/kustomization.yaml" <<YAML
+apiVersion: kustomize.config.k8s.io/v1beta1
+kind: Kustomization
+resources:
+  - $rel/overlays/production
+components:
+  - $rel/components/shell-strict
+YAML
+
+declare -A sources=(
+  [dev]="$here/overlays/dev"
+  [production]="$here/overlays/production"
+  [production-strict]="$out/production-strict"
+)
+names=(dev production production-strict)
+for name in "${names[@]}"; do
+  mkdir -p "$out/rendered/$name"
+  if ! render "${sources[$name]}" > "$out/rendered/$name/all.yaml"; then
+    echo "FAIL: $name does not render" >&2
+    exit 1
+  fi
+  echo "== $name renders: $(grep -c '^kind:' "$out/rendered/$name/all.yaml") objects"
+done
+
+# --- schemas -------------------------------------------------------------------------
+# One file per object, so that a kind without a schema can be set aside by name.
+python3 - "$out/rendered" <<'PY'
+import pathlib, sys, yaml
+root = pathlib.Path(sys.argv[1])
+for overlay in sorted(p for p in root.iterdir() if p.is_dir()):
+    docs = [d for d in yaml.safe_load_all((overlay / "all.yaml").read_text()) if d]
+    for i, doc in enumerate(docs):
+        group = doc["apiVersion"].split("/")[0] if "/" in doc["apiVersion"] else "core"
+        sub = "crd" if group.endswith("cert-manager.io") else "k8s"
+        (overlay / sub).mkdir(exist_ok=True)
+        name = f'{i:03d}-{doc["kind"]}-{doc["metadata"]["name"]}.yaml'
+        (overlay / sub / name).write_text(yaml.safe_dump(doc))
+PY
+status=0
+for name in "${names[@]}"; do
+  dir="$out/rendered/$name"
+  echo "== kubernetes-validate $name (Kubernetes $K8S_VERSION, strict)"
+  if ! kubernetes-validate --quiet --strict -k "$K8S_VERSION" "$dir"/k8s/*.yaml; then
+    echo "FAIL: $name has objects that do not match the Kubernetes $K8S_VERSION schemas" >&2
+    status=1
+  fi
+  if [ -d "$dir/crd" ]; then
+    echo "   (no bundled schema, checked by checkov only: $(ls "$dir/crd" | sed 's/^[0-9]*-//; s/\.yaml$//' | tr '\n' ' '))"
+  fi
+done
+
+# --- checkov -------------------------------------------------------------------------
+for name in "${names[@]}"; do
+  echo "== checkov $name"
+  if ! checkov --quiet --compact --framework kubernetes --skip-download \
+      --file "$out/rendered/$name/all.yaml" > "$out/checkov-$name.txt" 2>&1; then
+    cat "$out/checkov-$name.txt"
+    echo "FAIL: checkov found failed checks in $name (fix them, or skip one inline with a reason: checkov.io/skipN: CKV_K8S_xx=why)" >&2
+    status=1
+  else
+    grep -E '^(Passed|kubernetes scan)' "$out/checkov-$name.txt" || tail -n 3 "$out/checkov-$name.txt"
+  fi
+done
+
+if [ "$status" -ne 0 ]; then
+  exit "$status"
+fi
+echo "== every overlay renders and validates"
