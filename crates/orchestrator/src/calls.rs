@@ -1,6 +1,9 @@
 //! Calls in flight and recently finished, for `GET /v1/calls/{id}` and for waiting.
 //!
-//! Bounded: the oldest finished calls are forgotten first once the table is full.
+//! Bounded by bytes (`[limits] result_memory_bytes`, DESIGN §15) and by count: finished
+//! calls are forgotten oldest first once their results take more than the budget or the
+//! table is full (older calls are read from the store). A call in flight is never
+//! forgotten; a waiter that holds a forgotten call's receiver still sees its result.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
@@ -10,8 +13,10 @@ use airlock_policy::{CallStatus, ToolOutcome};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-/// How many calls are remembered in memory (older ones are read from the store).
+/// How many finished calls are remembered in memory at most, whatever their size.
 const CAPACITY: usize = 2_048;
+/// What a remembered call costs beyond its result's text: ids, names, the record.
+const RECORD_OVERHEAD: usize = 512;
 
 /// Everything known about one call.
 #[derive(Debug, Clone)]
@@ -62,20 +67,55 @@ impl CallRecord {
 struct Entry {
     state: watch::Sender<CallRecord>,
     cancel: CancellationToken,
+    /// Counted among the finished calls (once, when it became final).
+    finished: bool,
 }
 
-#[derive(Default)]
 pub struct CallRegistry {
     inner: Mutex<Table>,
+    /// Bytes of finished calls kept at most.
+    budget: usize,
 }
 
 #[derive(Default)]
 struct Table {
     entries: HashMap<String, Entry>,
-    order: VecDeque<String>,
+    /// Finished calls in the order they finished, with what each costs.
+    finished: VecDeque<(String, usize)>,
+    finished_bytes: usize,
+}
+
+impl Table {
+    /// Forgets the oldest finished calls until both bounds hold.
+    fn evict(&mut self, budget: usize) {
+        while self.finished_bytes > budget || self.finished.len() > CAPACITY {
+            let Some((call_id, bytes)) = self.finished.pop_front() else {
+                return;
+            };
+            self.finished_bytes = self.finished_bytes.saturating_sub(bytes);
+            self.entries.remove(&call_id);
+        }
+    }
+}
+
+/// What keeping `record` costs: its result's text (the bulk) and a fixed overhead.
+fn record_bytes(record: &CallRecord) -> usize {
+    let result = record.result.as_ref().map_or(0, |r| {
+        r.content.iter().map(String::len).sum::<usize>()
+            + r.isolation.as_ref().map_or(0, |i| i.to_string().len())
+    });
+    RECORD_OVERHEAD + result
 }
 
 impl CallRegistry {
+    /// A registry that keeps at most `budget` bytes of finished calls.
+    pub fn new(budget: u64) -> Self {
+        Self {
+            inner: Mutex::default(),
+            budget: usize::try_from(budget).unwrap_or(usize::MAX),
+        }
+    }
+
     /// Registers a new call; returns the receiver that follows its state.
     pub fn insert(
         &self,
@@ -84,23 +124,38 @@ impl CallRegistry {
     ) -> watch::Receiver<CallRecord> {
         let (tx, rx) = watch::channel(record.clone());
         let mut table = self.lock();
-        while table.entries.len() >= CAPACITY {
-            let Some(oldest) = table.order.pop_front() else {
-                break;
-            };
-            table.entries.remove(&oldest);
-        }
-        table.order.push_back(record.call_id.clone());
-        table
-            .entries
-            .insert(record.call_id, Entry { state: tx, cancel });
+        table.entries.insert(
+            record.call_id,
+            Entry {
+                state: tx,
+                cancel,
+                finished: false,
+            },
+        );
         rx
     }
 
     pub fn update(&self, call_id: &str, change: impl FnOnce(&mut CallRecord)) {
-        if let Some(entry) = self.lock().entries.get(call_id) {
-            entry.state.send_modify(change);
+        let mut table = self.lock();
+        let Some(entry) = table.entries.get_mut(call_id) else {
+            return;
+        };
+        entry.state.send_modify(change);
+        if entry.finished || !entry.state.borrow().status.is_final() {
+            return;
         }
+        entry.finished = true;
+        let bytes = record_bytes(&entry.state.borrow());
+        table.finished.push_back((call_id.to_owned(), bytes));
+        table.finished_bytes += bytes;
+        table.evict(self.budget);
+    }
+
+    /// Bytes and number of the finished calls kept now.
+    #[cfg(test)]
+    fn kept(&self) -> (usize, usize) {
+        let table = self.lock();
+        (table.finished_bytes, table.finished.len())
     }
 
     pub fn watch(&self, call_id: &str) -> Option<watch::Receiver<CallRecord>> {
@@ -154,9 +209,72 @@ pub async fn wait_final(mut rx: watch::Receiver<CallRecord>, wait: Duration) -> 
 mod tests {
     use super::*;
 
+    fn finish(registry: &CallRegistry, call_id: &str, text_bytes: usize) {
+        registry.update(call_id, |r| {
+            r.status = CallStatus::Ok;
+            r.result = Some(ToolOutcome::text("x".repeat(text_bytes)));
+            r.checked = true;
+        });
+    }
+
+    /// 300 finished 1 MiB results under a 4 MiB budget: what is kept stays under it,
+    /// the newest are answered from memory, the oldest are gone; a call in flight is
+    /// never forgotten, and a waiter keeps the result it was handed.
+    #[tokio::test]
+    async fn finished_calls_are_kept_by_bytes_not_by_count() {
+        const MIB: usize = 1 << 20;
+        let registry = CallRegistry::new(4 * MIB as u64);
+        let running = registry.insert(
+            CallRecord::running("call_long", "t0", "execute_shell", "local"),
+            CancellationToken::new(),
+        );
+        let mut held = None;
+        for i in 0..300 {
+            let id = format!("call_{i}");
+            let rx = registry.insert(
+                CallRecord::running(&id, "t", "read_file", "local"),
+                CancellationToken::new(),
+            );
+            finish(&registry, &id, MIB);
+            if i == 0 {
+                held = Some(rx);
+            }
+            let (bytes, _) = registry.kept();
+            assert!(bytes <= 4 * MIB, "call {i}: {bytes} bytes kept");
+        }
+        let (bytes, count) = registry.kept();
+        assert!(count >= 3, "the newest calls are kept: {count}");
+        assert!(bytes > 2 * MIB, "{bytes}");
+        assert!(registry.watch("call_299").is_some());
+        assert!(
+            registry.watch("call_0").is_none(),
+            "the oldest went to the store"
+        );
+        assert!(
+            registry.watch("call_long").is_some(),
+            "a running call stays"
+        );
+        assert!(registry.cancel("call_long"));
+        let held = held.unwrap();
+        assert_eq!(held.borrow().result.as_ref().unwrap().content[0].len(), MIB);
+        drop(running);
+        // Small results are kept by count.
+        let registry = CallRegistry::new(u64::MAX);
+        for i in 0..(CAPACITY + 100) {
+            let id = format!("small_{i}");
+            let _ = registry.insert(
+                CallRecord::running(&id, "t", "read_file", "local"),
+                CancellationToken::new(),
+            );
+            finish(&registry, &id, 10);
+        }
+        assert_eq!(registry.kept().1, CAPACITY);
+        assert!(registry.watch("small_0").is_none());
+    }
+
     #[tokio::test]
     async fn a_zero_wait_still_waits_for_the_gates_checks() {
-        let registry = CallRegistry::default();
+        let registry = CallRegistry::new(u64::MAX);
         let rx = registry.insert(
             CallRecord::running("call_1", "t1", "write_file", "local"),
             CancellationToken::new(),

@@ -40,6 +40,10 @@ pub struct Limits {
     /// headers and idle keep-alive connections alike. gRPC: the client's HTTP/2 preface,
     /// counted from accept. 0 turns the timeout off.
     pub header_read_timeout_ms: u64,
+    /// Bytes of finished calls' results the orchestrator keeps in memory to answer
+    /// `GET /v1/calls/{id}` and late waiters (DESIGN §15); older calls are answered from
+    /// the store. Whatever the call rate, memory for results stays under this.
+    pub result_memory_bytes: u64,
 }
 
 impl Default for Limits {
@@ -55,6 +59,7 @@ impl Default for Limits {
             mcp_wait_ms: 3_000,
             max_connections: 1024,
             header_read_timeout_ms: 10_000,
+            result_memory_bytes: 64 * MIB,
         }
     }
 }

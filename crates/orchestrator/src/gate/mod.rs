@@ -149,7 +149,7 @@ impl Gate {
     pub fn new(parts: GateParts) -> Self {
         Self {
             catalog: parts.catalog,
-            calls: CallRegistry::default(),
+            calls: CallRegistry::new(parts.limits.result_memory_bytes),
             limits: parts.limits,
             store: parts.store,
             approvals: parts.approvals,
