@@ -851,3 +851,77 @@ fn authed_request<T>(token: &str, message: T) -> tonic::Request<T> {
     );
     request
 }
+
+/// DESIGN §15: a result is answered whole, memory keeps finished calls by bytes
+/// (`[limits] result_memory_bytes = 0`: none), and the store keeps at most
+/// `[store] max_result_bytes` of one result, saying where it was cut, while the audit
+/// holds the digest of the whole.
+#[tokio::test]
+async fn results_are_answered_whole_and_stored_cut_to_the_store_limit() {
+    use sha2::Digest as _;
+    let airlock = Airlock::start_with(
+        "[limits]\nresult_memory_bytes = 0\n\n[store]\nmax_result_bytes = 4096\n",
+    )
+    .await;
+    let text: String = (0..2000).map(|i| format!("line {i:05}\n")).collect();
+    let (is_error, _, _) = airlock
+        .call("write_file", json!({"path": "big.txt", "content": text}))
+        .await;
+    assert!(!is_error);
+    let (is_error, answered, call) = airlock.call("read_file", json!({"path": "big.txt"})).await;
+    assert!(!is_error, "{answered}");
+    assert_eq!(answered, text, "the caller gets the whole result");
+    let call_id = call["call_id"].as_str().expect("call_id").to_owned();
+
+    // Not kept in memory: answered from the store, cut, and saying so.
+    let (status, detail) = airlock.get(&format!("/v1/calls/{call_id}")).await;
+    assert_eq!(status, 200, "{detail}");
+    assert_eq!(detail["status"], "ok", "{detail}");
+    let blocks: Vec<String> = detail["tool_result"]["content"]
+        .as_array()
+        .expect("content")
+        .iter()
+        .map(|b| b["text"].as_str().unwrap_or_default().to_owned())
+        .collect();
+    let stored: usize = blocks.iter().map(String::len).sum();
+    assert!(stored <= 4096 + 200, "{stored} bytes stored");
+    let note = blocks.last().expect("a note");
+    let digest = hex::encode(sha2::Sha256::digest(text.as_bytes()));
+    assert!(
+        note.contains("max_result_bytes") && note.contains(&digest),
+        "{note}"
+    );
+    assert!(
+        text.starts_with(&blocks[0]),
+        "the kept part is the start of the result"
+    );
+
+    // On disk too, and the audit's completed event holds the digest of the whole.
+    let db = rusqlite::Connection::open(airlock.data_dir().join("airlock.db")).expect("open");
+    db.busy_timeout(Duration::from_secs(10))
+        .expect("busy timeout");
+    let bytes: i64 = db
+        .query_row(
+            "SELECT length(result) FROM calls WHERE call_id = ?1",
+            [&call_id],
+            |row| row.get(0),
+        )
+        .expect("stored call");
+    assert!(
+        bytes < 6000,
+        "{bytes} bytes in the store for a {} byte result",
+        text.len()
+    );
+    let (_, audit) = airlock.get(&format!("/v1/audit?limit=1000")).await;
+    let completed = audit["events"]
+        .as_array()
+        .or_else(|| audit["records"].as_array())
+        .expect("events")
+        .iter()
+        .find(|e| e["call_id"] == call_id.as_str() && e["kind"] == "completed")
+        .cloned()
+        .unwrap_or(Value::Null);
+    assert_eq!(completed["data"]["result_sha256"], digest, "{completed}");
+    let (_, report) = airlock.get("/v1/audit/verify").await;
+    assert_eq!(report["ok"], true, "{report}");
+}

@@ -51,6 +51,8 @@ pub struct AirlockConfig {
     pub dispatch: airlock_orchestrator::DispatchConfig,
     /// How a worker stops.
     pub worker: WorkerSection,
+    /// What the store keeps of results, and for how long (DESIGN §15).
+    pub store: airlock_orchestrator::StoreRetention,
 }
 
 /// `[worker]`.
@@ -238,6 +240,7 @@ impl Loaded {
                 .filter(|_| self.config.orchestrator.grpc_tls),
             worker_tls,
             dispatch: self.config.dispatch.clone(),
+            retention: self.config.store.clone(),
         })
     }
 

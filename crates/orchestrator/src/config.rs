@@ -39,10 +39,33 @@ pub struct OrchestratorConfig {
     pub worker_tls: WorkerTls,
     /// `[dispatch]`: how replicas behind a name are found.
     pub dispatch: DispatchConfig,
+    /// `[store]`: what the store keeps of results, and for how long.
+    pub retention: StoreRetention,
     /// `[orchestrator] grpc_tls = true`: the gRPC front door serves TLS with this
     /// identity (`[tls]` cert_file/key_file, the same one that dials workers); no client
     /// certificate is asked for. `None`: plaintext, as before.
     pub grpc_tls: Option<std::sync::Arc<airlock_tls::mtls::Reloading>>,
+}
+
+/// `[store]` (DESIGN §15): what the store keeps of results, and for how long.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct StoreRetention {
+    /// Results of calls finished longer ago are dropped (the calls, their statuses and
+    /// the audit chain stay); 0 keeps them for ever.
+    pub retention_days: u64,
+    /// The most the store keeps of one result; a longer one is cut, and says so. The
+    /// audit's `completed` event holds the digest of the whole.
+    pub max_result_bytes: u64,
+}
+
+impl Default for StoreRetention {
+    fn default() -> Self {
+        Self {
+            retention_days: 30,
+            max_result_bytes: 65_536,
+        }
+    }
 }
 
 /// `[dispatch]` (DESIGN §9).

@@ -35,7 +35,7 @@ pub use agent::{AgentConfig, ProviderKind};
 pub use auth::{AuthError, Principal, Principals, Role};
 pub use config::{
     ApprovalsConfig, AuditConfig, BudgetConfig, CacheConfig, DispatchConfig, OrchestratorConfig,
-    PrincipalConfig, WorkerGroupConfig, WorkerTls,
+    PrincipalConfig, StoreRetention, WorkerGroupConfig, WorkerTls,
 };
 /// The (method, path) of every authenticated HTTP route, as the router serves them.
 pub use http_api::route_table as http_route_table;

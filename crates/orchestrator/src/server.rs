@@ -164,11 +164,13 @@ impl Orchestrator {
             workspaces_root: config.workspaces_root.clone(),
             // The front doors' table, so that a reload reaches the gate's re-checks too.
             principals: prepared.principals.clone(),
+            retention: config.retention.clone(),
         }));
         let stop = CancellationToken::new();
         gate.probe_workers().await?;
         tokio::spawn(catalog.refresh_forever(stop.clone()));
         tokio::spawn(gate.clone().resume_forever(stop.clone()));
+        tokio::spawn(gate.clone().prune_forever(stop.clone()));
         {
             let gate = gate.clone();
             let config = config.clone();

@@ -141,6 +141,7 @@ both_backends!(
     claim_for_dispatch_exactly_once_under_concurrency,
     resumable_calls_after_restart,
     calls_and_session_usage,
+    results_are_pruned_after_retention_and_the_chain_still_verifies,
     approval_pages_walk_every_approval_once_in_order,
     approval_pages_stop_at_their_byte_budget,
     // The state machine, one transition per test (the expiry sweep's batches:
@@ -1136,6 +1137,42 @@ async fn calls_and_session_usage(backend: Backend) {
         store.finish_call(&cid("missing"), &outcome("ok")).await,
         Err(StoreError::NotFound { .. })
     ));
+}
+
+/// `[store] retention_days` (DESIGN §15): results of calls finished before the cut are
+/// dropped; the calls keep their status, newer results and calls still running are
+/// untouched, and the audit chain still verifies.
+async fn results_are_pruned_after_retention_and_the_chain_still_verifies(backend: Backend) {
+    let store = backend.open().await;
+    append_n(&store, 5).await;
+    const DAY: i64 = 24 * 3600 * 1000;
+    let now = now_millis();
+    for id in ["old", "new", "running"] {
+        store
+            .insert_call(new_call(id, CallState::Approved))
+            .await
+            .unwrap();
+    }
+    let mut old = outcome("ok");
+    old.finished_at = now - 40 * DAY;
+    assert!(store.finish_call(&cid("old"), &old).await.unwrap());
+    assert!(
+        store
+            .finish_call(&cid("new"), &outcome("error"))
+            .await
+            .unwrap()
+    );
+    assert_eq!(store.prune_results(now - 30 * DAY).await.unwrap(), 1);
+    let pruned = store.get_call(&cid("old")).await.unwrap().unwrap();
+    assert_eq!(pruned.status, Some(CallStatus::Ok));
+    assert_eq!(pruned.result, None, "the old result is gone");
+    let kept = store.get_call(&cid("new")).await.unwrap().unwrap();
+    assert!(kept.result.is_some(), "a recent result stays");
+    let running = store.get_call(&cid("running")).await.unwrap().unwrap();
+    assert_eq!(running.state, CallState::Approved);
+    assert_eq!(store.prune_results(now - 30 * DAY).await.unwrap(), 0);
+    let report = store.verify().await.unwrap();
+    assert!(report.ok, "{report:?}");
 }
 
 // ---------------------------------------------------------------------------------

@@ -227,7 +227,7 @@ impl Gate {
         let digest = hex::encode(Sha256::digest(ending.outcome.content.join("\n").as_bytes()));
         let stored = CallOutcome {
             status,
-            result: serde_json::to_value(&ending.outcome).unwrap_or(Value::Null),
+            result: self.stored_result(&ending.outcome, &digest),
             duration_ms: Some(duration_ms),
             replica: ending.replica.clone(),
             finished_at: now_millis(),

@@ -32,6 +32,7 @@ mod dispatch;
 mod ending;
 mod policy;
 mod resume;
+mod retention;
 mod validate;
 
 use std::collections::HashMap;
@@ -53,6 +54,7 @@ use crate::budget::{BudgetError, Budgets};
 use crate::cache::{CacheError, ResultCache};
 use crate::calls::{CallRecord, CallRegistry};
 use crate::catalog::{Catalog, CatalogTool};
+use crate::config::StoreRetention;
 use crate::config::{ApprovalsConfig, AuditConfig};
 use crate::dispatch::WorkerEvent;
 use crate::store::{Store, StoreError};
@@ -89,6 +91,8 @@ pub struct GateParts {
     /// The principals in force (the front doors' table, reloaded on SIGHUP): an
     /// approved call is checked against them again before it runs.
     pub principals: Arc<Principals>,
+    /// `[store]`: what the store keeps of results, and for how long.
+    pub retention: StoreRetention,
 }
 
 pub struct Gate {
@@ -104,6 +108,7 @@ pub struct Gate {
     replica_id: String,
     workspaces_root: Option<PathBuf>,
     principals: Arc<Principals>,
+    retention: StoreRetention,
     authorizer: RwLock<Arc<Authorizer>>,
     /// Woken when an approval is decided through this replica.
     decided: Notify,
@@ -159,6 +164,7 @@ impl Gate {
             replica_id: format!("orchestrator-{}", uuid::Uuid::new_v4().simple()),
             workspaces_root: parts.workspaces_root,
             principals: parts.principals,
+            retention: parts.retention,
             authorizer: RwLock::new(Arc::new(parts.authorizer)),
             decided: Notify::new(),
             visibility: std::sync::Mutex::default(),

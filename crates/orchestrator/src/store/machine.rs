@@ -209,6 +209,9 @@ pub(super) trait Tx {
     /// Applies a move; true if the approval was in `from` (and so moved).
     async fn move_approval(&mut self, mv: &ApprovalMove<'_>) -> Result<bool, StoreError>;
 
+    /// Drops the results of calls finished before `before`; how many it dropped.
+    async fn prune_results(&mut self, before: Timestamp) -> Result<u64, StoreError>;
+
     /// Applies a sweep and returns the approvals it moved, each with its call.
     async fn sweep_approvals(
         &mut self,
@@ -308,6 +311,12 @@ pub(super) async fn finish_call(
         return Err(call_not_found(call_id));
     }
     Ok(finished)
+}
+
+/// Drops the stored results of calls finished before `before` (`[store]
+/// retention_days`); the calls, their statuses and the audit chain stay.
+pub(super) async fn prune_results(tx: &mut impl Tx, before: Timestamp) -> Result<u64, StoreError> {
+    tx.prune_results(before).await
 }
 
 /// A pending approval, and its call moved (from whatever state) or inserted as

@@ -584,6 +584,11 @@ pub trait Store: Send + Sync {
         lease_until: Timestamp,
     ) -> Result<bool, StoreError>;
 
+    /// Drops the stored results of calls finished before `finished_before` (`[store]
+    /// retention_days`, DESIGN §15); returns how many. The calls and their statuses
+    /// stay, and so does the audit chain, whose events hold digests, not results.
+    async fn prune_results(&self, finished_before: Timestamp) -> Result<u64, StoreError>;
+
     /// Extends the lease of a call that `claimant` holds; false if it does not hold it.
     async fn renew_lease(
         &self,

@@ -23,7 +23,7 @@ use super::machine::{
     self, ApprovalMove, ApprovalState, CallFilter, CallMove, CallOwner, ChainHead, Sweep, Tx,
     Verdict,
 };
-use super::sql::{Placeholders, filter_sql, move_call_sql};
+use super::sql::{Placeholders, filter_sql, move_call_sql, prune_results_sql};
 use super::{
     APPROVAL_SELECT, AUDIT_COLUMNS, Approval, ApprovalId, ApprovalPage, ApprovalQuery,
     ApprovalStatus, AuditQuery, AuditRecord, CALL_COLUMNS, CallId, CallOutcome, CallState,
@@ -635,6 +635,12 @@ impl<C: GenericClient> Tx for PgTx<'_, C> {
         Ok(changed == 1)
     }
 
+    async fn prune_results(&mut self, before: Timestamp) -> Result<u64, StoreError> {
+        let mut binds = Binds::default();
+        let sql = prune_results_sql(before, &mut binds);
+        Ok(self.client.execute(sql.as_str(), &binds.refs()).await?)
+    }
+
     async fn sweep_approvals(
         &mut self,
         sweep: &Sweep,
@@ -855,6 +861,11 @@ impl Store for PostgresStore {
         let client = self.client().await?;
         let mut tx = PgTx { client: &client };
         machine::claim_for_dispatch(&mut tx, call_id, claimant, now, lease_until).await
+    }
+
+    async fn prune_results(&self, finished_before: Timestamp) -> Result<u64, StoreError> {
+        let client = self.client().await?;
+        machine::prune_results(&mut PgTx { client: &client }, finished_before).await
     }
 
     async fn renew_lease(

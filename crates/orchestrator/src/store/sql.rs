@@ -102,3 +102,14 @@ pub(super) fn move_call_sql(mv: &CallMove<'_>, binds: &mut impl Placeholders) ->
     }
     sql
 }
+
+/// `UPDATE calls SET result = NULL …` for the results of calls finished before
+/// `before` (`[store] retention_days`): the row, its status and digest-bearing audit
+/// events stay.
+pub(super) fn prune_results_sql(before: Timestamp, binds: &mut impl Placeholders) -> String {
+    format!(
+        "UPDATE calls SET result = NULL WHERE state = '{}' AND result IS NOT NULL AND finished_at < {}",
+        CallState::Finished.as_str(),
+        binds.timestamp(before)
+    )
+}

@@ -20,7 +20,7 @@ use super::machine::{
     self, ApprovalMove, ApprovalState, CallFilter, CallMove, CallOwner, ChainHead, Sweep, Tx,
     Verdict,
 };
-use super::sql::{Placeholders, filter_sql, move_call_sql};
+use super::sql::{Placeholders, filter_sql, move_call_sql, prune_results_sql};
 use super::{
     APPROVAL_SELECT, AUDIT_COLUMNS, Approval, ApprovalId, ApprovalPage, ApprovalQuery,
     ApprovalStatus, AuditQuery, AuditRecord, CALL_COLUMNS, CallId, CallOutcome, CallState,
@@ -583,6 +583,13 @@ impl Tx for SqliteTx<'_> {
         Ok(changed == 1)
     }
 
+    async fn prune_results(&mut self, before: Timestamp) -> Result<u64, StoreError> {
+        let mut binds = Binds::default();
+        let sql = prune_results_sql(before, &mut binds);
+        let changed = self.conn.execute(&sql, params_from_iter(binds.0))?;
+        Ok(u64::try_from(changed).unwrap_or(u64::MAX))
+    }
+
     async fn sweep_approvals(
         &mut self,
         sweep: &Sweep,
@@ -793,6 +800,15 @@ impl Store for SqliteStore {
                 now,
                 lease_until,
             ))
+        })
+        .await
+    }
+
+    async fn prune_results(&self, finished_before: Timestamp) -> Result<u64, StoreError> {
+        // One statement: atomic on its own.
+        self.run(move |conn| {
+            let mut tx = SqliteTx { conn };
+            drive(machine::prune_results(&mut tx, finished_before))
         })
         .await
     }
