@@ -39,6 +39,11 @@ set -euo pipefail
 shopt -s inherit_errexit
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+# A relative AIRLOCK_BIN is relative to where the script was started.
+case ${AIRLOCK_BIN:-/} in
+    /*) ;;
+    *) AIRLOCK_BIN="$PWD/$AIRLOCK_BIN" ;;
+esac
 cd "$root"
 here="$root/deploy/docker"
 
