@@ -912,7 +912,7 @@ async fn results_are_answered_whole_and_stored_cut_to_the_store_limit() {
         "{bytes} bytes in the store for a {} byte result",
         text.len()
     );
-    let (_, audit) = airlock.get(&format!("/v1/audit?limit=1000")).await;
+    let (_, audit) = airlock.get("/v1/audit?limit=1000").await;
     let completed = audit["events"]
         .as_array()
         .or_else(|| audit["records"].as_array())

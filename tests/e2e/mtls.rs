@@ -54,6 +54,26 @@ impl Component {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
+    /// Waits (bounded) for an orchestrator's run file in `data_dir`; its HTTP URL.
+    pub(crate) async fn http_url(&mut self, data_dir: &Path) -> String {
+        let run_file = data_dir.join("run/orchestrator.json");
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Some(url) = std::fs::read_to_string(&run_file)
+                .ok()
+                .and_then(|t| serde_json::from_str::<Value>(&t).ok())
+                .and_then(|v| v["http"].as_str().map(str::to_owned))
+            {
+                return url;
+            }
+            if let Ok(Some(status)) = self.child.try_wait() {
+                panic!("the orchestrator exited ({status}):\n{}", self.log());
+            }
+            assert!(Instant::now() < deadline, "{}", self.log());
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
     /// Waits until the log has a line with `needle`, and returns that line.
     pub(crate) fn wait_for_line(&mut self, needle: &str) -> String {
         let deadline = Instant::now() + Duration::from_secs(60);
@@ -200,25 +220,13 @@ async fn a_worker_on_tcp_serves_only_its_orchestrator() {
     )
     .expect("orchestrator config");
     let orchestrator_data = scratch.path().join("orchestrator-data");
-    let orchestrator = Component::start(
+    let mut orchestrator = Component::start(
         &["serve", "orchestrator"],
         &orchestrator_config,
         &orchestrator_data,
         scratch.path().join("orchestrator.log"),
     );
-    let run_file = orchestrator_data.join("run/orchestrator.json");
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let url = loop {
-        if let Some(url) = std::fs::read_to_string(&run_file)
-            .ok()
-            .and_then(|t| serde_json::from_str::<Value>(&t).ok())
-            .and_then(|v| v["http"].as_str().map(str::to_owned))
-        {
-            break url;
-        }
-        assert!(Instant::now() < deadline, "{}", orchestrator.log());
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    let url = orchestrator.http_url(&orchestrator_data).await;
 
     // 1. The orchestrator's calls run on the worker, over mutual TLS.
     let http = reqwest::Client::new();

@@ -482,38 +482,13 @@ async fn the_confined_orchestrator_reaches_its_store_over_verified_tls() {
     )
     .expect("config");
     let data = scratch.path().join("data");
-    let log = scratch.path().join("orchestrator.log");
-    let mut child = Command::new(AIRLOCK)
-        .args(["serve", "orchestrator", "--config"])
-        .arg(&config)
-        .arg("--data-dir")
-        .arg(&data)
-        .env("RUST_LOG", "info")
-        .env("AIRLOCK_LAUNCHER_PID", std::process::id().to_string())
-        .env_remove("AIRLOCK_URL")
-        .env_remove("AIRLOCK_TOKEN")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&log).expect("log"))
-        .spawn()
-        .expect("spawn airlock serve orchestrator");
-    let read_log = || std::fs::read_to_string(&log).unwrap_or_default();
-    let run_file = data.join("run/orchestrator.json");
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let url = loop {
-        if let Some(url) = std::fs::read_to_string(&run_file)
-            .ok()
-            .and_then(|t| serde_json::from_str::<Value>(&t).ok())
-            .and_then(|v| v["http"].as_str().map(str::to_owned))
-        {
-            break url;
-        }
-        if let Ok(Some(status)) = child.try_wait() {
-            panic!("the orchestrator exited ({status}):\n{}", read_log());
-        }
-        assert!(Instant::now() < deadline, "{}", read_log());
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    let mut orchestrator = crate::mtls::Component::start(
+        &["serve", "orchestrator"],
+        &config,
+        &data,
+        scratch.path().join("orchestrator.log"),
+    );
+    let url = orchestrator.http_url(&data).await;
     let verified: Value = reqwest::Client::new()
         .get(format!("{url}/v1/audit/verify"))
         .bearer_auth(TOKEN)
@@ -523,7 +498,5 @@ async fn the_confined_orchestrator_reaches_its_store_over_verified_tls() {
         .json()
         .await
         .expect("json");
-    let _ = child.kill();
-    let _ = child.wait();
-    assert_eq!(verified["ok"], true, "{verified}\n{}", read_log());
+    assert_eq!(verified["ok"], true, "{verified}\n{}", orchestrator.log());
 }

@@ -79,20 +79,8 @@ impl Cluster {
         )
         .expect("orchestrator config");
         let data = scratch.path().join("orchestrator-data");
-        let orchestrator = start_in_own_hosts(&hosts, &config, &data, scratch.path());
-        let run_file = data.join("run/orchestrator.json");
-        let deadline = Instant::now() + Duration::from_secs(60);
-        let url = loop {
-            if let Some(url) = std::fs::read_to_string(&run_file)
-                .ok()
-                .and_then(|t| serde_json::from_str::<Value>(&t).ok())
-                .and_then(|v| v["http"].as_str().map(str::to_owned))
-            {
-                break url;
-            }
-            assert!(Instant::now() < deadline, "{}", orchestrator.log());
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        };
+        let mut orchestrator = start_in_own_hosts(&hosts, &config, &data, scratch.path());
+        let url = orchestrator.http_url(&data).await;
         let cluster = Self {
             scratch,
             pki,

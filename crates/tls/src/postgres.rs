@@ -106,6 +106,22 @@ pub struct PgUrl {
     pub tls: PgTls,
 }
 
+/// An error and its causes, `a: b: c` (tokio-postgres hides the cause of a failed
+/// connection, a certificate problem say, behind "error performing TLS handshake").
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        let cause_text = cause.to_string();
+        if !text.contains(&cause_text) {
+            text.push_str(": ");
+            text.push_str(&cause_text);
+        }
+        source = cause.source();
+    }
+    text
+}
+
 /// The `sslrootcert` a url names, if any: a component that confines itself keeps its
 /// directory readable, since the file is read when connections are made.
 pub fn root_cert(url: &str) -> Option<PathBuf> {

@@ -18,7 +18,7 @@ use std::error::Error as _;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use airlock_tls::postgres::{PgTls, PgTlsError};
+use airlock_tls::postgres::{PgTls, PgTlsError, error_chain};
 use futures::TryStreamExt;
 use serde_json::Value;
 use tokio_postgres::config::Host;
@@ -88,21 +88,6 @@ fn find_source<E: std::error::Error + 'static>(e: &dyn std::error::Error) -> Opt
         source = s.source();
     }
     None
-}
-
-/// An error and its causes, `a: b: c`.
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(cause) = source {
-        let cause_text = cause.to_string();
-        if !text.contains(&cause_text) {
-            text.push_str(": ");
-            text.push_str(&cause_text);
-        }
-        source = cause.source();
-    }
-    text
 }
 
 /// One configured PostgreSQL database.

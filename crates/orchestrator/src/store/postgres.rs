@@ -10,7 +10,7 @@
 
 use std::time::Duration;
 
-use airlock_tls::postgres::{PgTls, PgTlsError, PgUrl};
+use airlock_tls::postgres::{PgTls, PgTlsError, PgUrl, error_chain};
 use async_trait::async_trait;
 use deadpool_postgres::GenericClient;
 use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod, Runtime};
@@ -125,21 +125,6 @@ impl PostgresStore {
             other => StoreError::Pool(other.to_string()),
         })
     }
-}
-
-/// An error and its causes, `a: b: c`.
-fn error_chain(err: &dyn std::error::Error) -> String {
-    let mut text = err.to_string();
-    let mut source = err.source();
-    while let Some(cause) = source {
-        let cause_text = cause.to_string();
-        if !text.contains(&cause_text) {
-            text.push_str(": ");
-            text.push_str(&cause_text);
-        }
-        source = cause.source();
-    }
-    text
 }
 
 async fn migrate(client: &mut Object) -> Result<(), StoreError> {
