@@ -230,6 +230,7 @@ t_shell_strict_refused() {
     grep -qF 'refusing to start' <<<"$log" || { echo "$log" >&2; fail "no 'refusing to start'"; }
     grep -qF 'user namespaces are not available' <<<"$log" || fail "the refusal does not name user namespaces"
     grep -qF 'hostUsers: false' <<<"$log" || fail "the refusal does not name hostUsers: false"
+    grep -qF -- '--security-opt seccomp=' <<<"$log" || fail "the refusal does not name Docker's --security-opt seccomp="
     grep -qF 'min_isolation = "standard"' <<<"$log" || fail "the refusal does not name min_isolation = \"standard\""
     echo "    exit $code: $(grep -o 'refusing to start: [^:]*: [^(]*' <<<"$log" | head -n1)"
 }

@@ -162,7 +162,9 @@ fn probe_user_namespaces() -> Result<(), Missing> {
         problem,
         fix: "enable them (sysctl user.max_user_namespaces > 0, \
               kernel.unprivileged_userns_clone=1, kernel.apparmor_restrict_unprivileged_userns=0 \
-              or an AppArmor profile allowing userns), run the pod with hostUsers: false, or \
+              or an AppArmor profile allowing userns), run the pod with hostUsers: false, \
+              in Docker give the container --security-opt seccomp=<a profile allowing \
+              clone and unshare with CLONE_NEWUSER> (the default profile refuses them), or \
               set [sandbox] min_isolation = \"standard\""
             .into(),
     };
