@@ -32,7 +32,19 @@ pub(crate) struct Component {
 
 impl Component {
     pub(crate) fn start(args: &[&str], config: &Path, data_dir: &Path, log: PathBuf) -> Self {
-        let child = Command::new(AIRLOCK)
+        Self::start_under(Command::new(AIRLOCK), args, config, data_dir, log)
+    }
+
+    /// [`Component::start`] with `launcher` in front: a command that ends by running
+    /// the arguments it is given (`unshare … sh -c '… exec "$@"'`), or `airlock` itself.
+    pub(crate) fn start_under(
+        mut launcher: Command,
+        args: &[&str],
+        config: &Path,
+        data_dir: &Path,
+        log: PathBuf,
+    ) -> Self {
+        let child = launcher
             .args(args)
             .arg("--config")
             .arg(config)

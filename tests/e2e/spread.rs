@@ -7,7 +7,7 @@
 //! restart under load loses no call.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -257,26 +257,19 @@ fn start_worker(scratch: &Path, pki: &Path, index: usize, port: u16) -> Componen
 /// The orchestrator in a mount namespace of its own, where `/etc/hosts` is `hosts`: the
 /// name resolves as a cluster DNS would, and nothing on the host changes.
 fn start_in_own_hosts(hosts: &Path, config: &Path, data: &Path, scratch: &Path) -> Component {
-    let log = scratch.join("orchestrator.log");
-    let child = Command::new("unshare")
+    let mut unshare = Command::new("unshare");
+    unshare
         .args(["--mount", "--propagation", "private", "--", "sh", "-c"])
         .arg("mount --bind \"$0\" /etc/hosts && exec \"$@\"")
         .arg(hosts)
-        .arg(AIRLOCK)
-        .args(["serve", "orchestrator", "--config"])
-        .arg(config)
-        .arg("--data-dir")
-        .arg(data)
-        .env("RUST_LOG", "info")
-        .env("AIRLOCK_LAUNCHER_PID", std::process::id().to_string())
-        .env_remove("AIRLOCK_URL")
-        .env_remove("AIRLOCK_TOKEN")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&log).expect("log file"))
-        .spawn()
-        .expect("unshare (util-linux) starts the orchestrator in its own mount namespace");
-    Component { child, log }
+        .arg(AIRLOCK);
+    Component::start_under(
+        unshare,
+        &["serve", "orchestrator"],
+        config,
+        data,
+        scratch.join("orchestrator.log"),
+    )
 }
 
 /// Runs `calls` calls, `concurrency` at a time, each made by `make(i)`; returns them in
