@@ -235,6 +235,29 @@ t_shell_strict_refused() {
     echo "    exit $code: $(grep -o 'refusing to start: [^:]*: [^(]*' <<<"$log" | head -n1)"
 }
 
+# What each option buys: Airlock's strict seccomp profile (the one Kubernetes nodes load
+# for components/shell-strict) and unmasked /proc give the container user namespaces;
+# the worker still refuses, now naming only cgroups, since Docker mounts the cgroup file
+# system read-only in every unprivileged container.
+t_shell_strict_profile() {
+    local name="airlock-test-shell-profile-$$" code log profile
+    profile="$(cd "$(dirname "${BASH_SOURCE[0]}")/../k8s/components/shell-strict/node" && pwd)/shell-strict.json"
+    run_detached "$name" --read-only --tmpfs /tmp --cap-drop ALL --security-opt no-new-privileges \
+        --security-opt "seccomp=$profile" --security-opt systempaths=unconfined \
+        -v "$work/strict:/etc/airlock:ro" \
+        "$shell_image" serve worker shell --listen 0.0.0.0:50052 --config /etc/airlock/worker.toml
+    code="$(docker wait "$name")"
+    log="$(docker logs "$name" 2>&1)"
+    [ "$code" != 0 ] || { echo "$log" >&2; fail "the shell worker started strict without a writable cgroup"; }
+    grep -qF 'refusing to start' <<<"$log" || { echo "$log" >&2; fail "no 'refusing to start'"; }
+    grep -qF 'cgroups are not usable' <<<"$log" || { echo "$log" >&2; fail "the refusal does not name cgroups"; }
+    if grep -qF 'user namespaces are not available' <<<"$log"; then
+        echo "$log" >&2
+        fail "user namespaces are still refused under $profile"
+    fi
+    echo "    exit $code: $(grep -o 'refusing to start: [^(]*' <<<"$log" | head -n1)"
+}
+
 t_shell_standard() {
     local name="airlock-test-shell-standard-$$"
     run_detached "$name" --read-only --tmpfs /tmp -v "$work/standard:/etc/airlock:ro" \
@@ -254,6 +277,7 @@ check "fs worker: starts read-only as 65532, confined, serves health, drains on 
 check "airlock-shell:dev: sh, coreutils, git, python3, uid 65532" t_shell_tools
 check "airlock-shell:dev: a standard sandbox sees sh, git, python3" t_sandbox_run
 check "shell worker refuses strict isolation in a plain container, naming the fix" t_shell_strict_refused
+check "shell worker under the strict seccomp profile: user namespaces, but no writable cgroup" t_shell_strict_profile
 check "shell worker with min_isolation = standard starts and drains" t_shell_standard
 
 for i in "$image" "$shell_image"; do

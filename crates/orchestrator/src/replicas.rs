@@ -420,6 +420,9 @@ impl ReplicaSet {
                 }
             }
         }
+        // DNS servers rotate the order of their answers (Docker's does, on every query):
+        // in endpoint order, an unchanged set reads as unchanged.
+        fresh.sort_by(|a, b| a.endpoint.cmp(&b.endpoint));
         let before: Vec<String> = current.iter().map(|r| r.endpoint.clone()).collect();
         let after: Vec<String> = fresh.iter().map(|r| r.endpoint.clone()).collect();
         if before != after {
