@@ -94,56 +94,92 @@ impl Tool for ExecuteShell {
             Ok(a) => a,
             Err(e) => return ToolOutcome::error(format!("invalid arguments: {e}")),
         };
-        if let Some(volumes) = self.config.volumes.clone() {
-            let root = self.config.workspaces_root.clone();
-            let (principal, session) = (ctx.principal.clone(), ctx.session_id.as_str().to_owned());
-            // Creating a volume runs mkfs and mount in the broker: off the async threads.
-            let ensured =
-                tokio::task::spawn_blocking(move || volumes.ensure(&root, &principal, &session))
-                    .await;
-            match ensured {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => return ToolOutcome::error(e.to_string()),
-                Err(e) => {
-                    return ToolOutcome::error(format!("the workspace could not be prepared: {e}"));
-                }
-            }
+        if let Err(message) = ensure_volume(&self.config, &ctx).await {
+            return ToolOutcome::error(message);
         }
-        let spec = match self.spec(args, &ctx) {
-            Ok(spec) => spec,
-            Err(message) => return ToolOutcome::error(message),
-        };
-        let workspace = spec.workspace.clone();
-        let cancel = Cancel::new();
-        let guard = CancelOnDrop(cancel.clone());
-        let watcher = {
-            let token = ctx.cancel.clone();
-            let cancel = cancel.clone();
-            tokio::spawn(async move {
-                token.cancelled().await;
-                cancel.cancel();
-            })
-        };
-        let sandbox = self.sandbox.clone();
-        let stream_ctx = ctx.clone();
-        let run = tokio::task::spawn_blocking(move || {
-            let mut sink = |stream: Stream, data: &[u8]| {
-                let stream = match stream {
-                    Stream::Stdout => OutputStream::Stdout,
-                    Stream::Stderr => OutputStream::Stderr,
-                };
-                stream_ctx.output_blocking(stream, data.to_vec());
-            };
-            sandbox.run(&spec, &mut sink, &cancel)
+        match self.spec(args, &ctx) {
+            Ok(spec) => run(&self.config, &self.sandbox, spec, ctx).await,
+            Err(message) => ToolOutcome::error(message),
+        }
+    }
+}
+
+/// The names of Airlock's built-in tools (DESIGN §4), which no declared tool may take.
+pub(crate) const BUILT_IN: &[&str] = &[
+    "execute_shell",
+    "read_file",
+    "write_file",
+    "edit_file",
+    "list_directory",
+    "search_files",
+    "get_file_info",
+    "create_directory",
+    "move_path",
+    "delete_path",
+    "http_request",
+    "fetch_url",
+    "list_databases",
+    "list_tables",
+    "describe_table",
+    "query_database",
+    "execute_sql",
+];
+
+/// Mounts the call's workspace volume first when per-workspace quotas are on.
+pub(crate) async fn ensure_volume(config: &ShellConfig, ctx: &CallContext) -> Result<(), String> {
+    let Some(volumes) = config.volumes.clone() else {
+        return Ok(());
+    };
+    let root = config.workspaces_root.clone();
+    let (principal, session) = (ctx.principal.clone(), ctx.session_id.as_str().to_owned());
+    // Creating a volume runs mkfs and mount in the broker: off the async threads.
+    let ensured =
+        tokio::task::spawn_blocking(move || volumes.ensure(&root, &principal, &session)).await;
+    match ensured {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(e) => Err(format!("the workspace could not be prepared: {e}")),
+    }
+}
+
+/// Runs one command in a fresh sandbox, streaming its output, and renders the result
+/// every shell-run tool returns (execute_shell and the declared command tools alike).
+pub(crate) async fn run(
+    config: &ShellConfig,
+    sandbox: &Arc<Sandbox>,
+    spec: CommandSpec,
+    ctx: CallContext,
+) -> ToolOutcome {
+    let workspace = spec.workspace.clone();
+    let cancel = Cancel::new();
+    let guard = CancelOnDrop(cancel.clone());
+    let watcher = {
+        let token = ctx.cancel.clone();
+        let cancel = cancel.clone();
+        tokio::spawn(async move {
+            token.cancelled().await;
+            cancel.cancel();
         })
-        .await;
-        watcher.abort();
-        drop(guard);
-        match run {
-            Ok(Ok(outcome)) => self.render(outcome, &workspace),
-            Ok(Err(e)) => ToolOutcome::error(format!("the sandbox could not run the command: {e}")),
-            Err(e) => ToolOutcome::error(format!("the sandbox thread failed: {e}")),
-        }
+    };
+    let sandbox = sandbox.clone();
+    let stream_ctx = ctx.clone();
+    let run = tokio::task::spawn_blocking(move || {
+        let mut sink = |stream: Stream, data: &[u8]| {
+            let stream = match stream {
+                Stream::Stdout => OutputStream::Stdout,
+                Stream::Stderr => OutputStream::Stderr,
+            };
+            stream_ctx.output_blocking(stream, data.to_vec());
+        };
+        sandbox.run(&spec, &mut sink, &cancel)
+    })
+    .await;
+    watcher.abort();
+    drop(guard);
+    match run {
+        Ok(Ok(outcome)) => render(config, outcome, &workspace),
+        Ok(Err(e)) => ToolOutcome::error(format!("the sandbox could not run the command: {e}")),
+        Err(e) => ToolOutcome::error(format!("the sandbox thread failed: {e}")),
     }
 }
 
@@ -208,47 +244,47 @@ impl ExecuteShell {
             timeout,
         })
     }
+}
 
-    fn render(&self, outcome: RunOutcome, workspace: &std::path::Path) -> ToolOutcome {
-        let cap = self.config.model_output_bytes;
-        let (stdout, stdout_cut) = clip(&outcome.stdout, cap);
-        let (stderr, stderr_cut) = clip(&outcome.stderr, cap);
-        let mut isolation = serde_json::to_value(&outcome.isolation).unwrap_or(Value::Null);
-        if let Some(report) = isolation.as_object_mut() {
-            let quota = self.config.volumes.as_ref().map(|v| v.quota());
-            report.insert(
-                "workspace_quota".into(),
-                quota.map_or(
-                    Value::Null,
-                    |q| json!({"bytes": q.bytes, "inodes": q.inodes}),
-                ),
-            );
-        }
-        // Whether the command left its workspace without room: its own stderr says
-        // "No space left on device"; this says why, in one place the model can read.
-        let workspace_full = airlock_worker::volumes::is_exhausted(workspace);
-        let mut body = json!({
-            "exit_code": outcome.exit_code,
-            "signal": outcome.signal,
-            "stdout": stdout,
-            "stderr": stderr,
-            "stdout_truncated": outcome.stdout_truncated || stdout_cut,
-            "stderr_truncated": outcome.stderr_truncated || stderr_cut,
-            "timed_out": outcome.timed_out,
-            "duration_ms": outcome.duration.as_millis() as u64,
-            "usage": outcome.usage,
-            "isolation": isolation,
-            "workspace_full": workspace_full,
-        });
-        if workspace_full {
-            body["note"] = Value::String(airlock_worker::volumes::WORKSPACE_FULL.to_owned());
-        }
-        ToolOutcome {
-            is_error: outcome.exit_code != Some(0),
-            content: vec![body.to_string()],
-            isolation: Some(isolation),
-            timed_out: outcome.timed_out,
-        }
+fn render(config: &ShellConfig, outcome: RunOutcome, workspace: &std::path::Path) -> ToolOutcome {
+    let cap = config.model_output_bytes;
+    let (stdout, stdout_cut) = clip(&outcome.stdout, cap);
+    let (stderr, stderr_cut) = clip(&outcome.stderr, cap);
+    let mut isolation = serde_json::to_value(&outcome.isolation).unwrap_or(Value::Null);
+    if let Some(report) = isolation.as_object_mut() {
+        let quota = config.volumes.as_ref().map(|v| v.quota());
+        report.insert(
+            "workspace_quota".into(),
+            quota.map_or(
+                Value::Null,
+                |q| json!({"bytes": q.bytes, "inodes": q.inodes}),
+            ),
+        );
+    }
+    // Whether the command left its workspace without room: its own stderr says
+    // "No space left on device"; this says why, in one place the model can read.
+    let workspace_full = airlock_worker::volumes::is_exhausted(workspace);
+    let mut body = json!({
+        "exit_code": outcome.exit_code,
+        "signal": outcome.signal,
+        "stdout": stdout,
+        "stderr": stderr,
+        "stdout_truncated": outcome.stdout_truncated || stdout_cut,
+        "stderr_truncated": outcome.stderr_truncated || stderr_cut,
+        "timed_out": outcome.timed_out,
+        "duration_ms": outcome.duration.as_millis() as u64,
+        "usage": outcome.usage,
+        "isolation": isolation,
+        "workspace_full": workspace_full,
+    });
+    if workspace_full {
+        body["note"] = Value::String(airlock_worker::volumes::WORKSPACE_FULL.to_owned());
+    }
+    ToolOutcome {
+        is_error: outcome.exit_code != Some(0),
+        content: vec![body.to_string()],
+        isolation: Some(isolation),
+        timed_out: outcome.timed_out,
     }
 }
 

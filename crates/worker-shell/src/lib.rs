@@ -1,9 +1,11 @@
 //! `execute_shell`: every call runs in a fresh sandbox (see `airlock-sandbox`), in the
 //! call's workspace mounted at `/workspace`, with an empty environment plus the
-//! variables the call names and the configuration allows.
+//! variables the call names and the configuration allows. The declared command tools
+//! (`[[tools]]` with `command`, and the packs) run the same way (see [`declared`]).
 #![forbid(unsafe_code)]
 
 mod config;
+pub mod declared;
 mod execute;
 mod workspace;
 
