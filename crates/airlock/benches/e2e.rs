@@ -18,6 +18,9 @@
 //! plaintext and mutual TLS, next to the Unix socket, and three replicas against one.
 //! Those need root (each replica is held to half a CPU by a cgroup).
 //!
+//! `-- soak` runs only the soak instead (see [`soak`]): 100 000 mixed calls, and the
+//! orchestrator's memory and the store's size meanwhile.
+//!
 //! A/B: with `AIRLOCK_BENCH_BASELINE=<path to another airlock binary>` (a build of an
 //! earlier commit), that binary runs as a third server in the same rounds, so a change is
 //! measured against its parent on the same machine at the same time.
@@ -37,6 +40,8 @@ use serde_json::{Value, json};
 
 #[path = "e2e/cluster.rs"]
 mod cluster;
+#[path = "e2e/soak.rs"]
+mod soak;
 
 /// The airlock binary under test, built by cargo in the bench profile.
 const AIRLOCK_BIN: &str = env!("CARGO_BIN_EXE_airlock");
@@ -87,6 +92,21 @@ async fn run() -> Result<()> {
     let airlock = Airlock::start(scratch.path(), Path::new(AIRLOCK_BIN), "airlock").await?;
     let small = airlock.write_file("small.txt", &text_file(SMALL_BYTES))?;
     let large = airlock.write_file("large.txt", &text_file(LARGE_BYTES))?;
+    // Positional arguments select rows by substring, e.g. `-- "1 MiB"`; cargo's own
+    // flags (`--bench`) are ignored. `soak` runs the soak alone.
+    let filters: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with("--"))
+        .collect();
+    if filters.iter().any(|f| f == "soak") {
+        let shell = BenchFile::shell("echo ok", "ok\n");
+        let table = soak::run(&airlock, [&small, &large, &shell]).await?;
+        println!("\n{table}");
+        let out = target_dir().join("bench-soak.md");
+        std::fs::write(&out, &table).with_context(|| format!("cannot write {}", out.display()))?;
+        eprintln!("written to {}", out.display());
+        return Ok(());
+    }
     let baseline = match std::env::var_os("AIRLOCK_BENCH_BASELINE") {
         Some(bin) => {
             let bin = PathBuf::from(bin);
@@ -113,12 +133,6 @@ async fn run() -> Result<()> {
         run_requests(target, &large, WARMUP_LARGE, 1, ROW_TIME_CAP).await?;
     }
 
-    // Positional arguments select rows by substring, e.g. `-- "1 MiB"`; cargo's own
-    // flags (`--bench`) are ignored.
-    let filters: Vec<String> = std::env::args()
-        .skip(1)
-        .filter(|a| !a.starts_with("--"))
-        .collect();
     let load_before = load_average();
     let mut rows = Vec::new();
     let shell = BenchFile::shell("echo ok", "ok\n");
@@ -335,6 +349,7 @@ struct Airlock {
     url: String,
     token: String,
     workspace: PathBuf,
+    data_dir: PathBuf,
 }
 
 impl Airlock {
@@ -344,13 +359,18 @@ impl Airlock {
         // Ephemeral ports; a read cap that lets the 1 MiB file through whole; and no
         // per-principal rate limit (600 calls a minute by default), which a benchmark that
         // sends thousands of calls a minute would otherwise hit.
+        // AIRLOCK_BENCH_RESULT_MEMORY_BYTES: `[limits] result_memory_bytes` (what the soak's
+        // memory depends on most).
+        let limits = std::env::var("AIRLOCK_BENCH_RESULT_MEMORY_BYTES")
+            .map(|bytes| format!("[limits]\nresult_memory_bytes = {bytes}\n\n"))
+            .unwrap_or_default();
         std::fs::write(
             &config,
             format!(
                 "[orchestrator]\nhttp_listen = \"127.0.0.1:0\"\ngrpc_listen = \"127.0.0.1:0\"\n\n\
                  [fs]\nmax_read_bytes = {MAX_READ_BYTES}\n\n\
                  [budgets]\nrate_per_minute = 0\n\n\
-                 [approvals]\ntools = []\n"
+                 {limits}[approvals]\ntools = []\n"
             ),
         )?;
         let mut command = Command::new(bin);
@@ -407,6 +427,7 @@ impl Airlock {
             url,
             token,
             workspace,
+            data_dir,
         })
     }
 
