@@ -304,6 +304,11 @@ fn config_digest(config: &PrincipalConfig) -> Result<[u8; 32], AuthError> {
     }
 }
 
+/// The hex SHA-256 of a token, as `[[principals]] token_sha256` holds it.
+pub(crate) fn token_sha256_hex(token: &str) -> String {
+    hex::encode(digest(token))
+}
+
 fn digest(token: &str) -> [u8; 32] {
     Sha256::digest(token.as_bytes()).into()
 }

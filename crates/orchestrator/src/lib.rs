@@ -20,6 +20,7 @@ mod dispatch;
 mod endpoints;
 mod gate;
 mod grpc_api;
+pub mod harness;
 mod http_api;
 mod mcp;
 mod openapi;

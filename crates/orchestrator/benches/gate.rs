@@ -1,0 +1,153 @@
+//! The gate's own cost per call (DESIGN §15 goal: at most 100 µs of CPU at the median):
+//! authentication, schema validation, Cedar, budgets, the store and the audit chain, with
+//! an in-process worker that answers `read_file` at once (the real tool's definition, a
+//! fixed answer), so that what is left is the gate and the gRPC hop to the worker.
+//!
+//! Run: `cargo bench -p airlock-orchestrator --bench gate`. Two rows:
+//! - `gate/cpu_per_call`: the process's CPU time (every thread's, from `schedstat`) per call,
+//!   the gate's and the in-process worker's together;
+//! - `gate/wall_per_call`: the same calls by the clock, which adds the store's `fsync`s.
+
+use std::time::{Duration, Instant};
+
+use airlock_orchestrator::harness::GateHarness;
+use airlock_worker::{
+    BoundListener, CallContext, ListenAddr, Tool, ToolDefinition, ToolOutcome, ToolSet,
+    WorkerServer, WorkerSettings,
+};
+use criterion::{Criterion, criterion_group, criterion_main};
+use serde_json::{Value, json};
+
+const TOKEN: &str = "gate-bench-token-0c9e";
+
+/// `read_file` as the fs worker defines it, answering a fixed text without touching disk.
+struct FixedRead(ToolDefinition);
+
+#[airlock_worker::async_trait]
+impl Tool for FixedRead {
+    fn definition(&self) -> ToolDefinition {
+        self.0.clone()
+    }
+
+    async fn execute(&self, _arguments: Value, _ctx: CallContext) -> ToolOutcome {
+        ToolOutcome::text("one hundred bytes of a small file")
+    }
+}
+
+/// CPU time of every thread of this process, from each thread's `schedstat` (its first
+/// field: nanoseconds on a CPU), which unlike `/proc/self/stat` is not counted in ticks.
+fn cpu_time() -> Duration {
+    let mut total = 0u64;
+    if let Ok(tasks) = std::fs::read_dir("/proc/self/task") {
+        for task in tasks.flatten() {
+            let nanos = std::fs::read_to_string(task.path().join("schedstat"))
+                .ok()
+                .and_then(|s| {
+                    s.split_whitespace()
+                        .next()
+                        .and_then(|n| n.parse::<u64>().ok())
+                });
+            total += nanos.unwrap_or(0);
+        }
+    }
+    Duration::from_nanos(total)
+}
+
+/// Stops the run at the first failure, naming it: a benchmark of failing calls measures
+/// nothing.
+fn fail(what: &str, error: impl std::fmt::Display) -> ! {
+    eprintln!("gate bench: {what}: {error}");
+    std::process::exit(1)
+}
+
+struct Setup {
+    runtime: tokio::runtime::Runtime,
+    harness: GateHarness,
+    stop: tokio_util::sync::CancellationToken,
+    _dir: tempfile::TempDir,
+}
+
+fn setup() -> Result<Setup, Box<dyn std::error::Error>> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let dir = tempfile::tempdir()?;
+    let socket = dir.path().join("fs.sock");
+    let definition = airlock_worker_fs::tools(airlock_worker_fs::FsConfig::default())
+        .get("read_file")
+        .ok_or("the fs worker has no read_file")?
+        .definition();
+    let tools = ToolSet::new("fs").with(FixedRead(definition));
+    let listener = BoundListener::bind(&ListenAddr::Unix(socket.clone()))?;
+    let stop = tokio_util::sync::CancellationToken::new();
+    {
+        let stop = stop.clone();
+        let _guard = runtime.enter();
+        runtime.spawn(async move {
+            let server = WorkerServer::new(tools, WorkerSettings::default());
+            if let Err(e) = server
+                .serve(listener, async move { stop.cancelled().await })
+                .await
+            {
+                fail("the worker stopped", e);
+            }
+        });
+    }
+    let data = dir.path().join("data");
+    std::fs::create_dir_all(&data)?;
+    let harness = runtime.block_on(GateHarness::start(&data, "fs", &socket, TOKEN))?;
+    Ok(Setup {
+        runtime,
+        harness,
+        stop,
+        _dir: dir,
+    })
+}
+
+fn bench_gate(c: &mut Criterion) {
+    let Setup {
+        runtime,
+        harness,
+        stop,
+        _dir,
+    } = setup().unwrap_or_else(|e| fail("setting up", e));
+    let input = json!({"path": "small.txt"});
+    let call = || {
+        if let Err(e) = runtime.block_on(harness.call("read_file", input.clone())) {
+            fail("a call failed", e);
+        }
+    };
+    // Warm the store, the channel and Cedar's caches.
+    for _ in 0..200 {
+        call();
+    }
+
+    let mut group = c.benchmark_group("gate");
+    group
+        .sample_size(30)
+        .measurement_time(Duration::from_secs(10));
+    group.bench_function("cpu_per_call", |b| {
+        b.iter_custom(|iterations| {
+            let before = cpu_time();
+            for _ in 0..iterations {
+                call();
+            }
+            cpu_time().saturating_sub(before)
+        })
+    });
+    group.bench_function("wall_per_call", |b| {
+        b.iter_custom(|iterations| {
+            let started = Instant::now();
+            for _ in 0..iterations {
+                call();
+            }
+            started.elapsed()
+        })
+    });
+    group.finish();
+    stop.cancel();
+}
+
+criterion_group!(benches, bench_gate);
+criterion_main!(benches);
