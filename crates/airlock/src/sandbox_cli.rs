@@ -79,7 +79,9 @@ fn run_in(
         .get("execute_shell")
         .context("execute_shell is missing")?;
 
-    let runtime = tokio::runtime::Builder::new_multi_thread()
+    // One call: a runtime on this thread (the sandbox itself runs on one blocking
+    // thread) instead of a pool of workers that would only be started and stopped.
+    let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
     let outcome = runtime.block_on(async {

@@ -4,11 +4,20 @@
 //! version numbers: it creates a user namespace (with the other namespaces of a strict
 //! sandbox) in a throwaway child, asks Landlock for its ABI, asks seccomp whether
 //! filters are available, and prepares the cgroup parent in every hierarchy it finds.
+//!
+//! The host-wide answers (user namespaces, Landlock, seccomp) are found once per
+//! process and reused by every later probe: they are properties of the kernel and of
+//! the process's own credentials, which do not change while it runs, and each later
+//! sandbox still enters every layer for real — a layer that stopped working makes that
+//! sandbox fail at the step, never run without it. The cgroup verdict is cached the
+//! same way, per parent (see [`cgroup::detect`]).
 //! The [`IsolationReport`] states the layers actually in force; every run result
 //! carries one.
 
 use std::fmt;
-use std::sync::Arc;
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use airlock_policy::IsolationLevel;
 use serde::Serialize;
@@ -85,35 +94,122 @@ impl HostProbe {
 }
 
 /// Probes the host. `cgroup_parent` is the name of the parent cgroup for calls (it is
-/// created under the worker's own cgroup in every hierarchy).
+/// created under the worker's own cgroup in every hierarchy). The host-wide layers are
+/// probed by the first call in a process only (see the module documentation).
 pub fn probe(cgroup_parent: &str) -> HostProbe {
+    probe_for(cgroup_parent, true)
+}
+
+/// As [`probe`]; without `user_namespaces` the user-namespace probe (a throwaway child)
+/// is skipped unless an earlier probe already answered it, for a sandbox held to the
+/// standard level, which enters no namespace. The answer then says it was not probed.
+pub(crate) fn probe_for(cgroup_parent: &str, user_namespaces: bool) -> HostProbe {
+    let host = host_layers(user_namespaces);
+    let cgroup = cgroup::detect(cgroup_parent)
+        .map(Arc::from)
+        .map_err(|e| Missing {
+            feature: "cgroups",
+            problem: format!("are not usable ({e})"),
+            fix: cgroup_fix().into(),
+        });
+    // Reaped only now: its namespaces were torn down while the cgroups were probed.
+    drop(host.probe_child);
     HostProbe {
-        user_namespaces: probe_user_namespaces(),
-        landlock_abi: landlock_rules::abi_version().ok_or(Missing {
-            feature: "landlock",
-            problem: "is not available (kernel older than 5.13, built without \
-                      CONFIG_SECURITY_LANDLOCK, or landlock missing from the lsm= boot list)"
+        user_namespaces: host.user_namespaces,
+        landlock_abi: host.landlock_abi,
+        seccomp: host.seccomp,
+        cgroup,
+    }
+}
+
+/// The answers that hold for the whole host and process.
+struct HostLayers {
+    user_namespaces: Result<(), Missing>,
+    landlock_abi: Result<u32, Missing>,
+    seccomp: Result<(), Missing>,
+    /// The user-namespace probe's child, still tearing its namespaces down.
+    probe_child: Option<ProbeChild>,
+}
+
+/// How many times this process has forked the user-namespace probe's child.
+static USER_NAMESPACE_PROBES: AtomicUsize = AtomicUsize::new(0);
+
+/// What this process found so far; emptied when the process confines itself, since
+/// dropping capabilities changes what it may do (a root worker without `CAP_SETFCAP`
+/// can no longer map its uid into a user namespace).
+#[derive(Default)]
+struct Found {
+    landlock_and_seccomp: Option<(Result<u32, Missing>, Result<(), Missing>)>,
+    user_namespaces: Option<Result<(), Missing>>,
+}
+
+static FOUND: Mutex<Found> = Mutex::new(Found {
+    landlock_and_seccomp: None,
+    user_namespaces: None,
+});
+
+/// The host-wide layers, probed once per process; the user-namespace probe only once it
+/// is first wanted.
+fn host_layers(want_user_namespaces: bool) -> HostLayers {
+    // A poisoned lock only means a probe panicked; what it holds is still consistent.
+    let mut found = FOUND.lock().unwrap_or_else(PoisonError::into_inner);
+    let mut probe_child = None;
+    let (landlock_abi, seccomp) = found
+        .landlock_and_seccomp
+        .get_or_insert_with(|| (probe_landlock(), probe_seccomp()))
+        .clone();
+    let user_namespaces = match (&found.user_namespaces, want_user_namespaces) {
+        (Some(answer), _) => answer.clone(),
+        (None, true) => {
+            USER_NAMESPACE_PROBES.fetch_add(1, Ordering::Relaxed);
+            let (answer, child) = probe_user_namespaces();
+            probe_child = child;
+            found.user_namespaces.insert(answer).clone()
+        }
+        (None, false) => Err(Missing {
+            feature: "user namespaces",
+            problem: "were not probed (the standard level, which enters no namespace, was \
+                      asked for)"
                 .into(),
-            fix:
-                "boot a kernel with landlock enabled (e.g. lsm=landlock,lockdown,yama,apparmor,bpf)"
-                    .into(),
+            fix: "leave the level to the probe".into(),
         }),
-        seccomp: if seccomp::filter_available() {
-            Ok(())
-        } else {
-            Err(Missing {
-                feature: "seccomp",
-                problem: "filters are not available (kernel without CONFIG_SECCOMP_FILTER)".into(),
-                fix: "use a kernel built with CONFIG_SECCOMP_FILTER".into(),
-            })
-        },
-        cgroup: cgroup::detect(cgroup_parent)
-            .map(Arc::from)
-            .map_err(|e| Missing {
-                feature: "cgroups",
-                problem: format!("are not usable ({e})"),
-                fix: cgroup_fix().into(),
-            }),
+    };
+    HostLayers {
+        user_namespaces,
+        landlock_abi,
+        seccomp,
+        probe_child,
+    }
+}
+
+/// Forgets every cached answer, host-wide and per cgroup parent: called once the process
+/// has confined itself, so that a sandbox prepared afterwards is judged by what the
+/// confined process can do.
+pub(crate) fn forget() {
+    *FOUND.lock().unwrap_or_else(PoisonError::into_inner) = Found::default();
+    cgroup::forget_verdicts();
+}
+
+fn probe_landlock() -> Result<u32, Missing> {
+    landlock_rules::abi_version().ok_or(Missing {
+        feature: "landlock",
+        problem: "is not available (kernel older than 5.13, built without \
+                      CONFIG_SECURITY_LANDLOCK, or landlock missing from the lsm= boot list)"
+            .into(),
+        fix: "boot a kernel with landlock enabled (e.g. lsm=landlock,lockdown,yama,apparmor,bpf)"
+            .into(),
+    })
+}
+
+fn probe_seccomp() -> Result<(), Missing> {
+    if seccomp::filter_available() {
+        Ok(())
+    } else {
+        Err(Missing {
+            feature: "seccomp",
+            problem: "filters are not available (kernel without CONFIG_SECCOMP_FILTER)".into(),
+            fix: "use a kernel built with CONFIG_SECCOMP_FILTER".into(),
+        })
     }
 }
 
@@ -156,11 +252,16 @@ fn cgroup_fix() -> String {
 }
 
 /// Tries to create the namespaces of a strict sandbox in a child that exits at once.
-fn probe_user_namespaces() -> Result<(), Missing> {
+///
+/// The child reports through a pipe before it exits, and the answer is taken from the
+/// pipe: tearing down a process's fresh mount, network and user namespaces takes
+/// milliseconds (RCU grace periods), which the caller spends on the cgroup probe instead
+/// of waiting. The returned [`ProbeChild`] reaps the child when dropped.
+fn probe_user_namespaces() -> (Result<(), Missing>, Option<ProbeChild>) {
     let missing = |problem: String| Missing {
         feature: "user namespaces",
         problem,
-        fix: "enable them (sysctl user.max_user_namespaces > 0, \
+        fix: "enable them (sysctl user.max_user_namespaces > 0 and user.max_net_namespaces > 0, \
               kernel.unprivileged_userns_clone=1, kernel.apparmor_restrict_unprivileged_userns=0 \
               or an AppArmor profile allowing userns), run the pod with hostUsers: false, \
               in Docker give the container --security-opt seccomp=<a profile allowing \
@@ -168,37 +269,81 @@ fn probe_user_namespaces() -> Result<(), Missing> {
               set [sandbox] min_isolation = \"standard\""
             .into(),
     };
-    let flags = namespaces::clone_flags(false);
-    // SAFETY: the child only calls unshare and _exit, both async-signal-safe.
+    let (read_end, write_end) = match crate::sys::pipe() {
+        Ok(ends) => ends,
+        Err(e) => return (Err(missing(format!("could not be probed ({e})"))), None),
+    };
+    // Every namespace of a strict sandbox but the network one, whose creation and
+    // teardown (every pernet subsystem set up, then cleaned up) costs more than all the
+    // others together. Inside a user namespace of our own nothing but a zero
+    // `user.max_net_namespaces` refuses it, and that is read instead. Should a network
+    // namespace still be refused, each sandbox's clone fails: no command runs without one.
+    if std::fs::read_to_string("/proc/sys/user/max_net_namespaces")
+        .is_ok_and(|max| max.trim() == "0")
+    {
+        return (
+            Err(missing(
+                "work but network namespaces are not available (user.max_net_namespaces = 0)"
+                    .into(),
+            )),
+            None,
+        );
+    }
+    let flags = namespaces::clone_flags(true);
+    // SAFETY: the child only calls unshare, write and _exit, all async-signal-safe.
     let pid = match unsafe { namespaces::clone_process(flags) } {
         Ok(pid) => pid,
         Err(e) => {
-            return Err(missing(format!(
-                "are not available ({e}; kernel.unprivileged_userns_clone=0 or a container \
-                 without CLONE_NEWUSER)"
-            )));
+            return (
+                Err(missing(format!(
+                    "are not available ({e}; kernel.unprivileged_userns_clone=0 or a container \
+                     without CLONE_NEWUSER)"
+                ))),
+                None,
+            );
         }
     };
     if pid == 0 {
-        // SAFETY: unshare takes no pointers; _exit ends the child.
+        // SAFETY: unshare takes no pointers; write sends one byte from a valid buffer on
+        // our copy of the pipe; _exit ends the child.
         unsafe {
-            let ok = libc::unshare(libc::CLONE_NEWCGROUP) == 0;
-            libc::_exit(if ok { 0 } else { 1 });
+            let answer = u8::from(libc::unshare(libc::CLONE_NEWCGROUP) == 0);
+            libc::write(write_end.as_raw_fd(), (&raw const answer).cast(), 1);
+            libc::_exit(0);
         }
     }
-    let mut status = 0;
-    // SAFETY: `status` is a valid out-pointer; waits for our own child.
-    while unsafe { libc::waitpid(pid, &mut status, 0) } == -1 {
-        if crate::sys::errno() != libc::EINTR {
-            return Err(missing("probe child could not be reaped".into()));
+    drop(write_end);
+    let child = ProbeChild(pid);
+    let mut answer = 0u8;
+    let read = loop {
+        // SAFETY: reading one byte into a valid buffer from our own pipe.
+        let n = unsafe { libc::read(read_end.as_raw_fd(), (&raw mut answer).cast(), 1) };
+        if n != -1 || crate::sys::errno() != libc::EINTR {
+            break n;
         }
-    }
-    if libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0 {
-        Ok(())
-    } else {
-        Err(missing(
+    };
+    let result = match (read, answer) {
+        (1, 1) => Ok(()),
+        (1, _) => Err(missing(
             "work but a cgroup namespace cannot be created inside one".into(),
-        ))
+        )),
+        _ => Err(missing("probe child ended without an answer".into())),
+    };
+    (result, Some(child))
+}
+
+/// The user-namespace probe's child, reaped (waited for) when dropped.
+struct ProbeChild(libc::pid_t);
+
+impl Drop for ProbeChild {
+    fn drop(&mut self) {
+        let mut status = 0;
+        // SAFETY: `status` is a valid out-pointer; waits for our own child only.
+        while unsafe { libc::waitpid(self.0, &mut status, 0) } == -1 {
+            if crate::sys::errno() != libc::EINTR {
+                break;
+            }
+        }
     }
 }
 
@@ -319,5 +464,70 @@ impl fmt::Display for IsolationReport {
             opt(self.limits.timeout_ms)
         )?;
         write!(f, "  network:       {}", self.network)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The only unit test that probes the real host, so that the counters it reads are
+    /// moved by nothing else in this test binary.
+    #[test]
+    fn the_host_is_probed_once_per_process_until_it_confines_itself() {
+        forget();
+        let namespace_probes = || USER_NAMESPACE_PROBES.load(Ordering::Relaxed);
+        let cgroup_proofs = || cgroup::VERIFICATIONS.load(Ordering::Relaxed);
+        let (namespaces_before, cgroups_before) = (namespace_probes(), cgroup_proofs());
+
+        // A standard-level sandbox does not fork the user-namespace probe, and says so.
+        let standard = probe_for("airlock-unit-probe", false);
+        assert_eq!(namespace_probes(), namespaces_before);
+        let not_probed = standard.user_namespaces.as_ref().expect_err("not probed");
+        assert!(not_probed.problem.contains("not probed"), "{not_probed}");
+        assert_eq!(cgroup_proofs(), cgroups_before + 1, "{standard:?}");
+
+        let first = probe("airlock-unit-probe");
+        let second = probe("airlock-unit-probe");
+        assert_eq!(namespace_probes(), namespaces_before + 1);
+        assert_eq!(
+            cgroup_proofs(),
+            cgroups_before + 1,
+            "the same parent is proved once"
+        );
+        assert_eq!(first.user_namespaces, second.user_namespaces);
+        assert_eq!(first.landlock_abi, second.landlock_abi);
+        let version = |p: &HostProbe| p.cgroup.as_ref().map(|c| c.version()).ok();
+        assert!(version(&first).is_some(), "{first:?}");
+        assert_eq!(version(&first), version(&second));
+        assert_eq!(version(&first), version(&standard));
+        // Every factory still gets a pool of its own, with its own aggregate limit.
+        let limits = cgroup::CgroupLimits {
+            memory_bytes: 64 << 20,
+            pids: 16,
+            cpu_millis: 100,
+        };
+        for p in [&first, &second] {
+            let backend = p.cgroup.as_ref().expect("a cgroup backend");
+            backend.limit_parent(&limits).expect("a pool of its own");
+        }
+
+        // Another parent is proved on its own; the host-wide answers are not asked again.
+        let other = probe("airlock-unit-probe-other");
+        assert_eq!(namespace_probes(), namespaces_before + 1);
+        assert_eq!(cgroup_proofs(), cgroups_before + 2);
+
+        // Confining itself makes the process forget: the next probe asks the host again.
+        forget();
+        let after = probe("airlock-unit-probe");
+        assert_eq!(namespace_probes(), namespaces_before + 2);
+        assert_eq!(cgroup_proofs(), cgroups_before + 3);
+
+        drop((standard, first, second, other, after));
+        for parent in ["airlock-unit-probe", "airlock-unit-probe-other"] {
+            for dir in cgroup::parent_dirs(parent) {
+                let _ = std::fs::remove_dir(dir);
+            }
+        }
     }
 }

@@ -81,12 +81,14 @@ const OLD_ROOT: &CStr = c"oldroot";
 const OLD_ROOT_ABS: &CStr = c"/oldroot";
 
 /// How a system directory appears in the new root.
+#[derive(Debug)]
 enum SystemEntry {
     Bind { source: CString, target: CString },
     Symlink { target: CString, link: CString },
 }
 
 /// A host `/etc` entry bound read-only (or copied as a symlink).
+#[derive(Debug)]
 enum EtcEntry {
     Bind {
         source: CString,
@@ -99,37 +101,63 @@ enum EtcEntry {
     },
 }
 
-/// Everything the child needs to build the new root, prepared before `clone`.
-pub(crate) struct RootfsPlan {
+/// The part of the new root that is the same for every call of a sandbox factory —
+/// which system directories are directories or merged-usr symlinks, which harmless
+/// `/etc` entries the host has and where they lead, the device nodes, the tmpfs
+/// options — found once, when the factory is made, instead of by a dozen `stat`s and
+/// `readlink`s per call. Only paths are kept: every call's child mounts what those
+/// paths hold at that moment.
+#[derive(Debug)]
+pub(crate) struct RootfsTemplate {
     root_data: CString,
     system: Vec<SystemEntry>,
     etc_dirs: Vec<CString>,
     etc: Vec<EtcEntry>,
-    workspace_source: CString,
     tmp_data: CString,
     shm_data: CString,
     devices: Vec<(CString, CString)>,
+}
+
+/// Everything the child needs to build the new root, prepared before `clone`: the
+/// factory's template and the call's workspace and working directory.
+pub(crate) struct RootfsPlan<'a> {
+    template: &'a RootfsTemplate,
+    workspace_source: CString,
     cwd: CString,
 }
 
-impl RootfsPlan {
-    /// Plans the new root for `workspace` (a host directory) with a `/tmp` of `tmp_bytes`,
-    /// starting in `/workspace/<cwd>`.
+fn cstring(p: &Path) -> Result<CString, RootfsError> {
+    sys::path_cstring(p).map_err(|source| RootfsError::Inspect {
+        path: p.to_path_buf(),
+        source,
+    })
+}
+
+impl<'a> RootfsPlan<'a> {
+    /// Plans the new root for `workspace` (a host directory), starting in
+    /// `/workspace/<cwd>`.
     pub(crate) fn prepare(
+        template: &'a RootfsTemplate,
         workspace: &Path,
         cwd: &Path,
-        tmp_bytes: u64,
-        network: bool,
     ) -> Result<Self, RootfsError> {
         if !workspace.is_absolute() || !workspace.is_dir() {
             return Err(RootfsError::Workspace(workspace.to_path_buf()));
         }
-        let c = |p: &Path| {
-            sys::path_cstring(p).map_err(|source| RootfsError::Inspect {
-                path: p.to_path_buf(),
-                source,
-            })
-        };
+        let workspace_rel = workspace.strip_prefix("/").unwrap_or(workspace);
+        Ok(RootfsPlan {
+            template,
+            workspace_source: cstring(&Path::new("/oldroot").join(workspace_rel))?,
+            cwd: cstring(&Path::new("/workspace").join(cwd))?,
+        })
+    }
+}
+
+impl RootfsTemplate {
+    /// Finds the host's side of the new root, with a `/tmp` of `tmp_bytes` and, when
+    /// `network` is on, DNS and the CA bundle.
+    pub(crate) fn prepare(tmp_bytes: u64, network: bool) -> Result<Self, RootfsError> {
+        let c = cstring;
         let old = Path::new("/oldroot");
 
         let mut system = Vec::new();
@@ -204,24 +232,24 @@ impl RootfsPlan {
             .map(|d| Ok((c(&old.join("dev").join(d))?, c(&Path::new("/dev").join(d))?)))
             .collect::<Result<Vec<_>, RootfsError>>()?;
 
-        let workspace_rel = workspace.strip_prefix("/").unwrap_or(workspace);
         let shm_bytes = tmp_bytes.min(16 << 20);
-        Ok(RootfsPlan {
+        Ok(RootfsTemplate {
             root_data: c(Path::new("size=4m,nr_inodes=4096,mode=0755"))?,
             system,
             etc_dirs,
             etc,
-            workspace_source: c(&old.join(workspace_rel))?,
             tmp_data: c(Path::new(&format!("size={tmp_bytes},mode=1777")))?,
             shm_data: c(Path::new(&format!("size={shm_bytes},mode=1777")))?,
             devices,
-            cwd: c(&Path::new("/workspace").join(cwd))?,
         })
     }
+}
 
+impl RootfsPlan<'_> {
     /// Child side: builds the new root and pivots into it, as one straight sequence
     /// (async-signal-safe: only system calls on prepared strings).
     pub(crate) fn enter(&self) -> Result<(), Failure> {
+        let template = self.template;
         // 1. Nothing we mount may propagate back to the host's mount namespace.
         sys::mount(None, c"/", None, libc::MS_REC | libc::MS_PRIVATE, None)
             .at(Step::MakeMountsPrivate)?;
@@ -233,7 +261,7 @@ impl RootfsPlan {
             SCRATCH,
             Some(c"tmpfs"),
             libc::MS_NOSUID | libc::MS_NODEV,
-            Some(&self.root_data),
+            Some(&template.root_data),
         )
         .at(Step::MountRootTmpfs)?;
         chdir(SCRATCH).at(Step::PivotRoot)?;
@@ -246,7 +274,7 @@ impl RootfsPlan {
         chdir(c"/").at(Step::PivotRoot)?;
 
         // 3. System directories read-only; merged-usr symlinks (/bin -> usr/bin) as is.
-        for entry in &self.system {
+        for entry in &template.system {
             match entry {
                 SystemEntry::Bind { source, target } => {
                     mkdir(target, 0o755).at(Step::BindSystemDir)?;
@@ -262,7 +290,7 @@ impl RootfsPlan {
         // 4. A minimal /etc: written files for users, hosts and name service, plus a few
         //    harmless host entries. No shadow, no ssh keys, no host resolv.conf unless
         //    the network is on.
-        for dir in &self.etc_dirs {
+        for dir in &template.etc_dirs {
             mkdir(dir, 0o755).at(Step::MinimalEtc)?;
         }
         for (path, contents) in ETC_FILES {
@@ -270,7 +298,7 @@ impl RootfsPlan {
         }
         // Empty unless the network is on, in which case the host's is bound over it.
         write_new_file(c"/etc/resolv.conf", b"").at(Step::MinimalEtc)?;
-        for entry in &self.etc {
+        for entry in &template.etc {
             match entry {
                 EtcEntry::Bind {
                     source,
@@ -308,7 +336,7 @@ impl RootfsPlan {
             c"/tmp",
             Some(c"tmpfs"),
             libc::MS_NOSUID | libc::MS_NODEV,
-            Some(&self.tmp_data),
+            Some(&template.tmp_data),
         )
         .at(Step::MountTmp)?;
 
@@ -343,7 +371,7 @@ impl RootfsPlan {
             Some(c"size=64k,nr_inodes=64,mode=0755"),
         )
         .at(Step::MinimalDev)?;
-        for (source, target) in &self.devices {
+        for (source, target) in &template.devices {
             write_new_file(target, b"").at(Step::MinimalDev)?;
             sys::mount(Some(source), target, None, libc::MS_BIND, None).at(Step::MinimalDev)?;
         }
@@ -356,7 +384,7 @@ impl RootfsPlan {
             c"/dev/shm",
             Some(c"tmpfs"),
             libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
-            Some(&self.shm_data),
+            Some(&template.shm_data),
         )
         .at(Step::MinimalDev)?;
         remount_bind(c"/dev", libc::MS_RDONLY | libc::MS_NOSUID | libc::MS_NOEXEC)

@@ -18,7 +18,7 @@ use crate::landlock_rules::LandlockError;
 use crate::namespaces::{self, NamespaceError};
 use crate::probe::{self, HostProbe, IsolationReport, LimitsReport, Missing};
 use crate::rlimits::{RlimitError, RlimitReport};
-use crate::rootfs::RootfsError;
+use crate::rootfs::{RootfsError, RootfsTemplate};
 use crate::seccomp::{self, SeccompError, SeccompPlan};
 use crate::self_confine::SelfConfineError;
 use crate::spawn;
@@ -270,6 +270,8 @@ pub struct Sandbox {
     landlock_abi: u32,
     cgroup: Option<Arc<dyn CgroupBackend>>,
     seccomp: SeccompPlan,
+    /// The host's side of a strict sandbox's new root, found once.
+    rootfs: Option<RootfsTemplate>,
     report: IsolationReport,
     slots: crate::slots::Slots,
 }
@@ -279,7 +281,10 @@ impl Sandbox {
     /// the fix, when the host cannot provide `min_isolation` (or `force_level`).
     pub fn new(config: SandboxConfig) -> Result<Self, SandboxError> {
         validate(&config)?;
-        let host = probe::probe(&config.cgroup_parent);
+        // A sandbox held to the standard level enters no namespace: it needs no
+        // user-namespace probe (a forked child).
+        let user_namespaces = config.force_level != Some(IsolationLevel::Standard);
+        let host = probe::probe_for(&config.cgroup_parent, user_namespaces);
         Self::with_probe(config, host)
     }
 
@@ -328,6 +333,11 @@ impl Sandbox {
             .map(|()| aggregate.memory_bytes);
         let strict = level == IsolationLevel::Strict;
         let seccomp = SeccompPlan::compile(seccomp::Profile::sandbox(config.network))?;
+        let rootfs = if strict {
+            Some(RootfsTemplate::prepare(config.tmp_bytes, config.network)?)
+        } else {
+            None
+        };
         let report = IsolationReport {
             level,
             namespaces: if strict {
@@ -369,6 +379,7 @@ impl Sandbox {
             landlock_abi,
             cgroup,
             seccomp,
+            rootfs,
             report,
             slots: crate::slots::Slots::new(max_concurrent),
         })
@@ -433,6 +444,10 @@ impl Sandbox {
 
     pub(crate) fn seccomp(&self) -> &SeccompPlan {
         &self.seccomp
+    }
+
+    pub(crate) fn rootfs_template(&self) -> Option<&RootfsTemplate> {
+        self.rootfs.as_ref()
     }
 }
 

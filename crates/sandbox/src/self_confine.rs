@@ -161,6 +161,9 @@ pub fn confine_self(spec: &SelfConfinement) -> Result<SelfConfinementReport, cra
         }
     };
 
+    // From here on the process may do less: answers probed before no longer hold.
+    crate::probe::forget();
+
     // 1. no_new_privs: required by Landlock and seccomp; nothing regains privileges.
     // SAFETY: prctl with integer arguments only.
     if unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) } == -1 {

@@ -28,9 +28,10 @@ pub mod v2;
 
 use std::fmt;
 use std::io;
-use std::os::fd::RawFd;
+use std::os::fd::{AsRawFd, RawFd};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
@@ -142,19 +143,97 @@ pub trait CallCgroup: Send {
 
 /// Finds a usable cgroup hierarchy and prepares the `parent` cgroup under the worker's
 /// own cgroup. Pure v2 with memory, pids and cpu is preferred; then v1.
+///
+/// The proof by doing (a call cgroup created, joined by a throwaway process and removed,
+/// and on a hybrid host the same in the unified tree) runs once per process for each
+/// parent and cgroup of our own: a later factory with the same parent only prepares its
+/// pool. Every call still creates and joins its own cgroup, and a call whose cgroup
+/// cannot be made or joined fails before its command runs, so a verdict that went stale
+/// costs that call, never a limit.
 pub fn detect(parent: &str) -> Result<Box<dyn CgroupBackend>, CgroupError> {
     let mounts = read_mounts()?;
-    let own = read_own_cgroups()?;
-    let v2_error = match v2::V2::detect(&mounts, &own, parent).and_then(verified) {
-        Ok(v2) => return Ok(Box::new(v2)),
-        Err(e) => e,
+    let (own_text, own) = read_own_cgroups()?;
+    let key = (parent.to_owned(), own_text);
+    let known = lock_verdicts()
+        .iter()
+        .find(|(k, _)| *k == key)
+        .map(|(_, v)| *v);
+    // A known verdict prepares the pool only; should that fail (the parent was removed
+    // meanwhile, say), the whole proof runs again.
+    let prepared: Option<Box<dyn CgroupBackend>> = match known {
+        Some(Verdict::V2) => v2::V2::detect(&mounts, &own, parent)
+            .ok()
+            .map(|b| Box::new(b) as Box<dyn CgroupBackend>),
+        Some(Verdict::V1 { unified }) => v1::V1::detect(&mounts, &own, parent, Some(unified))
+            .ok()
+            .map(|b| Box::new(b) as Box<dyn CgroupBackend>),
+        None => None,
     };
-    match v1::V1::detect(&mounts, &own, parent).and_then(verified) {
-        Ok(v1) => Ok(Box::new(v1)),
-        Err(v1_error) => Err(CgroupError::Unavailable(format!(
-            "cgroup v2: {v2_error}; cgroup v1: {v1_error}"
-        ))),
+    if let Some(backend) = prepared {
+        return Ok(backend);
     }
+    VERIFICATIONS.fetch_add(1, Ordering::Relaxed);
+    let (backend, verdict): (Box<dyn CgroupBackend>, Verdict) =
+        match v2::V2::detect(&mounts, &own, parent).and_then(verified) {
+            Ok(v2) => (Box::new(v2), Verdict::V2),
+            Err(v2_error) => match v1_verified(&mounts, &own, parent) {
+                Ok(v1) => {
+                    let unified = v1.has_unified();
+                    (Box::new(v1), Verdict::V1 { unified })
+                }
+                Err(v1_error) => {
+                    return Err(CgroupError::Unavailable(format!(
+                        "cgroup v2: {v2_error}; cgroup v1: {v1_error}"
+                    )));
+                }
+            },
+        };
+    let mut verdicts = lock_verdicts();
+    verdicts.retain(|(k, _)| *k != key);
+    verdicts.push((key, verdict));
+    Ok(backend)
+}
+
+/// The v1 backend, proved: first with the unified tree of a hybrid host joined too (for
+/// `cgroup.kill`), in one probe process; if that fails, without it (the freezer kills).
+fn v1_verified(
+    mounts: &[CgroupMount],
+    own: &[OwnCgroup],
+    parent: &str,
+) -> Result<v1::V1, CgroupError> {
+    let with_unified = v1::V1::detect(mounts, own, parent, None).and_then(verified);
+    match with_unified {
+        Ok(v1) => Ok(v1),
+        Err(e) if !v1::unified_tree_offered(mounts, own) => Err(e),
+        Err(_) => v1::V1::detect(mounts, own, parent, Some(false)).and_then(verified),
+    }
+}
+
+/// Which backend passed the proof for one parent (v1: whether the unified tree of a
+/// hybrid host could join and kill too).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Verdict {
+    V2,
+    V1 { unified: bool },
+}
+
+/// Verdicts by (`cgroup_parent`, the text of `/proc/self/cgroup`): a process moved to
+/// another cgroup has other parents and is proved again.
+type Verdicts = Vec<((String, String), Verdict)>;
+
+static VERDICTS: Mutex<Verdicts> = Mutex::new(Vec::new());
+
+/// How many times this process has run the full proof.
+pub(crate) static VERIFICATIONS: AtomicU64 = AtomicU64::new(0);
+
+fn lock_verdicts() -> std::sync::MutexGuard<'static, Verdicts> {
+    // A poisoned lock only means a detection panicked; the list is still consistent.
+    VERDICTS.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Forgets every verdict (the process confined itself: see [`crate::probe`]).
+pub(crate) fn forget_verdicts() {
+    lock_verdicts().clear();
 }
 
 /// Whether a cgroup v2 tree with the memory, pids and cpu controllers is mounted (for
@@ -222,60 +301,81 @@ fn verified<B: CgroupBackend>(backend: B) -> Result<B, CgroupError> {
     joined.and(removed).map(|()| backend)
 }
 
-/// Moves a short-lived child into `call` the way a sandbox joins it (its v1 `tasks`
-/// files, then [`CallCgroup::join`]), then lets the child exit and reaps it.
+/// Moves a short-lived child into `call` the way a sandbox joins it — started inside
+/// the unified cgroup by `clone3(CLONE_INTO_CGROUP)` where the call has one (else moved
+/// there through `cgroup.procs`, the fallback calls use too), writing its v1 `tasks`
+/// files itself — then lets it exit and reaps it. Starting it inside also spares the
+/// probe the RCU grace period that moving a process from outside costs.
 pub(crate) fn join_probe_process(call: &dyn CallCgroup) -> Result<(), CgroupError> {
-    let mut fds = [0; 2];
-    // SAFETY: `fds` is a valid two-element out-array for pipe2.
-    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } == -1 {
-        return Err(CgroupError::Unsuitable(format!(
-            "cannot create a pipe for the cgroup probe: {}",
-            io::Error::last_os_error()
-        )));
-    }
-    let [read_end, write_end] = fds;
-    // SAFETY: the child only calls close, read and _exit, all async-signal-safe.
-    let pid = match unsafe { crate::namespaces::clone_process(0) } {
-        Ok(pid) => pid,
-        Err(e) => {
-            // SAFETY: closing the two descriptors we just created.
-            unsafe {
-                libc::close(read_end);
-                libc::close(write_end);
-            }
-            return Err(CgroupError::Unsuitable(format!(
-                "cannot start the cgroup probe process: {e}"
-            )));
+    let unsuitable = |what: &str, e: io::Error| CgroupError::Unsuitable(format!("{what}: {e}"));
+    let tasks = call
+        .self_join_files()
+        .iter()
+        .map(|p| crate::sys::path_cstring(p))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| unsuitable("a cgroup path is not a C string", e))?;
+    let pipe = || crate::sys::pipe().map_err(|e| unsuitable("cannot create a pipe", e));
+    let (release_r, release_w) = pipe()?;
+    let (report_r, report_w) = pipe()?;
+    let start = || {
+        let cloned = match call.clone_into_fd() {
+            // SAFETY: the child only calls open, write, read, close and _exit (see
+            // below), all async-signal-safe, on strings prepared before.
+            Some(fd) => unsafe { crate::namespaces::clone_into_cgroup(0, fd) },
+            None => Ok(None),
+        };
+        match cloned {
+            Ok(Some(pid)) => Ok((pid, true)),
+            // SAFETY: as above.
+            Ok(None) => unsafe { crate::namespaces::clone_process(0) }.map(|pid| (pid, false)),
+            Err(e) => Err(e),
         }
     };
+    let (pid, inside) = start().map_err(|e| {
+        CgroupError::Unsuitable(format!("cannot start the cgroup probe process: {e}"))
+    })?;
     if pid == 0 {
-        // SAFETY: async-signal-safe calls only; the child blocks until the parent
-        // writes its byte (or closes its end), then exits without running any
-        // destructor.
+        // The child: wait for the release (the parent joins us first when the clone
+        // could not), join the v1 hierarchies, report 0 or the errno, exit without
+        // running any destructor.
+        let mut byte = 0u8;
+        // SAFETY: reading one byte into a valid buffer from our copy of the pipe.
+        unsafe { libc::read(release_r.as_raw_fd(), (&raw mut byte).cast(), 1) };
+        let mut errno = 0i32;
+        for path in &tasks {
+            // SAFETY: `path` is NUL-terminated.
+            let fd = unsafe { libc::open(path.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC) };
+            if fd == -1 || crate::sys::write_all_raw(fd, b"0").is_err() {
+                errno = crate::sys::errno();
+            }
+            if fd != -1 {
+                // SAFETY: closing the descriptor opened above, once.
+                unsafe { libc::close(fd) };
+            }
+            if errno != 0 {
+                break;
+            }
+        }
+        let report = errno.to_ne_bytes();
+        // SAFETY: writing four bytes from a valid buffer, then ending the child.
         unsafe {
-            libc::close(write_end);
-            let mut byte = 0u8;
-            libc::read(read_end, (&raw mut byte).cast(), 1);
+            libc::write(report_w.as_raw_fd(), report.as_ptr().cast(), report.len());
             libc::_exit(0);
         }
     }
-    // SAFETY: the parent does not use the read end.
-    unsafe { libc::close(read_end) };
-    let joined = call
-        .self_join_files()
-        .iter()
-        .try_for_each(|tasks| write(tasks, &pid.to_string()))
-        .and_then(|()| call.join(pid));
+    drop((release_r, report_w));
+    let joined = if inside { Ok(()) } else { call.join(pid) };
     // A byte, not only end-of-file, releases the child: a probe or sandbox child that
     // another thread forked meanwhile holds a copy of our write end until it execs or
     // exits, and end-of-file alone would wait for it — two probes forked at once then
     // wait for each other for ever.
     let release = 1u8;
-    // SAFETY: writing one byte from a valid buffer, then closing our own write end.
-    unsafe {
-        libc::write(write_end, (&raw const release).cast(), 1);
-        libc::close(write_end);
-    }
+    // SAFETY: writing one byte from a valid buffer to our own pipe.
+    unsafe { libc::write(release_w.as_raw_fd(), (&raw const release).cast(), 1) };
+    drop(release_w);
+    let mut report = [0u8; 4];
+    // SAFETY: reading up to four bytes into a valid buffer from our own pipe.
+    let n = unsafe { libc::read(report_r.as_raw_fd(), report.as_mut_ptr().cast(), 4) };
     let mut status = 0;
     // SAFETY: `status` is a valid out-pointer; waits for our own child.
     while unsafe { libc::waitpid(pid, &mut status, 0) } == -1 {
@@ -283,7 +383,17 @@ pub(crate) fn join_probe_process(call: &dyn CallCgroup) -> Result<(), CgroupErro
             break;
         }
     }
-    joined
+    joined?;
+    match (n, i32::from_ne_bytes(report)) {
+        (4, 0) => Ok(()),
+        (4, errno) => Err(CgroupError::Unsuitable(format!(
+            "a process cannot join its v1 cgroups: {}",
+            io::Error::from_raw_os_error(errno)
+        ))),
+        _ => Err(CgroupError::Unsuitable(
+            "the cgroup probe process ended without an answer".into(),
+        )),
+    }
 }
 
 /// A cgroup mount from /proc/self/mountinfo.
@@ -342,13 +452,15 @@ fn parse_mountinfo(text: &str) -> Vec<CgroupMount> {
     mounts
 }
 
-fn read_own_cgroups() -> Result<Vec<OwnCgroup>, CgroupError> {
+/// Our own cgroups, with the text they were parsed from.
+fn read_own_cgroups() -> Result<(String, Vec<OwnCgroup>), CgroupError> {
     let path = Path::new("/proc/self/cgroup");
     let text = std::fs::read_to_string(path).map_err(|source| CgroupError::Read {
         path: path.into(),
         source,
     })?;
-    Ok(parse_own_cgroups(&text))
+    let own = parse_own_cgroups(&text);
+    Ok((text, own))
 }
 
 /// The entries of a /proc/<pid>/cgroup text.
@@ -416,6 +528,24 @@ pub(crate) fn create_pool(parent: &Path, name: &str) -> Result<PathBuf, CgroupEr
     let pool = parent.join(name);
     mkdir(&pool)?;
     Ok(pool)
+}
+
+/// The directories of `parent` in every mounted hierarchy (for tests to remove them).
+#[cfg(test)]
+pub(crate) fn parent_dirs(parent: &str) -> Vec<PathBuf> {
+    let (Ok(mounts), Ok((_, own))) = (read_mounts(), read_own_cgroups()) else {
+        return Vec::new();
+    };
+    mounts
+        .iter()
+        .filter_map(|m| {
+            let own = own.iter().find(|o| match m.fstype.as_str() {
+                "cgroup2" => o.controllers.is_empty(),
+                _ => o.controllers.iter().any(|c| m.controllers.contains(c)),
+            })?;
+            Some(parent_dir(m, &own.path, parent))
+        })
+        .collect()
 }
 
 /// Removes a pool when its factory goes (its calls are gone by then).

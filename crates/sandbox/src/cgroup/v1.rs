@@ -29,10 +29,13 @@ pub struct V1 {
 }
 
 impl V1 {
+    /// `unified`: whether an earlier proof in this process found the unified tree
+    /// usable for killing (`None`: find out now, by moving a throwaway process there).
     pub(crate) fn detect(
         mounts: &[CgroupMount],
         own: &[OwnCgroup],
         parent_name: &str,
+        unified: Option<bool>,
     ) -> Result<Self, CgroupError> {
         let parent_of = |controller: &str| -> Option<PathBuf> {
             let mount = mounts
@@ -51,7 +54,13 @@ impl V1 {
         let memory = required("memory")?;
         let pids = required("pids")?;
         let cpu = required("cpu")?;
-        let unified = unified_parent(mounts, own, parent_name);
+        // Unless an earlier proof said otherwise, the unified tree is tried: the proof
+        // that follows (`super::verified`) joins it too, and `super::v1_verified` tries
+        // again without it when that fails.
+        let unified = match unified {
+            Some(false) => None,
+            None | Some(true) => unified_parent_dir(mounts, own, parent_name),
+        };
         // Every extra hierarchy costs a mkdir, a write and an rmdir per call: cpuacct is
         // used only when it shares the cpu hierarchy (wait4 accounts CPU otherwise), the
         // freezer only when the unified tree cannot kill.
@@ -92,24 +101,35 @@ impl V1 {
     }
 }
 
-/// The parent cgroup in the unified tree of a hybrid host, when it has `cgroup.kill`
-/// and a process can really be moved into a child of it (an ordinary user may be able
-/// to create the directory but not to move processes there: the kernel also asks for
-/// write access to the common ancestor's `cgroup.procs`). Otherwise the freezer or
-/// round-after-round SIGKILL does the killing.
-fn unified_parent(mounts: &[CgroupMount], own: &[OwnCgroup], parent_name: &str) -> Option<PathBuf> {
+/// Whether a hybrid host's unified tree is there for calls to join (for `cgroup.kill`).
+pub(crate) fn unified_tree_offered(mounts: &[CgroupMount], own: &[OwnCgroup]) -> bool {
+    mounts.iter().any(|m| m.fstype == "cgroup2") && own.iter().any(|o| o.controllers.is_empty())
+}
+
+/// The parent cgroup in the unified tree of a hybrid host, created, when it offers
+/// `cgroup.kill`. Whether a process can really be moved into a child of it (an ordinary
+/// user may be able to create the directory but not to move processes there: the
+/// kernel also asks for write access to the common ancestor's `cgroup.procs`) is proved
+/// with the rest of the backend; without it the freezer or round-after-round SIGKILL
+/// does the killing.
+fn unified_parent_dir(
+    mounts: &[CgroupMount],
+    own: &[OwnCgroup],
+    parent_name: &str,
+) -> Option<PathBuf> {
     let mount = mounts.iter().find(|m| m.fstype == "cgroup2")?;
     let own = own.iter().find(|o| o.controllers.is_empty())?;
     let parent = super::parent_dir(mount, &own.path, parent_name);
     super::mkdir(&parent).ok()?;
     // Every non-root cgroup has cgroup.kill on Linux 5.14+.
-    if !parent.join("cgroup.kill").exists() {
-        return None;
+    parent.join("cgroup.kill").exists().then_some(parent)
+}
+
+impl V1 {
+    /// Whether calls also join the unified tree of a hybrid host (to be killed there).
+    pub(crate) fn has_unified(&self) -> bool {
+        self.unified.is_some()
     }
-    let mut probe = CallV2::create_plain(&parent).ok()?;
-    let joined = super::join_probe_process(&probe);
-    let removed = probe.remove();
-    (joined.is_ok() && removed.is_ok()).then_some(parent)
 }
 
 impl Drop for V1 {

@@ -97,15 +97,9 @@ pub(crate) fn run(
         env.push((k.clone(), v.clone()));
     }
     let exec = ExecPlan::prepare(&spec.argv, &env)?;
-    let rootfs = if strict {
-        Some(RootfsPlan::prepare(
-            &workspace,
-            &cwd,
-            cfg.tmp_bytes,
-            cfg.network,
-        )?)
-    } else {
-        None
+    let rootfs = match sandbox.rootfs_template() {
+        Some(template) => Some(RootfsPlan::prepare(template, &workspace, &cwd)?),
+        None => None,
     };
     let host_cwd = sys::path_cstring(&workspace.join(&cwd)).map_err(SandboxError::Io)?;
     let rlimits = RlimitPlan::prepare(Rlimits {

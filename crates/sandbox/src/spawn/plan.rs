@@ -113,7 +113,7 @@ pub(super) struct ChildPlan<'a> {
     pub(super) cgroup_tasks: Vec<CString>,
     pub(super) fds: ChildFds,
     pub(super) sync: RawFd,
-    pub(super) rootfs: Option<RootfsPlan>,
+    pub(super) rootfs: Option<RootfsPlan<'a>>,
     pub(super) host_cwd: CString,
     pub(super) rlimits: RlimitPlan,
     pub(super) landlock: LandlockPlan,
@@ -125,8 +125,16 @@ pub(super) struct ChildPlan<'a> {
 }
 
 /// Address ranges of this process's original argument and environment strings
-/// (`arg_start..arg_end`, `env_start..env_end` of proc(5) `stat`), read before fork.
+/// (`arg_start..arg_end`, `env_start..env_end` of proc(5) `stat`), read before the
+/// first fork. They are fixed when the process starts (the kernel sets them up at
+/// `execve`; only `PR_SET_MM`, which needs `CAP_SYS_RESOURCE` and Airlock never calls,
+/// moves them), so one read serves every call.
 pub(super) fn inherited_string_regions() -> [(usize, usize); 2] {
+    static REGIONS: std::sync::OnceLock<[(usize, usize); 2]> = std::sync::OnceLock::new();
+    *REGIONS.get_or_init(read_string_regions)
+}
+
+fn read_string_regions() -> [(usize, usize); 2] {
     let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
         return [(0, 0); 2];
     };
