@@ -234,6 +234,16 @@ impl Gate {
         self.store.audit(query).await
     }
 
+    /// `"sqlite"` or `"postgres"`.
+    pub fn store_kind(&self) -> &'static str {
+        self.store.kind()
+    }
+
+    /// Write transactions the store committed since start ([`Store::commits`]).
+    pub fn store_commits(&self) -> u64 {
+        self.store.commits()
+    }
+
     pub async fn verify_audit(&self) -> Result<VerifyReport, StoreError> {
         self.store.verify().await
     }
