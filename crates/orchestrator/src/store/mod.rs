@@ -663,8 +663,9 @@ pub trait Store: Send + Sync {
 
     /// Write transactions this handle has committed since it was opened (SQLite: every
     /// commit on its connection, counted by a commit hook; PostgreSQL: every
-    /// transaction or single write statement it committed). `/readyz` reports it, so
-    /// that tests and benchmarks can count the durable writes of a call.
+    /// transaction it committed, and every single write statement that changed a row).
+    /// `/readyz` reports it, so that tests and benchmarks can count the durable writes
+    /// of a call.
     fn commits(&self) -> u64;
 
     /// Calls recorded for `(principal, session_id)` and the time of the first.

@@ -127,7 +127,18 @@ impl PostgresStore {
 
     /// Counts one committed write transaction when `answer` says it committed.
     fn counted<T>(&self, answer: Result<T, StoreError>) -> Result<T, StoreError> {
-        if answer.is_ok() {
+        self.counted_if(answer, |_| true)
+    }
+
+    /// Counts a single statement that committed and, by `wrote`, changed a row: one that
+    /// matched none wrote nothing (PostgreSQL gives it no transaction id and logs no
+    /// commit).
+    fn counted_if<T>(
+        &self,
+        answer: Result<T, StoreError>,
+        wrote: impl FnOnce(&T) -> bool,
+    ) -> Result<T, StoreError> {
+        if answer.as_ref().is_ok_and(wrote) {
             self.commits.fetch_add(1, Ordering::Relaxed);
         }
         answer
@@ -775,7 +786,10 @@ impl Store for PostgresStore {
         outcome: &CallOutcome,
     ) -> Result<bool, StoreError> {
         let client = self.client().await?;
-        self.counted(machine::finish_call(&mut PgTx { client: &client }, call_id, outcome).await)
+        self.counted_if(
+            machine::finish_call(&mut PgTx { client: &client }, call_id, outcome).await,
+            |finished| *finished,
+        )
     }
 
     async fn create_approval(&self, approval: NewApproval) -> Result<Approval, StoreError> {
@@ -859,14 +873,18 @@ impl Store for PostgresStore {
     ) -> Result<bool, StoreError> {
         let client = self.client().await?;
         let mut tx = PgTx { client: &client };
-        self.counted(
+        self.counted_if(
             machine::claim_for_dispatch(&mut tx, call_id, claimant, now, lease_until).await,
+            |claimed| *claimed,
         )
     }
 
     async fn prune_results(&self, finished_before: Timestamp) -> Result<u64, StoreError> {
         let client = self.client().await?;
-        self.counted(machine::prune_results(&mut PgTx { client: &client }, finished_before).await)
+        self.counted_if(
+            machine::prune_results(&mut PgTx { client: &client }, finished_before).await,
+            |pruned| *pruned > 0,
+        )
     }
 
     async fn renew_lease(
@@ -876,7 +894,7 @@ impl Store for PostgresStore {
         lease_until: Timestamp,
     ) -> Result<bool, StoreError> {
         let client = self.client().await?;
-        self.counted(
+        self.counted_if(
             machine::renew_lease(
                 &mut PgTx { client: &client },
                 call_id,
@@ -884,6 +902,7 @@ impl Store for PostgresStore {
                 lease_until,
             )
             .await,
+            |renewed| *renewed,
         )
     }
 

@@ -833,8 +833,20 @@ impl Store for SqliteStore {
     }
 
     async fn prune_results(&self, finished_before: Timestamp) -> Result<u64, StoreError> {
-        // One statement: atomic on its own.
+        // One statement: atomic on its own. A read first, so that a prune with nothing
+        // to drop (at start, and most hours) takes no write lock and makes no commit.
         self.run(move |conn| {
+            let due = conn
+                .query_row(
+                    "SELECT 1 FROM calls WHERE state = ?1 AND result IS NOT NULL \
+                     AND finished_at < ?2 LIMIT 1",
+                    params![CallState::Finished.as_str(), finished_before],
+                    |_| Ok(()),
+                )
+                .optional()?;
+            if due.is_none() {
+                return Ok(0);
+            }
             let mut tx = SqliteTx { conn };
             drive(machine::prune_results(&mut tx, finished_before))
         })
