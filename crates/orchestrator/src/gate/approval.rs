@@ -1,6 +1,6 @@
-//! Stage 6, approval (DESIGN §3 step 5): the call is recorded durably, approved at
-//! once or held as a pending approval until a human decides on any replica, it
-//! expires, or the caller cancels. The human's side is in [`super::decisions`].
+//! Stage 6, approval (DESIGN §3 step 5): the call is approved at once (its row kept for
+//! its first store write), or recorded durably and held as a pending approval until a
+//! human decides on any replica, it expires, or the caller cancels. The human's side is in [`super::decisions`].
 
 use std::time::{Duration, Instant};
 

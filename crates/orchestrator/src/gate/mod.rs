@@ -9,14 +9,18 @@
 //! 3. [`budget`]: the session's budgets and repeated calls (6)
 //! 4. [`policy`]: Cedar decides allow, deny or needs approval (4)
 //! 5. [`cache`]: a read-only tool's remembered result (after policy, before approval)
-//! 6. [`approval`]: the durable call record, held for a human when policy says so (5)
-//! 7. [`claim`]: exactly one replica dispatches (compare-and-set in the store)
+//! 6. [`approval`]: allowed at once, or held for a human in a durable approval (5)
+//! 7. [`claim`]: exactly one replica dispatches a stored call (compare-and-set in the
+//!    store); a fresh call with side effects is written ahead of its worker
 //! 8. [`dispatch`]: the worker runs it with a deadline (7)
 //! 9. [`ending`]: the one place a call ends — audited, stored once, answered (8)
 //!
 //! Each stage takes the call's [`CallCtx`] and returns a typed [`ending::Rejection`] or
 //! what the next stage needs; [`Gate::pipeline`] is the whole sequence, and
-//! [`Gate::conclude`] records the ending. A call that waits for approval survives an
+//! [`Gate::conclude`] records the ending. A call's audit events wait in its context and
+//! go into the store with its next write, in the same transaction: a call that needs no
+//! approval and changes nothing is written once, when it ends (docs/decisions.md, "One
+//! durable write per call"). A call that waits for approval survives an
 //! orchestrator restart: any replica resumes it after the decision ([`resume`]), and it
 //! runs exactly once (claims are compare-and-set in the store, and workers join a
 //! repeated call id to the original run).

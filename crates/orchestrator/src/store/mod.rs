@@ -24,10 +24,12 @@
 //!        └─decide(deny) / expire─▶ rejected  └── lease expired: claim again ┘
 //! ```
 //!
-//! A call that needs no approval is inserted as `approved` and claimed at once. A
-//! restarted orchestrator asks [`Store::resumable_calls`] for approved calls nobody
-//! claimed and for dispatched calls whose lease ran out, claims each, and dispatches
-//! it again with the *same* `call_id` (workers deduplicate by `call_id`).
+//! A call that needs no approval is inserted `approved` and claimed at once, in one
+//! transaction ([`CallChange::InsertClaimed`]), or, if it changes nothing, inserted
+//! `finished` when it ends ([`CallChange::InsertFinished`]). A restarted orchestrator
+//! asks [`Store::resumable_calls`] for approved calls nobody claimed and for dispatched
+//! calls whose lease ran out, claims each, and dispatches it again with the *same*
+//! `call_id` (workers deduplicate by `call_id`).
 //!
 //! # Time
 //!
