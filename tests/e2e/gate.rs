@@ -939,10 +939,12 @@ async fn store_commits(airlock: &Airlock) -> u64 {
 /// `read_file` calls make N commits, counted by SQLite's commit hook, and every call
 /// still leaves `requested`, `dispatched` and `completed` in one dense, valid chain.
 /// Before, each such call made six (three appends, the call's insert, its claim, its
-/// outcome).
+/// outcome). A call with side effects is written ahead of its worker and at its end:
+/// two.
 #[tokio::test]
 async fn an_auto_allowed_read_is_one_store_commit() {
     const CALLS: u64 = 40;
+    // No approvals (the harness's default), no rate limit.
     let airlock = Airlock::start_with("[budgets]\nrate_per_minute = 0\n").await;
     std::fs::create_dir_all(airlock.workspace("default")).expect("workspace");
     std::fs::write(airlock.workspace("default").join("n.txt"), "hello").expect("file");
@@ -956,6 +958,24 @@ async fn an_auto_allowed_read_is_one_store_commit() {
     let commits = store_commits(&airlock).await - before;
     eprintln!("{CALLS} read_file calls: {commits} store commits (SQLite)");
     assert_eq!(commits, CALLS, "one commit per auto-allowed read");
+
+    let before = store_commits(&airlock).await;
+    for i in 0..CALLS {
+        let (err, text, _) = airlock
+            .call(
+                "write_file",
+                json!({"path": format!("w{i}.txt"), "content": "x"}),
+            )
+            .await;
+        assert!(!err, "{text}");
+    }
+    let commits = store_commits(&airlock).await - before;
+    eprintln!("{CALLS} write_file calls: {commits} store commits (SQLite)");
+    assert_eq!(
+        commits,
+        2 * CALLS,
+        "written ahead of the worker and at the end"
+    );
 
     let (_, audit) = airlock.get("/v1/audit?limit=10000").await;
     let events = audit["events"].as_array().expect("events");
@@ -973,7 +993,7 @@ async fn an_auto_allowed_read_is_one_store_commit() {
                 .push(e["kind"].as_str().expect("kind"));
         }
     }
-    assert_eq!(per_call.len() as u64, CALLS, "{per_call:?}");
+    assert_eq!(per_call.len() as u64, 2 * CALLS, "{per_call:?}");
     for (call, kinds) in &per_call {
         assert_eq!(kinds, &["requested", "dispatched", "completed"], "{call}");
     }
