@@ -102,3 +102,27 @@ impl Gate {
         self.budgets.record(&key.0, failed);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unrecorded_calls_count_until_their_slots_drop() {
+        let unrecorded = Unrecorded::default();
+        assert_eq!(unrecorded.usage("alice", "s1"), (0, None));
+        let first = unrecorded.hold("alice", "s1", 2_000);
+        let second = unrecorded.hold("alice", "s1", 1_000);
+        let other = unrecorded.hold("alice", "s2", 5_000);
+        assert_eq!(unrecorded.usage("alice", "s1"), (2, Some(1_000)));
+        assert_eq!(unrecorded.usage("bob", "s1"), (0, None));
+        drop(second);
+        assert_eq!(unrecorded.usage("alice", "s1").0, 1);
+        drop(first);
+        assert_eq!(unrecorded.usage("alice", "s1"), (0, None));
+        assert!(!lock(&unrecorded.0).contains_key(&("alice".into(), "s1".into())));
+        assert_eq!(unrecorded.usage("alice", "s2"), (1, Some(5_000)));
+        drop(other);
+        assert!(lock(&unrecorded.0).is_empty(), "nothing outlives its calls");
+    }
+}
