@@ -925,3 +925,86 @@ async fn results_are_answered_whole_and_stored_cut_to_the_store_limit() {
     let (_, report) = airlock.get("/v1/audit/verify").await;
     assert_eq!(report["ok"], true, "{report}");
 }
+
+/// Write transactions the orchestrator's store committed since it started (`/readyz`).
+async fn store_commits(airlock: &Airlock) -> u64 {
+    let (status, ready) = airlock.get("/readyz").await;
+    assert_eq!(status, 200, "{ready}");
+    assert_eq!(ready["store"]["kind"], "sqlite", "{ready}");
+    ready["store"]["commits"].as_u64().expect("store.commits")
+}
+
+/// A call that needs no approval and changes nothing is recorded in one store
+/// transaction, when it ends (docs/decisions.md, "One durable write per call"): N
+/// `read_file` calls make N commits, counted by SQLite's commit hook, and every call
+/// still leaves `requested`, `dispatched` and `completed` in one dense, valid chain.
+/// Before, each such call made six (three appends, the call's insert, its claim, its
+/// outcome). A call with side effects is written ahead of its worker and at its end:
+/// two.
+#[tokio::test]
+async fn an_auto_allowed_read_is_one_store_commit() {
+    const CALLS: u64 = 40;
+    // No approvals (the harness's default), no rate limit.
+    let airlock = Airlock::start_with("[budgets]\nrate_per_minute = 0\n").await;
+    std::fs::create_dir_all(airlock.workspace("default")).expect("workspace");
+    std::fs::write(airlock.workspace("default").join("n.txt"), "hello").expect("file");
+    let before = store_commits(&airlock).await;
+    for _ in 0..CALLS {
+        let (err, text, _) = airlock.call("read_file", json!({"path": "n.txt"})).await;
+        assert!(!err, "{text}");
+        assert_eq!(text, "hello");
+    }
+    // Each answer comes after its call's commit, so all of them are counted now.
+    let commits = store_commits(&airlock).await - before;
+    eprintln!("{CALLS} read_file calls: {commits} store commits (SQLite)");
+    assert_eq!(commits, CALLS, "one commit per auto-allowed read");
+
+    let before = store_commits(&airlock).await;
+    for i in 0..CALLS {
+        let (err, text, _) = airlock
+            .call(
+                "write_file",
+                json!({"path": format!("w{i}.txt"), "content": "x"}),
+            )
+            .await;
+        assert!(!err, "{text}");
+    }
+    let commits = store_commits(&airlock).await - before;
+    eprintln!("{CALLS} write_file calls: {commits} store commits (SQLite)");
+    assert_eq!(
+        commits,
+        2 * CALLS,
+        "written ahead of the worker and at the end"
+    );
+
+    let (_, audit) = airlock.get("/v1/audit?limit=10000").await;
+    let events = audit["events"].as_array().expect("events");
+    let seqs: Vec<u64> = events
+        .iter()
+        .map(|e| e["seq"].as_u64().expect("seq"))
+        .collect();
+    assert_eq!(seqs, (1..=seqs.len() as u64).collect::<Vec<_>>(), "dense");
+    let mut per_call: std::collections::BTreeMap<&str, Vec<&str>> = Default::default();
+    for e in events {
+        if let Some(call) = e["call_id"].as_str() {
+            per_call
+                .entry(call)
+                .or_default()
+                .push(e["kind"].as_str().expect("kind"));
+        }
+    }
+    assert_eq!(per_call.len() as u64, 2 * CALLS, "{per_call:?}");
+    for (call, kinds) in &per_call {
+        assert_eq!(kinds, &["requested", "dispatched", "completed"], "{call}");
+    }
+    let (_, verify) = airlock.get("/v1/audit/verify").await;
+    assert_eq!(verify["ok"], true, "{verify}");
+    let (status, stored) = airlock
+        .get(&format!(
+            "/v1/calls/{}",
+            per_call.keys().next().expect("a call")
+        ))
+        .await;
+    assert_eq!(status, 200, "{stored}");
+    assert_eq!(stored["status"], "ok", "{stored}");
+}

@@ -500,3 +500,115 @@ async fn the_confined_orchestrator_reaches_its_store_over_verified_tls() {
         .expect("json");
     assert_eq!(verified["ok"], true, "{verified}\n{}", orchestrator.log());
 }
+
+/// Write transactions a replica's store handle committed since it started (`/readyz`).
+async fn store_commits(url: &str) -> u64 {
+    let ready: Value = reqwest::get(format!("{url}/readyz"))
+        .await
+        .expect("readyz")
+        .json()
+        .await
+        .expect("json");
+    assert_eq!(ready["store"]["kind"], "postgres", "{ready}");
+    ready["store"]["commits"].as_u64().expect("store.commits")
+}
+
+/// Two orchestrators on one PostgreSQL: a call that needs no approval and changes
+/// nothing is written in one transaction when it ends (docs/decisions.md, "One durable
+/// write per call"). Counted twice: by each replica (`/readyz`), and by PostgreSQL
+/// itself — every row a transaction writes carries its id (`xmin`), so the calls'
+/// audit events and call rows name exactly one transaction per call (before, four: the
+/// `requested`, `dispatched` and `completed` appends and the outcome's update). The
+/// concurrent writers of both replicas still make one dense chain.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_auto_allowed_read_is_one_transaction_on_a_shared_postgres() {
+    const PER_REPLICA: u64 = 20;
+    let secrets = tempfile::tempdir().expect("temp dir");
+    let secrets_path = secrets.path().to_owned();
+    let (store_url, password_file) =
+        tokio::task::spawn_blocking(move || store_database(&secrets_path))
+            .await
+            .expect("postgres");
+    let db = store_url.rsplit('/').next().expect("database").to_owned();
+    let shared = shared_config(&store_url, &password_file);
+    let mut a = Airlock::start_with(&shared).await;
+    a.token = TOKEN.to_owned();
+    let b = Replica::start(&a, &shared).await;
+    let client = reqwest::Client::new();
+    let doors = [
+        Door {
+            name: "A",
+            url: a.url.clone(),
+            client: client.clone(),
+        },
+        Door {
+            name: "B",
+            url: b.url.clone(),
+            client,
+        },
+    ];
+    let before = store_commits(&doors[0].url).await + store_commits(&doors[1].url).await;
+    let mut calls = tokio::task::JoinSet::new();
+    for i in 0..PER_REPLICA {
+        for door in &doors {
+            let door = door.clone();
+            calls.spawn(async move {
+                let answer = door
+                    .call(None, "list_directory", json!({"path": "."}), 60_000)
+                    .await;
+                (door.name, i, answer)
+            });
+        }
+    }
+    let mut ids = Vec::new();
+    while let Some(joined) = calls.join_next().await {
+        let (name, i, answer) = joined.expect("call task");
+        assert_eq!(answer["calls"][0]["status"], "ok", "{name} #{i}: {answer}");
+        ids.push(
+            answer["calls"][0]["call_id"]
+                .as_str()
+                .expect("id")
+                .to_owned(),
+        );
+    }
+    let total = 2 * PER_REPLICA;
+    let commits = store_commits(&doors[0].url).await + store_commits(&doors[1].url).await - before;
+    let list = ids
+        .iter()
+        .map(|id| format!("'{id}'"))
+        .collect::<Vec<_>>()
+        .join(",");
+    let writers = tokio::task::spawn_blocking(move || {
+        postgres::server().sql(
+            &db,
+            &format!(
+                "SELECT count(DISTINCT x) FROM (\
+                 SELECT xmin::text AS x FROM audit_events WHERE call_id IN ({list}) \
+                 UNION ALL SELECT xmin::text FROM calls WHERE call_id IN ({list})) AS w;"
+            ),
+        )
+    })
+    .await
+    .expect("psql")
+    .unwrap_or_else(|e| panic!("{e}"));
+    let writers: u64 = writers.trim().parse().expect("a count");
+    eprintln!(
+        "{total} list_directory calls over two replicas: {commits} commits counted by the replicas, {writers} transactions wrote their rows (PostgreSQL)"
+    );
+    assert_eq!(writers, total, "one transaction wrote each call's rows");
+    assert_eq!(commits, total, "one commit per auto-allowed call");
+
+    let verify = doors[0].get("/v1/audit/verify").await;
+    assert_eq!(verify["ok"], true, "{verify}");
+    let log = doors[1].get("/v1/audit?limit=10000").await;
+    let seqs: Vec<u64> = log["events"]
+        .as_array()
+        .expect("events")
+        .iter()
+        .map(|e| e["seq"].as_u64().expect("seq"))
+        .collect();
+    assert_eq!(seqs, (1..=seqs.len() as u64).collect::<Vec<_>>(), "dense");
+    assert_eq!(verify["records"].as_u64(), Some(seqs.len() as u64));
+    drop(b);
+    drop(a);
+}

@@ -230,6 +230,9 @@ async fn readyz(State(state): State<HttpState>) -> Response {
         "status": if ready { "ready" } else { "not_ready" },
         "workers": groups,
         "replicas": replicas,
+        // Counted since start, for benchmarks and tests that count a call's durable
+        // writes (docs/decisions.md, "One durable write per call").
+        "store": {"kind": state.gate.store_kind(), "commits": state.gate.store_commits()},
     });
     (status, axum::Json(body)).into_response()
 }

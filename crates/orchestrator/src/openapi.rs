@@ -154,7 +154,7 @@ pub fn document() -> Value {
                 "responses": {"200": json_response("Up", json!({"type": "object"}))}}},
             "/readyz": {"get": {"operationId": "readyz", "summary": "Every tool group has a live worker", "security": [],
                 "responses": {"200": json_response("Ready", json!({"type": "object"})),
-                              "503": json_response("Not ready; workers lists each group's state, replicas each replica's", json!({"type": "object"}))}}},
+                              "503": json_response("Not ready; workers lists each group's state, replicas each replica's, store the store's kind and the write transactions it committed since start", json!({"type": "object"}))}}},
         },
         "components": {
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer",

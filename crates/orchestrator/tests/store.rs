@@ -15,8 +15,9 @@ use std::time::Duration;
 
 use airlock_orchestrator::audit::{AuditKind, GENESIS_HASH, chain_hash};
 use airlock_orchestrator::store::{
-    self, ApprovalId, ApprovalPage, ApprovalQuery, ApprovalStatus, AuditQuery, CallId, CallOutcome,
-    CallState, NewApproval, NewAuditEvent, NewCall, Store, StoreError, Timestamp, now_millis,
+    self, ApprovalId, ApprovalPage, ApprovalQuery, ApprovalStatus, AuditQuery, CallChange, CallId,
+    CallOutcome, CallState, CallWrite, NewApproval, NewAuditEvent, NewCall, Store, StoreError,
+    Timestamp, now_millis,
 };
 use airlock_policy::CallStatus;
 use serde_json::json;
@@ -164,6 +165,11 @@ both_backends!(
     finish_unknown_call_is_not_found,
     resumable_calls_list_approved_and_lapsed_dispatched_calls_only,
     unknown_states_and_statuses_are_corrupt_rows,
+    // One call's write in one transaction (the gate's hot path).
+    write_call_records_a_finished_call_and_its_events_in_one_commit,
+    write_call_inserts_a_claimed_call_in_one_commit,
+    write_call_leaves_out_then_events_when_the_change_does_not_apply,
+    write_call_rolls_back_its_events_when_the_change_fails,
 );
 
 // ---------------------------------------------------------------------------------
@@ -2188,4 +2194,185 @@ async fn unknown_store_kind_does_not_echo_credentials() {
         err.contains("mysql://") && !err.contains("hunter2"),
         "{err}"
     );
+}
+
+// ---------------------------------------------------------------------------------
+// One call's write (CallWrite)
+// ---------------------------------------------------------------------------------
+
+fn call_event(kind: AuditKind, call_id: &str) -> NewAuditEvent {
+    NewAuditEvent::new(kind, json!({})).call_id(call_id)
+}
+
+fn kinds_of(records: &[airlock_orchestrator::audit::AuditRecord]) -> Vec<String> {
+    records.iter().map(|r| r.kind.clone()).collect()
+}
+
+/// N calls recorded as the gate records one that needs no approval and changes
+/// nothing: N commits, each holding the row and its three events; the chain is dense.
+async fn write_call_records_a_finished_call_and_its_events_in_one_commit(backend: Backend) {
+    const CALLS: u64 = 25;
+    let store = backend.open().await;
+    let before = store.commits();
+    let mut writers = Vec::new();
+    for i in 0..CALLS {
+        let store = store.clone();
+        writers.push(tokio::spawn(async move {
+            let id = format!("call-{i}");
+            let applied = store
+                .write_call(CallWrite {
+                    events: vec![
+                        call_event(AuditKind::Requested, &id),
+                        call_event(AuditKind::Dispatched, &id),
+                    ],
+                    change: CallChange::InsertFinished {
+                        call: new_call(&id, CallState::Approved),
+                        outcome: outcome("ok"),
+                    },
+                    then: vec![call_event(AuditKind::Completed, &id)],
+                })
+                .await
+                .unwrap();
+            assert!(applied);
+        }));
+    }
+    for writer in writers {
+        writer.await.unwrap();
+    }
+    assert_eq!(store.commits() - before, CALLS, "one commit per call");
+    let records = store
+        .audit(AuditQuery {
+            limit: 1000,
+            ..AuditQuery::default()
+        })
+        .await
+        .unwrap();
+    let seqs: Vec<u64> = records.iter().map(|r| r.seq).collect();
+    assert_eq!(seqs, (1..=3 * CALLS).collect::<Vec<_>>());
+    // A call's events are contiguous and in order: one transaction appended them.
+    for chunk in records.chunks(3) {
+        assert_eq!(kinds_of(chunk), ["requested", "dispatched", "completed"]);
+        assert!(chunk.iter().all(|r| r.call_id == chunk[0].call_id));
+    }
+    let report = store.verify().await.unwrap();
+    assert!(report.ok, "{report:?}");
+    let call = store.get_call(&cid("call-3")).await.unwrap().unwrap();
+    assert_eq!(call.state, CallState::Finished);
+    assert_eq!(call.status, Some(CallStatus::Ok));
+    assert_eq!(call.result, Some(outcome("ok").result));
+    assert_eq!(
+        store.session_usage("alice", "s1").await.unwrap().calls,
+        CALLS
+    );
+}
+
+/// A call with side effects is written ahead of its worker: inserted and claimed in the
+/// commit that holds its events, so no other claimant can take it while the lease runs.
+async fn write_call_inserts_a_claimed_call_in_one_commit(backend: Backend) {
+    let store = backend.open().await;
+    let before = store.commits();
+    let lease = now_millis() + 60_000;
+    let applied = store
+        .write_call(CallWrite {
+            events: vec![call_event(AuditKind::Requested, "call-1")],
+            change: CallChange::InsertClaimed {
+                call: new_call("call-1", CallState::Approved),
+                claimant: "r1".to_owned(),
+                lease_until: lease,
+            },
+            then: vec![call_event(AuditKind::Dispatched, "call-1")],
+        })
+        .await
+        .unwrap();
+    assert!(applied);
+    assert_eq!(store.commits() - before, 1);
+    let call = store.get_call(&cid("call-1")).await.unwrap().unwrap();
+    assert_eq!(call.state, CallState::Dispatched);
+    assert_eq!(call.claimed_by.as_deref(), Some("r1"));
+    assert_eq!(call.lease_until, Some(lease));
+    assert!(
+        !store
+            .claim_for_dispatch(&cid("call-1"), "r2", now_millis(), lease)
+            .await
+            .unwrap()
+    );
+    let records = store.audit(AuditQuery::default()).await.unwrap();
+    assert_eq!(kinds_of(&records), ["requested", "dispatched"]);
+}
+
+/// A finish that another replica made first keeps its outcome: this write's own events
+/// go in, its `completed` does not; a claim lost likewise.
+async fn write_call_leaves_out_then_events_when_the_change_does_not_apply(backend: Backend) {
+    let store = backend.open().await;
+    dispatched_call(&store, "call-1", "r1", now_millis() + 60_000).await;
+    assert!(
+        store
+            .finish_call(&cid("call-1"), &outcome("ok"))
+            .await
+            .unwrap()
+    );
+    let applied = store
+        .write_call(CallWrite {
+            events: vec![call_event(AuditKind::Resumed, "call-1")],
+            change: CallChange::Finish {
+                call_id: cid("call-1"),
+                outcome: outcome("error"),
+            },
+            then: vec![call_event(AuditKind::Completed, "call-1")],
+        })
+        .await
+        .unwrap();
+    assert!(!applied);
+    let claimed = store
+        .write_call(CallWrite {
+            events: Vec::new(),
+            change: CallChange::Claim {
+                call_id: cid("call-1"),
+                claimant: "r2".to_owned(),
+                now: now_millis(),
+                lease_until: now_millis() + 60_000,
+            },
+            then: vec![call_event(AuditKind::Dispatched, "call-1")],
+        })
+        .await
+        .unwrap();
+    assert!(!claimed);
+    let call = store.get_call(&cid("call-1")).await.unwrap().unwrap();
+    assert_eq!(call.status, Some(CallStatus::Ok));
+    let records = store
+        .audit(AuditQuery {
+            call_id: Some("call-1".to_owned()),
+            ..AuditQuery::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(kinds_of(&records), ["resumed"]);
+    assert!(store.verify().await.unwrap().ok);
+}
+
+/// A change that fails takes the write's events with it: the chain holds nothing of it.
+async fn write_call_rolls_back_its_events_when_the_change_fails(backend: Backend) {
+    let store = backend.open().await;
+    store
+        .insert_call(new_call("call-1", CallState::Approved))
+        .await
+        .unwrap();
+    let taken = store
+        .write_call(CallWrite {
+            events: vec![call_event(AuditKind::Requested, "call-1")],
+            change: CallChange::InsertFinished {
+                call: new_call("call-1", CallState::Approved),
+                outcome: outcome("ok"),
+            },
+            then: vec![call_event(AuditKind::Completed, "call-1")],
+        })
+        .await;
+    assert!(
+        matches!(&taken, Err(StoreError::AlreadyExists { what: "call", .. })),
+        "{taken:?}"
+    );
+    assert!(store.audit(AuditQuery::default()).await.unwrap().is_empty());
+    let report = store.verify().await.unwrap();
+    assert!(report.ok, "{report:?}");
+    assert_eq!(report.records, 0);
 }

@@ -19,7 +19,7 @@ use crate::catalog::CatalogTool;
 
 impl Gate {
     /// The tool the call is for, with `ctx`'s input in the tool's own spelling.
-    pub(super) async fn admit(&self, ctx: &mut CallCtx) -> Result<Arc<CatalogTool>, Rejection> {
+    pub(super) fn admit(&self, ctx: &mut CallCtx) -> Result<Arc<CatalogTool>, Rejection> {
         // Unknown and hidden tools get the same answer (no catalog probing).
         let tool = self.visible_tool(&ctx.principal, &ctx.tool_use.name);
         let size = json_size(&ctx.tool_use.input);
@@ -34,7 +34,7 @@ impl Gate {
             ctx.tool_use.input = input;
         }
         let requested = self.requested(tool.as_deref(), &ctx.tool_use, oversized, size);
-        self.audit(ctx.event(AuditKind::Requested, requested)).await;
+        ctx.note(AuditKind::Requested, requested);
         let Some(tool) = tool else {
             return Err(Rejection::UnknownTool {
                 name: bounded(&ctx.tool_use.name),

@@ -1,6 +1,6 @@
-//! Stage 6, approval (DESIGN §3 step 5): the call is recorded durably, approved at
-//! once or held as a pending approval until a human decides on any replica, it
-//! expires, or the caller cancels. The human's side is in [`super::decisions`].
+//! Stage 6, approval (DESIGN §3 step 5): the call is approved at once (its row kept for
+//! its first store write), or recorded durably and held as a pending approval until a
+//! human decides on any replica, it expires, or the caller cancels. The human's side is in [`super::decisions`].
 
 use std::time::{Duration, Instant};
 
@@ -8,42 +8,45 @@ use airlock_policy::CallStatus;
 use serde_json::json;
 
 use super::Gate;
-use super::ctx::CallCtx;
+use super::ctx::{CallCtx, PendingRow};
 use super::ending::{Held, Rejection};
 use super::policy::Verdict;
 use crate::audit::AuditKind;
-use crate::store::{ApprovalStatus, CallState, NewApproval, NewCall, now_millis};
+use crate::store::{
+    ApprovalStatus, CallChange, CallState, CallWrite, NewApproval, NewCall, now_millis,
+};
 
 /// How often waiting calls look at the store (decisions made on other replicas).
 const POLL: Duration = Duration::from_millis(250);
 
 impl Gate {
-    /// Records the call: approved at once when policy allows it, else held until a
-    /// human decides. `Ok` means the call may run.
+    /// Lets the call run at once when policy allows it (its row is written later, see
+    /// [`Gate::hold_row`]), else holds it until a human decides. `Ok` means the call
+    /// may run.
     pub(super) async fn approve(
         &self,
         ctx: &mut CallCtx,
         verdict: &Verdict,
     ) -> Result<(), Rejection> {
         match verdict {
-            Verdict::Allow => self.record_call(ctx, CallState::Approved).await,
+            Verdict::Allow => {
+                self.hold_row(ctx);
+                Ok(())
+            }
             Verdict::NeedsApproval { reasons } => self.await_approval(ctx, reasons).await,
         }
     }
 
-    /// The durable call record, in `state`.
-    pub(super) async fn record_call(
-        &self,
-        ctx: &CallCtx,
-        state: CallState,
-    ) -> Result<(), Rejection> {
-        self.store
-            .insert_call(new_call(ctx, state))
-            .await
-            .map_err(|error| Rejection::Store {
-                doing: "record the call",
-                error,
-            })
+    /// Keeps the call's row (state `approved`) for its first store write: ahead of the
+    /// worker for a call with side effects, at its end for one that changes nothing.
+    /// Until then the session's budget counts it here.
+    pub(super) fn hold_row(&self, ctx: &mut CallCtx) {
+        let call = new_call(ctx, CallState::Approved);
+        let slot = ctx.session_named.then(|| {
+            self.unrecorded
+                .hold(&ctx.principal.name, ctx.session.as_str(), call.created_at)
+        });
+        ctx.row = Some(PendingRow { call, _slot: slot });
     }
 
     /// Creates the durable pending approval and waits for its decision; `ctx.held` is
@@ -55,28 +58,35 @@ impl Gate {
         let expires_at = now
             + i64::try_from(self.approvals.timeout_seconds.saturating_mul(1000))
                 .unwrap_or(i64::MAX);
+        // The request, the held call and its approval in one transaction, durable
+        // before anyone can decide it.
+        let pending = ctx.event(
+            AuditKind::PendingApproval,
+            json!({"approval_id": approval_id, "reasons": reasons, "expires_at": crate::store::rfc3339(expires_at)}),
+        );
         self.store
-            .create_approval(NewApproval {
-                approval_id: approval_id.clone().into(),
-                call: new_call(ctx, CallState::PendingApproval),
-                created_at: now,
-                expires_at,
+            .write_call(CallWrite {
+                events: ctx.journal.clone(),
+                change: CallChange::CreateApproval(NewApproval {
+                    approval_id: approval_id.clone().into(),
+                    call: new_call(ctx, CallState::PendingApproval),
+                    created_at: now,
+                    expires_at,
+                }),
+                then: vec![pending],
             })
             .await
             .map_err(|error| Rejection::Store {
                 doing: "record the pending approval",
                 error,
             })?;
+        ctx.journal.clear();
+        ctx.recorded = true;
         self.calls.update(&ctx.call_id, |r| {
             r.status = CallStatus::PendingApproval;
             r.approval_id = Some(approval_id.clone());
             r.checked = true;
         });
-        self.audit(ctx.event(
-            AuditKind::PendingApproval,
-            json!({"approval_id": approval_id, "reasons": reasons, "expires_at": crate::store::rfc3339(expires_at)}),
-        ))
-        .await;
         loop {
             match self.store.get_approval(&approval_id.as_str().into()).await {
                 Ok(Some(a)) => match a.status {

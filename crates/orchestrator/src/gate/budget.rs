@@ -5,13 +5,66 @@
 //! over its budget is refused before a human is asked to approve a call that could not
 //! run anyway, and the check is a counter read, cheaper than a policy evaluation.
 
-use super::Gate;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
 use super::ctx::CallCtx;
 use super::ending::Rejection;
-use crate::store::now_millis;
+use super::{Gate, lock};
+use crate::store::{Timestamp, now_millis};
 
 /// What identifies "the same call again" for the repeated-call budget.
 pub(super) struct RepeatKey(String);
+
+type SessionKey = (String, String);
+
+/// Calls of this replica that passed their session's budget and whose rows are not in
+/// the store yet (a call that changes nothing is stored when it ends): the store counts
+/// only the calls it holds, so these are added to its count.
+#[derive(Default)]
+pub(super) struct Unrecorded(Arc<Mutex<HashMap<SessionKey, (u64, Timestamp)>>>);
+
+impl Unrecorded {
+    /// How many there are in the session, and when the first of them was created.
+    fn usage(&self, principal: &str, session: &str) -> (u64, Option<Timestamp>) {
+        let key = (principal.to_owned(), session.to_owned());
+        lock(&self.0)
+            .get(&key)
+            .map_or((0, None), |&(calls, first_at)| (calls, Some(first_at)))
+    }
+
+    /// Counts one more until the returned slot is dropped.
+    pub(super) fn hold(&self, principal: &str, session: &str, created_at: Timestamp) -> Slot {
+        let key = (principal.to_owned(), session.to_owned());
+        let mut map = lock(&self.0);
+        let entry = map.entry(key.clone()).or_insert((0, created_at));
+        entry.0 += 1;
+        entry.1 = entry.1.min(created_at);
+        Slot {
+            map: Arc::clone(&self.0),
+            key,
+        }
+    }
+}
+
+/// One unrecorded call in its session's count; dropped once the store holds the call
+/// (or the call ends without a row).
+pub(super) struct Slot {
+    map: Arc<Mutex<HashMap<SessionKey, (u64, Timestamp)>>>,
+    key: SessionKey,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let mut map = lock(&self.map);
+        if let Some(entry) = map.get_mut(&self.key) {
+            entry.0 = entry.0.saturating_sub(1);
+            if entry.0 == 0 {
+                map.remove(&self.key);
+            }
+        }
+    }
+}
 
 impl Gate {
     pub(super) async fn check_budget(&self, ctx: &CallCtx) -> Result<RepeatKey, Rejection> {
@@ -26,8 +79,16 @@ impl Gate {
                 .session_usage(&ctx.principal.name, ctx.session.as_str())
                 .await
                 .map_err(|e| over(format!("the store cannot count this session's calls: {e}")))?;
+            let (running, since) = self
+                .unrecorded
+                .usage(&ctx.principal.name, ctx.session.as_str());
+            // An unrecorded call's creation time is when its row will say it was created.
+            let first_at = match (usage.first_at, since) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
             self.budgets
-                .check_session(usage.calls, usage.first_at, now_millis())
+                .check_session(usage.calls + running, first_at, now_millis())
                 .map_err(|e| over(e.to_string()))?;
         }
         self.budgets
@@ -39,5 +100,29 @@ impl Gate {
     /// Counts a call that ran against the repeated-call budget.
     pub(super) fn record_repeat(&self, key: &RepeatKey, failed: bool) {
         self.budgets.record(&key.0, failed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unrecorded_calls_count_until_their_slots_drop() {
+        let unrecorded = Unrecorded::default();
+        assert_eq!(unrecorded.usage("alice", "s1"), (0, None));
+        let first = unrecorded.hold("alice", "s1", 2_000);
+        let second = unrecorded.hold("alice", "s1", 1_000);
+        let other = unrecorded.hold("alice", "s2", 5_000);
+        assert_eq!(unrecorded.usage("alice", "s1"), (2, Some(1_000)));
+        assert_eq!(unrecorded.usage("bob", "s1"), (0, None));
+        drop(second);
+        assert_eq!(unrecorded.usage("alice", "s1").0, 1);
+        drop(first);
+        assert_eq!(unrecorded.usage("alice", "s1"), (0, None));
+        assert!(!lock(&unrecorded.0).contains_key(&("alice".into(), "s1".into())));
+        assert_eq!(unrecorded.usage("alice", "s2"), (1, Some(5_000)));
+        drop(other);
+        assert!(lock(&unrecorded.0).is_empty(), "nothing outlives its calls");
     }
 }

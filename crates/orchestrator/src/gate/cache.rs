@@ -11,9 +11,8 @@ use airlock_policy::CallStatus;
 
 use super::Gate;
 use super::ctx::CallCtx;
-use super::ending::{Ending, Rejection};
+use super::ending::Ending;
 use crate::catalog::CatalogTool;
-use crate::store::CallState;
 
 /// The key of a cacheable call's result.
 pub(super) struct CacheKey(String);
@@ -31,19 +30,17 @@ impl Gate {
     }
 
     /// The remembered result of an identical call, recorded as this call's.
-    pub(super) async fn cached(
+    pub(super) fn cached(
         &self,
-        ctx: &CallCtx,
+        ctx: &mut CallCtx,
         tool: &CatalogTool,
         key: Option<&CacheKey>,
-    ) -> Result<Option<Ending>, Rejection> {
-        let Some(hit) = key.and_then(|k| self.cache.get(&tool.definition.name, &k.0)) else {
-            return Ok(None);
-        };
-        self.record_call(ctx, CallState::Approved).await?;
-        self.audit(ctx.event(crate::audit::AuditKind::CacheHit, serde_json::json!({})))
-            .await;
-        Ok(Some(Ending::produced(CallStatus::Ok, hit, None)))
+    ) -> Option<Ending> {
+        let hit = key.and_then(|k| self.cache.get(&tool.definition.name, &k.0))?;
+        // Stored with its outcome when it ends, like a call that ran and changed nothing.
+        self.hold_row(ctx);
+        ctx.note(crate::audit::AuditKind::CacheHit, serde_json::json!({}));
+        Some(Ending::produced(CallStatus::Ok, hit, None))
     }
 
     /// Remembers a successful result for the next identical call.

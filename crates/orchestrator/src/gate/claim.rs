@@ -9,9 +9,10 @@ use super::Gate;
 use super::ctx::CallCtx;
 use super::ending::{Ending, Rejection};
 use super::resume::stored_ending;
+use crate::audit::NewAuditEvent;
 use crate::catalog::WorkerGroup;
 use crate::dispatch;
-use crate::store::now_millis;
+use crate::store::{CallChange, CallWrite, now_millis};
 
 /// How long a dispatch claim holds before another replica may take the call over; the
 /// dispatching task renews it every third of that.
@@ -36,24 +37,80 @@ pub(super) fn lease_until() -> i64 {
 }
 
 impl Gate {
+    /// Claims a call the store holds (approved after a wait, or resumed), writing the
+    /// events it gathered in the same transaction.
     pub(super) async fn claim(
         &self,
-        ctx: &CallCtx,
+        ctx: &mut CallCtx,
         group: Option<&WorkerGroup>,
     ) -> Result<Claim, Rejection> {
-        let call_id = crate::store::CallId::from(&ctx.call_id);
         let claimed = self
             .store
-            .claim_for_dispatch(&call_id, &self.replica_id, now_millis(), lease_until())
+            .write_call(CallWrite {
+                events: ctx.journal.clone(),
+                change: CallChange::Claim {
+                    call_id: crate::store::CallId::from(&ctx.call_id),
+                    claimant: self.replica_id.clone(),
+                    now: now_millis(),
+                    lease_until: lease_until(),
+                },
+                then: Vec::new(),
+            })
             .await
             .map_err(|error| Rejection::Store {
                 doing: "claim the call",
                 error,
             })?;
+        ctx.journal.clear();
         if claimed {
             return Ok(Claim::Won);
         }
         Ok(Claim::Lost(self.await_stored_outcome(ctx, group).await))
+    }
+
+    /// Writes a fresh call that may change something before a worker runs it: its
+    /// events so far (its request and dispatch), its row approved and claimed by this
+    /// replica, in one transaction. After a crash the log shows that it was sent to a
+    /// worker, and the resume loop finds its lapsed claim.
+    pub(super) async fn write_ahead(
+        &self,
+        ctx: &mut CallCtx,
+        dispatched: NewAuditEvent,
+    ) -> Result<(), Rejection> {
+        let Some(row) = ctx.row.take() else {
+            // Already stored: the dispatch goes with its next write.
+            ctx.journal.push(dispatched);
+            return Ok(());
+        };
+        let written = self
+            .store
+            .write_call(CallWrite {
+                events: ctx.journal.clone(),
+                change: CallChange::InsertClaimed {
+                    call: row.call.clone(),
+                    claimant: self.replica_id.clone(),
+                    lease_until: lease_until(),
+                },
+                then: vec![dispatched],
+            })
+            .await;
+        match written {
+            Ok(_) => {
+                ctx.journal.clear();
+                ctx.recorded = true;
+                // Dropping the row's slot: the store counts the call now.
+                drop(row);
+                Ok(())
+            }
+            Err(error) => {
+                // Not run; the ending writes the row and the events once.
+                ctx.row = Some(row);
+                Err(Rejection::Store {
+                    doing: "record the call",
+                    error,
+                })
+            }
+        }
     }
 
     /// Waits until another replica records the call's outcome. Cancelled, it asks the

@@ -8,10 +8,12 @@ use serde_json::Value;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
+use super::budget::Slot;
 use super::ending::Held;
 use crate::audit::{AuditKind, NewAuditEvent};
 use crate::auth::Principal;
 use crate::dispatch::WorkerEvent;
+use crate::store::NewCall;
 
 /// One proposed call, already in domain form.
 #[derive(Debug, Clone)]
@@ -37,6 +39,23 @@ pub(super) struct CallCtx {
     /// Set by the approval stage: how long the call waited for a human.
     pub held: Option<Held>,
     pub started: Instant,
+    /// The call's audit events not yet in the store, oldest first. They go into the
+    /// log with the call's next store write, in the same transaction (see
+    /// docs/decisions.md, "One durable write per call").
+    pub journal: Vec<NewAuditEvent>,
+    /// The call's row while it is not in the store yet: set once the call may run, and
+    /// taken by the write that stores it.
+    pub row: Option<PendingRow>,
+    /// Whether the store holds the call's row (written ahead, held for approval, or
+    /// resumed from the store).
+    pub recorded: bool,
+}
+
+/// A call's row not yet written, and its place in the session's count until it is.
+pub(super) struct PendingRow {
+    pub call: NewCall,
+    /// Counts the call against its session's budget until the store does.
+    pub _slot: Option<Slot>,
 }
 
 impl CallCtx {
@@ -46,5 +65,11 @@ impl CallCtx {
             .call_id(self.call_id.as_str())
             .principal(self.principal.name.as_str())
             .session_id(Some(self.session.as_str().to_owned()))
+    }
+
+    /// Notes an audit event about this call, for its next store write.
+    pub fn note(&mut self, kind: AuditKind, data: Value) {
+        let event = self.event(kind, data);
+        self.journal.push(event);
     }
 }

@@ -10,11 +10,24 @@ use super::Gate;
 use super::claim::{LEASE, lease_until};
 use super::ctx::CallCtx;
 use super::ending::{Ending, Rejection};
-use crate::audit::AuditKind;
+use crate::audit::{AuditKind, NewAuditEvent};
 use crate::catalog::WorkerGroup;
 use crate::dispatch::{self, WorkerCall};
 
 impl Gate {
+    /// The `dispatched` event of a call about to run on `group`.
+    pub(super) fn dispatched_event(
+        &self,
+        ctx: &CallCtx,
+        group: &WorkerGroup,
+        durable: bool,
+    ) -> NewAuditEvent {
+        ctx.event(
+            AuditKind::Dispatched,
+            json!({"group": group.name, "claimant": self.replica_id, "durable": durable}),
+        )
+    }
+
     /// Runs the call on `group`. `durable` (an approved call) asks the worker to keep
     /// it running if this replica goes away, so that a replica that resumes it joins
     /// the same run.
@@ -24,11 +37,6 @@ impl Gate {
         group: &WorkerGroup,
         durable: bool,
     ) -> Result<Ending, Rejection> {
-        self.audit(ctx.event(
-            AuditKind::Dispatched,
-            json!({"group": group.name, "claimant": self.replica_id, "durable": durable}),
-        ))
-        .await;
         let call = WorkerCall {
             call_id: ctx.call_id.clone(),
             tool: ctx.tool_use.name.clone(),
@@ -39,9 +47,12 @@ impl Gate {
             detached: durable,
             retryable: self.is_retryable(&ctx.tool_use.name),
         };
-        let renewal = self.renew_lease(&ctx.call_id);
+        // Only a stored call has a claim to keep alive.
+        let renewal = ctx.recorded.then(|| self.renew_lease(&ctx.call_id));
         let result = dispatch::execute(group, call, ctx.events.clone(), &ctx.cancel).await;
-        renewal.stop().await;
+        if let Some(renewal) = renewal {
+            renewal.stop().await;
+        }
         let done = result?;
         let status = match (done.outcome.timed_out, done.outcome.is_error) {
             (true, _) => CallStatus::Timeout,

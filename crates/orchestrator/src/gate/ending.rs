@@ -10,9 +10,9 @@ use sha2::{Digest, Sha256};
 
 use super::Gate;
 use super::ctx::CallCtx;
-use crate::audit::AuditKind;
+use crate::audit::{AuditKind, NewAuditEvent};
 use crate::dispatch::DispatchError;
-use crate::store::{Approval, CallOutcome, StoreError, now_millis};
+use crate::store::{Approval, CallChange, CallOutcome, CallWrite, StoreError, now_millis};
 
 /// How long a call was held for approval.
 #[derive(Debug, Clone, Copy, Default)]
@@ -194,52 +194,129 @@ impl Gate {
     /// `duration_ms` is the time since the call started without the time it was held
     /// for approval: a 2 ms write that waited a minute for a human reports 2 ms, and the
     /// minute separately.
-    pub(super) async fn conclude(&self, ctx: &CallCtx, result: Result<Ending, Rejection>) {
-        let ending = match result {
+    pub(super) async fn conclude(&self, ctx: &mut CallCtx, result: Result<Ending, Rejection>) {
+        let mut ending = match result {
             Ok(ending) => ending,
             Err(rejection) => {
                 if let Some((kind, data)) = rejection.audit() {
-                    self.audit(ctx.event(kind, data)).await;
+                    ctx.note(kind, data);
                 }
                 Ending::error(rejection.status(), rejection.to_string())
             }
         };
-        let call_id = ctx.call_id.as_str();
+        let call_id = ctx.call_id.clone();
         let local_wait = ctx.held.map(|h| h.local).unwrap_or_default();
         let duration_ms = ctx.started.elapsed().saturating_sub(local_wait).as_millis() as u64;
         let approval_wait_ms = ctx.held.map(|h| h.reported_ms);
-        let status = ending.status;
-        let remember = |ending: Ending| {
-            self.calls.update(call_id, |r| {
-                r.status = status;
-                r.duration_ms = Some(duration_ms);
-                r.approval_wait_ms = approval_wait_ms;
-                r.replica = ending.replica;
-                r.result = Some(ending.outcome);
-                r.checked = true;
-            });
-        };
         if !ending.owned {
-            // The replica that won the claim records the outcome and its audit event.
-            remember(ending);
+            // The replica that won the claim records the outcome and its audit event;
+            // what this one noted (a resumption) still goes in.
+            self.flush(ctx).await;
+            self.remember(&call_id, ending, duration_ms, approval_wait_ms);
             return;
         }
         let digest = hex::encode(Sha256::digest(ending.outcome.content.join("\n").as_bytes()));
         let stored = CallOutcome {
-            status,
+            status: ending.status,
             result: self.stored_result(&ending.outcome, &digest),
             duration_ms: Some(duration_ms),
             replica: ending.replica.clone(),
             finished_at: now_millis(),
         };
-        match self.store.finish_call(&call_id.into(), &stored).await {
-            Ok(true) | Err(StoreError::NotFound { .. }) => {}
+        let completed = self.completed_event(ctx, &ending, duration_ms, approval_wait_ms, &digest);
+        // One transaction: the row (inserted finished if the store never had it) with
+        // every event the call gathered and its `completed`.
+        let row = ctx.row.take();
+        let change = match (&row, ctx.recorded) {
+            (Some(row), _) => CallChange::InsertFinished {
+                call: row.call.clone(),
+                outcome: stored,
+            },
+            (None, true) => CallChange::Finish {
+                call_id: call_id.as_str().into(),
+                outcome: stored,
+            },
+            // Refused before it could run: it has events, and no row.
+            (None, false) => CallChange::Nothing,
+        };
+        let events = std::mem::take(&mut ctx.journal);
+        let write = CallWrite {
+            events: events.clone(),
+            change,
+            then: vec![completed.clone()],
+        };
+        match self.store.write_call(write).await {
+            Ok(true) => {}
             // Already finished by another replica: its outcome and audit event stand.
             Ok(false) => return,
-            Err(e) => tracing::error!(call_id, error = %e, "cannot record the call's outcome"),
+            Err(e) if row.is_some() => {
+                // Nothing of the call is stored, and no worker changed anything (or it
+                // never ran): its result is not handed out unrecorded.
+                tracing::error!(call_id, error = %e, "cannot record the call");
+                ending = Ending::error(
+                    CallStatus::Error,
+                    Rejection::Store {
+                        doing: "record the call",
+                        error: e,
+                    }
+                    .to_string(),
+                );
+            }
+            Err(e) => {
+                // The call is stored and may have run: keep what the log can still take.
+                tracing::error!(call_id, error = %e, "cannot record the call's outcome");
+                let events_only = CallWrite {
+                    events,
+                    change: CallChange::Nothing,
+                    then: vec![completed],
+                };
+                if let Err(e) = self.store.write_call(events_only).await {
+                    tracing::error!(call_id, error = %e, "cannot append to the audit log");
+                }
+            }
         }
+        // The store counts the call now (or it ends without a row).
+        drop(row);
+        tracing::info!(
+            call_id,
+            principal = %ctx.principal.name,
+            status = ending.status.as_str(),
+            duration_ms,
+            approval_wait_ms,
+            "call finished"
+        );
+        self.remember(&call_id, ending, duration_ms, approval_wait_ms);
+    }
+
+    /// The call's ending, in memory for its waiters.
+    fn remember(
+        &self,
+        call_id: &str,
+        ending: Ending,
+        duration_ms: u64,
+        approval_wait_ms: Option<u64>,
+    ) {
+        self.calls.update(call_id, |r| {
+            r.status = ending.status;
+            r.duration_ms = Some(duration_ms);
+            r.approval_wait_ms = approval_wait_ms;
+            r.replica = ending.replica;
+            r.result = Some(ending.outcome);
+            r.checked = true;
+        });
+    }
+
+    /// The `completed` event: the status, the digest of the whole result and timings.
+    fn completed_event(
+        &self,
+        ctx: &CallCtx,
+        ending: &Ending,
+        duration_ms: u64,
+        approval_wait_ms: Option<u64>,
+        digest: &str,
+    ) -> NewAuditEvent {
         let mut completed = json!({
-            "status": status.as_str(),
+            "status": ending.status.as_str(),
             "is_error": ending.outcome.is_error,
             "duration_ms": duration_ms,
             "replica": ending.replica,
@@ -249,15 +326,6 @@ impl Gate {
         if let Some(ms) = approval_wait_ms {
             completed["approval_wait_ms"] = json!(ms);
         }
-        self.audit(ctx.event(AuditKind::Completed, completed)).await;
-        tracing::info!(
-            call_id,
-            principal = %ctx.principal.name,
-            status = status.as_str(),
-            duration_ms,
-            approval_wait_ms,
-            "call finished"
-        );
-        remember(ending);
+        ctx.event(AuditKind::Completed, completed)
     }
 }

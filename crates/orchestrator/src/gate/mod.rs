@@ -9,14 +9,18 @@
 //! 3. [`budget`]: the session's budgets and repeated calls (6)
 //! 4. [`policy`]: Cedar decides allow, deny or needs approval (4)
 //! 5. [`cache`]: a read-only tool's remembered result (after policy, before approval)
-//! 6. [`approval`]: the durable call record, held for a human when policy says so (5)
-//! 7. [`claim`]: exactly one replica dispatches (compare-and-set in the store)
+//! 6. [`approval`]: allowed at once, or held for a human in a durable approval (5)
+//! 7. [`claim`]: exactly one replica dispatches a stored call (compare-and-set in the
+//!    store); a fresh call with side effects is written ahead of its worker
 //! 8. [`dispatch`]: the worker runs it with a deadline (7)
 //! 9. [`ending`]: the one place a call ends — audited, stored once, answered (8)
 //!
 //! Each stage takes the call's [`CallCtx`] and returns a typed [`ending::Rejection`] or
 //! what the next stage needs; [`Gate::pipeline`] is the whole sequence, and
-//! [`Gate::conclude`] records the ending. A call that waits for approval survives an
+//! [`Gate::conclude`] records the ending. A call's audit events wait in its context and
+//! go into the store with its next write, in the same transaction: a call that needs no
+//! approval and changes nothing is written once, when it ends (docs/decisions.md, "One
+//! durable write per call"). A call that waits for approval survives an
 //! orchestrator restart: any replica resumes it after the decision ([`resume`]), and it
 //! runs exactly once (claims are compare-and-set in the store, and workers join a
 //! repeated call id to the original run).
@@ -57,7 +61,7 @@ use crate::catalog::{Catalog, CatalogTool};
 use crate::config::StoreRetention;
 use crate::config::{ApprovalsConfig, AuditConfig};
 use crate::dispatch::WorkerEvent;
-use crate::store::{Store, StoreError};
+use crate::store::{CallChange, CallWrite, Store, StoreError};
 use ctx::CallCtx;
 use ending::{Ending, Rejection};
 
@@ -114,6 +118,8 @@ pub struct Gate {
     decided: Notify,
     /// Remembered visibility answers (see [`Gate::is_visible`]).
     visibility: std::sync::Mutex<HashMap<VisibilityKey, bool>>,
+    /// Calls that count against their session but are not in the store yet.
+    unrecorded: budget::Unrecorded,
 }
 
 type VisibilityKey = (String, String, airlock_policy::ToolAnnotations);
@@ -141,8 +147,25 @@ pub fn role_names(principal: &Principal) -> Vec<String> {
         .collect()
 }
 
+/// When a call that may run is first written to the store (see docs/decisions.md, "One
+/// durable write per call").
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Record {
+    /// The store holds it already (approved after a wait, or resumed): claimed there,
+    /// and its dispatch written before the worker runs it.
+    Stored,
+    /// Auto-allowed with side effects: written, claimed and its dispatch recorded in
+    /// one transaction before the worker runs it.
+    Ahead,
+    /// Auto-allowed and changes nothing: written once, with its outcome and all its
+    /// events, when it ends.
+    AtEnd,
+}
+
 /// How the claimed call is dispatched.
 struct Dispatch {
+    /// When the call is first written to the store.
+    record: Record,
     /// An approved call: the worker keeps running it if this replica goes away.
     durable: bool,
     /// Check the call against the principals and policy in force first, naming this
@@ -168,6 +191,7 @@ impl Gate {
             authorizer: RwLock::new(Arc::new(parts.authorizer)),
             decided: Notify::new(),
             visibility: std::sync::Mutex::default(),
+            unrecorded: budget::Unrecorded::default(),
         }
     }
 
@@ -232,6 +256,16 @@ impl Gate {
 
     pub async fn audit_events(&self, query: AuditQuery) -> Result<Vec<AuditRecord>, StoreError> {
         self.store.audit(query).await
+    }
+
+    /// `"sqlite"` or `"postgres"`.
+    pub fn store_kind(&self) -> &'static str {
+        self.store.kind()
+    }
+
+    /// Write transactions the store committed since start ([`Store::commits`]).
+    pub fn store_commits(&self) -> u64 {
+        self.store.commits()
     }
 
     pub async fn verify_audit(&self) -> Result<VerifyReport, StoreError> {
@@ -347,11 +381,14 @@ impl Gate {
             cancel,
             held: None,
             started: Instant::now(),
+            journal: Vec::new(),
+            row: None,
+            recorded: false,
         };
         let gate = self.clone();
         tokio::spawn(async move {
             let result = gate.pipeline(&mut ctx).await;
-            gate.conclude(&ctx, result).await;
+            gate.conclude(&mut ctx, result).await;
         });
         rx
     }
@@ -376,18 +413,26 @@ impl Gate {
 
     /// The stages of a fresh call, in order.
     async fn pipeline(&self, ctx: &mut CallCtx) -> Result<Ending, Rejection> {
-        let tool = self.admit(ctx).await?;
+        let tool = self.admit(ctx)?;
         validate::validate(&tool, &ctx.tool_use.input)?;
         let repeat = self.check_budget(ctx).await?;
         let verdict = self.authorize(ctx, &tool)?;
         let cache_key = self.cache_key(ctx, &tool);
-        if let Some(hit) = self.cached(ctx, &tool, cache_key.as_ref()).await? {
+        if let Some(hit) = self.cached(ctx, &tool, cache_key.as_ref()) {
             return Ok(hit);
         }
         self.approve(ctx, &verdict).await?;
         self.calls.update(&ctx.call_id, |r| r.checked = true);
         let approved = verdict.needs_approval();
+        let record = if approved {
+            Record::Stored
+        } else if tool.definition.annotations.read_only {
+            Record::AtEnd
+        } else {
+            Record::Ahead
+        };
         let how = Dispatch {
+            record,
             durable: approved,
             recheck: approved.then_some("dispatch"),
         };
@@ -402,26 +447,57 @@ impl Gate {
 
     /// Claims the call (exactly one replica wins) and runs it on a worker; a loser
     /// reports the winner's outcome. The re-check comes after the claim, so that
-    /// exactly one replica decides whether the call runs.
+    /// exactly one replica decides whether the call runs. A fresh call that needed no
+    /// approval has nothing to claim: no other replica can know its id before it is
+    /// stored.
     async fn claim_and_dispatch(
         &self,
-        ctx: &CallCtx,
+        ctx: &mut CallCtx,
         tool: &CatalogTool,
         how: Dispatch,
     ) -> Result<Ending, Rejection> {
         let group = self.catalog.group(&tool.group);
-        if let claim::Claim::Lost(ending) = self.claim(ctx, group.as_deref()).await? {
-            return Ok(ending);
-        }
-        if let Some(stage) = how.recheck {
-            self.recheck(ctx, stage)?;
+        if how.record == Record::Stored {
+            if let claim::Claim::Lost(ending) = self.claim(ctx, group.as_deref()).await? {
+                return Ok(ending);
+            }
+            if let Some(stage) = how.recheck {
+                self.recheck(ctx, stage)?;
+            }
         }
         let Some(group) = group else {
             return Err(Rejection::NoWorkerGroup {
                 tool: tool.definition.name.clone(),
             });
         };
+        let dispatched = self.dispatched_event(ctx, &group, how.durable);
+        match how.record {
+            Record::Stored => {
+                // A call that waited for approval: its dispatch is on record before it
+                // runs.
+                ctx.journal.push(dispatched);
+                self.flush(ctx).await;
+            }
+            Record::Ahead => self.write_ahead(ctx, dispatched).await?,
+            Record::AtEnd => ctx.journal.push(dispatched),
+        }
         self.dispatch(ctx, &group, how.durable).await
+    }
+
+    /// Writes the call's gathered audit events on their own (a store that cannot is
+    /// logged loudly; the call's outcome is still recorded with the call).
+    async fn flush(&self, ctx: &mut CallCtx) {
+        if ctx.journal.is_empty() {
+            return;
+        }
+        let write = CallWrite {
+            events: std::mem::take(&mut ctx.journal),
+            change: CallChange::Nothing,
+            then: Vec::new(),
+        };
+        if let Err(e) = self.store.write_call(write).await {
+            tracing::error!(call_id = %ctx.call_id, error = %e, "cannot append to the audit log");
+        }
     }
 
     pub fn default_wait(&self) -> Duration {

@@ -11,7 +11,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::ctx::{CallCtx, ToolUse};
 use super::ending::{Ending, Held};
-use super::{Dispatch, Gate};
+use super::{Dispatch, Gate, Record};
 use crate::audit::{AuditKind, NewAuditEvent};
 use crate::auth::Principal;
 use crate::calls::CallRecord;
@@ -107,11 +107,9 @@ impl Gate {
         record.approval_id = call.approval_id.clone().map(String::from);
         record.checked = true;
         self.calls.insert(record, cancel.clone());
-        self.audit(
-            NewAuditEvent::new(AuditKind::Resumed, json!({"state": call.state.as_str()}))
-                .call_id(call.call_id.clone()),
-        )
-        .await;
+        // Written with the claim, in its transaction.
+        let resumed = NewAuditEvent::new(AuditKind::Resumed, json!({"state": call.state.as_str()}))
+            .call_id(call.call_id.clone());
         // The wait was on another task (or before a restart): only the store knows it.
         let held = match &call.approval_id {
             Some(id) => match self.store.get_approval(id).await {
@@ -123,7 +121,7 @@ impl Gate {
         // A call that never reached a worker is checked again like a fresh dispatch; one
         // that did is joined on its worker, where it started while it was allowed.
         let recheck = (call.state == CallState::Approved).then_some("resume");
-        let ctx = CallCtx {
+        let mut ctx = CallCtx {
             call_id: call.call_id.into(),
             principal: Principal {
                 name: call.principal,
@@ -140,18 +138,22 @@ impl Gate {
             cancel,
             held,
             started: Instant::now(),
+            journal: vec![resumed],
+            row: None,
+            recorded: true,
         };
         let result = self
             .claim_and_dispatch(
-                &ctx,
+                &mut ctx,
                 &tool,
                 Dispatch {
+                    record: Record::Stored,
                     durable: true,
                     recheck,
                 },
             )
             .await;
-        self.conclude(&ctx, result).await;
+        self.conclude(&mut ctx, result).await;
     }
 
     /// Cancels a call this replica holds no task for (another replica's, or one only

@@ -17,9 +17,9 @@
 //! completes on its first poll.
 
 use super::{
-    Approval, ApprovalId, ApprovalStatus, AuditRecord, CallId, CallOutcome, CallState,
-    ExpiredApproval, NewApproval, NewAuditEvent, NewCall, StoreError, StoredCall, Timestamp,
-    now_millis, rfc3339, to_u64,
+    Approval, ApprovalId, ApprovalStatus, AuditRecord, CallChange, CallId, CallOutcome, CallState,
+    CallWrite, ExpiredApproval, NewApproval, NewAuditEvent, NewCall, StoreError, StoredCall,
+    Timestamp, now_millis, rfc3339, to_u64,
 };
 use crate::audit::chain_hash;
 
@@ -273,6 +273,64 @@ pub(super) async fn append(
     tx.insert_audit(&record).await?;
     tx.move_chain_head(record.seq, &record.hash).await?;
     Ok(record)
+}
+
+/// One call's write (see [`CallWrite`]): its gathered events, the change to its row,
+/// then the events that hold only when the change took effect. Whether it did.
+pub(super) async fn write_call(tx: &mut impl Tx, write: CallWrite) -> Result<bool, StoreError> {
+    for event in write.events {
+        append(tx, event).await?;
+    }
+    let applied = match &write.change {
+        CallChange::Nothing => true,
+        CallChange::InsertClaimed {
+            call,
+            claimant,
+            lease_until,
+        } => {
+            let approved = NewCall {
+                state: CallState::Approved,
+                ..call.clone()
+            };
+            insert_call(tx, &approved, None).await?;
+            // Inserted just now in this transaction, so the claim cannot be lost; a
+            // refusal here would be a broken rule, not a race.
+            if !claim_for_dispatch(tx, &call.call_id, claimant, call.created_at, *lease_until)
+                .await?
+            {
+                return Err(StoreError::Corrupt(format!(
+                    "call {} could not be claimed by the transaction that inserted it",
+                    call.call_id
+                )));
+            }
+            true
+        }
+        CallChange::InsertFinished { call, outcome } => {
+            let approved = NewCall {
+                state: CallState::Approved,
+                ..call.clone()
+            };
+            insert_call(tx, &approved, None).await?;
+            finish_call(tx, &call.call_id, outcome).await?
+        }
+        CallChange::Finish { call_id, outcome } => finish_call(tx, call_id, outcome).await?,
+        CallChange::Claim {
+            call_id,
+            claimant,
+            now,
+            lease_until,
+        } => claim_for_dispatch(tx, call_id, claimant, *now, *lease_until).await?,
+        CallChange::CreateApproval(approval) => {
+            create_approval(tx, approval).await?;
+            true
+        }
+    };
+    if applied {
+        for event in write.then {
+            append(tx, event).await?;
+        }
+    }
+    Ok(applied)
 }
 
 /// Records a call in the state it names; [`StoreError::AlreadyExists`] if the id is

@@ -24,10 +24,12 @@
 //!        └─decide(deny) / expire─▶ rejected  └── lease expired: claim again ┘
 //! ```
 //!
-//! A call that needs no approval is inserted as `approved` and claimed at once. A
-//! restarted orchestrator asks [`Store::resumable_calls`] for approved calls nobody
-//! claimed and for dispatched calls whose lease ran out, claims each, and dispatches
-//! it again with the *same* `call_id` (workers deduplicate by `call_id`).
+//! A call that needs no approval is inserted `approved` and claimed at once, in one
+//! transaction ([`CallChange::InsertClaimed`]), or, if it changes nothing, inserted
+//! `finished` when it ends ([`CallChange::InsertFinished`]). A restarted orchestrator
+//! asks [`Store::resumable_calls`] for approved calls nobody claimed and for dispatched
+//! calls whose lease ran out, claims each, and dispatches it again with the *same*
+//! `call_id` (workers deduplicate by `call_id`).
 //!
 //! # Time
 //!
@@ -477,6 +479,48 @@ where
     })
 }
 
+/// What one call writes in one transaction (see [`Store::write_call`]): the audit
+/// events it has gathered since its last write, then one change to its row, then the
+/// events that hold only if the change took effect (a `completed` event is recorded by
+/// the one replica that finished the call).
+#[derive(Debug, Clone, PartialEq)]
+pub struct CallWrite {
+    pub events: Vec<NewAuditEvent>,
+    pub change: CallChange,
+    pub then: Vec<NewAuditEvent>,
+}
+
+/// The change to a call's row in a [`CallWrite`].
+#[derive(Debug, Clone, PartialEq)]
+pub enum CallChange {
+    /// None: the events alone.
+    Nothing,
+    /// A new call, approved and claimed at once by `claimant` until `lease_until`
+    /// (state `dispatched`): its record before a worker runs it.
+    InsertClaimed {
+        call: NewCall,
+        claimant: String,
+        lease_until: Timestamp,
+    },
+    /// A new call with its final outcome (state `finished`): a call recorded only when
+    /// it ends. [`StoreError::AlreadyExists`] if the id is taken.
+    InsertFinished { call: NewCall, outcome: CallOutcome },
+    /// [`Store::finish_call`]: takes effect unless the call was already finished.
+    Finish {
+        call_id: CallId,
+        outcome: CallOutcome,
+    },
+    /// [`Store::claim_for_dispatch`]: takes effect for the one claimant that wins.
+    Claim {
+        call_id: CallId,
+        claimant: String,
+        now: Timestamp,
+        lease_until: Timestamp,
+    },
+    /// [`Store::create_approval`].
+    CreateApproval(NewApproval),
+}
+
 /// How much one session has used, for budgets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
 pub struct SessionUsage {
@@ -611,6 +655,20 @@ pub trait Store: Send + Sync {
         now: Timestamp,
         limit: usize,
     ) -> Result<Vec<ExpiredApproval>, StoreError>;
+
+    /// Writes `write` in one transaction: `events` appended in order, then `change`,
+    /// then `then` if the change took effect. Answers whether it did (always true for
+    /// [`CallChange::Nothing`], [`CallChange::InsertClaimed`],
+    /// [`CallChange::InsertFinished`] and [`CallChange::CreateApproval`]); an error
+    /// rolls everything back.
+    async fn write_call(&self, write: CallWrite) -> Result<bool, StoreError>;
+
+    /// Write transactions this handle has committed since it was opened (SQLite: every
+    /// commit on its connection, counted by a commit hook; PostgreSQL: every
+    /// transaction it committed, and every single write statement that changed a row).
+    /// `/readyz` reports it, so that tests and benchmarks can count the durable writes
+    /// of a call.
+    fn commits(&self) -> u64;
 
     /// Calls recorded for `(principal, session_id)` and the time of the first.
     async fn session_usage(

@@ -8,6 +8,7 @@
 //! Connections are plain TCP or Unix-socket, or TLS with `sslmode=verify-full` and
 //! `sslrootcert=` in the url (airlock_tls::postgres; no fallback to plaintext).
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use airlock_tls::postgres::{PgTls, PgTlsError, PgUrl, error_chain};
@@ -27,9 +28,9 @@ use super::sql::{Placeholders, filter_sql, move_call_sql, prune_results_sql};
 use super::{
     APPROVAL_SELECT, AUDIT_COLUMNS, Approval, ApprovalId, ApprovalPage, ApprovalQuery,
     ApprovalStatus, AuditQuery, AuditRecord, CALL_COLUMNS, CallId, CallOutcome, CallState,
-    ExpiredApproval, NewApproval, NewAuditEvent, NewCall, PAGING_INDEXES, SCHEMA_VERSION,
-    SessionUsage, Store, StoreError, StoredCall, Timestamp, VerifyReport, decode_call_status,
-    fill_page, from_json_text, schema_v1, to_i64, to_json_text, to_u64,
+    CallWrite, ExpiredApproval, NewApproval, NewAuditEvent, NewCall, PAGING_INDEXES,
+    SCHEMA_VERSION, SessionUsage, Store, StoreError, StoredCall, Timestamp, VerifyReport,
+    decode_call_status, fill_page, from_json_text, schema_v1, to_i64, to_json_text, to_u64,
 };
 use crate::audit::{ChainVerifier, GENESIS_HASH};
 
@@ -41,6 +42,8 @@ const MIGRATION_LOCK: i64 = 0x6169_726c_6f63_6b01; // "airlock" + 1
 
 pub(super) struct PostgresStore {
     pool: Pool,
+    /// Write transactions committed (see [`Store::commits`]).
+    commits: AtomicU64,
 }
 
 /// `host:port` list of a config, for messages (never the password).
@@ -116,7 +119,29 @@ impl PostgresStore {
         })?;
         migrate(&mut client).await?;
         drop(client);
-        Ok(Self { pool })
+        Ok(Self {
+            pool,
+            commits: AtomicU64::new(0),
+        })
+    }
+
+    /// Counts one committed write transaction when `answer` says it committed.
+    fn counted<T>(&self, answer: Result<T, StoreError>) -> Result<T, StoreError> {
+        self.counted_if(answer, |_| true)
+    }
+
+    /// Counts a single statement that committed and, by `wrote`, changed a row: one that
+    /// matched none wrote nothing (PostgreSQL gives it no transaction id and logs no
+    /// commit).
+    fn counted_if<T>(
+        &self,
+        answer: Result<T, StoreError>,
+        wrote: impl FnOnce(&T) -> bool,
+    ) -> Result<T, StoreError> {
+        if answer.as_ref().is_ok_and(wrote) {
+            self.commits.fetch_add(1, Ordering::Relaxed);
+        }
+        answer
     }
 
     async fn client(&self) -> Result<Object, StoreError> {
@@ -670,7 +695,7 @@ impl Store for PostgresStore {
         let mut client = self.client().await?;
         let tx = client.transaction().await?;
         let record = machine::append(&mut PgTx { client: &tx }, event).await?;
-        tx.commit().await?;
+        self.counted(tx.commit().await.map_err(StoreError::from))?;
         Ok(record)
     }
 
@@ -747,7 +772,7 @@ impl Store for PostgresStore {
 
     async fn insert_call(&self, call: NewCall) -> Result<(), StoreError> {
         let client = self.client().await?;
-        machine::insert_call(&mut PgTx { client: &client }, &call, None).await
+        self.counted(machine::insert_call(&mut PgTx { client: &client }, &call, None).await)
     }
 
     async fn get_call(&self, call_id: &CallId) -> Result<Option<StoredCall>, StoreError> {
@@ -761,14 +786,17 @@ impl Store for PostgresStore {
         outcome: &CallOutcome,
     ) -> Result<bool, StoreError> {
         let client = self.client().await?;
-        machine::finish_call(&mut PgTx { client: &client }, call_id, outcome).await
+        self.counted_if(
+            machine::finish_call(&mut PgTx { client: &client }, call_id, outcome).await,
+            |finished| *finished,
+        )
     }
 
     async fn create_approval(&self, approval: NewApproval) -> Result<Approval, StoreError> {
         let mut client = self.client().await?;
         let tx = client.transaction().await?;
         let created = machine::create_approval(&mut PgTx { client: &tx }, &approval).await?;
-        tx.commit().await?;
+        self.counted(tx.commit().await.map_err(StoreError::from))?;
         Ok(created)
     }
 
@@ -832,7 +860,7 @@ impl Store for PostgresStore {
             now,
         )
         .await?;
-        tx.commit().await?;
+        self.counted(tx.commit().await.map_err(StoreError::from))?;
         answer
     }
 
@@ -845,12 +873,18 @@ impl Store for PostgresStore {
     ) -> Result<bool, StoreError> {
         let client = self.client().await?;
         let mut tx = PgTx { client: &client };
-        machine::claim_for_dispatch(&mut tx, call_id, claimant, now, lease_until).await
+        self.counted_if(
+            machine::claim_for_dispatch(&mut tx, call_id, claimant, now, lease_until).await,
+            |claimed| *claimed,
+        )
     }
 
     async fn prune_results(&self, finished_before: Timestamp) -> Result<u64, StoreError> {
         let client = self.client().await?;
-        machine::prune_results(&mut PgTx { client: &client }, finished_before).await
+        self.counted_if(
+            machine::prune_results(&mut PgTx { client: &client }, finished_before).await,
+            |pruned| *pruned > 0,
+        )
     }
 
     async fn renew_lease(
@@ -860,13 +894,16 @@ impl Store for PostgresStore {
         lease_until: Timestamp,
     ) -> Result<bool, StoreError> {
         let client = self.client().await?;
-        machine::renew_lease(
-            &mut PgTx { client: &client },
-            call_id,
-            claimant,
-            lease_until,
+        self.counted_if(
+            machine::renew_lease(
+                &mut PgTx { client: &client },
+                call_id,
+                claimant,
+                lease_until,
+            )
+            .await,
+            |renewed| *renewed,
         )
-        .await
     }
 
     async fn resumable_calls(&self, now: Timestamp) -> Result<Vec<StoredCall>, StoreError> {
@@ -880,10 +917,33 @@ impl Store for PostgresStore {
         limit: usize,
     ) -> Result<Vec<ExpiredApproval>, StoreError> {
         let mut client = self.client().await?;
+        // Every replica sweeps every few seconds: when nothing is overdue (nearly
+        // always) one read answers, and no transaction is counted as a write.
+        let due = client
+            .query_opt(
+                "SELECT 1 FROM approvals WHERE status = 'pending' AND expires_at <= $1 LIMIT 1",
+                &[&now],
+            )
+            .await?;
+        if due.is_none() {
+            return Ok(Vec::new());
+        }
         let tx = client.transaction().await?;
         let expired = machine::expire_approvals(&mut PgTx { client: &tx }, now, limit).await?;
-        tx.commit().await?;
+        self.counted(tx.commit().await.map_err(StoreError::from))?;
         Ok(expired)
+    }
+
+    async fn write_call(&self, write: CallWrite) -> Result<bool, StoreError> {
+        let mut client = self.client().await?;
+        let tx = client.transaction().await?;
+        let applied = machine::write_call(&mut PgTx { client: &tx }, write).await?;
+        self.counted(tx.commit().await.map_err(StoreError::from))?;
+        Ok(applied)
+    }
+
+    fn commits(&self) -> u64 {
+        self.commits.load(Ordering::Relaxed)
     }
 
     async fn session_usage(

@@ -6,6 +6,7 @@
 use std::fs::OpenOptions;
 use std::os::unix::fs::OpenOptionsExt as _;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -24,24 +25,39 @@ use super::sql::{Placeholders, filter_sql, move_call_sql, prune_results_sql};
 use super::{
     APPROVAL_SELECT, AUDIT_COLUMNS, Approval, ApprovalId, ApprovalPage, ApprovalQuery,
     ApprovalStatus, AuditQuery, AuditRecord, CALL_COLUMNS, CallId, CallOutcome, CallState,
-    ExpiredApproval, NewApproval, NewAuditEvent, NewCall, PAGING_INDEXES, SCHEMA_VERSION,
-    SessionUsage, Store, StoreError, StoredCall, Timestamp, VerifyReport, decode_call_status,
-    fill_page, from_json_text, schema_v1, to_i64, to_json_text, to_u64,
+    CallWrite, ExpiredApproval, NewApproval, NewAuditEvent, NewCall, PAGING_INDEXES,
+    SCHEMA_VERSION, SessionUsage, Store, StoreError, StoredCall, Timestamp, VerifyReport,
+    decode_call_status, fill_page, from_json_text, schema_v1, to_i64, to_json_text, to_u64,
 };
 use crate::audit::{ChainVerifier, GENESIS_HASH};
 
 pub(super) struct SqliteStore {
     conn: Arc<Mutex<Connection>>,
+    /// Commits on `conn` (its commit hook counts them; see [`Store::commits`]).
+    commits: Arc<AtomicU64>,
 }
 
 impl SqliteStore {
     pub(super) async fn open(path: &Path) -> Result<Self, StoreError> {
         let path = path.to_owned();
-        let conn = tokio::task::spawn_blocking(move || open_blocking(&path))
-            .await
-            .map_err(|e| StoreError::Task(e.to_string()))??;
+        let commits = Arc::new(AtomicU64::new(0));
+        let counter = Arc::clone(&commits);
+        let conn = tokio::task::spawn_blocking(move || {
+            let conn = open_blocking(&path)?;
+            // Counted by SQLite itself rather than by each method, so that a commit no
+            // method meant to make is counted too. It fires for write transactions
+            // only (a read in autocommit mode is no commit).
+            conn.commit_hook(Some(move || {
+                counter.fetch_add(1, Ordering::Relaxed);
+                false
+            }))?;
+            Ok::<_, StoreError>(conn)
+        })
+        .await
+        .map_err(|e| StoreError::Task(e.to_string()))??;
         Ok(Self {
             conn: Arc::new(Mutex::new(conn)),
+            commits,
         })
     }
 
@@ -320,6 +336,18 @@ fn call_exists(conn: &Connection, call_id: &CallId) -> Result<bool, StoreError> 
         .query_row(
             "SELECT 1 FROM calls WHERE call_id = ?1",
             [call_id.as_str()],
+            |_| Ok(()),
+        )
+        .optional()?
+        .is_some())
+}
+
+/// Whether a pending approval is due at `now` (what the expiry sweep would take).
+fn any_overdue(conn: &Connection, now: Timestamp) -> Result<bool, StoreError> {
+    Ok(conn
+        .query_row(
+            "SELECT 1 FROM approvals WHERE status = 'pending' AND expires_at <= ?1 LIMIT 1",
+            [now],
             |_| Ok(()),
         )
         .optional()?
@@ -805,8 +833,20 @@ impl Store for SqliteStore {
     }
 
     async fn prune_results(&self, finished_before: Timestamp) -> Result<u64, StoreError> {
-        // One statement: atomic on its own.
+        // One statement: atomic on its own. A read first, so that a prune with nothing
+        // to drop (at start, and most hours) takes no write lock and makes no commit.
         self.run(move |conn| {
+            let due = conn
+                .query_row(
+                    "SELECT 1 FROM calls WHERE state = ?1 AND result IS NOT NULL \
+                     AND finished_at < ?2 LIMIT 1",
+                    params![CallState::Finished.as_str(), finished_before],
+                    |_| Ok(()),
+                )
+                .optional()?;
+            if due.is_none() {
+                return Ok(0);
+            }
             let mut tx = SqliteTx { conn };
             drive(machine::prune_results(&mut tx, finished_before))
         })
@@ -850,8 +890,31 @@ impl Store for SqliteStore {
         now: Timestamp,
         limit: usize,
     ) -> Result<Vec<ExpiredApproval>, StoreError> {
-        self.write(move |tx| drive(machine::expire_approvals(tx, now, limit)))
+        self.run(move |conn| {
+            // Every replica sweeps every few seconds: when nothing is overdue (nearly
+            // always) a read answers, and no write lock is taken nor commit made.
+            if !any_overdue(conn, now)? {
+                return Ok(Vec::new());
+            }
+            let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+            let expired = drive(machine::expire_approvals(
+                &mut SqliteTx { conn: &tx },
+                now,
+                limit,
+            ))?;
+            tx.commit()?;
+            Ok(expired)
+        })
+        .await
+    }
+
+    async fn write_call(&self, write: CallWrite) -> Result<bool, StoreError> {
+        self.write(move |tx| drive(machine::write_call(tx, write)))
             .await
+    }
+
+    fn commits(&self) -> u64 {
+        self.commits.load(Ordering::Relaxed)
     }
 
     async fn session_usage(
