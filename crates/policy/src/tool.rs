@@ -25,3 +25,26 @@ pub struct ToolDefinition {
     pub input_schema: serde_json::Value,
     pub annotations: ToolAnnotations,
 }
+
+/// The names of Airlock's built-in tools, in the order of DESIGN §4's table: the names no
+/// tool an operator declares may take. (The Cedar catalog lists the same tools; a test
+/// there keeps the two equal.)
+pub const BUILT_IN_TOOLS: &[&str] = &[
+    "execute_shell",
+    "read_file",
+    "write_file",
+    "edit_file",
+    "list_directory",
+    "search_files",
+    "get_file_info",
+    "create_directory",
+    "move_path",
+    "delete_path",
+    "http_request",
+    "fetch_url",
+    "list_databases",
+    "list_tables",
+    "describe_table",
+    "query_database",
+    "execute_sql",
+];

@@ -12,7 +12,6 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
-use std::time::Duration;
 
 use airlock_policy::{ToolAnnotations, ToolDefinition, ToolOutcome};
 use airlock_sandbox::{CommandSpec, Sandbox};
@@ -21,8 +20,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use crate::config::ShellConfig;
-use crate::execute::{self, BUILT_IN};
-use crate::workspace;
+use crate::execute;
 
 /// The `dev` pack, embedded: the same format as `[[tools]]` in `airlock.toml`.
 const DEV_PACK: &str = include_str!("packs/dev.toml");
@@ -172,13 +170,6 @@ fn mentions_placeholder(text: &str) -> bool {
     })
 }
 
-fn valid_name(name: &str) -> bool {
-    (1..=64).contains(&name.len())
-        && name
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
-}
-
 impl CommandTemplate {
     /// Checks one entry: its name, schema, template and stdin; every problem is an error
     /// naming the tool and the field.
@@ -187,12 +178,10 @@ impl CommandTemplate {
             tool: entry.name.clone(),
             reason,
         };
-        if !valid_name(&entry.name) {
-            return Err(invalid(
-                "the name must be 1 to 64 letters, digits, '_' or '-'".into(),
-            ));
+        if let Err(e) = airlock_policy::names::validate_tool_name(&entry.name) {
+            return Err(invalid(e.to_string()));
         }
-        if BUILT_IN.contains(&entry.name.as_str()) {
+        if airlock_policy::tool::BUILT_IN_TOOLS.contains(&entry.name.as_str()) {
             return Err(invalid(format!(
                 "{} is a built-in tool; choose another name",
                 entry.name
@@ -472,17 +461,7 @@ impl CommandTool {
             .template
             .timeout
             .unwrap_or(self.config.timeout_seconds as f64);
-        let timeout =
-            Duration::from_secs_f64(requested.min(self.config.max_timeout_seconds as f64)).min(
-                ctx.deadline
-                    .saturating_duration_since(std::time::Instant::now()),
-            );
-        let workspace = workspace::prepare(
-            &self.config.workspaces_root,
-            &ctx.principal,
-            ctx.session_id.as_str(),
-        )
-        .map_err(|e| e.to_string())?;
+        let (timeout, workspace) = execute::timeout_and_workspace(&self.config, ctx, requested)?;
         Ok(CommandSpec {
             argv,
             workspace,

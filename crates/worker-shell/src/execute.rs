@@ -104,26 +104,26 @@ impl Tool for ExecuteShell {
     }
 }
 
-/// The names of Airlock's built-in tools (DESIGN §4), which no declared tool may take.
-pub(crate) const BUILT_IN: &[&str] = &[
-    "execute_shell",
-    "read_file",
-    "write_file",
-    "edit_file",
-    "list_directory",
-    "search_files",
-    "get_file_info",
-    "create_directory",
-    "move_path",
-    "delete_path",
-    "http_request",
-    "fetch_url",
-    "list_databases",
-    "list_tables",
-    "describe_table",
-    "query_database",
-    "execute_sql",
-];
+/// A call's sandbox timeout — `requested` seconds, at most `[sandbox]
+/// max_timeout_seconds`, and never past the worker's own deadline for the call — and its
+/// workspace, created if new.
+pub(crate) fn timeout_and_workspace(
+    config: &ShellConfig,
+    ctx: &CallContext,
+    requested: f64,
+) -> Result<(Duration, std::path::PathBuf), String> {
+    let timeout = Duration::from_secs_f64(requested.min(config.max_timeout_seconds as f64)).min(
+        ctx.deadline
+            .saturating_duration_since(std::time::Instant::now()),
+    );
+    let workspace = workspace::prepare(
+        &config.workspaces_root,
+        &ctx.principal,
+        ctx.session_id.as_str(),
+    )
+    .map_err(|e| e.to_string())?;
+    Ok((timeout, workspace))
+}
 
 /// Mounts the call's workspace volume first when per-workspace quotas are on.
 pub(crate) async fn ensure_volume(config: &ShellConfig, ctx: &CallContext) -> Result<(), String> {
@@ -222,19 +222,7 @@ impl ExecuteShell {
         if !(requested.is_finite() && requested > 0.0) {
             return Err("timeout_seconds must be a positive number".into());
         }
-        let mut timeout =
-            Duration::from_secs_f64(requested.min(self.config.max_timeout_seconds as f64));
-        // Never outlive the worker's own deadline for the call.
-        let remaining = ctx
-            .deadline
-            .saturating_duration_since(std::time::Instant::now());
-        timeout = timeout.min(remaining);
-        let workspace = workspace::prepare(
-            &self.config.workspaces_root,
-            &ctx.principal,
-            ctx.session_id.as_str(),
-        )
-        .map_err(|e| e.to_string())?;
+        let (timeout, workspace) = timeout_and_workspace(&self.config, ctx, requested)?;
         Ok(CommandSpec {
             argv,
             workspace,

@@ -504,6 +504,12 @@ fn parse_url(tool: &str, raw: &str) -> Result<Value, ArgumentError> {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn the_built_in_names_are_the_catalogs() {
+        let names: Vec<&str> = TOOLS.iter().map(|spec| spec.name).collect();
+        assert_eq!(names, crate::tool::BUILT_IN_TOOLS);
+    }
     use super::*;
 
     fn fields_of(tool: &str) -> (&'static ToolSpec, Vec<Field>) {
