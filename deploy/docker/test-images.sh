@@ -86,7 +86,8 @@ run_detached() {
 wait_log() {
     local name=$1 text=$2 exited=${3:-} i
     for i in $(seq 1 100); do
-        if docker logs "$name" 2>&1 | grep -qF -- "$text"; then return 0; fi
+        # Captured first: `… | grep -q` under pipefail fails when grep stops reading early.
+        if grep -qF -- "$text" <<<"$(docker logs "$name" 2>&1)"; then return 0; fi
         if [ -z "$exited" ] && [ "$(docker inspect -f '{{.State.Running}}' "$name")" != true ]; then
             docker logs "$name" 2>&1 | tail -n 20 >&2
             fail "$name exited before logging '$text'"
@@ -143,13 +144,14 @@ EOF
 }
 
 t_config() {
-    local i
+    local i volumes
     for i in "$image" "$shell_image"; do
         [ "$(docker image inspect -f '{{.Config.User}}' "$i")" = 65532:65532 ] || fail "$i: User is not 65532:65532"
         [ "$(docker image inspect -f '{{json .Config.Entrypoint}}' "$i")" = '["/usr/local/bin/airlock"]' ] ||
             fail "$i: Entrypoint is $(docker image inspect -f '{{json .Config.Entrypoint}}' "$i")"
-        docker image inspect -f '{{json .Config.Volumes}}' "$i" | grep -q '"/var/lib/airlock"' || fail "$i: /var/lib/airlock is not a volume"
-        docker image inspect -f '{{json .Config.Volumes}}' "$i" | grep -q '"/tmp"' || fail "$i: /tmp is not a volume"
+        volumes="$(docker image inspect -f '{{json .Config.Volumes}}' "$i")"
+        grep -q '"/var/lib/airlock"' <<<"$volumes" || fail "$i: /var/lib/airlock is not a volume"
+        grep -q '"/tmp"' <<<"$volumes" || fail "$i: /tmp is not a volume"
     done
 }
 
@@ -264,7 +266,7 @@ t_shell_standard() {
         "$shell_image" serve worker shell --listen 0.0.0.0:50052 --config /etc/airlock/worker.toml
     wait_log "$name" "shell worker starting"
     wait_log "$name" "confined:"
-    docker logs "$name" 2>&1 | grep -qE '"level": *"standard"' || fail "no standard isolation report at start"
+    grep -qE '"level": *"standard"' <<<"$(docker logs "$name" 2>&1)" || fail "no standard isolation report at start"
     [ "$(proc_status "$name" Uid | awk '{print $1}')" = 65532 ] || fail "the worker's uid is $(proc_status "$name" Uid)"
     health "$name" 50052 "" airlock.v1.ToolWorker
     stop_and_expect_exit0 "$name"
