@@ -1032,3 +1032,121 @@ fn a_call_with_an_argument_the_policy_cannot_see_is_denied_naming_it() {
         "cannot be checked by policy",
     );
 }
+
+// ---------------------------------------------------------------- declared tools
+
+fn declared_commit() -> airlock_policy::authz::ToolExtension {
+    airlock_policy::authz::ToolExtension {
+        group: "shell".into(),
+        definition: ToolDefinition {
+            name: "git_commit".into(),
+            title: String::new(),
+            description: "commit".into(),
+            input_schema: json!({"type": "object", "required": ["message"], "properties": {
+                "message": {"type": "string"},
+                "paths": {"type": "array", "items": {"type": "string"}}}}),
+            annotations: ToolAnnotations {
+                destructive: true,
+                ..ToolAnnotations::default()
+            },
+        },
+        approval: Some("`git_commit` is destructive".into()),
+    }
+}
+
+fn with_declared(policy: &str, approval: Option<&str>) -> Result<Authorizer, PolicyError> {
+    let mut commit = declared_commit();
+    commit.approval = approval.map(str::to_owned);
+    let extensions = airlock_policy::authz::ToolExtensions::new(&[commit]).unwrap();
+    Authorizer::from_sources(
+        policy,
+        "declared.cedar",
+        airlock_policy::authz::PolicyInputs {
+            approvals: ApprovalKnob::off(),
+            extensions: std::sync::Arc::new(extensions),
+        },
+    )
+}
+
+fn commit_call(message: &str) -> Call<'static> {
+    Call {
+        tool: declared_commit().definition,
+        ..agent(
+            "git_commit",
+            json!({"message": message, "paths": ["src/a.rs"]}),
+        )
+    }
+}
+
+#[test]
+fn a_policy_names_a_declared_tool_and_its_arguments() {
+    let policy = with_default(
+        r#"
+        @id("no-wip") @reason("commit messages say what changed")
+        forbid (principal, action == Airlock::Action::"git_commit", resource)
+        when { context.arguments.message like "WIP*" };
+        @id("no-secrets") forbid (principal, action in Airlock::Action::"shell", resource)
+        when { context has arguments.paths && context.arguments.paths.contains(".env") };
+        "#,
+    );
+    let authorizer = with_declared(&policy, None).unwrap();
+    assert_allow(&decide(&authorizer, &commit_call("Fix the parser")));
+    assert_deny(
+        &decide(&authorizer, &commit_call("WIP: later")),
+        "commit messages say what changed",
+    );
+    // Without the declared tool the same policy does not load: the action is unknown.
+    let error = load_error(&policy);
+    assert!(error.contains("git_commit"), "{error}");
+    // A misspelt argument of the declared tool is refused at load, with its place.
+    let typo = with_default(
+        r#"forbid (principal, action == Airlock::Action::"git_commit", resource)
+        when { context.arguments.mesage == "x" };"#,
+    );
+    let error = with_declared(&typo, None).unwrap_err().to_string();
+    assert!(error.starts_with("declared.cedar:"), "{error}");
+    assert!(error.contains("mesage"), "{error}");
+}
+
+fn load_error(policy: &str) -> String {
+    Authorizer::from_sources(policy, "plain.cedar", ApprovalKnob::off())
+        .unwrap_err()
+        .to_string()
+}
+
+#[test]
+fn a_declared_tool_that_needs_approval_needs_it_whatever_the_knob() {
+    let authorizer =
+        with_declared(DEFAULT_POLICY_SOURCE, Some("`git_commit` is destructive")).unwrap();
+    assert_approval(
+        &decide(&authorizer, &commit_call("Fix")),
+        "`git_commit` is destructive",
+    );
+    let authorizer = with_declared(DEFAULT_POLICY_SOURCE, None).unwrap();
+    assert_allow(&decide(&authorizer, &commit_call("Fix")));
+    // Served with another schema than policies were built from: denied.
+    let mut call = commit_call("Fix");
+    call.tool.input_schema["properties"]["message"] = json!({"type": "integer"});
+    assert_deny(&decide(&authorizer, &call), "another input schema");
+    // Unknown to policy altogether: denied and invisible.
+    let mut unknown = commit_call("Fix");
+    unknown.tool.name = "git_push".into();
+    assert_deny(&decide(&authorizer, &unknown), "not declared");
+    let principal = PrincipalRef {
+        name: "alice",
+        roles: &unknown.roles,
+    };
+    assert!(!authorizer.visible(&principal, &unknown.tool));
+    assert!(authorizer.visible(&principal, &call.tool));
+}
+
+#[test]
+fn the_printed_schema_holds_the_declared_tools() {
+    let extensions = airlock_policy::authz::ToolExtensions::new(&[declared_commit()]).unwrap();
+    let text = airlock_policy::authz::schema_text(&extensions);
+    assert!(text.starts_with(airlock_policy::authz::SCHEMA_SOURCE));
+    assert!(text.contains("action \"git_commit\""), "{text}");
+    // The printed text is itself a schema Cedar reads (as two fragments).
+    let plain = airlock_policy::authz::schema_text(&Default::default());
+    assert_eq!(plain, airlock_policy::authz::SCHEMA_SOURCE);
+}

@@ -10,11 +10,12 @@
 //! (`--upload-pack=…` to git), so such a call is refused with an error that says so;
 //! templates put `"--"` before user values that may start with `-`.
 
-use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
-use airlock_policy::{ToolAnnotations, ToolDefinition, ToolOutcome};
+use airlock_policy::{ToolDefinition, ToolOutcome};
 use airlock_sandbox::{CommandSpec, Sandbox};
+pub use airlock_worker::declared::{DeclaredToolError, ToolEntry, ToolNetwork};
+use airlock_worker::declared::{check_field, check_unique, mentions_placeholder, placeholder};
 use airlock_worker::{CallContext, Tool};
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -29,76 +30,6 @@ pub const PACKS: &[&str] = &["dev"];
 /// Longest argv a template may produce (elements), whatever the arguments.
 const MAX_ARGV: usize = 4096;
 
-/// Why a declared tool cannot be served; a start-up error naming the tool.
-#[derive(Debug, thiserror::Error)]
-pub enum DeclaredToolError {
-    #[error("[[tools]] {tool}: {reason}")]
-    Invalid { tool: String, reason: String },
-    #[error("tool_packs: unknown pack {0:?} (known: {known})", known = PACKS.join(", "))]
-    UnknownPack(String),
-    #[error("the {pack} pack cannot be read: {reason}")]
-    Pack { pack: String, reason: String },
-}
-
-/// Network a command tool's sandbox has.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum ToolNetwork {
-    /// Only its own loopback, like `execute_shell` (the default).
-    #[default]
-    None,
-    /// Egress through the proxy (DESIGN §12); until it exists, only where `[sandbox]
-    /// network = true` gives sandboxes the worker's network.
-    Proxy,
-}
-
-/// Annotations as `[[tools]]` spells them; each defaults to false.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct AnnotationsEntry {
-    pub read_only: bool,
-    pub destructive: bool,
-    pub idempotent: bool,
-    pub open_world: bool,
-}
-
-/// One `[[tools]]` entry. Entries with `http` belong to the http worker; this worker
-/// serves those with `command`.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ToolEntry {
-    pub name: String,
-    #[serde(default)]
-    pub title: Option<String>,
-    pub description: String,
-    /// The JSON Schema of the arguments (a TOML table).
-    pub input_schema: Value,
-    #[serde(default)]
-    pub annotations: AnnotationsEntry,
-    #[serde(default)]
-    pub command: Option<Vec<String>>,
-    /// `"{field}"`: that (string) argument on standard input.
-    #[serde(default)]
-    pub stdin: Option<String>,
-    #[serde(default)]
-    pub timeout_seconds: Option<f64>,
-    /// Fixed environment variables (the operator's; no argument reaches them).
-    #[serde(default)]
-    pub env: BTreeMap<String, String>,
-    #[serde(default)]
-    pub network: ToolNetwork,
-    /// An HTTP-backed tool (`{ method, url, headers, body }`), served by the http worker.
-    #[serde(default)]
-    pub http: Option<Value>,
-}
-
-impl ToolEntry {
-    /// Whether this worker serves the entry.
-    pub fn is_command(&self) -> bool {
-        self.command.is_some()
-    }
-}
-
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct PackFile {
@@ -111,7 +42,12 @@ pub fn pack_entries(packs: &[String]) -> Result<Vec<ToolEntry>, DeclaredToolErro
     for pack in packs {
         let text = match pack.as_str() {
             "dev" => DEV_PACK,
-            other => return Err(DeclaredToolError::UnknownPack(other.to_owned())),
+            other => {
+                return Err(DeclaredToolError::UnknownPack {
+                    pack: other.to_owned(),
+                    known: PACKS.join(", "),
+                });
+            }
         };
         let file: PackFile = toml::from_str(text).map_err(|e| DeclaredToolError::Pack {
             pack: pack.clone(),
@@ -149,27 +85,6 @@ pub struct CommandTemplate {
     network: ToolNetwork,
 }
 
-/// `{name}` with a name of letters, digits and `_` (not starting with a digit).
-fn placeholder(text: &str) -> Option<&str> {
-    let name = text.strip_prefix('{')?.strip_suffix('}')?;
-    let mut chars = name.chars();
-    let first = chars.next()?;
-    (first.is_ascii_alphabetic() || first == '_')
-        .then_some(())
-        .filter(|()| chars.all(|c| c.is_ascii_alphanumeric() || c == '_'))
-        .map(|()| name)
-}
-
-/// Whether `text` holds something that looks like a placeholder anywhere.
-fn mentions_placeholder(text: &str) -> bool {
-    text.char_indices().any(|(start, c)| {
-        c == '{'
-            && text[start..]
-                .find('}')
-                .is_some_and(|end| placeholder(&text[start..=start + end]).is_some())
-    })
-}
-
 impl CommandTemplate {
     /// Checks one entry: its name, schema, template and stdin; every problem is an error
     /// naming the tool and the field.
@@ -178,29 +93,13 @@ impl CommandTemplate {
             tool: entry.name.clone(),
             reason,
         };
-        if let Err(e) = airlock_policy::names::validate_tool_name(&entry.name) {
-            return Err(invalid(e.to_string()));
-        }
-        if airlock_policy::tool::BUILT_IN_TOOLS.contains(&entry.name.as_str()) {
-            return Err(invalid(format!(
-                "{} is a built-in tool; choose another name",
-                entry.name
-            )));
-        }
-        if entry.http.is_some() {
-            return Err(invalid(
-                "give either command or http, not both (http tools are the http worker's)".into(),
-            ));
-        }
+        let definition = entry.definition()?;
+        let properties = entry.properties()?;
         let Some(command) = &entry.command else {
-            return Err(invalid("no command".into()));
-        };
-        if entry.description.trim().is_empty() {
             return Err(invalid(
-                "the description is empty; it is what the model reads to choose the tool".into(),
+                "no command: this entry is the http worker's".into(),
             ));
-        }
-        let properties = schema_properties(&entry.input_schema).map_err(&invalid)?;
+        };
         if command.is_empty() {
             return Err(invalid(
                 "command is empty; give the program and its arguments".into(),
@@ -273,20 +172,8 @@ impl CommandTemplate {
                 return Err(invalid(format!("env {name:?}: a name without '=' or NUL")));
             }
         }
-        let annotations = &entry.annotations;
         Ok(Self {
-            definition: ToolDefinition {
-                name: entry.name.clone(),
-                title: entry.title.clone().unwrap_or_else(|| entry.name.clone()),
-                description: entry.description.trim().to_owned(),
-                input_schema: entry.input_schema.clone(),
-                annotations: ToolAnnotations {
-                    read_only: annotations.read_only,
-                    destructive: annotations.destructive,
-                    idempotent: annotations.idempotent,
-                    open_world: annotations.open_world,
-                },
-            },
+            definition,
             parts,
             stdin,
             timeout: entry.timeout_seconds,
@@ -344,44 +231,6 @@ impl CommandTemplate {
     }
 }
 
-/// `properties` of an object schema that is itself valid JSON Schema.
-fn schema_properties(schema: &Value) -> Result<serde_json::Map<String, Value>, String> {
-    if let Err(e) = jsonschema::meta::validate(schema) {
-        return Err(format!("input_schema is not valid JSON Schema: {e}"));
-    }
-    if let Err(e) = jsonschema::validator_for(schema) {
-        return Err(format!("input_schema cannot be compiled: {e}"));
-    }
-    if schema.get("type") != Some(&json!("object")) {
-        return Err("input_schema must have \"type\": \"object\"".into());
-    }
-    Ok(schema
-        .get("properties")
-        .and_then(Value::as_object)
-        .cloned()
-        .unwrap_or_default())
-}
-
-fn check_field(
-    properties: &serde_json::Map<String, Value>,
-    field: &str,
-    place: &str,
-) -> Result<(), String> {
-    if properties.contains_key(field) {
-        Ok(())
-    } else {
-        let known: BTreeSet<&str> = properties.keys().map(String::as_str).collect();
-        Err(format!(
-            "{place} names the field {field:?}, which input_schema.properties lacks (it has: {})",
-            if known.is_empty() {
-                "none".to_owned()
-            } else {
-                known.into_iter().collect::<Vec<_>>().join(", ")
-            }
-        ))
-    }
-}
-
 /// The argv values of one argument: a scalar is one, an array one per item, an absent
 /// (optional) argument none.
 fn values(arguments: &Value, field: &str) -> Result<Vec<String>, String> {
@@ -408,15 +257,9 @@ pub fn compile_all(
 ) -> Result<Vec<CommandTemplate>, DeclaredToolError> {
     let mut all = pack_entries(packs)?;
     all.extend(entries.iter().filter(|e| e.is_command()).cloned());
-    let mut seen = BTreeSet::new();
+    check_unique(&all)?;
     let mut compiled = Vec::with_capacity(all.len());
     for entry in &all {
-        if !seen.insert(entry.name.clone()) {
-            return Err(DeclaredToolError::Invalid {
-                tool: entry.name.clone(),
-                reason: "defined twice (in [[tools]] or a pack of tool_packs)".into(),
-            });
-        }
         compiled.push(CommandTemplate::compile(entry)?);
     }
     Ok(compiled)
@@ -493,6 +336,8 @@ impl Tool for CommandTool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use airlock_worker::declared::AnnotationsEntry;
+    use std::collections::BTreeMap;
 
     fn entry(command: &[&str], schema: Value) -> ToolEntry {
         ToolEntry {
@@ -501,6 +346,7 @@ mod tests {
             description: "a tool".into(),
             input_schema: schema,
             annotations: AnnotationsEntry::default(),
+            approval: None,
             command: Some(command.iter().map(|s| (*s).to_owned()).collect()),
             stdin: None,
             timeout_seconds: None,

@@ -7,6 +7,7 @@
 #![forbid(unsafe_code)]
 
 mod context;
+pub mod declared;
 mod endpoint;
 mod health;
 mod server;

@@ -9,6 +9,7 @@
 //! come from the worker's schema; [`super::declared`] checks them against
 //! `deploy/policies/schema.cedarschema`, the policies' view.
 
+use std::borrow::Cow;
 use std::collections::HashSet;
 use std::path::Path;
 
@@ -64,9 +65,9 @@ pub(crate) struct Field {
 
 #[derive(Debug)]
 pub(crate) struct ToolSpec {
-    pub name: &'static str,
+    pub name: Cow<'static, str>,
     /// The worker group that serves the tool.
-    pub group: &'static str,
+    pub group: Cow<'static, str>,
     /// Arguments whose kind the JSON type alone does not say, in the order `paths`
     /// lists them.
     pub refined: &'static [(&'static str, Kind)],
@@ -78,8 +79,8 @@ use Kind::{Edits, Path as P, Upper};
 /// Every tool of the catalog (DESIGN §4), in the order of the table there.
 pub(crate) static TOOLS: &[ToolSpec] = &[
     ToolSpec {
-        name: "execute_shell",
-        group: "shell",
+        name: Cow::Borrowed("execute_shell"),
+        group: Cow::Borrowed("shell"),
         refined: &[("cwd", P)],
         extra: Extra::Shell,
     },
@@ -93,14 +94,14 @@ pub(crate) static TOOLS: &[ToolSpec] = &[
     fs("move_path", &[("source", P), ("destination", P)]),
     fs("delete_path", &[("path", P)]),
     ToolSpec {
-        name: "http_request",
-        group: "http",
+        name: Cow::Borrowed("http_request"),
+        group: Cow::Borrowed("http"),
         refined: &[("method", Upper)],
         extra: Extra::Url,
     },
     ToolSpec {
-        name: "fetch_url",
-        group: "http",
+        name: Cow::Borrowed("fetch_url"),
+        group: Cow::Borrowed("http"),
         refined: &[],
         extra: Extra::Url,
     },
@@ -113,8 +114,8 @@ pub(crate) static TOOLS: &[ToolSpec] = &[
 
 const fn fs(name: &'static str, refined: &'static [(&'static str, Kind)]) -> ToolSpec {
     ToolSpec {
-        name,
-        group: "fs",
+        name: Cow::Borrowed(name),
+        group: Cow::Borrowed("fs"),
         refined,
         extra: Extra::None,
     }
@@ -122,8 +123,8 @@ const fn fs(name: &'static str, refined: &'static [(&'static str, Kind)]) -> Too
 
 const fn db(name: &'static str) -> ToolSpec {
     ToolSpec {
-        name,
-        group: "db",
+        name: Cow::Borrowed(name),
+        group: Cow::Borrowed("db"),
         refined: &[],
         extra: Extra::None,
     }
@@ -178,7 +179,7 @@ fn left_out(tool: &str, argument: &str) -> bool {
 /// has no fractions) and refined by the table. `Err` lists every argument that cannot
 /// be seen, so that a new argument is never silently invisible to policy.
 pub(crate) fn fields(spec: &ToolSpec, input_schema: &Value) -> Result<Vec<Field>, Vec<String>> {
-    let tool = spec.name;
+    let tool = &*spec.name;
     let empty = Map::new();
     let properties = input_schema
         .get("properties")
@@ -258,7 +259,7 @@ pub(crate) fn fields(spec: &ToolSpec, input_schema: &Value) -> Result<Vec<Field>
 }
 
 /// A property's one JSON type (`["string", "null"]` counts as `string`).
-fn json_type(property: &Value) -> Option<&str> {
+pub(crate) fn json_type(property: &Value) -> Option<&str> {
     match property.get("type")? {
         Value::String(one) => Some(one),
         Value::Array(many) => {
@@ -313,7 +314,7 @@ pub(crate) fn context_json(
         Value::Null if fields.iter().all(|field| !field.required) => &empty,
         _ => {
             return Err(ArgumentError::NotAnObject {
-                tool: spec.name.to_owned(),
+                tool: spec.name.to_string(),
             });
         }
     };
@@ -325,13 +326,13 @@ pub(crate) fn context_json(
             None | Some(Value::Null) => {
                 if field.required {
                     return Err(ArgumentError::Missing {
-                        tool: spec.name.to_owned(),
+                        tool: spec.name.to_string(),
                         field: field.name.clone(),
                     });
                 }
             }
             Some(value) => {
-                let converted = convert(spec.name, &field.name, field.kind, value, workspace)?;
+                let converted = convert(&spec.name, &field.name, field.kind, value, workspace)?;
                 projected.insert(field.name.to_owned(), converted);
             }
         }
@@ -350,13 +351,13 @@ pub(crate) fn context_json(
     }
     match spec.extra {
         Extra::None => {}
-        Extra::Shell => shell_facts(spec.name, object, &mut context)?,
+        Extra::Shell => shell_facts(&spec.name, object, &mut context)?,
         Extra::Url => {
             let raw = object
                 .get("url")
                 .and_then(Value::as_str)
                 .unwrap_or_default();
-            context.insert("url".to_owned(), parse_url(spec.name, raw)?);
+            context.insert("url".to_owned(), parse_url(&spec.name, raw)?);
         }
     }
     context.insert("arguments".to_owned(), Value::Object(projected));
@@ -507,7 +508,7 @@ mod tests {
 
     #[test]
     fn the_built_in_names_are_the_catalogs() {
-        let names: Vec<&str> = TOOLS.iter().map(|spec| spec.name).collect();
+        let names: Vec<&str> = TOOLS.iter().map(|spec| &*spec.name).collect();
         assert_eq!(names, crate::tool::BUILT_IN_TOOLS);
     }
     use super::*;

@@ -166,7 +166,7 @@ pub fn check_tool(tool: &ToolDefinition) -> Vec<String> {
             ));
         }
     }
-    if !action.groups.iter().any(|g| g == spec.group) {
+    if !action.groups.iter().any(|g| *g == spec.group) {
         problems.push(format!(
             "`{name}`: served by the {} worker, but not a member of Action::\"{}\" in the Cedar schema",
             spec.group, spec.group
@@ -260,8 +260,12 @@ mod tests {
     fn the_schema_declares_every_tool_of_the_table_and_nothing_else() {
         let declared = declared().unwrap();
         for spec in catalog::TOOLS {
-            assert!(declared.contains_key(spec.name), "{} missing", spec.name);
-            assert!(check_tool(&agreeing(spec.name)).is_empty(), "{}", spec.name);
+            assert!(declared.contains_key(&*spec.name), "{} missing", spec.name);
+            assert!(
+                check_tool(&agreeing(&spec.name)).is_empty(),
+                "{}",
+                spec.name
+            );
         }
         let groups = 4 + ANNOTATION_GROUPS.len();
         assert_eq!(declared.len(), catalog::TOOLS.len() + groups);

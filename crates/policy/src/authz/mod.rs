@@ -38,12 +38,15 @@
 mod approval;
 mod catalog;
 mod declared;
+mod extension;
 mod source;
 
+use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::path::Path;
 use std::str::FromStr;
+use std::sync::Arc;
 
 use cedar_policy as cedar;
 use serde::Serialize;
@@ -54,6 +57,7 @@ pub use approval::{
 };
 pub use catalog::{ArgumentError, NOT_IN_CONTEXT};
 pub use declared::{ANNOTATION_GROUPS, check_tool, expected_input_schema};
+pub use extension::{ExtensionError, ToolExtension, ToolExtensions};
 
 use crate::tool::ToolDefinition;
 
@@ -225,7 +229,25 @@ pub struct Authorizer {
     schema: cedar::Schema,
     types: Types,
     approvals: ApprovalKnob,
+    extensions: Arc<ToolExtensions>,
     warnings: Vec<String>,
+}
+
+/// What a policy is validated and decided against besides its own text: the approval
+/// knob and the tools that are not built in.
+#[derive(Debug, Clone, Default)]
+pub struct PolicyInputs {
+    pub approvals: ApprovalKnob,
+    pub extensions: Arc<ToolExtensions>,
+}
+
+impl From<ApprovalKnob> for PolicyInputs {
+    fn from(approvals: ApprovalKnob) -> Self {
+        Self {
+            approvals,
+            extensions: Arc::default(),
+        }
+    }
 }
 
 impl fmt::Debug for Authorizer {
@@ -244,10 +266,14 @@ impl Authorizer {
     pub fn from_sources(
         policy_text: &str,
         policy_file_name: &str,
-        approvals: ApprovalKnob,
+        inputs: impl Into<PolicyInputs>,
     ) -> Result<Self, PolicyError> {
+        let PolicyInputs {
+            approvals,
+            extensions,
+        } = inputs.into();
         let file = policy_file_name;
-        let schema = schema()?;
+        let schema = schema(&extensions)?;
         let types = Types::new()?;
         let at = |offset: usize| source::line_column(policy_text, offset);
 
@@ -327,24 +353,25 @@ impl Authorizer {
             schema,
             types,
             approvals,
+            extensions,
             warnings,
         })
     }
 
     /// Reads and loads a policy file. On error the caller keeps its previous
     /// `Authorizer` (reload) or refuses to start.
-    pub fn load_file(path: &Path, approvals: ApprovalKnob) -> Result<Self, PolicyError> {
+    pub fn load_file(path: &Path, inputs: impl Into<PolicyInputs>) -> Result<Self, PolicyError> {
         let file = path.display().to_string();
         let text = std::fs::read_to_string(path).map_err(|error| PolicyError::Read {
             file: file.clone(),
             error,
         })?;
-        Self::from_sources(&text, &file, approvals)
+        Self::from_sources(&text, &file, inputs)
     }
 
     /// The embedded default policy of `airlock up` (`deploy/policies/default.cedar`).
-    pub fn default_policy(approvals: ApprovalKnob) -> Result<Self, PolicyError> {
-        Self::from_sources(DEFAULT_POLICY_SOURCE, DEFAULT_POLICY_FILE_NAME, approvals)
+    pub fn default_policy(inputs: impl Into<PolicyInputs>) -> Result<Self, PolicyError> {
+        Self::from_sources(DEFAULT_POLICY_SOURCE, DEFAULT_POLICY_FILE_NAME, inputs)
     }
 
     /// The file the policy was loaded from (as given).
@@ -373,18 +400,31 @@ impl Authorizer {
     /// Decides one call: deny, require approval, or allow.
     pub fn decide(&self, request: &CallRequest<'_>) -> Decision {
         let tool = request.tool.name.as_str();
-        let Some(spec) = catalog::spec(tool) else {
-            return Decision::deny(format!(
-                "tool `{tool}` is not declared in the policy schema"
-            ));
-        };
+        let extension = self.extensions.get(tool);
         // The arguments as the worker's own schema defines them (`ListTools`).
-        let fields = match catalog::fields(spec, &request.tool.input_schema) {
-            Ok(fields) => fields,
-            Err(problems) => {
+        let (spec, fields) = match (catalog::spec(tool), extension) {
+            (Some(spec), _) => match catalog::fields(spec, &request.tool.input_schema) {
+                Ok(fields) => (spec, Cow::Owned(fields)),
+                Err(problems) => {
+                    return Decision::deny(format!(
+                        "the policy cannot see every argument of `{tool}`: {}",
+                        problems.join("; ")
+                    ));
+                }
+            },
+            (None, Some(extended)) => {
+                // The arguments were typed from the declared definition; a worker that
+                // serves another one is refused by the catalog, and denied here too.
+                if extended.definition.input_schema != request.tool.input_schema {
+                    return Decision::deny(format!(
+                        "`{tool}` is served with another input schema than policies were built from"
+                    ));
+                }
+                (&extended.spec, Cow::Borrowed(extended.fields.as_slice()))
+            }
+            (None, None) => {
                 return Decision::deny(format!(
-                    "the policy cannot see every argument of `{tool}`: {}",
-                    problems.join("; ")
+                    "tool `{tool}` is not declared in the policy schema"
                 ));
             }
         };
@@ -463,6 +503,9 @@ impl Authorizer {
         if let Some(reason) = self.approvals.requires(tool, request.arguments) {
             approvals.insert(0, reason);
         }
+        if let Some(reason) = extension.and_then(|extended| extended.approval.as_ref()) {
+            approvals.insert(0, reason.clone());
+        }
         for id in diagnostics.reason() {
             if self.meta.get(id).is_some_and(|meta| meta.approval) {
                 approvals.push(self.describe(id, "approval required by policy"));
@@ -482,7 +525,7 @@ impl Authorizer {
     /// stay residual and keep the tool visible (a tool undeclared in the schema is never
     /// visible).
     pub fn visible(&self, principal: &PrincipalRef<'_>, tool: &ToolDefinition) -> bool {
-        if catalog::spec(&tool.name).is_none() {
+        if self.spec(&tool.name).is_none() {
             return false;
         }
         let Ok(entities) = self.entities(principal, tool) else {
@@ -496,6 +539,16 @@ impl Authorizer {
         let response =
             cedar::Authorizer::new().is_authorized_partial(&request, &self.policies, &entities);
         response.decision() != Some(cedar::Decision::Deny)
+    }
+
+    /// The tools that are not built in, as this authorizer was built with them.
+    pub fn extensions(&self) -> &Arc<ToolExtensions> {
+        &self.extensions
+    }
+
+    /// What policies know of `tool`: a built-in's table entry or an extension's.
+    fn spec(&self, tool: &str) -> Option<&catalog::ToolSpec> {
+        catalog::spec(tool).or_else(|| self.extensions.get(tool).map(|e| &e.spec))
     }
 
     fn describe(&self, id: &cedar::PolicyId, what: &str) -> String {
@@ -512,7 +565,7 @@ impl Authorizer {
         principal: &PrincipalRef<'_>,
         tool: &ToolDefinition,
     ) -> Result<cedar::Entities, String> {
-        let group = catalog::spec(&tool.name).map_or("", |spec| spec.group);
+        let group = self.spec(&tool.name).map_or("", |spec| &*spec.group);
         let roles: HashSet<cedar::EntityUid> = principal
             .roles
             .iter()
@@ -561,12 +614,44 @@ impl Authorizer {
     }
 }
 
-fn schema() -> Result<cedar::Schema, PolicyError> {
-    cedar::Schema::from_cedarschema_str(SCHEMA_SOURCE)
-        .map(|(schema, _warnings)| schema)
-        .map_err(|error| PolicyError::Schema {
-            message: source::message(&error),
-        })
+/// The embedded schema, plus a fragment declaring the extension tools when there are
+/// any.
+fn schema(extensions: &ToolExtensions) -> Result<cedar::Schema, PolicyError> {
+    if extensions.is_empty() {
+        return cedar::Schema::from_cedarschema_str(SCHEMA_SOURCE)
+            .map(|(schema, _warnings)| schema)
+            .map_err(|error| PolicyError::Schema {
+                message: source::message(&error),
+            });
+    }
+    let fragment = |text: &str, what: &str| {
+        cedar::SchemaFragment::from_cedarschema_str(text)
+            .map(|(fragment, _warnings)| fragment)
+            .map_err(|error| PolicyError::Schema {
+                message: format!("{what}: {}", source::message(&error)),
+            })
+    };
+    let base = fragment(SCHEMA_SOURCE, "the embedded schema")?;
+    let extended = fragment(
+        &extensions.cedar_schema(),
+        "the schema of the declared tools",
+    )?;
+    cedar::Schema::from_schema_fragments([base, extended]).map_err(|error| PolicyError::Schema {
+        message: format!(
+            "the declared tools do not fit the embedded schema: {}",
+            source::message(&error)
+        ),
+    })
+}
+
+/// The whole Cedar schema policies are validated against, as text: the embedded one and
+/// the fragment of the extension tools (`airlock policy schema`).
+pub fn schema_text(extensions: &ToolExtensions) -> String {
+    if extensions.is_empty() {
+        SCHEMA_SOURCE.to_owned()
+    } else {
+        format!("{SCHEMA_SOURCE}\n{}", extensions.cedar_schema())
+    }
 }
 
 type Renamed = (
@@ -682,7 +767,7 @@ mod tests {
 
     #[test]
     fn the_schema_accepts_every_tool_s_maximal_and_minimal_context() {
-        let schema = schema().unwrap();
+        let schema = schema(&ToolExtensions::default()).unwrap();
         let types = Types::new().unwrap();
         let full = serde_json::json!({
             "command": "ls", "argv": ["ls", "-l"], "cwd": "src", "stdin": "", "env": {"A": "1"},
@@ -695,9 +780,9 @@ mod tests {
             "sql": "select 1", "max_rows": 10
         });
         for spec in catalog::TOOLS {
-            let input_schema = declared::expected_input_schema(spec.name).unwrap();
+            let input_schema = declared::expected_input_schema(&spec.name).unwrap();
             let fields = catalog::fields(spec, &input_schema).unwrap();
-            let action = Types::uid(&types.action, spec.name);
+            let action = Types::uid(&types.action, &spec.name);
             let context = catalog::context_json(spec, &fields, &full, "s", None).unwrap();
             cedar::Context::from_json_value(context, Some((&schema, &action)))
                 .unwrap_or_else(|error| panic!("{}: {error}", spec.name));
