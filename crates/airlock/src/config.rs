@@ -10,11 +10,14 @@ use airlock_orchestrator::{
     PrincipalConfig, WorkerGroupConfig,
 };
 use airlock_policy::Limits;
+use airlock_policy::authz::ToolExtension;
+use airlock_worker::declared::ToolEntry;
 use airlock_worker::volumes::WorkspaceQuota;
 use airlock_worker_db::DatabaseConfig;
 use airlock_worker_fs::FsConfig;
 use airlock_worker_http::HttpConfig;
 use airlock_worker_shell::ShellConfig;
+use airlock_worker_shell::declared::CommandTemplate;
 use anyhow::{Context, bail};
 use serde::Deserialize;
 
@@ -53,6 +56,12 @@ pub struct AirlockConfig {
     pub worker: WorkerSection,
     /// What the store keeps of results, and for how long (DESIGN §15).
     pub store: airlock_orchestrator::StoreRetention,
+    /// The operator's own tools (DESIGN §11): `command` ones run by the shell worker,
+    /// `http` ones sent by the http worker. Read by the orchestrator (each becomes a
+    /// Cedar action) and by the worker that serves it, so both need the same entries.
+    pub tools: Vec<ToolEntry>,
+    /// Shipped packs of declared tools: `["dev"]`.
+    pub tool_packs: Vec<String>,
 }
 
 /// `[worker]`.
@@ -116,6 +125,8 @@ pub struct Loaded {
     pub data_dir: PathBuf,
     /// `workspaces_root` (or `<data_dir>/workspaces`) with symlinks resolved.
     workspaces_root: PathBuf,
+    /// `tool_packs` and `[[tools]]`, checked at load.
+    declared: Vec<ToolEntry>,
 }
 
 impl Loaded {
@@ -144,6 +155,10 @@ impl Loaded {
         check_workspace_quota(&parsed.sandbox)?;
         check_dispatch(&parsed)?;
         airlock_worker_fs::Hidden::new(&parsed.fs.hidden).context("invalid [fs] hidden")?;
+        let declared = declared_entries(&parsed).map_err(|e| match &file {
+            Some(path) => anyhow::anyhow!("invalid config file {}: {e:#}", path.display()),
+            None => e,
+        })?;
         let configured = match &parsed.workspaces_root {
             Some(root) => absolute(root)?,
             None => data_dir.join("workspaces"),
@@ -158,7 +173,31 @@ impl Loaded {
             config: parsed,
             data_dir,
             workspaces_root,
+            declared,
         })
+    }
+
+    /// The declared tools (`tool_packs` first, then `[[tools]]`), every one checked.
+    pub fn declared_tools(&self) -> &[ToolEntry] {
+        &self.declared
+    }
+
+    /// The declared command tools, compiled for the shell worker.
+    pub fn command_tools(&self) -> anyhow::Result<Vec<CommandTemplate>> {
+        compile_commands(&self.declared).map_err(|e| self.declared_error(e))
+    }
+
+    fn declared_error(&self, error: impl std::fmt::Display) -> anyhow::Error {
+        match &self.file {
+            Some(file) => anyhow::anyhow!("invalid config file {}: {error}", file.display()),
+            None => anyhow::anyhow!("{error}"),
+        }
+    }
+
+    /// The declared tools as the policy sees them: each one's definition, worker group,
+    /// and whether its calls need approval.
+    pub fn tool_extensions(&self) -> anyhow::Result<Vec<ToolExtension>> {
+        extensions_of(&self.declared).map_err(|e| self.declared_error(e))
     }
 
     pub fn workspaces_root(&self) -> PathBuf {
@@ -241,6 +280,7 @@ impl Loaded {
             worker_tls,
             dispatch: self.config.dispatch.clone(),
             retention: self.config.store.clone(),
+            tool_extensions: self.tool_extensions()?,
         })
     }
 
@@ -534,4 +574,40 @@ mod tests {
         assert!(toml::from_str::<AirlockConfig>("[agent]\nprovider = \"gemini\"\n").is_err());
         assert!(toml::from_str::<AirlockConfig>("[agent]\napi_key = \"sk-x\"\n").is_err());
     }
+}
+
+/// `tool_packs` then `[[tools]]`, every entry checked now so that a bad one stops every
+/// component at start, naming the file, the tool and the reason.
+fn declared_entries(config: &AirlockConfig) -> anyhow::Result<Vec<ToolEntry>> {
+    let mut entries = airlock_worker_shell::declared::pack_entries(&config.tool_packs)?;
+    entries.extend(config.tools.iter().cloned());
+    airlock_worker::declared::check_unique(&entries)?;
+    compile_commands(&entries)?;
+    airlock_policy::authz::ToolExtensions::new(&extensions_of(&entries)?)?;
+    Ok(entries)
+}
+
+fn extensions_of(
+    entries: &[ToolEntry],
+) -> Result<Vec<ToolExtension>, airlock_worker::declared::DeclaredToolError> {
+    entries
+        .iter()
+        .map(|entry| {
+            Ok(ToolExtension {
+                group: entry.group().to_owned(),
+                definition: entry.definition()?,
+                approval: entry.approval_reason(),
+            })
+        })
+        .collect()
+}
+
+fn compile_commands(
+    entries: &[ToolEntry],
+) -> Result<Vec<CommandTemplate>, airlock_worker::declared::DeclaredToolError> {
+    entries
+        .iter()
+        .filter(|entry| entry.is_command())
+        .map(CommandTemplate::compile)
+        .collect()
 }

@@ -74,7 +74,7 @@ fn run_in(
     std::fs::create_dir_all(&shell.workspaces_root)
         .with_context(|| format!("cannot create {}", shell.workspaces_root.display()))?;
     let timeout = Duration::from_secs(shell.max_timeout_seconds);
-    let (tools, _sandbox) = airlock_worker_shell::tools(shell)?;
+    let (tools, _sandbox) = airlock_worker_shell::tools(shell, Vec::new())?;
     let tool = tools
         .get("execute_shell")
         .context("execute_shell is missing")?;

@@ -397,7 +397,7 @@ fn shell_worker(loaded: &Loaded, listen: Option<String>) -> anyhow::Result<ExitC
     let listener = secure(loaded, listener, "shell worker")?;
     // Probing the host and creating the parent cgroups needs the privileges the
     // confinement below gives up, so the sandbox is prepared first.
-    let (tools, sandbox) = airlock_worker_shell::tools(shell.clone())
+    let (tools, sandbox) = airlock_worker_shell::tools(shell.clone(), loaded.command_tools()?)
         .context("the shell worker cannot provide the configured isolation; refusing to start")?;
     let report = serde_json::to_string(sandbox.report()).unwrap_or_default();
     tracing::info!(listen = %listener.local_addr(), isolation = %report, "shell worker starting");

@@ -12,6 +12,7 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use airlock_policy::ToolDefinition;
+use airlock_policy::authz::ToolExtensions;
 use airlock_proto::v1 as pb;
 use tokio_util::sync::CancellationToken;
 
@@ -122,6 +123,8 @@ pub struct Catalog {
     tools: RwLock<BTreeMap<String, Arc<CatalogTool>>>,
     /// Tools already reported as refused, so that each refresh does not log them again.
     refused: std::sync::Mutex<std::collections::HashSet<String>>,
+    /// The tools that are not built in, as policies know them.
+    extensions: Arc<ToolExtensions>,
 }
 
 impl Catalog {
@@ -138,7 +141,15 @@ impl Catalog {
             groups: groups.into_iter().map(Arc::new).collect(),
             tools: RwLock::default(),
             refused: std::sync::Mutex::default(),
+            extensions: Arc::default(),
         })
+    }
+
+    /// Serves the declared tools (`[[tools]]`, `tool_packs`) when workers list them as
+    /// declared; without this, a tool that is not built in is refused.
+    pub fn with_extensions(mut self, extensions: Arc<ToolExtensions>) -> Self {
+        self.extensions = extensions;
+        self
     }
 
     /// Checks the configuration without connecting (no async runtime needed).
@@ -254,14 +265,14 @@ impl Catalog {
             }
             // One source of truth: the policies must see the tool as its worker
             // defines it, or a rule could miss an argument; such a tool is not served.
-            let problems = airlock_policy::authz::check_tool(&definition);
+            let problems = self.extensions.check_tool(group, &definition);
             if !problems.is_empty() {
                 let first_time = match self.refused.lock() {
                     Ok(mut refused) => refused.insert(name.clone()),
                     Err(poisoned) => poisoned.into_inner().insert(name.clone()),
                 };
                 if first_time {
-                    tracing::error!(group, tool = %name, problems = %problems.join("; "), "not serving a tool that the policies do not see as its worker defines it; align deploy/policies/schema.cedarschema with the worker");
+                    tracing::error!(group, tool = %name, problems = %problems.join("; "), "not serving a tool that the policies do not see as its worker defines it; align deploy/policies/schema.cedarschema (built-in tools) or the orchestrator's [[tools]] (declared ones) with the worker");
                 }
                 continue;
             }

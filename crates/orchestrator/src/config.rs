@@ -45,6 +45,9 @@ pub struct OrchestratorConfig {
     /// identity (`[tls]` cert_file/key_file, the same one that dials workers); no client
     /// certificate is asked for. `None`: plaintext, as before.
     pub grpc_tls: Option<std::sync::Arc<airlock_tls::mtls::Reloading>>,
+    /// The tools that are not built in (`[[tools]]`, `tool_packs`): each is a Cedar
+    /// action that policies can name, and the catalog serves it only as declared.
+    pub tool_extensions: Vec<airlock_policy::authz::ToolExtension>,
 }
 
 /// `[store]` (DESIGN §15): what the store keeps of results, and for how long.

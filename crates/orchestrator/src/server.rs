@@ -21,7 +21,7 @@ use crate::gate::{Gate, GateParts};
 use crate::grpc_api::GrpcFrontDoor;
 use crate::http_api::{self, HttpState};
 use crate::service::CallService;
-use airlock_policy::authz::{Authorizer, PolicyError};
+use airlock_policy::authz::{Authorizer, PolicyError, PolicyInputs, ToolExtensions};
 use tower::Layer;
 
 /// Largest gRPC message the orchestrator sends (a page of approvals, a call's results);
@@ -52,6 +52,8 @@ pub enum ServeError {
     Catalog(#[from] CatalogError),
     #[error("policy: {0}")]
     Policy(#[from] PolicyError),
+    #[error("the declared tools cannot be given to policy: {0}")]
+    Tools(#[from] airlock_policy::authz::ExtensionError),
     #[error("store: {0}")]
     Store(#[from] crate::store::StoreError),
     #[error(transparent)]
@@ -118,7 +120,8 @@ impl Orchestrator {
     pub fn prepare(config: &OrchestratorConfig) -> Result<Prepared, ServeError> {
         let principals = Principals::load(&config.principals, &config.data_dir)?;
         Catalog::check(&config.workers, &config.worker_tls.dialer())?;
-        let authorizer = load_policy(config)?;
+        let extensions = Arc::new(ToolExtensions::new(&config.tool_extensions)?);
+        let authorizer = load_policy(config, &extensions)?;
         for warning in authorizer.warnings() {
             tracing::warn!(%warning, "policy warning");
         }
@@ -141,11 +144,14 @@ impl Orchestrator {
             airlock_tls::mtls::watch(identity.clone(), "orchestrator");
         }
         // Channels need the runtime, so the catalog is built here, not in `prepare`.
-        let catalog = Arc::new(Catalog::new(
-            &config.workers,
-            &config.worker_tls.dialer(),
-            &config.dispatch,
-        )?);
+        let catalog = Arc::new(
+            Catalog::new(
+                &config.workers,
+                &config.worker_tls.dialer(),
+                &config.dispatch,
+            )?
+            .with_extensions(prepared.authorizer.extensions().clone()),
+        );
         let store = crate::store::open(
             &config.store,
             &config.data_dir,
@@ -317,10 +323,17 @@ pub struct Prepared {
     authorizer: Authorizer,
 }
 
-fn load_policy(config: &OrchestratorConfig) -> Result<Authorizer, PolicyError> {
+fn load_policy(
+    config: &OrchestratorConfig,
+    extensions: &Arc<ToolExtensions>,
+) -> Result<Authorizer, PolicyError> {
+    let inputs = PolicyInputs {
+        approvals: config.approvals.knob(),
+        extensions: extensions.clone(),
+    };
     match &config.policy_file {
-        Some(path) => Authorizer::load_file(path, config.approvals.knob()),
-        None => Authorizer::default_policy(config.approvals.knob()),
+        Some(path) => Authorizer::load_file(path, inputs),
+        None => Authorizer::default_policy(inputs),
     }
 }
 
@@ -368,7 +381,8 @@ async fn reload_principals(
 
 /// SIGHUP: load the policy file again; a broken file keeps the old policy in force.
 async fn reload_policy(gate: &Gate, config: &OrchestratorConfig) {
-    match load_policy(config) {
+    // `[[tools]]` is read at start only: the reloaded policy sees the same tools.
+    match load_policy(config, gate.authorizer().extensions()) {
         Ok(authorizer) => {
             let file = authorizer.file().to_owned();
             gate.replace_authorizer(authorizer);

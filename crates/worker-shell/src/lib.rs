@@ -17,10 +17,21 @@ use std::sync::Arc;
 use airlock_sandbox::{Sandbox, SandboxError};
 use airlock_worker::ToolSet;
 
-/// Probes the host and builds the shell tool set; fails closed (naming the missing layer
-/// and the fix) when the host cannot give `[sandbox] min_isolation`.
-pub fn tools(config: ShellConfig) -> Result<(ToolSet, Arc<Sandbox>), SandboxError> {
+/// Probes the host and builds the shell tool set — `execute_shell` and the declared
+/// command tools, all in the same sandbox; fails closed (naming the missing layer and
+/// the fix) when the host cannot give `[sandbox] min_isolation`.
+pub fn tools(
+    config: ShellConfig,
+    declared: Vec<declared::CommandTemplate>,
+) -> Result<(ToolSet, Arc<Sandbox>), SandboxError> {
     let sandbox = Arc::new(Sandbox::new(config.sandbox_config())?);
-    let tool = ExecuteShell::new(config, sandbox.clone());
-    Ok((ToolSet::new("shell").with(tool), sandbox))
+    let mut tools = ToolSet::new("shell").with(ExecuteShell::new(config.clone(), sandbox.clone()));
+    for template in declared {
+        tools = tools.with(declared::CommandTool::new(
+            template,
+            config.clone(),
+            sandbox.clone(),
+        ));
+    }
+    Ok((tools, sandbox))
 }
