@@ -16,6 +16,7 @@ mod api_contract;
 mod as_user;
 mod claims;
 mod cli;
+mod declared_tools;
 mod front_doors;
 mod fs_tools;
 mod gate;

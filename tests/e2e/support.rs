@@ -35,7 +35,13 @@ impl Airlock {
     /// [`Airlock::start_with`], with extra environment variables for `airlock up` (which
     /// passes its environment to the orchestrator, e.g. a model provider's API key).
     pub async fn start_with_env(extra_config: &str, env: &[(&str, &str)]) -> Self {
-        Self::launch(extra_config, env, None).await
+        Self::launch("", extra_config, env, None).await
+    }
+
+    /// [`Airlock::start_with`], with keys of the file's top level (`tool_packs = …`),
+    /// which must come before the first table.
+    pub async fn start_with_top_level(top_level: &str, extra_config: &str) -> Self {
+        Self::launch(top_level, extra_config, &[], None).await
     }
 
     /// [`Airlock::start_with`] as an ordinary user (see `ordinary_user`), inside
@@ -45,7 +51,7 @@ impl Airlock {
         delegation: Option<&Delegation>,
         extra_config: &str,
     ) -> Self {
-        Self::launch(extra_config, &[], Some((user, delegation))).await
+        Self::launch("", extra_config, &[], Some((user, delegation))).await
     }
 
     /// Runs `airlock up` as `user` and expects it to refuse to start: returns its exit
@@ -54,7 +60,7 @@ impl Airlock {
         user: &OrdinaryUser,
         extra_config: &str,
     ) -> (std::process::ExitStatus, String) {
-        let (dir, mut command) = Self::up_command(extra_config, &[], Some((user, None)));
+        let (dir, mut command) = Self::up_command("", extra_config, &[], Some((user, None)));
         let mut child = command.spawn().expect("spawn airlock up");
         let deadline = Instant::now() + Duration::from_secs(60);
         let status = loop {
@@ -80,6 +86,7 @@ impl Airlock {
     /// Unless the snippet has its own `[approvals]` (or `[budgets]`) section, approvals
     /// and the rate limit are off.
     fn up_command(
+        top_level: &str,
         extra_config: &str,
         env: &[(&str, &str)],
         user: Option<(&OrdinaryUser, Option<&Delegation>)>,
@@ -106,7 +113,7 @@ impl Airlock {
         std::fs::write(
             &config,
             format!(
-                "[orchestrator]\nhttp_listen = \"127.0.0.1:0\"\ngrpc_listen = \"127.0.0.1:0\"\n{extra}"
+                "{top_level}\n[orchestrator]\nhttp_listen = \"127.0.0.1:0\"\ngrpc_listen = \"127.0.0.1:0\"\n{extra}"
             ),
         )
         .expect("write config");
@@ -154,11 +161,12 @@ impl Airlock {
     }
 
     async fn launch(
+        top_level: &str,
         extra_config: &str,
         env: &[(&str, &str)],
         user: Option<(&OrdinaryUser, Option<&Delegation>)>,
     ) -> Self {
-        let (dir, mut command) = Self::up_command(extra_config, env, user);
+        let (dir, mut command) = Self::up_command(top_level, extra_config, env, user);
         let child = command.spawn().expect("spawn airlock up");
         let mut airlock = Self {
             dir,

@@ -118,6 +118,13 @@ enum Command {
         #[command(flatten)]
         options: client::CallOptions,
     },
+    /// The Cedar policy's view of the catalog.
+    Policy {
+        #[command(subcommand)]
+        action: PolicyAction,
+        #[command(flatten)]
+        location: Location,
+    },
     /// Development certificates for mutual TLS between components.
     Certs {
         #[command(subcommand)]
@@ -174,6 +181,13 @@ pub enum AuditAction {
     },
     /// Check the hash chain; exits 1 when a record was edited, deleted, inserted or moved.
     Verify,
+}
+
+#[derive(Debug, Subcommand)]
+enum PolicyAction {
+    /// Print the Cedar schema policies are validated against: the embedded one, and an
+    /// action for every declared tool ([[tools]], tool_packs) with its typed arguments.
+    Schema,
 }
 
 #[derive(Debug, Subcommand)]
@@ -256,6 +270,10 @@ fn main() -> ExitCode {
             json,
             &options,
         ),
+        Command::Policy {
+            action: PolicyAction::Schema,
+            location,
+        } => policy_schema(&location),
         Command::Certs {
             action: CertsAction::Init { out, sans },
         } => certs_init(&out, &sans),
@@ -274,6 +292,14 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// `airlock policy schema`: the schema as the orchestrator builds it from this config.
+fn policy_schema(location: &Location) -> anyhow::Result<ExitCode> {
+    let loaded = config::Loaded::load(location.config.as_deref(), location.data_dir.as_deref())?;
+    let extensions = airlock_policy::authz::ToolExtensions::new(&loaded.tool_extensions()?)?;
+    print!("{}", airlock_policy::authz::schema_text(&extensions));
+    Ok(ExitCode::SUCCESS)
 }
 
 fn certs_init(out: &std::path::Path, sans: &[String]) -> anyhow::Result<ExitCode> {
