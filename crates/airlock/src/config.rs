@@ -497,6 +497,42 @@ fn absolute(path: &Path) -> anyhow::Result<PathBuf> {
         .join(path))
 }
 
+/// `tool_packs` then `[[tools]]`, every entry checked now so that a bad one stops every
+/// component at start, naming the file, the tool and the reason.
+fn declared_entries(config: &AirlockConfig) -> anyhow::Result<Vec<ToolEntry>> {
+    let mut entries = airlock_worker_shell::declared::pack_entries(&config.tool_packs)?;
+    entries.extend(config.tools.iter().cloned());
+    airlock_worker::declared::check_unique(&entries)?;
+    compile_commands(&entries)?;
+    airlock_policy::authz::ToolExtensions::new(&extensions_of(&entries)?)?;
+    Ok(entries)
+}
+
+fn extensions_of(
+    entries: &[ToolEntry],
+) -> Result<Vec<ToolExtension>, airlock_worker::declared::DeclaredToolError> {
+    entries
+        .iter()
+        .map(|entry| {
+            Ok(ToolExtension {
+                group: entry.group().to_owned(),
+                definition: entry.definition()?,
+                approval: entry.approval_reason(),
+            })
+        })
+        .collect()
+}
+
+fn compile_commands(
+    entries: &[ToolEntry],
+) -> Result<Vec<CommandTemplate>, airlock_worker::declared::DeclaredToolError> {
+    entries
+        .iter()
+        .filter(|entry| entry.is_command())
+        .map(CommandTemplate::compile)
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -574,40 +610,4 @@ mod tests {
         assert!(toml::from_str::<AirlockConfig>("[agent]\nprovider = \"gemini\"\n").is_err());
         assert!(toml::from_str::<AirlockConfig>("[agent]\napi_key = \"sk-x\"\n").is_err());
     }
-}
-
-/// `tool_packs` then `[[tools]]`, every entry checked now so that a bad one stops every
-/// component at start, naming the file, the tool and the reason.
-fn declared_entries(config: &AirlockConfig) -> anyhow::Result<Vec<ToolEntry>> {
-    let mut entries = airlock_worker_shell::declared::pack_entries(&config.tool_packs)?;
-    entries.extend(config.tools.iter().cloned());
-    airlock_worker::declared::check_unique(&entries)?;
-    compile_commands(&entries)?;
-    airlock_policy::authz::ToolExtensions::new(&extensions_of(&entries)?)?;
-    Ok(entries)
-}
-
-fn extensions_of(
-    entries: &[ToolEntry],
-) -> Result<Vec<ToolExtension>, airlock_worker::declared::DeclaredToolError> {
-    entries
-        .iter()
-        .map(|entry| {
-            Ok(ToolExtension {
-                group: entry.group().to_owned(),
-                definition: entry.definition()?,
-                approval: entry.approval_reason(),
-            })
-        })
-        .collect()
-}
-
-fn compile_commands(
-    entries: &[ToolEntry],
-) -> Result<Vec<CommandTemplate>, airlock_worker::declared::DeclaredToolError> {
-    entries
-        .iter()
-        .filter(|entry| entry.is_command())
-        .map(CommandTemplate::compile)
-        .collect()
 }
