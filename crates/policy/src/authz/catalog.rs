@@ -173,6 +173,24 @@ fn left_out(tool: &str, argument: &str) -> bool {
         .any(|(t, a, _)| *t == tool && *a == argument)
 }
 
+/// An object schema's `properties` (or `empty`) and the names its top-level `required`
+/// lists.
+pub(crate) fn properties_and_required<'a>(
+    input_schema: &'a Value,
+    empty: &'a Map<String, Value>,
+) -> (&'a Map<String, Value>, HashSet<&'a str>) {
+    let properties = input_schema
+        .get("properties")
+        .and_then(Value::as_object)
+        .unwrap_or(empty);
+    let required = input_schema
+        .get("required")
+        .and_then(Value::as_array)
+        .map(|names| names.iter().filter_map(Value::as_str).collect())
+        .unwrap_or_default();
+    (properties, required)
+}
+
 /// The arguments policies see of a tool whose worker reports `input_schema`: every
 /// property of the schema but those [`NOT_IN_CONTEXT`] leaves out, required as the
 /// schema's top-level `required` says, typed by the schema (`number` as `Long`: Cedar
@@ -181,15 +199,7 @@ fn left_out(tool: &str, argument: &str) -> bool {
 pub(crate) fn fields(spec: &ToolSpec, input_schema: &Value) -> Result<Vec<Field>, Vec<String>> {
     let tool = &*spec.name;
     let empty = Map::new();
-    let properties = input_schema
-        .get("properties")
-        .and_then(Value::as_object)
-        .unwrap_or(&empty);
-    let required: HashSet<&str> = input_schema
-        .get("required")
-        .and_then(Value::as_array)
-        .map(|names| names.iter().filter_map(Value::as_str).collect())
-        .unwrap_or_default();
+    let (properties, required) = properties_and_required(input_schema, &empty);
     let mut problems = Vec::new();
     let mut fields = Vec::new();
     // Refined arguments first, in the table's order (`context.paths` follows it).

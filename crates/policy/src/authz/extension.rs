@@ -236,15 +236,7 @@ fn plain_name(name: &str) -> bool {
 /// cannot type: they are left out, and `airlock policy schema` says which.
 fn typed_fields(input_schema: &Value) -> (Vec<Field>, Vec<(String, &'static str)>) {
     let empty = Map::new();
-    let properties = input_schema
-        .get("properties")
-        .and_then(Value::as_object)
-        .unwrap_or(&empty);
-    let required: Vec<&str> = input_schema
-        .get("required")
-        .and_then(Value::as_array)
-        .map(|names| names.iter().filter_map(Value::as_str).collect())
-        .unwrap_or_default();
+    let (properties, required) = catalog::properties_and_required(input_schema, &empty);
     let mut fields = Vec::new();
     let mut left_out = Vec::new();
     for (name, property) in properties {
