@@ -23,6 +23,7 @@ mod gate;
 mod grpc_api;
 mod held_calls;
 mod http_api;
+mod http_tools;
 mod mcp;
 mod mtls;
 mod net_db;

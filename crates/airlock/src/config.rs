@@ -16,6 +16,7 @@ use airlock_worker::volumes::WorkspaceQuota;
 use airlock_worker_db::DatabaseConfig;
 use airlock_worker_fs::FsConfig;
 use airlock_worker_http::HttpConfig;
+use airlock_worker_http::declared::HttpTemplate;
 use airlock_worker_shell::ShellConfig;
 use airlock_worker_shell::declared::CommandTemplate;
 use anyhow::{Context, bail};
@@ -187,7 +188,14 @@ impl Loaded {
         compile_commands(&self.declared).map_err(|e| self.declared_error(e))
     }
 
-    fn declared_error(&self, error: impl std::fmt::Display) -> anyhow::Error {
+    /// The declared http tools, compiled (their secrets not read: only the http worker
+    /// reads them, at its start).
+    pub fn http_tools(&self) -> anyhow::Result<Vec<HttpTemplate>> {
+        compile_http(self.declared_tools()).map_err(|e| self.declared_error(e))
+    }
+
+    /// `error` naming the config file it comes from.
+    pub fn declared_error(&self, error: impl std::fmt::Display) -> anyhow::Error {
         match &self.file {
             Some(file) => anyhow::anyhow!("invalid config file {}: {error}", file.display()),
             None => anyhow::anyhow!("{error}"),
@@ -504,6 +512,7 @@ fn declared_entries(config: &AirlockConfig) -> anyhow::Result<Vec<ToolEntry>> {
     entries.extend(config.tools.iter().cloned());
     airlock_worker::declared::check_unique(&entries)?;
     compile_commands(&entries)?;
+    compile_http(&entries)?;
     airlock_policy::authz::ToolExtensions::new(&extensions_of(&entries)?)?;
     Ok(entries)
 }
@@ -533,6 +542,16 @@ fn compile_commands(
         .collect()
 }
 
+fn compile_http(
+    entries: &[ToolEntry],
+) -> Result<Vec<HttpTemplate>, airlock_worker::declared::DeclaredToolError> {
+    entries
+        .iter()
+        .filter(|entry| entry.is_http())
+        .map(HttpTemplate::compile)
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -559,6 +578,38 @@ mod tests {
             err.contains("worker_memory_bytes = 1000000") && err.contains("raise it"),
             "{err}"
         );
+    }
+
+    /// A bad http entry stops every component at load, naming the file, the tool and
+    /// the reason; its secrets are not read there (only the http worker reads them).
+    #[test]
+    fn a_bad_http_tool_fails_the_load_and_secrets_are_not_read_there() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("airlock.toml");
+        let entry = |url: &str| {
+            format!(
+                "[[tools]]\nname = \"crm\"\ndescription = \"d\"\n\
+                 input_schema = {{ type = \"object\", properties = {{ id = {{ type = \"string\" }} }}, required = [\"id\"] }}\n\
+                 http = {{ method = \"GET\", url = \"{url}\", headers = {{ Authorization = \"${{env:AIRLOCK_UNIT_UNSET}}\" }} }}\n"
+            )
+        };
+        std::fs::write(&file, entry("http://{id}.example.com/")).unwrap();
+        let err = Loaded::load(Some(&file), Some(dir.path()))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            err.starts_with(&format!(
+                "invalid config file {}: [[tools]] crm: http.url:",
+                file.display()
+            )) && err.contains("cannot choose the host"),
+            "{err}"
+        );
+        std::fs::write(&file, entry("https://crm.example.com/users/{id}")).unwrap();
+        let loaded = Loaded::load(Some(&file), Some(dir.path())).unwrap();
+        let tools = loaded.http_tools().unwrap();
+        assert_eq!(tools.len(), 1);
+        assert_eq!(tools[0].env_names(), vec!["AIRLOCK_UNIT_UNSET".to_owned()]);
     }
 
     #[test]

@@ -53,6 +53,9 @@ struct Component {
     /// Whether it may see the launcher's whole environment (the orchestrator reads
     /// `token_env` variables); workers get an allowlist.
     full_env: bool,
+    /// Variables passed beside the allowlist: those the http worker's declared tools
+    /// name in `${env:NAME}` (and no other worker gets them).
+    extra_env: Vec<String>,
     child: Option<Child>,
     started: Instant,
     restarts: u32,
@@ -196,12 +199,22 @@ fn component_args(loaded: &Loaded, serve_args: &[&str]) -> Vec<String> {
 
 async fn supervise(loaded: Loaded) -> anyhow::Result<ExitCode> {
     let exe = std::env::current_exe().context("cannot find the airlock executable")?;
+    let secret_env: Vec<String> = loaded
+        .http_tools()?
+        .iter()
+        .flat_map(|tool| tool.env_names())
+        .collect();
     let mut components: Vec<Component> = LOCAL_GROUPS
         .iter()
         .map(|group| Component {
             name: format!("{group} worker"),
             args: component_args(&loaded, &["worker", group]),
             full_env: false,
+            extra_env: if *group == "http" {
+                secret_env.clone()
+            } else {
+                Vec::new()
+            },
             child: None,
             started: Instant::now(),
             restarts: 0,
@@ -223,6 +236,7 @@ async fn supervise(loaded: Loaded) -> anyhow::Result<ExitCode> {
         name: "orchestrator".into(),
         args: orchestrator_args,
         full_env: true,
+        extra_env: Vec::new(),
         child: None,
         started: Instant::now(),
         restarts: 0,
@@ -312,7 +326,11 @@ fn spawn(exe: &Path, component: &mut Component) -> anyhow::Result<()> {
         .kill_on_drop(true);
     if !component.full_env {
         command.env_clear();
-        for key in WORKER_ENV_ALLOWLIST {
+        for key in WORKER_ENV_ALLOWLIST
+            .iter()
+            .copied()
+            .chain(component.extra_env.iter().map(String::as_str))
+        {
             if let Some(value) = std::env::var_os(key) {
                 command.env(key, value);
             }

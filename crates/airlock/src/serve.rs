@@ -415,7 +415,13 @@ fn shell_worker(loaded: &Loaded, listen: Option<String>) -> anyhow::Result<ExitC
 }
 
 fn http_worker(loaded: &Loaded, listen: Option<String>) -> anyhow::Result<ExitCode> {
-    let tools = airlock_worker_http::tools(loaded.config.http.clone())
+    // Secrets are read here, before the confinement below takes file access away.
+    let declared = loaded
+        .http_tools()?
+        .into_iter()
+        .map(|template| template.resolve().map_err(|e| loaded.declared_error(e)))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let tools = airlock_worker_http::tools_with_declared(loaded.config.http.clone(), declared)
         .context("invalid [http] configuration")?;
     let listener = BoundListener::bind(&listen_addr(loaded, "http", listen)?)?;
     let listener = secure(loaded, listener, "http worker")?;

@@ -193,6 +193,16 @@ impl Client {
                 ] {
                     headers.remove(h);
                 }
+                // A declared tool marks every header holding a secret as sensitive,
+                // whatever its name (X-Api-Key…): it is for the origin it was set for.
+                let sensitive: Vec<HeaderName> = headers
+                    .iter()
+                    .filter(|(_, value)| value.is_sensitive())
+                    .map(|(name, _)| name.clone())
+                    .collect();
+                for h in sensitive {
+                    headers.remove(h);
+                }
             }
             target = resolve::check(policy, &next, self.lookup.as_ref())
                 .await

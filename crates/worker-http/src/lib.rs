@@ -18,11 +18,15 @@
 //! 6. The body is read up to `max_response_bytes`; gzip (the only encoding asked for) is
 //!    decoded by the worker up to the same cap, so a decompression bomb stays bounded.
 //!
+//! Declared http tools (`[[tools]]` entries with `http`, see [`declared`]) go out through
+//! the same client, so through every step above.
+//!
 //! See [`HttpConfig`] for the policy's semantics and the limits.
 #![forbid(unsafe_code)]
 
 mod client;
 mod config;
+pub mod declared;
 mod egress;
 pub mod html;
 mod resolve;
@@ -30,7 +34,7 @@ mod tools;
 
 pub use config::{ConfigError, HttpConfig, PrivateAddresses};
 pub use egress::{PatternError, Refusal};
-pub use tools::{tools, tools_with_resolver};
+pub use tools::{tools, tools_with_declared, tools_with_resolver};
 
 /// The egress decision alone, without any network access: what the http tools would do
 /// with `url` if its host resolved to `addrs` (ignored for an IP-literal host). `Ok`

@@ -14,14 +14,15 @@ use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use serde_json::{Value, json};
 
 use crate::client::{self, Client, Request, Response};
-use crate::config::{ConfigError, HttpConfig};
+use crate::config::{ConfigError, HttpConfig, Settings};
+use crate::declared::{DeclaredHttpTool, ResolvedTemplate};
 use crate::html::{self, Flavor};
 use crate::resolve::{self, Lookup};
 
 /// Calls give up this long before the call's deadline so their own answer gets back.
 const DEADLINE_MARGIN: Duration = Duration::from_millis(200);
-/// Methods `http_request` sends.
-const METHODS: [&str; 7] = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"];
+/// Methods `http_request` (and a declared http tool) sends.
+pub(crate) const METHODS: [&str; 7] = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"];
 /// Longest URL accepted.
 const MAX_URL_LEN: u64 = 8192;
 /// Most headers a caller may set.
@@ -36,7 +37,16 @@ const EGRESS: &str = "Only http and https URLs are fetched. The worker's egress 
 
 /// The http tools, `http_request` and `fetch_url`, sharing one validated `config`.
 pub fn tools(config: HttpConfig) -> Result<ToolSet, ConfigError> {
-    build(config, None)
+    build(config, None, Vec::new())
+}
+
+/// [`tools`] and the declared http tools (`[[tools]]` entries with `http`, their
+/// secrets already read), all sending through the same client and egress policy.
+pub fn tools_with_declared(
+    config: HttpConfig,
+    declared: Vec<ResolvedTemplate>,
+) -> Result<ToolSet, ConfigError> {
+    build(config, None, declared)
 }
 
 /// [`tools`] with `lookup` answering name lookups instead of the system resolver. Every
@@ -46,13 +56,23 @@ pub fn tools_with_resolver(
     config: HttpConfig,
     lookup: impl Fn(&str) -> std::io::Result<Vec<IpAddr>> + Send + Sync + 'static,
 ) -> Result<ToolSet, ConfigError> {
-    build(config, Some(Arc::new(lookup)))
+    build(config, Some(Arc::new(lookup)), Vec::new())
 }
 
-fn build(config: HttpConfig, lookup: Option<Lookup>) -> Result<ToolSet, ConfigError> {
+pub(crate) fn build(
+    config: HttpConfig,
+    lookup: Option<Lookup>,
+    declared: Vec<ResolvedTemplate>,
+) -> Result<ToolSet, ConfigError> {
     let settings = Arc::new(config.validate()?);
     let client = Client::new(settings, lookup).map_err(|e| ConfigError::Tls(e.to_string()))?;
-    Ok(ToolSet::new("http")
+    let mut set = ToolSet::new("http");
+    for template in declared {
+        set = set.with(DeclaredHttpTool::new(template, client.clone()));
+    }
+    // The built-ins go in last: a declared tool can never take a built-in's name (the
+    // entry check refuses it), and if one did, the built-in would still win.
+    Ok(set
         .with(HttpTool {
             kind: Kind::Request,
             client: client.clone(),
@@ -371,60 +391,13 @@ impl HttpTool {
                 (request, None, Some(args))
             }
         };
-        let mut budget = s.timeout;
-        let mut budget_source = "[http] timeout_ms";
-        if let Some(t) = timeout_seconds {
-            if !t.is_finite() || t <= 0.0 {
-                return Err(format!(
-                    "timeout_seconds must be a positive number, got {t}"
-                ));
-            }
-            let wanted = Duration::from_secs_f64(t.min(s.timeout.as_secs_f64()));
-            if wanted < budget {
-                budget = wanted;
-                budget_source = "timeout_seconds";
-            }
-        }
-        let left = ctx
-            .deadline
-            .saturating_duration_since(Instant::now())
-            .saturating_sub(DEADLINE_MARGIN);
-        if left < budget {
-            budget = left;
-            budget_source = "the call's deadline";
-        }
+        let (budget, budget_source) = call_budget(s, timeout_seconds, "timeout_seconds", ctx)?;
         Ok(Prepared {
             request,
             budget,
             budget_source,
             fetch,
         })
-    }
-
-    fn request_result(resp: &Response, started: Instant) -> Value {
-        let ct = content_type(resp);
-        let (body, encoding) = match html::body_text(&resp.body, ct.as_deref(), resp.truncated) {
-            Some(text) => (text, "text"),
-            None => (
-                base64::engine::general_purpose::STANDARD.encode(&resp.body),
-                "base64",
-            ),
-        };
-        let mut out = json!({
-            "status": resp.status.as_u16(),
-            "headers": response_headers(&resp.headers),
-            "body": body,
-            "body_encoding": encoding,
-            "body_bytes": resp.body.len(),
-            "truncated": resp.truncated,
-            "final_url": resp.final_url.as_str(),
-            "redirects": resp.redirects,
-            "duration_ms": started.elapsed().as_millis() as u64,
-        });
-        if !resp.notes.is_empty() {
-            out["note"] = json!(resp.notes.join("; "));
-        }
-        out
     }
 
     fn fetch_result(
@@ -512,6 +485,95 @@ impl HttpTool {
     }
 }
 
+/// The JSON result of `http_request` (and of a declared http tool).
+pub(crate) fn request_result(resp: &Response, started: Instant) -> Value {
+    let ct = content_type(resp);
+    let (body, encoding) = match html::body_text(&resp.body, ct.as_deref(), resp.truncated) {
+        Some(text) => (text, "text"),
+        None => (
+            base64::engine::general_purpose::STANDARD.encode(&resp.body),
+            "base64",
+        ),
+    };
+    let mut out = json!({
+        "status": resp.status.as_u16(),
+        "headers": response_headers(&resp.headers),
+        "body": body,
+        "body_encoding": encoding,
+        "body_bytes": resp.body.len(),
+        "truncated": resp.truncated,
+        "final_url": resp.final_url.as_str(),
+        "redirects": resp.redirects,
+        "duration_ms": started.elapsed().as_millis() as u64,
+    });
+    if !resp.notes.is_empty() {
+        out["note"] = json!(resp.notes.join("; "));
+    }
+    out
+}
+
+/// How long one call may take: `[http] timeout_ms`, less when `timeout_seconds` (named
+/// `source` in messages) or the call's deadline says so, and which of them decided.
+pub(crate) fn call_budget(
+    s: &Settings,
+    timeout_seconds: Option<f64>,
+    source: &'static str,
+    ctx: &CallContext,
+) -> Result<(Duration, &'static str), String> {
+    let mut budget = s.timeout;
+    let mut budget_source = "[http] timeout_ms";
+    if let Some(t) = timeout_seconds {
+        if !t.is_finite() || t <= 0.0 {
+            return Err(format!("{source} must be a positive number, got {t}"));
+        }
+        let wanted = Duration::from_secs_f64(t.min(s.timeout.as_secs_f64()));
+        if wanted < budget {
+            budget = wanted;
+            budget_source = source;
+        }
+    }
+    let left = ctx
+        .deadline
+        .saturating_duration_since(Instant::now())
+        .saturating_sub(DEADLINE_MARGIN);
+    if left < budget {
+        budget = left;
+        budget_source = "the call's deadline";
+    }
+    Ok((budget, budget_source))
+}
+
+/// Sends `request` within `budget`, or says why it did not come back: cancelled, timed
+/// out (naming what set the budget), or the client's error.
+pub(crate) async fn send_within(
+    client: &Client,
+    request: Request,
+    budget: Duration,
+    budget_source: &'static str,
+    ctx: &CallContext,
+    tool: &str,
+) -> Result<Response, String> {
+    let url = request.url.to_string();
+    let work = client.send(request);
+    tokio::select! {
+        biased;
+        () = ctx.cancel.cancelled() => Err(format!("{tool} to {url} was cancelled")),
+        r = tokio::time::timeout(budget, work) => match r {
+            Ok(Ok(resp)) => Ok(resp),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(_) => Err(format!(
+                "{tool} to {url} timed out after {:.1} s ({budget_source}); the server did not answer in time; retry later{}",
+                budget.as_secs_f64(),
+                if budget_source == "timeout_seconds" {
+                    format!(" or with a larger timeout_seconds (at most {})", client.settings().timeout.as_secs_f64())
+                } else {
+                    String::new()
+                }
+            )),
+        },
+    }
+}
+
 fn looks_like_html(body: &[u8]) -> bool {
     let head = String::from_utf8_lossy(&body[..body.len().min(512)]).to_ascii_lowercase();
     let head = head.trim_start();
@@ -539,33 +601,24 @@ impl Tool for HttpTool {
             Err(message) => return ToolOutcome::error(message),
         };
         let url = prepared.request.url.to_string();
-        let budget = prepared.budget;
-        let work = self.client.send(prepared.request);
-        let outcome = tokio::select! {
-            biased;
-            () = ctx.cancel.cancelled() => {
-                ToolOutcome::error(format!("{tool} to {url} was cancelled"))
-            }
-            r = tokio::time::timeout(budget, work) => match r {
-                Ok(Ok(resp)) => match &prepared.fetch {
-                    None => ToolOutcome::json(&Self::request_result(&resp, started)),
-                    Some(args) => match self.fetch_result(&resp, args, &url, started) {
-                        Ok(v) => ToolOutcome::json(&v),
-                        Err(message) => ToolOutcome::error(message),
-                    },
+        let sent = send_within(
+            &self.client,
+            prepared.request,
+            prepared.budget,
+            prepared.budget_source,
+            &ctx,
+            tool,
+        )
+        .await;
+        let outcome = match sent {
+            Ok(resp) => match &prepared.fetch {
+                None => ToolOutcome::json(&request_result(&resp, started)),
+                Some(args) => match self.fetch_result(&resp, args, &url, started) {
+                    Ok(v) => ToolOutcome::json(&v),
+                    Err(message) => ToolOutcome::error(message),
                 },
-                Ok(Err(e)) => ToolOutcome::error(e.to_string()),
-                Err(_) => ToolOutcome::error(format!(
-                    "{tool} to {url} timed out after {:.1} s ({}); the server did not answer in time; retry later{}",
-                    budget.as_secs_f64(),
-                    prepared.budget_source,
-                    if prepared.budget_source == "timeout_seconds" {
-                        format!(" or with a larger timeout_seconds (at most {})", self.client.settings().timeout.as_secs_f64())
-                    } else {
-                        String::new()
-                    }
-                )),
             },
+            Err(message) => ToolOutcome::error(message),
         };
         tracing::debug!(
             tool,

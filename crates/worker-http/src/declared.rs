@@ -1,0 +1,1068 @@
+//! Declarative HTTP tools (DESIGN §11): `[[tools]]` entries with
+//! `http = { method, url, headers, body }`, sent through the same client and egress
+//! policy as `http_request`.
+//!
+//! - `method` is a literal method; the model never chooses it.
+//! - `url` is an absolute http or https URL whose path and query may hold `{field}`
+//!   placeholders; scheme, user info, host and port are literal, so the model cannot
+//!   choose where the request goes. Each value is percent-encoded (everything but
+//!   letters, digits and `-._~`), so `/`, `?`, `#`, `&`, `=` and `%` in a value stay
+//!   data; a value that would still change the path (`.` or `..` as a segment) is
+//!   refused.
+//! - `headers` values are literal text and secret references, `${env:NAME}` or
+//!   `${file:/path}`, which the http worker reads once at start ([`HttpTemplate::resolve`]);
+//!   the model, the audit and the logs never see them, and every result and error is
+//!   redacted of them, because a server may echo a request's headers back.
+//! - `body = "json"` sends the arguments the URL does not use as a JSON object; without
+//!   `body` there is none, and every argument must then be used in the URL.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
+use std::time::Instant;
+
+pub use airlock_worker::declared::{DeclaredToolError, ToolEntry, ToolNetwork};
+use airlock_worker::declared::{check_field, mentions_placeholder, placeholder};
+use airlock_worker::{CallContext, Tool, ToolDefinition, ToolOutcome};
+use base64::Engine;
+use bytes::Bytes;
+use http::Method;
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use serde::Deserialize;
+use serde_json::{Map, Value};
+
+use crate::client::{self, Client, Request, Response};
+use crate::tools::{self, METHODS};
+
+/// What replaces a secret (or a piece of one) in anything a call returns.
+pub const REDACTED: &str = "[redacted]";
+
+/// The `http` table of a `[[tools]]` entry, as written.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct HttpTable {
+    method: String,
+    url: String,
+    #[serde(default)]
+    headers: BTreeMap<String, String>,
+    #[serde(default)]
+    body: Option<BodyKind>,
+}
+
+/// What a request carries as its body.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum BodyKind {
+    /// The arguments the URL does not use, as one JSON object.
+    Json,
+}
+
+/// One piece of the URL template.
+#[derive(Debug, Clone, PartialEq)]
+enum UrlPart {
+    Literal(String),
+    /// `{field}`; `in_path`: before the query, where `.` and `..` segments mean
+    /// something.
+    Field {
+        name: String,
+        in_path: bool,
+    },
+}
+
+/// One piece of a header value.
+#[derive(Clone, PartialEq)]
+enum ValuePart {
+    Literal(String),
+    Env(String),
+    File(PathBuf),
+}
+
+/// A checked http tool: everything but its secrets, which only the http worker reads.
+/// Every component compiles it at load, so a bad entry stops them all at start.
+#[derive(Debug, Clone)]
+pub struct HttpTemplate {
+    definition: ToolDefinition,
+    method: Method,
+    url: Vec<UrlPart>,
+    /// Path segments of the URL with every field filled in by a plain value: a call
+    /// whose URL has fewer lost one to a `.` or `..` segment.
+    segments: usize,
+    /// Each header as the entry spells its name (for messages), its name, its parts.
+    headers: Vec<(String, HeaderName, Vec<ValuePart>)>,
+    body: Option<BodyKind>,
+    url_fields: BTreeSet<String>,
+    timeout: Option<f64>,
+}
+
+impl std::fmt::Debug for ValuePart {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Literal(text) => write!(f, "{text:?}"),
+            Self::Env(name) => write!(f, "${{env:{name}}}"),
+            Self::File(path) => write!(f, "${{file:{}}}", path.display()),
+        }
+    }
+}
+
+impl HttpTemplate {
+    /// Checks one entry: the common checks, then method, url, headers and body; every
+    /// problem is an error naming the tool and the place. No secret is read here.
+    pub fn compile(entry: &ToolEntry) -> Result<Self, DeclaredToolError> {
+        let invalid = |reason: String| DeclaredToolError::Invalid {
+            tool: entry.name.clone(),
+            reason,
+        };
+        let definition = entry.definition()?;
+        let properties = entry.properties()?;
+        let Some(raw) = &entry.http else {
+            return Err(invalid("no http: this entry is the shell worker's".into()));
+        };
+        if entry.stdin.is_some() || !entry.env.is_empty() || entry.network != ToolNetwork::None {
+            return Err(invalid(
+                "stdin, env and network are for command tools; an http tool has none".into(),
+            ));
+        }
+        let table: HttpTable = serde_json::from_value(raw.clone())
+            .map_err(|e| invalid(format!("http: {e} (it takes method, url, headers, body)")))?;
+
+        let upper = table.method.trim().to_ascii_uppercase();
+        if !METHODS.contains(&upper.as_str()) {
+            return Err(invalid(format!(
+                "http.method {:?} is not supported; use one of {}",
+                table.method,
+                METHODS.join(", ")
+            )));
+        }
+        let method = Method::from_bytes(upper.as_bytes())
+            .map_err(|e| invalid(format!("http.method {:?}: {e}", table.method)))?;
+
+        let (url, segments) =
+            compile_url(&table.url).map_err(|e| invalid(format!("http.url: {e}")))?;
+        let required: BTreeSet<&str> = entry
+            .input_schema
+            .get("required")
+            .and_then(Value::as_array)
+            .map(|list| list.iter().filter_map(Value::as_str).collect())
+            .unwrap_or_default();
+        let mut url_fields = BTreeSet::new();
+        for part in &url {
+            if let UrlPart::Field { name, .. } = part {
+                check_field(&properties, name, "http.url").map_err(&invalid)?;
+                if !required.contains(name.as_str()) {
+                    return Err(invalid(format!(
+                        "http.url uses {{{name}}}, which input_schema.required must list: a \
+                         URL with a part left out would be another URL"
+                    )));
+                }
+                url_fields.insert(name.clone());
+            }
+        }
+
+        let mut headers = Vec::with_capacity(table.headers.len());
+        for (name, value) in &table.headers {
+            let place = format!("http.headers.{name}");
+            let header_name = HeaderName::from_bytes(name.trim().as_bytes()).map_err(|_| {
+                invalid(format!(
+                    "{place}: not a valid HTTP header name; use letters, digits and '-'"
+                ))
+            })?;
+            if client::forbidden_header(&header_name) {
+                return Err(invalid(format!(
+                    "{place}: the worker sets this header itself (or it belongs to the \
+                     connection); remove it"
+                )));
+            }
+            let parts = compile_value(value).map_err(|e| invalid(format!("{place}: {e}")))?;
+            headers.push((name.clone(), header_name, parts));
+        }
+
+        if table.body.is_some() && matches!(method, Method::GET | Method::HEAD) {
+            return Err(invalid(format!(
+                "http.body: a {method} request carries no body; put the fields in the url's \
+                 query, or use another method"
+            )));
+        }
+        if table.body.is_none()
+            && let Some(unused) = properties.keys().find(|k| !url_fields.contains(*k))
+        {
+            return Err(invalid(format!(
+                "input_schema.properties has {unused:?}, which the url does not use and no \
+                 body carries; use it in the url or add body = \"json\""
+            )));
+        }
+        if let Some(t) = entry.timeout_seconds
+            && !(t.is_finite() && t > 0.0)
+        {
+            return Err(invalid("timeout_seconds must be a positive number".into()));
+        }
+        Ok(Self {
+            definition,
+            method,
+            url,
+            segments,
+            headers,
+            body: table.body,
+            url_fields,
+            timeout: entry.timeout_seconds,
+        })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.definition.name
+    }
+
+    /// The environment variables its headers read (so the launcher passes exactly these
+    /// to the http worker, whose environment is otherwise an allowlist).
+    pub fn env_names(&self) -> Vec<String> {
+        self.headers
+            .iter()
+            .flat_map(|(_, _, parts)| parts)
+            .filter_map(|part| match part {
+                ValuePart::Env(name) => Some(name.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Reads the secrets its headers name, now (the http worker does this once at
+    /// start, before it gives up file access). A missing variable, an unreadable file,
+    /// an empty secret or one that cannot be a header value is an error naming the
+    /// variable or file, never the value.
+    pub fn resolve(self) -> Result<ResolvedTemplate, DeclaredToolError> {
+        let invalid = |reason: String| DeclaredToolError::Invalid {
+            tool: self.definition.name.clone(),
+            reason,
+        };
+        let mut headers = HeaderMap::new();
+        let mut secrets = Vec::new();
+        for (name, header_name, parts) in &self.headers {
+            let mut value = String::new();
+            let mut secret = false;
+            for part in parts {
+                let (text, what) = match part {
+                    ValuePart::Literal(text) => {
+                        value.push_str(text);
+                        continue;
+                    }
+                    ValuePart::Env(var) => (
+                        std::env::var(var).map_err(|e| {
+                            invalid(format!(
+                                "http.headers.{name}: the environment variable {var} {}",
+                                match e {
+                                    std::env::VarError::NotPresent => "is not set",
+                                    std::env::VarError::NotUnicode(_) => "is not valid UTF-8",
+                                }
+                            ))
+                        })?,
+                        format!("the environment variable {var}"),
+                    ),
+                    // One trailing line break is what editors and `echo` leave.
+                    ValuePart::File(path) => (
+                        std::fs::read_to_string(path)
+                            .map(|text| {
+                                text.strip_suffix('\n')
+                                    .map(|t| t.strip_suffix('\r').unwrap_or(t).to_owned())
+                                    .unwrap_or(text)
+                            })
+                            .map_err(|e| {
+                                invalid(format!(
+                                    "http.headers.{name}: cannot read the secret file {}: {}",
+                                    path.display(),
+                                    e.kind()
+                                ))
+                            })?,
+                        format!("the secret file {}", path.display()),
+                    ),
+                };
+                if text.is_empty() {
+                    return Err(invalid(format!("http.headers.{name}: {what} is empty")));
+                }
+                value.push_str(&text);
+                secrets.push(Secret(text.into_bytes()));
+                secret = true;
+            }
+            let mut header_value = HeaderValue::from_str(&value).map_err(|_| {
+                invalid(format!(
+                    "http.headers.{name}: the value (with its secrets) contains a line break or \
+                     control character"
+                ))
+            })?;
+            header_value.set_sensitive(secret);
+            headers.append(header_name.clone(), header_value);
+        }
+        let redactor = Redactor::new(&secrets);
+        Ok(ResolvedTemplate {
+            template: self,
+            headers,
+            redactor,
+        })
+    }
+}
+
+/// The URL template's parts and how many path segments it has once filled in.
+fn compile_url(raw: &str) -> Result<(Vec<UrlPart>, usize), String> {
+    let scheme_end = ["http://", "https://"]
+        .iter()
+        .find(|s| {
+            raw.get(..s.len())
+                .is_some_and(|p| p.eq_ignore_ascii_case(s))
+        })
+        .map(|s| s.len())
+        .ok_or("must be an absolute http:// or https:// URL")?;
+    // The authority ends at the first '/', '?' or '#' (the URL parser also ends it at
+    // '\'; this end is never earlier than the parser's, so nothing the parser takes for
+    // the host escapes the check below).
+    let authority_end = raw[scheme_end..]
+        .find(['/', '?', '#'])
+        .map_or(raw.len(), |i| scheme_end + i);
+    if raw[..authority_end].contains(['{', '}']) {
+        return Err(
+            "a placeholder (or brace) in the scheme, user info, host or port; only the path \
+             and query may hold {field}, so that the model cannot choose the host"
+                .into(),
+        );
+    }
+    if raw.contains('#') {
+        return Err("a fragment (#…) is never sent; remove it".into());
+    }
+    let mut parts = Vec::new();
+    let mut rest = &raw[authority_end..];
+    let mut literal = raw[..authority_end].to_owned();
+    let mut in_query = false;
+    while let Some(start) = rest.find(['{', '}']) {
+        let end = rest[start..].find('}').map(|e| start + e);
+        let field = end.and_then(|end| placeholder(&rest[start..=end]));
+        let (Some(end), Some(field)) = (end, field) else {
+            return Err(format!(
+                "{:?} is not a {{field}} placeholder (a field name of letters, digits and _)",
+                &rest[start..end.map_or(rest.len(), |e| e + 1)]
+            ));
+        };
+        in_query |= rest[..start].contains('?');
+        literal.push_str(&rest[..start]);
+        parts.push(UrlPart::Literal(std::mem::take(&mut literal)));
+        parts.push(UrlPart::Field {
+            name: field.to_owned(),
+            in_path: !in_query,
+        });
+        rest = &rest[end + 1..];
+    }
+    literal.push_str(rest);
+    parts.push(UrlPart::Literal(literal));
+    let sample = fill(&parts, |_| Ok("x".to_owned()))?;
+    let url = crate::resolve::parse_url(&sample).map_err(|e| e.to_string())?;
+    if !url.username().is_empty() || url.password().is_some() {
+        return Err("user info (user:password@) in the URL; send credentials in headers".into());
+    }
+    if url.host().is_none() {
+        return Err("the URL has no host".into());
+    }
+    Ok((parts, segment_count(&url)))
+}
+
+/// Literal text and `${env:NAME}` / `${file:/path}` references of one header value.
+fn compile_value(raw: &str) -> Result<Vec<ValuePart>, String> {
+    let mut parts = Vec::new();
+    let mut rest = raw;
+    while let Some(start) = rest.find("${") {
+        let end = rest[start..]
+            .find('}')
+            .map(|e| start + e)
+            .ok_or("an unclosed ${…}; write ${env:NAME} or ${file:/path}")?;
+        let literal = &rest[..start];
+        if mentions_placeholder(literal) {
+            return Err(
+                "a {field} placeholder; header values are the operator's, never the model's".into(),
+            );
+        }
+        if !literal.is_empty() {
+            parts.push(ValuePart::Literal(literal.to_owned()));
+        }
+        let reference = &rest[start + 2..end];
+        if let Some(var) = reference.strip_prefix("env:") {
+            let valid = !var.is_empty()
+                && !var.starts_with(|c: char| c.is_ascii_digit())
+                && var.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+            if !valid {
+                return Err(format!(
+                    "${{env:{var}}}: a variable name is letters, digits and _"
+                ));
+            }
+            parts.push(ValuePart::Env(var.to_owned()));
+        } else if let Some(path) = reference.strip_prefix("file:") {
+            if !path.starts_with('/') {
+                return Err(format!("${{file:{path}}}: the path must be absolute"));
+            }
+            parts.push(ValuePart::File(PathBuf::from(path)));
+        } else {
+            return Err(format!(
+                "${{{reference}}} is not a secret reference; write ${{env:NAME}} or ${{file:/path}}"
+            ));
+        }
+        rest = &rest[end + 1..];
+    }
+    if mentions_placeholder(rest) {
+        return Err(
+            "a {field} placeholder; header values are the operator's, never the model's".into(),
+        );
+    }
+    if !rest.is_empty() {
+        parts.push(ValuePart::Literal(rest.to_owned()));
+    }
+    Ok(parts)
+}
+
+/// The URL text with each field replaced by `value(name)` (already encoded).
+fn fill(
+    parts: &[UrlPart],
+    mut value: impl FnMut(&UrlPart) -> Result<String, String>,
+) -> Result<String, String> {
+    let mut out = String::new();
+    for part in parts {
+        match part {
+            UrlPart::Literal(text) => out.push_str(text),
+            field @ UrlPart::Field { .. } => out.push_str(&value(field)?),
+        }
+    }
+    Ok(out)
+}
+
+fn segment_count(url: &url::Url) -> usize {
+    url.path_segments().map_or(0, Iterator::count)
+}
+
+/// Every byte but ASCII letters, digits and `-._~` as `%XX`: a value can add neither a
+/// path segment, a query parameter, a fragment nor an escape of its own.
+pub fn percent_encode(value: &str) -> String {
+    let mut out = String::with_capacity(value.len());
+    for byte in value.bytes() {
+        if byte.is_ascii_alphanumeric() || matches!(byte, b'-' | b'.' | b'_' | b'~') {
+            out.push(char::from(byte));
+        } else {
+            out.push_str(&format!("%{byte:02X}"));
+        }
+    }
+    out
+}
+
+/// One secret's bytes; never printed.
+#[derive(Clone)]
+struct Secret(Vec<u8>);
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(REDACTED)
+    }
+}
+
+/// Replaces every secret, and the encodings a server is likely to echo it in, with
+/// [`REDACTED`].
+#[derive(Clone, Default)]
+struct Redactor {
+    /// Longest first, so a secret that contains another is replaced whole.
+    needles: Vec<Vec<u8>>,
+}
+
+impl std::fmt::Debug for Redactor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Redactor({} forms)", self.needles.len())
+    }
+}
+
+impl Redactor {
+    fn new(secrets: &[Secret]) -> Self {
+        let mut needles = BTreeSet::new();
+        for Secret(bytes) in secrets {
+            needles.insert(bytes.clone());
+            needles.insert(
+                base64::engine::general_purpose::STANDARD
+                    .encode(bytes)
+                    .into_bytes(),
+            );
+            needles.insert(
+                base64::engine::general_purpose::URL_SAFE_NO_PAD
+                    .encode(bytes)
+                    .into_bytes(),
+            );
+            if let Ok(text) = std::str::from_utf8(bytes) {
+                needles.insert(percent_encode(text).into_bytes());
+                // As it appears inside a JSON string.
+                if let Ok(json) = serde_json::to_string(text) {
+                    let inner = json.strip_prefix('"').and_then(|j| j.strip_suffix('"'));
+                    if let Some(inner) = inner {
+                        needles.insert(inner.as_bytes().to_vec());
+                    }
+                }
+            }
+        }
+        let mut needles: Vec<Vec<u8>> = needles.into_iter().filter(|n| !n.is_empty()).collect();
+        needles.sort_by_key(|n| std::cmp::Reverse(n.len()));
+        Self { needles }
+    }
+
+    fn bytes(&self, haystack: &[u8]) -> Vec<u8> {
+        let mut out = haystack.to_vec();
+        for needle in &self.needles {
+            out = replace_all(&out, needle, REDACTED.as_bytes());
+        }
+        out
+    }
+
+    /// [`Self::bytes`] for a body cut at the size limit: a secret cut in two leaves its
+    /// start at the end, which is redacted too.
+    fn truncated(&self, haystack: &[u8]) -> Vec<u8> {
+        let mut out = self.bytes(haystack);
+        let cut = self
+            .needles
+            .iter()
+            .filter_map(|needle| {
+                (1..needle.len())
+                    .rev()
+                    .find(|&n| out.ends_with(&needle[..n]))
+            })
+            .max();
+        if let Some(n) = cut {
+            out.truncate(out.len() - n);
+            out.extend_from_slice(REDACTED.as_bytes());
+        }
+        out
+    }
+
+    fn text(&self, text: &str) -> String {
+        String::from_utf8_lossy(&self.bytes(text.as_bytes())).into_owned()
+    }
+}
+
+fn replace_all(haystack: &[u8], needle: &[u8], with: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(haystack.len());
+    let mut i = 0;
+    while i < haystack.len() {
+        if haystack[i..].starts_with(needle) {
+            out.extend_from_slice(with);
+            i += needle.len();
+        } else {
+            out.push(haystack[i]);
+            i += 1;
+        }
+    }
+    out
+}
+
+/// An [`HttpTemplate`] with its secrets read: only the http worker holds one.
+pub struct ResolvedTemplate {
+    template: HttpTemplate,
+    /// Header values with their secrets in, those marked sensitive.
+    headers: HeaderMap,
+    redactor: Redactor,
+}
+
+impl std::fmt::Debug for ResolvedTemplate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ResolvedTemplate")
+            .field("template", &self.template)
+            .field("headers", &self.headers.keys().collect::<Vec<_>>())
+            .field("redactor", &self.redactor)
+            .finish()
+    }
+}
+
+/// A declared http tool as the http worker serves it.
+pub(crate) struct DeclaredHttpTool {
+    resolved: ResolvedTemplate,
+    client: Client,
+}
+
+impl std::fmt::Debug for DeclaredHttpTool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeclaredHttpTool")
+            .field("resolved", &self.resolved)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The text of one URL argument, or why it cannot be one.
+fn argument_text(arguments: &Value, field: &str) -> Result<String, String> {
+    match arguments.get(field) {
+        Some(Value::String(s)) => Ok(s.clone()),
+        Some(Value::Number(n)) => Ok(n.to_string()),
+        Some(Value::Bool(b)) => Ok(b.to_string()),
+        None | Some(Value::Null) => Err(format!(
+            "argument {field:?} is required: the url is built from it"
+        )),
+        Some(_) => Err(format!(
+            "argument {field:?} must be a string, number or boolean: it goes into the url"
+        )),
+    }
+}
+
+impl DeclaredHttpTool {
+    pub(crate) fn new(resolved: ResolvedTemplate, client: Client) -> Self {
+        Self { resolved, client }
+    }
+
+    /// The request for one call's arguments; nothing touches the network yet.
+    fn request(&self, arguments: &Value) -> Result<Request, String> {
+        let t = &self.resolved.template;
+        let s = self.client.settings();
+        let built = fill(&t.url, |part| {
+            let UrlPart::Field { name, in_path } = part else {
+                return Ok(String::new());
+            };
+            let text = argument_text(arguments, name)?;
+            if *in_path && (text.is_empty() || text == "." || text == "..") {
+                return Err(format!(
+                    "argument {name:?} is {text:?}, which as part of the url's path would \
+                     name another path; pass the value itself"
+                ));
+            }
+            Ok(percent_encode(&text))
+        })?;
+        let url = crate::resolve::parse_url(&built).map_err(|e| e.to_string())?;
+        if segment_count(&url) != t.segments {
+            return Err(
+                "the arguments would change the url's path (a '.' or '..' segment); pass the \
+                 values themselves"
+                    .into(),
+            );
+        }
+        let mut headers = self.resolved.headers.clone();
+        let body = match t.body {
+            None => Bytes::new(),
+            Some(BodyKind::Json) => {
+                let object: Map<String, Value> = arguments
+                    .as_object()
+                    .map(|o| {
+                        o.iter()
+                            .filter(|(k, _)| !t.url_fields.contains(*k))
+                            .map(|(k, v)| (k.clone(), v.clone()))
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                if !headers.contains_key(header::CONTENT_TYPE) {
+                    headers.insert(
+                        header::CONTENT_TYPE,
+                        HeaderValue::from_static("application/json"),
+                    );
+                }
+                Bytes::from(serde_json::to_vec(&object).map_err(|e| e.to_string())?)
+            }
+        };
+        if body.len() as u64 > s.max_request_body_bytes {
+            return Err(format!(
+                "the arguments make a {} byte body; the limit is {} bytes \
+                 ([http] max_request_body_bytes); send less",
+                body.len(),
+                s.max_request_body_bytes
+            ));
+        }
+        Ok(Request {
+            method: t.method.clone(),
+            url,
+            headers,
+            body,
+            max_bytes: s.max_response_bytes,
+        })
+    }
+
+    /// `resp` with every secret taken out of its headers and body, before anything is
+    /// built from them (a binary body is base64-encoded afterwards).
+    fn redact(&self, mut resp: Response) -> Response {
+        let redactor = &self.resolved.redactor;
+        resp.body = if resp.truncated {
+            redactor.truncated(&resp.body)
+        } else {
+            redactor.bytes(&resp.body)
+        };
+        let mut headers = HeaderMap::with_capacity(resp.headers.len());
+        for (name, value) in &resp.headers {
+            let cleaned = redactor.bytes(value.as_bytes());
+            let value = HeaderValue::from_bytes(&cleaned)
+                .unwrap_or_else(|_| HeaderValue::from_static(REDACTED));
+            headers.append(name.clone(), value);
+        }
+        resp.headers = headers;
+        resp
+    }
+}
+
+#[airlock_worker::async_trait]
+impl Tool for DeclaredHttpTool {
+    fn definition(&self) -> ToolDefinition {
+        self.resolved.template.definition.clone()
+    }
+
+    async fn execute(&self, arguments: Value, ctx: CallContext) -> ToolOutcome {
+        let started = Instant::now();
+        let tool = self.resolved.template.name();
+        let redactor = &self.resolved.redactor;
+        let outcome = match self.request(&arguments) {
+            Err(message) => ToolOutcome::error(redactor.text(&message)),
+            Ok(request) => {
+                let budget = tools::call_budget(
+                    self.client.settings(),
+                    self.resolved.template.timeout,
+                    "[[tools]] timeout_seconds",
+                    &ctx,
+                );
+                match budget {
+                    Err(message) => ToolOutcome::error(message),
+                    Ok((budget, source)) => {
+                        match tools::send_within(&self.client, request, budget, source, &ctx, tool)
+                            .await
+                        {
+                            Ok(resp) => {
+                                let result = tools::request_result(&self.redact(resp), started);
+                                // Anything else built from the response (final_url,
+                                // notes) is redacted as text.
+                                let text = serde_json::to_string(&result).unwrap_or_default();
+                                ToolOutcome::text(redactor.text(&text))
+                            }
+                            Err(message) => ToolOutcome::error(redactor.text(&message)),
+                        }
+                    }
+                }
+            }
+        };
+        tracing::debug!(
+            tool,
+            call_id = %ctx.call_id,
+            is_error = outcome.is_error,
+            elapsed_ms = started.elapsed().as_millis() as u64,
+            "declared http call finished"
+        );
+        outcome
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+    use std::sync::Arc;
+
+    fn entry(http: Value, schema: Value) -> ToolEntry {
+        ToolEntry {
+            name: "fetch_user_details".into(),
+            title: None,
+            description: "Look a user up in the CRM.".into(),
+            input_schema: schema,
+            annotations: Default::default(),
+            approval: None,
+            command: None,
+            stdin: None,
+            timeout_seconds: None,
+            env: BTreeMap::new(),
+            network: ToolNetwork::None,
+            http: Some(http),
+        }
+    }
+
+    fn user_schema() -> Value {
+        json!({
+            "type": "object",
+            "properties": {"user_id": {"type": "string"}},
+            "required": ["user_id"],
+        })
+    }
+
+    fn compile_err(http: Value, schema: Value) -> String {
+        HttpTemplate::compile(&entry(http, schema))
+            .unwrap_err()
+            .to_string()
+    }
+
+    fn tool(http: Value, schema: Value) -> DeclaredHttpTool {
+        let resolved = HttpTemplate::compile(&entry(http, schema))
+            .unwrap()
+            .resolve()
+            .unwrap();
+        let settings = Arc::new(crate::HttpConfig::default().validate().unwrap());
+        DeclaredHttpTool::new(resolved, Client::new(settings, None).unwrap())
+    }
+
+    #[test]
+    fn placeholders_never_reach_scheme_userinfo_host_or_port() {
+        for url in [
+            "http://{user_id}/users",
+            "http://api.{user_id}.example.com/",
+            "http://example.com:{user_id}/",
+            "http://{user_id}@example.com/",
+            "{user_id}://example.com/",
+            "http://example.com{user_id}",
+            "http://example.com{user_id}/x",
+        ] {
+            let e = compile_err(json!({"method": "GET", "url": url}), user_schema());
+            assert!(
+                e.starts_with("[[tools]] fetch_user_details: http.url: ")
+                    && (e.contains("so that the model cannot choose the host")
+                        || e.contains("absolute http")),
+                "{url}: {e}"
+            );
+        }
+        let e = compile_err(
+            json!({"method": "GET", "url": "http://u:p@example.com/{user_id}"}),
+            user_schema(),
+        );
+        assert!(e.contains("user info"), "{e}");
+        let e = compile_err(
+            json!({"method": "GET", "url": "ftp://example.com/{user_id}"}),
+            user_schema(),
+        );
+        assert!(e.contains("absolute http:// or https://"), "{e}");
+    }
+
+    #[test]
+    fn a_field_the_schema_lacks_is_named() {
+        let e = compile_err(
+            json!({"method": "GET", "url": "https://crm.example.com/users/{uid}"}),
+            user_schema(),
+        );
+        assert!(
+            e.starts_with("[[tools]] fetch_user_details: http.url names the field \"uid\"")
+                && e.contains("it has: user_id"),
+            "{e}"
+        );
+        let optional = json!({"type": "object", "properties": {"user_id": {"type": "string"}}});
+        let e = compile_err(
+            json!({"method": "GET", "url": "https://crm.example.com/users/{user_id}"}),
+            optional,
+        );
+        assert!(e.contains("input_schema.required must list"), "{e}");
+        let e = compile_err(
+            json!({"method": "GET", "url": "https://crm.example.com/users/{user-id}"}),
+            user_schema(),
+        );
+        assert!(e.contains("is not a {field} placeholder"), "{e}");
+    }
+
+    #[test]
+    fn unknown_keys_methods_bodies_and_headers_are_start_up_errors() {
+        let url = "https://crm.example.com/users/{user_id}";
+        let e = compile_err(
+            json!({"method": "GET", "url": url, "query": {}}),
+            user_schema(),
+        );
+        assert!(
+            e.starts_with("[[tools]] fetch_user_details: http: unknown field `query`"),
+            "{e}"
+        );
+        let e = compile_err(json!({"url": url}), user_schema());
+        assert!(e.contains("missing field `method`"), "{e}");
+        for method in ["FETCH", "get /x", "CONNECT", "TRACE"] {
+            let e = compile_err(json!({"method": method, "url": url}), user_schema());
+            assert!(
+                e.contains("is not supported; use one of GET"),
+                "{method}: {e}"
+            );
+        }
+        let e = compile_err(
+            json!({"method": "GET", "url": url, "body": "json"}),
+            user_schema(),
+        );
+        assert!(e.contains("a GET request carries no body"), "{e}");
+        let e = compile_err(
+            json!({"method": "POST", "url": url, "body": "form"}),
+            user_schema(),
+        );
+        assert!(e.contains("unknown variant `form`"), "{e}");
+        let two = json!({"type": "object", "required": ["user_id"],
+            "properties": {"user_id": {"type": "string"}, "note": {"type": "string"}}});
+        let e = compile_err(json!({"method": "POST", "url": url}), two.clone());
+        assert!(
+            e.contains("\"note\", which the url does not use and no body carries"),
+            "{e}"
+        );
+        assert!(
+            HttpTemplate::compile(&entry(
+                json!({"method": "post", "url": url, "body": "json"}),
+                two
+            ))
+            .is_ok()
+        );
+        for (headers, expected) in [
+            (
+                json!({"X-User": "{user_id}"}),
+                "header values are the operator's",
+            ),
+            (
+                json!({"Host": "evil"}),
+                "the worker sets this header itself",
+            ),
+            (json!({"X-Key": "${ENV:K}"}), "is not a secret reference"),
+            (
+                json!({"X-Key": "${env:BAD-NAME}"}),
+                "a variable name is letters",
+            ),
+            (json!({"X-Key": "${file:relative}"}), "must be absolute"),
+            (json!({"X-Key": "${env:K"}), "an unclosed"),
+        ] {
+            let e = compile_err(
+                json!({"method": "GET", "url": url, "headers": headers}),
+                user_schema(),
+            );
+            assert!(e.contains(expected), "{headers}: {e}");
+        }
+    }
+
+    #[test]
+    fn a_missing_secret_names_the_variable_or_file_and_never_a_value() {
+        let var = "AIRLOCK_TEST_SECRET_THAT_IS_NOT_SET";
+        let template = HttpTemplate::compile(&entry(
+            json!({"method": "GET", "url": "https://crm.example.com/users/{user_id}",
+                   "headers": {"Authorization": format!("Bearer ${{env:{var}}}")}}),
+            user_schema(),
+        ))
+        .unwrap();
+        assert_eq!(template.env_names(), vec![var.to_owned()]);
+        let e = template.resolve().unwrap_err().to_string();
+        assert_eq!(
+            e,
+            format!(
+                "[[tools]] fetch_user_details: http.headers.Authorization: the environment variable {var} is not set"
+            )
+        );
+        let e = HttpTemplate::compile(&entry(
+            json!({"method": "GET", "url": "https://crm.example.com/users/{user_id}",
+                   "headers": {"X-Key": "${file:/nonexistent/airlock/key}"}}),
+            user_schema(),
+        ))
+        .unwrap()
+        .resolve()
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.ends_with("cannot read the secret file /nonexistent/airlock/key: entity not found"),
+            "{e}"
+        );
+        // A secret that cannot be a header value: the error names the header, not it.
+        let dir = std::env::temp_dir().join(format!("airlock-secret-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("key");
+        std::fs::write(&file, "s3cr3t-line-one\ns3cr3t-line-two\n").unwrap();
+        let e = HttpTemplate::compile(&entry(
+            json!({"method": "GET", "url": "https://crm.example.com/users/{user_id}",
+                   "headers": {"X-Key": format!("${{file:{}}}", file.display())}}),
+            user_schema(),
+        ))
+        .unwrap()
+        .resolve()
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("line break") && !e.contains("s3cr3t"), "{e}");
+        // One trailing newline is dropped; the value is sent, and Debug never shows it.
+        std::fs::write(&file, "s3cr3t-value\n").unwrap();
+        let resolved = HttpTemplate::compile(&entry(
+            json!({"method": "GET", "url": "https://crm.example.com/users/{user_id}",
+                   "headers": {"X-Key": format!("k=${{file:{}}}", file.display())}}),
+            user_schema(),
+        ))
+        .unwrap()
+        .resolve()
+        .unwrap();
+        assert_eq!(resolved.headers["x-key"], "k=s3cr3t-value");
+        assert!(resolved.headers["x-key"].is_sensitive());
+        let debug = format!("{resolved:?}");
+        assert!(!debug.contains("s3cr3t"), "{debug}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn url_values_are_percent_encoded_and_cannot_change_its_structure() {
+        let t = tool(
+            json!({"method": "GET", "url": "https://crm.example.com/users/{user_id}/detail?v=1&q={user_id}"}),
+            user_schema(),
+        );
+        for (value, encoded) in [
+            ("../admin?x=1", "..%2Fadmin%3Fx%3D1"),
+            ("a#frag", "a%23frag"),
+            ("%2e%2e", "%252e%252e"),
+            ("john smith", "john%20smith"),
+            ("zoë/日本", "zo%C3%AB%2F%E6%97%A5%E6%9C%AC"),
+            ("a&b=c", "a%26b%3Dc"),
+            ("x\\y", "x%5Cy"),
+            ("..", ""),
+        ] {
+            let request = t.request(&json!({"user_id": value}));
+            if encoded.is_empty() {
+                let e = request.unwrap_err();
+                assert!(e.contains("would name another path"), "{value}: {e}");
+                continue;
+            }
+            let url = request.unwrap().url;
+            assert_eq!(url.host_str(), Some("crm.example.com"), "{value}");
+            assert_eq!(
+                url.as_str(),
+                format!("https://crm.example.com/users/{encoded}/detail?v=1&q={encoded}"),
+                "{value}"
+            );
+        }
+        for value in [".", ""] {
+            assert!(t.request(&json!({"user_id": value})).is_err(), "{value:?}");
+        }
+        // "." next to literal text in one segment still cannot make a ".." segment.
+        let t = tool(
+            json!({"method": "GET", "url": "https://crm.example.com/users/.{user_id}/x"}),
+            user_schema(),
+        );
+        assert!(t.request(&json!({"user_id": "."})).is_err());
+        let url = t.request(&json!({"user_id": "x"})).unwrap().url;
+        assert_eq!(url.path(), "/users/.x/x");
+        // In the query, a dot is data.
+        let t = tool(
+            json!({"method": "GET", "url": "https://crm.example.com/users?id={user_id}"}),
+            user_schema(),
+        );
+        let url = t.request(&json!({"user_id": ".."})).unwrap().url;
+        assert_eq!(url.as_str(), "https://crm.example.com/users?id=..");
+        assert!(t.request(&json!({"user_id": ["a"]})).is_err());
+        assert!(t.request(&json!({})).is_err());
+    }
+
+    #[test]
+    fn the_json_body_holds_the_arguments_the_url_does_not() {
+        let schema = json!({"type": "object", "required": ["user_id"],
+            "properties": {"user_id": {"type": "string"}, "note": {"type": "string"}, "n": {"type": "integer"}}});
+        let t = tool(
+            json!({"method": "POST", "url": "https://crm.example.com/users/{user_id}/notes", "body": "json"}),
+            schema,
+        );
+        let request = t
+            .request(&json!({"user_id": "42", "note": "hi", "n": 3}))
+            .unwrap();
+        assert_eq!(request.method, Method::POST);
+        assert_eq!(request.headers[header::CONTENT_TYPE], "application/json");
+        let body: Value = serde_json::from_slice(&request.body).unwrap();
+        assert_eq!(body, json!({"note": "hi", "n": 3}));
+        assert_eq!(
+            t.definition(),
+            HttpTemplate::compile(&entry(
+                json!({"method": "POST", "url": "https://crm.example.com/users/{user_id}/notes", "body": "json"}),
+                json!({"type": "object", "required": ["user_id"],
+                    "properties": {"user_id": {"type": "string"}, "note": {"type": "string"}, "n": {"type": "integer"}}}),
+            ))
+            .unwrap()
+            .definition,
+            "the worker serves exactly the entry's definition"
+        );
+    }
+
+    #[test]
+    fn redaction_covers_the_secret_its_encodings_and_a_cut_end() {
+        let secret = "tok/en+v4lue=\"x\"";
+        let r = Redactor::new(&[Secret(secret.as_bytes().to_vec())]);
+        let b64 = base64::engine::general_purpose::STANDARD.encode(secret);
+        let text = format!(
+            "a {secret} b {b64} c {} d {}",
+            percent_encode(secret),
+            serde_json::to_string(secret).unwrap()
+        );
+        let out = r.text(&text);
+        assert_eq!(
+            out, "a [redacted] b [redacted] c [redacted] d \"[redacted]\"",
+            "{out}"
+        );
+        let cut = r.truncated(format!("body: {}", &secret[..6]).as_bytes());
+        assert_eq!(String::from_utf8(cut).unwrap(), "body: [redacted]");
+        assert_eq!(r.truncated(b"body: t"), b"body: [redacted]".to_vec());
+        assert_eq!(format!("{:?}", Secret(b"x".to_vec())), "[redacted]");
+    }
+}
