@@ -252,7 +252,17 @@ impl Loaded {
     }
 
     pub fn orchestrator(&self) -> anyhow::Result<OrchestratorConfig> {
-        let workers = if self.config.workers.is_empty() {
+        // Without a built-in group in [[workers]] (none at all, or only external workers
+        // such as a team's own in Python), the built-in groups are the local sockets of
+        // `airlock up`, and the listed groups join them.
+        let names_built_in = self
+            .config
+            .workers
+            .iter()
+            .any(|w| LOCAL_GROUPS.contains(&w.group.as_str()));
+        let mut workers: Vec<WorkerGroupConfig> = if names_built_in {
+            Vec::new()
+        } else {
             LOCAL_GROUPS
                 .iter()
                 .map(|g| WorkerGroupConfig {
@@ -261,9 +271,8 @@ impl Loaded {
                     server_name: None,
                 })
                 .collect()
-        } else {
-            self.config.workers.clone()
         };
+        workers.extend(self.config.workers.iter().cloned());
         let worker_tls = self.worker_tls()?;
         Ok(OrchestratorConfig {
             http_listen: self.config.orchestrator.http_listen.clone(),
@@ -296,7 +305,7 @@ impl Loaded {
     /// orchestrator confines itself), or the lab switch, or nothing (Unix sockets only).
     /// With `[orchestrator] grpc_tls`, the same identity serves the gRPC front door, so
     /// cert_file and key_file are required.
-    fn worker_tls(&self) -> anyhow::Result<airlock_orchestrator::WorkerTls> {
+    pub fn worker_tls(&self) -> anyhow::Result<airlock_orchestrator::WorkerTls> {
         let tls = &self.config.tls;
         if self.config.orchestrator.grpc_tls {
             for (key, value) in [("cert_file", &tls.cert_file), ("key_file", &tls.key_file)] {

@@ -118,6 +118,13 @@ enum Command {
         #[command(flatten)]
         options: client::CallOptions,
     },
+    /// Tools for those who write workers.
+    Worker {
+        #[command(subcommand)]
+        action: WorkerAction,
+        #[command(flatten)]
+        location: Location,
+    },
     /// The Cedar policy's view of the catalog.
     Policy {
         #[command(subcommand)]
@@ -181,6 +188,23 @@ pub enum AuditAction {
     },
     /// Check the hash chain; exits 1 when a record was edited, deleted, inserted or moved.
     Verify,
+}
+
+#[derive(Debug, Subcommand)]
+enum WorkerAction {
+    /// Whether a worker honours the airlock.v1.ToolWorker contract: health, ListTools
+    /// (names, descriptions, schemas, what policies can see), and with --call one
+    /// Execute, its deadline and Cancel. Dialed as the orchestrator dials (under [tls]).
+    Check {
+        /// unix:/path.sock, http://host:port (with [tls] insecure_plaintext) or https://host:port.
+        endpoint: String,
+        /// A tool to call for the Execute and deadline checks.
+        #[arg(long)]
+        call: Option<String>,
+        /// Its arguments as a JSON object.
+        #[arg(long, default_value = "{}")]
+        input: String,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -274,6 +298,15 @@ fn main() -> ExitCode {
             action: PolicyAction::Schema,
             location,
         } => policy_schema(&location),
+        Command::Worker {
+            action:
+                WorkerAction::Check {
+                    endpoint,
+                    call,
+                    input,
+                },
+            location,
+        } => worker_check(&location, &endpoint, call, &input),
         Command::Certs {
             action: CertsAction::Init { out, sans },
         } => certs_init(&out, &sans),
@@ -296,10 +329,81 @@ fn main() -> ExitCode {
 
 /// `airlock policy schema`: the schema as the orchestrator builds it from this config.
 fn policy_schema(location: &Location) -> anyhow::Result<ExitCode> {
+    use anyhow::Context as _;
     let loaded = config::Loaded::load(location.config.as_deref(), location.data_dir.as_deref())?;
-    let extensions = airlock_policy::authz::ToolExtensions::new(&loaded.tool_extensions()?)?;
+    let mut tools = loaded.tool_extensions()?;
+    // External workers' tools come from their ListTools, as the orchestrator derives them.
+    let external: Vec<_> = loaded
+        .config
+        .workers
+        .iter()
+        .filter(|w| !airlock_policy::authz::BUILT_IN_GROUPS.contains(&w.group.as_str()))
+        .collect();
+    if !external.is_empty() {
+        let tls = loaded.worker_tls()?;
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .context("cannot start the async runtime")?;
+        for group in external {
+            let endpoint = group
+                .endpoints
+                .first()
+                .with_context(|| format!("worker group {:?} has no endpoints", group.group))?;
+            let listed = runtime
+                .block_on(airlock_orchestrator::worker_check::list_tools(
+                    endpoint, &tls,
+                ))
+                .with_context(|| format!("the {} worker's tools", group.group))?;
+            tools.extend(listed.into_iter().map(|definition| {
+                airlock_policy::authz::ToolExtension {
+                    group: group.group.clone(),
+                    definition,
+                    approval: None,
+                }
+            }));
+        }
+    }
+    let extensions = airlock_policy::authz::ToolExtensions::new(&tools)?;
     print!("{}", airlock_policy::authz::schema_text(&extensions));
     Ok(ExitCode::SUCCESS)
+}
+
+/// `airlock worker check`: one line per finding; exit 1 when any failed.
+fn worker_check(
+    location: &Location,
+    endpoint: &str,
+    call: Option<String>,
+    input: &str,
+) -> anyhow::Result<ExitCode> {
+    use anyhow::Context as _;
+    let loaded = config::Loaded::load(location.config.as_deref(), location.data_dir.as_deref())?;
+    let tls = loaded.worker_tls()?;
+    let sample = match call {
+        Some(tool) => Some(airlock_orchestrator::worker_check::SampleCall {
+            tool,
+            arguments: serde_json::from_str(input).context("--input is not JSON")?,
+        }),
+        None => None,
+    };
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    let findings = runtime.block_on(airlock_orchestrator::worker_check::check(
+        endpoint,
+        &tls,
+        sample.as_ref(),
+    ))?;
+    for finding in &findings {
+        let mark = if finding.ok { "ok  " } else { "FAIL" };
+        println!("{mark} {:<9} {}", finding.check, finding.detail);
+    }
+    Ok(if findings.iter().all(|f| f.ok) {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
 }
 
 fn certs_init(out: &std::path::Path, sans: &[String]) -> anyhow::Result<ExitCode> {

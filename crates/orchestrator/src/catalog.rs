@@ -12,7 +12,7 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use airlock_policy::ToolDefinition;
-use airlock_policy::authz::ToolExtensions;
+use airlock_policy::authz::{BUILT_IN_GROUPS, ToolExtension, ToolExtensions};
 use airlock_proto::v1 as pb;
 use tokio_util::sync::CancellationToken;
 
@@ -123,8 +123,15 @@ pub struct Catalog {
     tools: RwLock<BTreeMap<String, Arc<CatalogTool>>>,
     /// Tools already reported as refused, so that each refresh does not log them again.
     refused: std::sync::Mutex<std::collections::HashSet<String>>,
-    /// The tools that are not built in, as policies know them.
+    /// The declared tools (`[[tools]]`, `tool_packs`), as policies know them.
     extensions: Arc<ToolExtensions>,
+    /// Tools that external worker groups (any group but shell, fs, http and db) define
+    /// in their `ListTools`: the one source of their schemas and annotations, from which
+    /// their Cedar actions are derived. Bumps `changes` when it changes.
+    discovered: RwLock<BTreeMap<String, ToolExtension>>,
+    changes: tokio::sync::watch::Sender<u64>,
+    /// Names an external group lists that another source already defines.
+    conflicts: std::sync::Mutex<Vec<String>>,
 }
 
 impl Catalog {
@@ -142,6 +149,9 @@ impl Catalog {
             tools: RwLock::default(),
             refused: std::sync::Mutex::default(),
             extensions: Arc::default(),
+            discovered: RwLock::default(),
+            changes: tokio::sync::watch::Sender::new(0),
+            conflicts: std::sync::Mutex::default(),
         })
     }
 
@@ -150,6 +160,23 @@ impl Catalog {
     pub fn with_extensions(mut self, extensions: Arc<ToolExtensions>) -> Self {
         self.extensions = extensions;
         self
+    }
+
+    /// The tools external worker groups define, as policies are to see them: a
+    /// destructive one needs approval for every call.
+    pub fn discovered(&self) -> Vec<ToolExtension> {
+        read(&self.discovered).values().cloned().collect()
+    }
+
+    /// Told each time [`Self::discovered`] changes.
+    pub fn subscribe(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.changes.subscribe()
+    }
+
+    /// Names an external group lists that a built-in tool, a declared tool or another
+    /// group already defines (such a tool is not served).
+    pub fn conflicts(&self) -> Vec<String> {
+        lock(&self.conflicts).clone()
     }
 
     /// Checks the configuration without connecting (no async runtime needed).
@@ -249,6 +276,8 @@ impl Catalog {
     /// Replaces the tools of `group` with `definitions`, skipping any that are malformed
     /// or claimed by another group.
     fn install(&self, group: &str, definitions: Vec<pb::ToolDefinition>) {
+        let external = !BUILT_IN_GROUPS.contains(&group);
+        let mut listed = BTreeMap::new();
         let mut fresh = Vec::new();
         for wire in definitions {
             let name = wire.name.clone();
@@ -263,9 +292,36 @@ impl Catalog {
                 tracing::error!(group, tool = %name, error = %e, "skipping tool");
                 continue;
             }
+            if external {
+                if let Some(conflict) = self.defined_elsewhere(group, &definition.name) {
+                    let mut conflicts = lock(&self.conflicts);
+                    if !conflicts.contains(&conflict) {
+                        tracing::error!(group, tool = %name, %conflict, "not serving a tool whose name another source defines");
+                        conflicts.push(conflict);
+                    }
+                    continue;
+                }
+                let approval = definition.annotations.destructive.then(|| {
+                    format!(
+                        "{name} is destructive (as the {group} worker's ListTools annotates it), so every call needs approval"
+                    )
+                });
+                listed.insert(
+                    name.clone(),
+                    ToolExtension {
+                        group: group.to_owned(),
+                        definition: definition.clone(),
+                        approval,
+                    },
+                );
+            }
             // One source of truth: the policies must see the tool as its worker
             // defines it, or a rule could miss an argument; such a tool is not served.
-            let problems = self.extensions.check_tool(group, &definition);
+            let problems = if external {
+                Vec::new()
+            } else {
+                self.extensions.check_tool(group, &definition)
+            };
             if !problems.is_empty() {
                 let first_time = match self.refused.lock() {
                     Ok(mut refused) => refused.insert(name.clone()),
@@ -310,5 +366,76 @@ impl Catalog {
                 }
             }
         }
+        drop(tools);
+        if external {
+            self.record_discovered(group, listed);
+        }
+    }
+
+    /// Which other source defines `name`, if any: a built-in tool, a declared one, or
+    /// another group.
+    fn defined_elsewhere(&self, group: &str, name: &str) -> Option<String> {
+        if airlock_policy::tool::BUILT_IN_TOOLS.contains(&name) {
+            return Some(format!(
+                "the {group} worker lists `{name}`, the name of a built-in tool"
+            ));
+        }
+        if self.extensions.contains(name) {
+            return Some(format!(
+                "the {group} worker lists `{name}`, which [[tools]] or tool_packs declares"
+            ));
+        }
+        match read(&self.tools).get(name) {
+            Some(other) if other.group != group => Some(format!(
+                "the {group} worker lists `{name}`, which the {} worker serves",
+                other.group
+            )),
+            _ => None,
+        }
+    }
+
+    /// Replaces the discovered tools of `group` with those it now serves; tells the
+    /// subscribers when that changes what policies must see.
+    fn record_discovered(&self, group: &str, listed: BTreeMap<String, ToolExtension>) {
+        let served = read(&self.tools);
+        let listed: BTreeMap<String, ToolExtension> = listed
+            .into_iter()
+            .filter(|(name, _)| served.get(name).is_some_and(|tool| tool.group == group))
+            .collect();
+        drop(served);
+        let mut discovered = write(&self.discovered);
+        let before: BTreeMap<&String, &ToolExtension> = discovered
+            .iter()
+            .filter(|(_, tool)| tool.group == group)
+            .collect();
+        let after: BTreeMap<&String, &ToolExtension> = listed.iter().collect();
+        if before == after {
+            return;
+        }
+        discovered.retain(|_, tool| tool.group != group);
+        discovered.extend(listed);
+        drop(discovered);
+        self.changes.send_modify(|version| *version += 1);
+    }
+}
+
+fn read<T>(lock: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
+    match lock.read() {
+        Ok(guard) => guard,
+        Err(poisoned) => poisoned.into_inner(),
+    }
+}
+
+fn write<T>(lock: &RwLock<T>) -> std::sync::RwLockWriteGuard<'_, T> {
+    match lock.write() {
+        Ok(guard) => guard,
+        Err(poisoned) => poisoned.into_inner(),
+    }
+}
+
+fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    match mutex.lock() {
+        Ok(guard) => guard,
+        Err(poisoned) => poisoned.into_inner(),
     }
 }

@@ -31,6 +31,7 @@ pub mod store;
 mod streaming;
 mod strict;
 mod wire;
+pub mod worker_check;
 
 pub use agent::{AgentConfig, ProviderKind};
 pub use auth::{AuthError, Principal, Principals, Role};

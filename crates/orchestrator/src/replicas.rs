@@ -96,6 +96,11 @@ impl Replica {
         }
     }
 
+    /// The replica's channel, for other services it serves (health).
+    pub fn channel(&self) -> Channel {
+        self.channel.clone()
+    }
+
     pub fn client(&self) -> ToolWorkerClient<Channel> {
         ToolWorkerClient::new(self.channel.clone())
             .max_decoding_message_size(MAX_MESSAGE_BYTES)

@@ -21,7 +21,9 @@ use crate::gate::{Gate, GateParts};
 use crate::grpc_api::GrpcFrontDoor;
 use crate::http_api::{self, HttpState};
 use crate::service::CallService;
-use airlock_policy::authz::{Authorizer, PolicyError, PolicyInputs, ToolExtensions};
+use airlock_policy::authz::{
+    Authorizer, BUILT_IN_GROUPS, PolicyError, PolicyInputs, ToolExtensions,
+};
 use tower::Layer;
 
 /// Largest gRPC message the orchestrator sends (a page of approvals, a call's results);
@@ -54,6 +56,8 @@ pub enum ServeError {
     Policy(#[from] PolicyError),
     #[error("the declared tools cannot be given to policy: {0}")]
     Tools(#[from] airlock_policy::authz::ExtensionError),
+    #[error("a tool name is defined twice: {0}")]
+    DefinedTwice(String),
     #[error("store: {0}")]
     Store(#[from] crate::store::StoreError),
     #[error(transparent)]
@@ -121,13 +125,28 @@ impl Orchestrator {
         let principals = Principals::load(&config.principals, &config.data_dir)?;
         Catalog::check(&config.workers, &config.worker_tls.dialer())?;
         let extensions = Arc::new(ToolExtensions::new(&config.tool_extensions)?);
-        let authorizer = load_policy(config, &extensions)?;
+        let (text, file) = read_policy(config)?;
+        let inputs = PolicyInputs {
+            approvals: config.approvals.knob(),
+            extensions,
+        };
+        let (authorizer, pending) = match Authorizer::from_sources(&text, &file, inputs.clone()) {
+            Ok(authorizer) => (authorizer, None),
+            // The policy may name tools that only an external worker's ListTools
+            // defines: it is validated again once the workers have answered, and until
+            // then nothing is allowed (the placeholder has no policy at all).
+            Err(PolicyError::Validation { .. }) if has_external_groups(config) => {
+                (Authorizer::from_sources("", &file, inputs)?, Some(text))
+            }
+            Err(error) => return Err(error.into()),
+        };
         for warning in authorizer.warnings() {
             tracing::warn!(%warning, "policy warning");
         }
         Ok(Prepared {
             principals: Arc::new(principals),
             authorizer,
+            pending,
         })
     }
 
@@ -174,6 +193,39 @@ impl Orchestrator {
         }));
         let stop = CancellationToken::new();
         gate.probe_workers().await?;
+        // External workers have answered (or not): their tools join the policy's view,
+        // and a name defined twice stops the start.
+        let conflicts = catalog.conflicts();
+        if !conflicts.is_empty() {
+            return Err(ServeError::DefinedTwice(conflicts.join("; ")));
+        }
+        let mut changes = catalog.subscribe();
+        changes.mark_unchanged();
+        if let Some(text) = &prepared.pending {
+            let current = gate.authorizer();
+            let authorizer = Authorizer::from_sources(
+                text,
+                current.file(),
+                PolicyInputs {
+                    approvals: current.approvals().clone(),
+                    extensions: catalog_extensions(&config, &catalog)?,
+                },
+            )?;
+            gate.replace_authorizer(authorizer);
+        } else if !catalog.discovered().is_empty() {
+            let extensions = catalog_extensions(&config, &catalog)?;
+            gate.replace_authorizer(gate.authorizer().with_extensions(extensions)?);
+        }
+        {
+            let gate = gate.clone();
+            let config = config.clone();
+            let catalog = catalog.clone();
+            tokio::spawn(async move {
+                while changes.changed().await.is_ok() {
+                    follow_catalog(&gate, &config, &catalog).await;
+                }
+            });
+        }
         tokio::spawn(catalog.refresh_forever(stop.clone()));
         tokio::spawn(gate.clone().resume_forever(stop.clone()));
         tokio::spawn(gate.clone().prune_forever(stop.clone()));
@@ -321,6 +373,78 @@ fn reflection(service: &str) -> tonic_reflection::server::Builder<'static> {
 pub struct Prepared {
     principals: Arc<Principals>,
     authorizer: Authorizer,
+    /// The policy text, when it could only be validated once external workers have
+    /// listed their tools.
+    pending: Option<String>,
+}
+
+/// The policy file's text and name (the embedded default's when none is configured).
+fn read_policy(config: &OrchestratorConfig) -> Result<(String, String), PolicyError> {
+    match &config.policy_file {
+        Some(path) => {
+            let file = path.display().to_string();
+            let text = std::fs::read_to_string(path).map_err(|error| PolicyError::Read {
+                file: file.clone(),
+                error,
+            })?;
+            Ok((text, file))
+        }
+        None => Ok((
+            airlock_policy::authz::DEFAULT_POLICY_SOURCE.to_owned(),
+            airlock_policy::authz::DEFAULT_POLICY_FILE_NAME.to_owned(),
+        )),
+    }
+}
+
+fn has_external_groups(config: &OrchestratorConfig) -> bool {
+    config
+        .workers
+        .iter()
+        .any(|w| !BUILT_IN_GROUPS.contains(&w.group.as_str()))
+}
+
+/// The declared tools and those external workers list, as one set for policy.
+fn catalog_extensions(
+    config: &OrchestratorConfig,
+    catalog: &Catalog,
+) -> Result<Arc<ToolExtensions>, airlock_policy::authz::ExtensionError> {
+    let mut tools = config.tool_extensions.clone();
+    tools.extend(catalog.discovered());
+    ToolExtensions::new(&tools).map(Arc::new)
+}
+
+/// An external worker listed other tools: the policy is validated again against them.
+/// A policy that no longer validates (it names a tool that is gone) keeps the previous
+/// one in force, which does not allow the new tools.
+async fn follow_catalog(gate: &Gate, config: &OrchestratorConfig, catalog: &Catalog) {
+    let rebuilt = catalog_extensions(config, catalog)
+        .map_err(|e| e.to_string())
+        .and_then(|extensions| {
+            gate.authorizer()
+                .with_extensions(extensions)
+                .map_err(|e| e.to_string())
+        });
+    match rebuilt {
+        Ok(authorizer) => {
+            let tools: Vec<String> = authorizer.extensions().names().map(str::to_owned).collect();
+            let file = authorizer.file().to_owned();
+            gate.replace_authorizer(authorizer);
+            tracing::info!(%file, ?tools, "policy validated again for the workers' tools");
+            gate.audit(NewAuditEvent::new(
+                AuditKind::PolicyReloaded,
+                serde_json::json!({"file": file, "reason": "catalog", "tools": tools}),
+            ))
+            .await;
+        }
+        Err(error) => {
+            tracing::error!(%error, "the policy does not validate against the workers' tools; the previous policy stays in force");
+            gate.audit(NewAuditEvent::new(
+                AuditKind::PolicyReloadFailed,
+                serde_json::json!({"error": error, "reason": "catalog"}),
+            ))
+            .await;
+        }
+    }
 }
 
 fn load_policy(

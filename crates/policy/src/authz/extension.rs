@@ -18,8 +18,9 @@ use super::catalog::{self, Extra, Field, Kind, ToolSpec};
 use super::declared::ANNOTATION_GROUPS;
 use crate::tool::{BUILT_IN_TOOLS, ToolDefinition};
 
-/// The worker groups the embedded schema declares as actions.
-const BUILT_IN_GROUPS: [&str; 4] = ["shell", "fs", "http", "db"];
+/// The worker groups the embedded schema declares as actions; any other group is an
+/// external worker whose `ListTools` defines its tools.
+pub const BUILT_IN_GROUPS: [&str; 4] = ["shell", "fs", "http", "db"];
 
 /// A tool that is not built in, as the binary hands it to the policy: the definition
 /// its worker serves, the group that serves it, and whether its calls need approval.
@@ -109,6 +110,10 @@ impl ToolExtensions {
 
     pub fn is_empty(&self) -> bool {
         self.tools.is_empty()
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.tools.contains_key(name)
     }
 
     pub(crate) fn get(&self, name: &str) -> Option<&Extended> {

@@ -57,7 +57,7 @@ pub use approval::{
 };
 pub use catalog::{ArgumentError, NOT_IN_CONTEXT};
 pub use declared::{ANNOTATION_GROUPS, check_tool, expected_input_schema};
-pub use extension::{ExtensionError, ToolExtension, ToolExtensions};
+pub use extension::{BUILT_IN_GROUPS, ExtensionError, ToolExtension, ToolExtensions};
 
 use crate::tool::ToolDefinition;
 
@@ -224,6 +224,8 @@ impl Types {
 /// behind an `Arc` and swap the `Arc` on reload.
 pub struct Authorizer {
     file: String,
+    /// The policy text, kept to validate it again when the catalog's tools change.
+    source: String,
     policies: cedar::PolicySet,
     meta: HashMap<cedar::PolicyId, PolicyMeta>,
     schema: cedar::Schema,
@@ -348,6 +350,7 @@ impl Authorizer {
 
         Ok(Self {
             file: file.to_owned(),
+            source: policy_text.to_owned(),
             policies,
             meta,
             schema,
@@ -539,6 +542,19 @@ impl Authorizer {
         let response =
             cedar::Authorizer::new().is_authorized_partial(&request, &self.policies, &entities);
         response.decision() != Some(cedar::Decision::Deny)
+    }
+
+    /// The same policy validated again with other extension tools (an external worker
+    /// listed new ones): the new authorizer, or why the policy no longer validates.
+    pub fn with_extensions(&self, extensions: Arc<ToolExtensions>) -> Result<Self, PolicyError> {
+        Self::from_sources(
+            &self.source,
+            &self.file,
+            PolicyInputs {
+                approvals: self.approvals.clone(),
+                extensions,
+            },
+        )
     }
 
     /// The tools that are not built in, as this authorizer was built with them.
