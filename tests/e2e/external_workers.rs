@@ -142,6 +142,8 @@ async fn a_python_worker_joins_the_catalog_behind_the_gate() {
         assert!(report.contains(line), "{line:?} missing:\n{report}");
     }
 
+    assert!(report.contains("a running call was cancelled"), "{report}");
+
     let dir = tempfile::tempdir().expect("temp dir");
     let policy = dir.path().join("policy.cedar");
     std::fs::write(&policy, POLICY).expect("policy");
@@ -224,6 +226,21 @@ async fn a_python_worker_joins_the_catalog_behind_the_gate() {
     let sent = worker.sent();
     assert_eq!(sent.len(), 1, "{sent:?}");
     assert_eq!(sent[0]["to"], "bob@example.com", "{sent:?}");
+
+    // The check fails a worker that does not keep the contract for an external one: the
+    // built-in fs worker lists built-in names.
+    let fs_socket = airlock.data_dir().join("sockets/fs.sock");
+    let check = Command::new(AIRLOCK)
+        .args(["worker", "check"])
+        .arg(format!("unix:{}", fs_socket.display()))
+        .output()
+        .expect("airlock worker check");
+    let report = String::from_utf8_lossy(&check.stdout).to_string();
+    assert_eq!(check.status.code(), Some(1), "{report}");
+    assert!(
+        report.contains("FAIL tool      `read_file`: the name of a built-in tool"),
+        "{report}"
+    );
 }
 
 #[tokio::test]

@@ -81,6 +81,7 @@ pub async fn check(
         Some(sample) => {
             findings.push(execute(&mut client, sample).await);
             findings.push(deadline(&mut client, sample).await);
+            findings.push(cancel_running(&client, sample).await);
         }
         None => findings.push(Finding::ok(
             "execute",
@@ -359,6 +360,54 @@ async fn deadline(client: &mut Client, sample: &SampleCall) -> Finding {
                 took.as_millis()
             ),
         ),
+    }
+}
+
+/// Cancels the sample call while it runs (or just after it ended): `Cancel` must answer,
+/// and the call's stream must end, within the grace.
+async fn cancel_running(client: &Client, sample: &SampleCall) -> Finding {
+    let call_id = format!("call_check_cancel_{}", std::process::id());
+    let mut running = client.clone();
+    let request = request(sample, &call_id, 30_000);
+    let stream =
+        tokio::spawn(
+            async move { events(&mut running, request, DEADLINE_GRACE + RPC_BOUND).await },
+        );
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let started = Instant::now();
+    let answer = tokio::time::timeout(
+        RPC_BOUND,
+        client.clone().cancel(pb::CancelRequest {
+            call_id: call_id.clone(),
+        }),
+    )
+    .await;
+    let ended = tokio::time::timeout(DEADLINE_GRACE, stream).await;
+    let took = started.elapsed().as_millis();
+    match (answer, ended) {
+        (Err(_), _) => Finding::failed("cancel", "no answer to Cancel of a running call"),
+        (Ok(Err(status)), _) => Finding::failed("cancel", format!("Cancel failed: {status}")),
+        (_, Err(_)) => Finding::failed(
+            "cancel",
+            format!("the call's stream was still open {took} ms after Cancel"),
+        ),
+        (Ok(Ok(response)), Ok(_)) => {
+            let response = response.into_inner();
+            if response.found && !response.stopped {
+                Finding::failed(
+                    "cancel",
+                    "Cancel found the call but answered before it had stopped",
+                )
+            } else {
+                Finding::ok(
+                    "cancel",
+                    format!(
+                        "a running call was cancelled (found: {}) and its stream ended within {took} ms",
+                        response.found
+                    ),
+                )
+            }
+        }
     }
 }
 
