@@ -2,15 +2,11 @@
 //! the shell worker in the same sandbox as `execute_shell`, behind the same gate —
 //! schema, Cedar policy naming the tool and its arguments, approval, audit.
 
-use std::path::Path;
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
 
 use serde_json::{Value, json};
 
-use crate::support::{AIRLOCK, Airlock};
-
-const BOUND: Duration = Duration::from_secs(60);
+use crate::support::{AIRLOCK, Airlock, up_refused};
 
 /// A tool of the operator's own, and one whose template forgets the `--`.
 const OWN_TOOLS: &str = r#"
@@ -46,31 +42,6 @@ when { context.arguments.message like "WIP*" };
 
 fn parse(text: &str) -> Value {
     serde_json::from_str(text).unwrap_or_else(|e| panic!("not JSON ({e}): {text}"))
-}
-
-/// The answer to a call that may wait for approval (`wait_ms: 0`, so at once): the
-/// call's entry, and the whole body.
-async fn propose(airlock: &Airlock, session: &str, tool: &str, input: Value) -> (Value, Value) {
-    let body = json!({"session_id": session, "wait_ms": 0,
-        "tool_uses": [{"type": "tool_use", "id": "t1", "name": tool, "input": input}]});
-    let (status, body) = airlock.post("/v1/tool_calls", &body).await;
-    assert_eq!(status, 200, "{body}");
-    (body["calls"][0].clone(), body)
-}
-
-/// Approves a held call and waits (bounded) for its end; returns the call's detail.
-async fn approve_and_wait(airlock: &Airlock, held: &Value) -> Value {
-    let approval_id = held["approval_id"].as_str().expect("approval id");
-    let call_id = held["call_id"].as_str().expect("call id");
-    let (status, body) = airlock
-        .post(&format!("/v1/approvals/{approval_id}/approve"), &json!({}))
-        .await;
-    assert_eq!(status, 200, "{body}");
-    let (status, detail) = airlock
-        .get(&format!("/v1/calls/{call_id}?wait_ms=30000"))
-        .await;
-    assert_eq!(status, 200, "{detail}");
-    detail
 }
 
 #[tokio::test]
@@ -134,26 +105,26 @@ async fn declared_and_dev_pack_tools_run_sandboxed_behind_the_gate() {
     // execute_python takes its program on standard input (`python3 -I -`). It is
     // destructive, and a declared destructive tool needs approval whatever `[approvals]
     // tools` says (it is empty here), unless its entry says `approval = false`.
-    let (held, _) = propose(
-        &airlock,
-        session,
-        "execute_python",
-        json!({"code": "import os\nprint(6 * 7, os.getcwd())"}),
-    )
-    .await;
+    let (held, _) = airlock
+        .propose(
+            session,
+            "execute_python",
+            json!({"code": "import os\nprint(6 * 7, os.getcwd())"}),
+        )
+        .await;
     assert_eq!(held["status"], "pending_approval", "{held}");
-    let output = approve_and_wait(&airlock, &held).await;
+    let output = airlock.approve_and_wait(&held).await;
     assert_eq!(output["status"], "ok", "{output}");
     assert!(output.to_string().contains("42 /workspace"), "{output}");
     // pip_install needs the egress proxy; without network it says so and runs nothing.
-    let (held, _) = propose(
-        &airlock,
-        session,
-        "pip_install",
-        json!({"packages": ["requests==2.32.3"]}),
-    )
-    .await;
-    let output = approve_and_wait(&airlock, &held).await;
+    let (held, _) = airlock
+        .propose(
+            session,
+            "pip_install",
+            json!({"packages": ["requests==2.32.3"]}),
+        )
+        .await;
+    let output = airlock.approve_and_wait(&held).await;
     assert_eq!(output["status"], "error", "{output}");
     assert!(output.to_string().contains("needs the network"), "{output}");
     assert!(!airlock.workspace(session).join(".airlock/python").exists());
@@ -196,13 +167,9 @@ async fn declared_and_dev_pack_tools_run_sandboxed_behind_the_gate() {
     assert!(err, "{text}");
 
     // The policy names the declared tool and its argument.
-    let (denied, answer) = propose(
-        &airlock,
-        session,
-        "git_commit",
-        json!({"message": "WIP: later"}),
-    )
-    .await;
+    let (denied, answer) = airlock
+        .propose(session, "git_commit", json!({"message": "WIP: later"}))
+        .await;
     assert_eq!(denied["status"], "denied", "{denied}");
     assert!(
         answer
@@ -212,20 +179,20 @@ async fn declared_and_dev_pack_tools_run_sandboxed_behind_the_gate() {
     );
 
     // git_commit is destructive: held for a human by default, then run exactly once.
-    let (held, _) = propose(
-        &airlock,
-        session,
-        "git_commit",
-        json!({"message": "Add a.txt", "paths": ["a.txt"]}),
-    )
-    .await;
+    let (held, _) = airlock
+        .propose(
+            session,
+            "git_commit",
+            json!({"message": "Add a.txt", "paths": ["a.txt"]}),
+        )
+        .await;
     assert_eq!(held["status"], "pending_approval", "{held}");
     let (err, text, _) = airlock.call_in(session, "git_log", json!({})).await;
     assert!(
         !text.contains("Add a.txt"),
         "committed before approval: {err} {text}"
     );
-    let detail = approve_and_wait(&airlock, &held).await;
+    let detail = airlock.approve_and_wait(&held).await;
     assert_eq!(detail["status"], "ok", "{detail}");
     let (err, text, _) = airlock
         .call_in(session, "git_log", json!({"max_count": 5}))
@@ -280,8 +247,8 @@ async fn the_policy_schema_command_prints_every_declared_tool() {
     );
 }
 
-/// Runs `airlock up` with `config` (a whole file) and expects it to refuse to start;
-/// returns its log.
+/// Runs `airlock up` with `config_text` (then its `[orchestrator]`) and expects it to
+/// refuse to start, naming the file; returns its output.
 fn refused(config_text: &str) -> String {
     let dir = tempfile::tempdir().expect("temp dir");
     let config = dir.path().join("airlock.toml");
@@ -290,42 +257,16 @@ fn refused(config_text: &str) -> String {
         format!("{config_text}\n[orchestrator]\nhttp_listen = \"127.0.0.1:0\"\ngrpc_listen = \"127.0.0.1:0\"\n"),
     )
     .expect("config");
-    let mut child = Command::new(AIRLOCK)
-        .args(["up", "--config"])
-        .arg(&config)
-        .arg("--data-dir")
-        .arg(dir.path().join("data"))
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn airlock up");
-    let deadline = Instant::now() + BOUND;
-    loop {
-        if let Some(status) = child.try_wait().expect("wait") {
-            let out = child.wait_with_output().expect("output");
-            assert!(!status.success(), "started with a bad [[tools]] entry");
-            let text = format!(
-                "{}{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            );
-            assert!(
-                text.contains(&config.display().to_string()),
-                "the error names no file: {text}"
-            );
-            assert!(
-                !Path::new(&dir.path().join("data/run/orchestrator.json")).exists(),
-                "the orchestrator started"
-            );
-            return text;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("airlock up neither started nor refused within {BOUND:?}");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let text = up_refused(&config, &dir.path().join("data"));
+    assert!(
+        text.contains(&config.display().to_string()),
+        "the error names no file: {text}"
+    );
+    assert!(
+        !dir.path().join("data/run/orchestrator.json").exists(),
+        "the orchestrator started"
+    );
+    text
 }
 
 #[test]

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
-use crate::support::{AIRLOCK, Airlock};
+use crate::support::{AIRLOCK, Airlock, up_refused};
 
 const BOUND: Duration = Duration::from_secs(60);
 const WORKER: &str = concat!(
@@ -106,14 +106,6 @@ fn config(worker: &PythonWorker, policy: &Path) -> String {
     )
 }
 
-async fn propose(airlock: &Airlock, tool: &str, input: Value) -> (Value, Value) {
-    let body = json!({"session_id": "crm", "wait_ms": 0,
-        "tool_uses": [{"type": "tool_use", "id": "t1", "name": tool, "input": input}]});
-    let (status, body) = airlock.post("/v1/tool_calls", &body).await;
-    assert_eq!(status, 200, "{body}");
-    (body["calls"][0].clone(), body)
-}
-
 #[tokio::test]
 async fn a_python_worker_joins_the_catalog_behind_the_gate() {
     let worker = PythonWorker::start();
@@ -190,12 +182,13 @@ async fn a_python_worker_joins_the_catalog_behind_the_gate() {
     assert!(err, "{text}");
 
     // The policy's rule on the worker's argument.
-    let (denied, answer) = propose(
-        &airlock,
-        "send_email",
-        json!({"to": "eve@evil.test", "subject": "hi", "body": "data"}),
-    )
-    .await;
+    let (denied, answer) = airlock
+        .propose(
+            "crm",
+            "send_email",
+            json!({"to": "eve@evil.test", "subject": "hi", "body": "data"}),
+        )
+        .await;
     assert_eq!(denied["status"], "denied", "{answer}");
     assert!(
         answer.to_string().contains("mail goes to example.com only"),
@@ -204,24 +197,16 @@ async fn a_python_worker_joins_the_catalog_behind_the_gate() {
     assert!(worker.sent().is_empty(), "a denied mail was sent");
 
     // send_email is destructive: held for a human, then sent exactly once.
-    let (held, _) = propose(
-        &airlock,
-        "send_email",
-        json!({"to": "bob@example.com", "subject": "Welcome", "body": "Hello Bob"}),
-    )
-    .await;
+    let (held, _) = airlock
+        .propose(
+            "crm",
+            "send_email",
+            json!({"to": "bob@example.com", "subject": "Welcome", "body": "Hello Bob"}),
+        )
+        .await;
     assert_eq!(held["status"], "pending_approval", "{held}");
     assert!(worker.sent().is_empty(), "sent before approval");
-    let approval_id = held["approval_id"].as_str().expect("approval id");
-    let call_id = held["call_id"].as_str().expect("call id");
-    let (status, body) = airlock
-        .post(&format!("/v1/approvals/{approval_id}/approve"), &json!({}))
-        .await;
-    assert_eq!(status, 200, "{body}");
-    let (status, detail) = airlock
-        .get(&format!("/v1/calls/{call_id}?wait_ms=30000"))
-        .await;
-    assert_eq!(status, 200, "{detail}");
+    let detail = airlock.approve_and_wait(&held).await;
     assert_eq!(detail["status"], "ok", "{detail}");
     let sent = worker.sent();
     assert_eq!(sent.len(), 1, "{sent:?}");
@@ -258,34 +243,7 @@ async fn a_tool_name_two_groups_define_stops_the_start() {
         ),
     )
     .expect("config");
-    let mut child = Command::new(AIRLOCK)
-        .args(["up", "--config"])
-        .arg(&config_file)
-        .arg("--data-dir")
-        .arg(dir.path().join("data"))
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("airlock up");
-    let deadline = Instant::now() + BOUND;
-    let status = loop {
-        if let Some(status) = child.try_wait().expect("wait") {
-            break status;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("airlock up started with a tool name defined twice");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    let out = child.wait_with_output().expect("output");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(!status.success(), "{text}");
+    let text = up_refused(&config_file, &dir.path().join("data"));
     assert!(
         text.contains("defined twice") && text.contains("fetch_user_details"),
         "{text}"

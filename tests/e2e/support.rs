@@ -333,6 +333,32 @@ impl Airlock {
         )
     }
 
+    /// Proposes one call in `session` with `wait_ms: 0`, so that it answers at once
+    /// whether the call runs or waits for approval: the call's entry and the whole body.
+    pub async fn propose(&self, session: &str, tool: &str, input: Value) -> (Value, Value) {
+        let body = json!({"session_id": session, "wait_ms": 0,
+            "tool_uses": [{"type": "tool_use", "id": "t1", "name": tool, "input": input}]});
+        let (status, body) = self.post("/v1/tool_calls", &body).await;
+        assert_eq!(status, 200, "{body}");
+        (body["calls"][0].clone(), body)
+    }
+
+    /// Approves a held call (a `calls[]` entry with its `approval_id`) and waits,
+    /// bounded, for its end: the call's detail.
+    pub async fn approve_and_wait(&self, held: &Value) -> Value {
+        let approval_id = held["approval_id"].as_str().expect("approval id");
+        let call_id = held["call_id"].as_str().expect("call id");
+        let (status, body) = self
+            .post(&format!("/v1/approvals/{approval_id}/approve"), &json!({}))
+            .await;
+        assert_eq!(status, 200, "{body}");
+        let (status, detail) = self
+            .get(&format!("/v1/calls/{call_id}?wait_ms=30000"))
+            .await;
+        assert_eq!(status, 200, "{detail}");
+        detail
+    }
+
     pub async fn call(&self, tool: &str, input: Value) -> (bool, String, Value) {
         self.call_in("default", tool, input).await
     }
@@ -415,6 +441,40 @@ impl Drop for Airlock {
 
 /// Mount points at or below `dir`, deepest first (from /proc/self/mountinfo, whose
 /// fifth field is the mount point with spaces and the like octal-escaped).
+/// Runs `airlock up --config <config>` and expects it to refuse to start, within a
+/// bound: its stdout and stderr.
+pub fn up_refused(config: &Path, data_dir: &Path) -> String {
+    let mut child = Command::new(AIRLOCK)
+        .args(["up", "--config"])
+        .arg(config)
+        .arg("--data-dir")
+        .arg(data_dir)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn airlock up");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("airlock up neither started nor refused within 60 s");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let out = child.wait_with_output().expect("output");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!status.success(), "airlock up started: {text}");
+    text
+}
+
 pub fn mounts_under(dir: &Path) -> Vec<PathBuf> {
     let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
     let mut points: Vec<PathBuf> = info
