@@ -4,7 +4,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
-use crate::support::{Airlock, cmdline, descendants};
+use crate::support::{Airlock, cmdline, descendants, sse_events};
 
 fn parse(text: &str) -> Value {
     serde_json::from_str(text).unwrap_or_else(|e| panic!("result is not JSON ({e}): {text}"))
@@ -253,29 +253,6 @@ async fn output_streams_over_grpc_while_the_command_runs() {
 const RELEASED_BY_THE_TEST: &str =
     "echo first; while [ ! -e go ]; do sleep 0.05; done; echo second";
 
-/// The complete Server-Sent Events in `text`: (event name, parsed data).
-fn sse_events(text: &str) -> Vec<(String, Value)> {
-    let complete = match text.rfind("\n\n") {
-        Some(end) => &text[..end],
-        None => return Vec::new(),
-    };
-    complete
-        .split("\n\n")
-        .filter_map(|block| {
-            let mut name = None;
-            let mut data = String::new();
-            for line in block.lines() {
-                if let Some(n) = line.strip_prefix("event: ") {
-                    name = Some(n.to_owned());
-                } else if let Some(d) = line.strip_prefix("data: ") {
-                    data.push_str(d);
-                }
-            }
-            Some((name?, serde_json::from_str(&data).ok()?))
-        })
-        .collect()
-}
-
 #[tokio::test]
 async fn every_long_running_component_is_confined() {
     let airlock = Airlock::start().await;
@@ -470,4 +447,37 @@ async fn closing_a_grpc_call_stream_kills_its_sandbox() {
     airlock
         .wait_gone(&marker, "closing the gRPC stream did not kill the sandbox")
         .await;
+}
+
+/// A file moved to another directory of the sandbox with rename(2) — Python's
+/// `os.rename`, git's and pip's own stores — stays a rename: no layer of the worker's
+/// own confinement below the sandbox's rules refuses it with EXDEV (coreutils' `mv`
+/// would hide that by copying).
+#[tokio::test]
+async fn renames_across_directories_work_in_the_sandbox() {
+    let airlock = Airlock::start().await;
+    let program = "import os\n\
+        os.makedirs('d', exist_ok=True)\n\
+        open('g', 'w').write('1')\n\
+        os.rename('g', 'd/g')\n\
+        os.makedirs('a/b', exist_ok=True)\n\
+        open('a/b/t', 'w').write('2')\n\
+        os.rename('a/b/t', 'd/t')\n\
+        os.rename('d', 'e')\n\
+        print(sorted(os.listdir('e')))";
+    let (err, text, _) = airlock
+        .call("execute_shell", json!({"argv": ["python3", "-c", program]}))
+        .await;
+    assert!(!err, "{text}");
+    let result: Value = serde_json::from_str(&text).expect("JSON");
+    assert_eq!(result["stdout"], "['g', 't']\n", "{result}");
+    // ...and still only inside it: the host's /etc is not the sandbox's to move into.
+    let (err, text, _) = airlock
+        .call(
+            "execute_shell",
+            json!({"argv": ["python3", "-c", "import os; open('x','w').write('1'); os.rename('x', '/etc/x')"]}),
+        )
+        .await;
+    assert!(err, "{text}");
+    assert!(!std::path::Path::new("/etc/x").exists());
 }

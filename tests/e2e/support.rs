@@ -444,14 +444,18 @@ impl Drop for Airlock {
 /// Runs `airlock up --config <config>` and expects it to refuse to start, within a
 /// bound: its stdout and stderr.
 pub fn up_refused(config: &Path, data_dir: &Path) -> String {
+    // Output goes to a file, not a pipe: a pipe nobody reads while we wait would fill
+    // and stall a chatty start-up.
+    let log_path = data_dir.with_extension("up.log");
+    let log = std::fs::File::create(&log_path).expect("log file");
     let mut child = Command::new(AIRLOCK)
         .args(["up", "--config"])
         .arg(config)
         .arg("--data-dir")
         .arg(data_dir)
         .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
+        .stdout(log.try_clone().expect("log file"))
+        .stderr(log)
         .spawn()
         .expect("spawn airlock up");
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -461,16 +465,15 @@ pub fn up_refused(config: &Path, data_dir: &Path) -> String {
         }
         if Instant::now() > deadline {
             let _ = child.kill();
-            panic!("airlock up neither started nor refused within 60 s");
+            let _ = child.wait();
+            panic!(
+                "airlock up neither started nor refused within 60 s:\n{}",
+                std::fs::read_to_string(&log_path).unwrap_or_default()
+            );
         }
         std::thread::sleep(Duration::from_millis(50));
     };
-    let out = child.wait_with_output().expect("output");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let text = std::fs::read_to_string(&log_path).unwrap_or_default();
     assert!(!status.success(), "airlock up started: {text}");
     text
 }
@@ -617,4 +620,27 @@ pub fn snapshot(root: &Path) -> Vec<(PathBuf, Vec<u8>, std::time::SystemTime)> {
     }
     out.sort();
     out
+}
+
+/// The complete Server-Sent Events in `text`: (event name, parsed data).
+pub fn sse_events(text: &str) -> Vec<(String, Value)> {
+    let complete = match text.rfind("\n\n") {
+        Some(end) => &text[..end],
+        None => return Vec::new(),
+    };
+    complete
+        .split("\n\n")
+        .filter_map(|block| {
+            let mut name = None;
+            let mut data = String::new();
+            for line in block.lines() {
+                if let Some(n) = line.strip_prefix("event: ") {
+                    name = Some(n.to_owned());
+                } else if let Some(d) = line.strip_prefix("data: ") {
+                    data.push_str(d);
+                }
+            }
+            Some((name?, serde_json::from_str(&data).ok()?))
+        })
+        .collect()
 }

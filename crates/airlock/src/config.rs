@@ -63,6 +63,9 @@ pub struct AirlockConfig {
     pub tools: Vec<ToolEntry>,
     /// Shipped packs of declared tools: `["dev"]`.
     pub tool_packs: Vec<String>,
+    /// MCP servers behind the gate (DESIGN §11): stdio ones run by the shell worker in
+    /// its sandbox; their tools are `<name>__<tool>`.
+    pub mcp_servers: Vec<airlock_worker::mcp::McpServerEntry>,
 }
 
 /// `[worker]`.
@@ -298,6 +301,12 @@ impl Loaded {
             dispatch: self.config.dispatch.clone(),
             retention: self.config.store.clone(),
             tool_extensions: self.tool_extensions()?,
+            mcp_servers: self
+                .config
+                .mcp_servers
+                .iter()
+                .map(airlock_worker::mcp::McpServerEntry::policy)
+                .collect(),
         })
     }
 
@@ -520,6 +529,21 @@ fn declared_entries(config: &AirlockConfig) -> anyhow::Result<Vec<ToolEntry>> {
     let mut entries = airlock_worker_shell::declared::pack_entries(&config.tool_packs)?;
     entries.extend(config.tools.iter().cloned());
     airlock_worker::declared::check_unique(&entries)?;
+    airlock_worker::mcp::check_entries(&config.mcp_servers)?;
+    for entry in &entries {
+        if let Some(server) = config
+            .mcp_servers
+            .iter()
+            .find(|server| server.policy().owns(&entry.name))
+        {
+            anyhow::bail!(
+                "[[tools]] {}: the name is in the namespace of the MCP server {} ({}__…); rename the tool",
+                entry.name,
+                server.name,
+                server.name
+            );
+        }
+    }
     compile_commands(&entries)?;
     compile_http(&entries)?;
     airlock_policy::authz::ToolExtensions::new(&extensions_of(&entries)?)?;

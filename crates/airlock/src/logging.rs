@@ -10,7 +10,14 @@ use std::io::IsTerminal;
 use tracing_subscriber::EnvFilter;
 
 pub fn init() {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let mut filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    // The MCP library logs each session's start at info, with what the (untrusted)
+    // server says about itself; the workers log what matters of it. RUST_LOG that
+    // names rmcp still decides.
+    let names_rmcp = std::env::var("RUST_LOG").is_ok_and(|v| v.contains("rmcp"));
+    if !names_rmcp && let Ok(quiet) = "rmcp=warn".parse() {
+        filter = filter.add_directive(quiet);
+    }
     let json = std::env::var("AIRLOCK_LOG_FORMAT").is_ok_and(|v| v == "json");
     let ansi = colour(
         std::io::stderr().is_terminal(),

@@ -402,16 +402,36 @@ fn shell_worker(loaded: &Loaded, listen: Option<String>) -> anyhow::Result<ExitC
     let report = serde_json::to_string(sandbox.report()).unwrap_or_default();
     tracing::info!(listen = %listener.local_addr(), isolation = %report, "shell worker starting");
     limit_memory("shell worker", loaded, Ceiling::SoftOnly)?;
+    // The private workspaces of the MCP servers that are not per session.
+    let mcp_dir = loaded.data_dir.join("mcp");
+    let mut write_paths = vec![shell.workspaces_root.clone()];
+    if !loaded.config.mcp_servers.is_empty() {
+        ensure_dir(&mcp_dir)?;
+        write_paths.push(mcp_dir.clone());
+    }
     confine(
         "shell worker",
         SelfConfinement {
             read_paths: tls_dirs(loaded),
-            write_paths: vec![shell.workspaces_root.clone()],
+            write_paths,
             allow_exec: true,
             allow_namespaces: true,
         },
     )?;
-    serve_worker(loaded, listener, tools)
+    let runtime = runtime()?;
+    // MCP servers start confined, in the sandbox, once the worker itself is.
+    let mcp_tools = runtime
+        .block_on(airlock_worker_shell::mcp::start(
+            &loaded.config.mcp_servers,
+            &shell,
+            &sandbox,
+            &mcp_dir,
+        ))
+        .context("the shell worker cannot serve its MCP servers; refusing to start")?;
+    let tools = mcp_tools.into_iter().fold(tools, ToolSet::with);
+    let server = WorkerServer::new(tools, worker_settings(loaded));
+    runtime.block_on(server.serve(listener, signals::shutdown()))?;
+    Ok(ExitCode::SUCCESS)
 }
 
 fn http_worker(loaded: &Loaded, listen: Option<String>) -> anyhow::Result<ExitCode> {

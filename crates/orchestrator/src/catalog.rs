@@ -11,8 +11,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use airlock_policy::ToolDefinition;
 use airlock_policy::authz::{BUILT_IN_GROUPS, ToolExtension, ToolExtensions};
+use airlock_policy::{McpServerPolicy, ToolDefinition};
 use airlock_proto::v1 as pb;
 use tokio_util::sync::CancellationToken;
 
@@ -132,6 +132,8 @@ pub struct Catalog {
     changes: tokio::sync::watch::Sender<u64>,
     /// Names an external group lists that another source already defines.
     conflicts: std::sync::Mutex<Vec<String>>,
+    /// `[[mcp_servers]]`: whose tools a built-in group may list as discovered ones.
+    mcp_servers: Vec<McpServerPolicy>,
 }
 
 impl Catalog {
@@ -152,7 +154,16 @@ impl Catalog {
             discovered: RwLock::default(),
             changes: tokio::sync::watch::Sender::new(0),
             conflicts: std::sync::Mutex::default(),
+            mcp_servers: Vec::new(),
         })
+    }
+
+    /// Serves the tools of these MCP servers (`<name>__<tool>`) as discovered tools of
+    /// whichever group lists them; without this, a built-in group's tool that is not
+    /// built in or declared is refused.
+    pub fn with_mcp_servers(mut self, servers: Vec<McpServerPolicy>) -> Self {
+        self.mcp_servers = servers;
+        self
     }
 
     /// Serves the declared tools (`[[tools]]`, `tool_packs`) when workers list them as
@@ -276,7 +287,7 @@ impl Catalog {
     /// Replaces the tools of `group` with `definitions`, skipping any that are malformed
     /// or claimed by another group.
     fn install(&self, group: &str, definitions: Vec<pb::ToolDefinition>) {
-        let external = !BUILT_IN_GROUPS.contains(&group);
+        let external_group = !BUILT_IN_GROUPS.contains(&group);
         let mut listed = BTreeMap::new();
         let mut fresh = Vec::new();
         for wire in definitions {
@@ -292,6 +303,10 @@ impl Catalog {
                 tracing::error!(group, tool = %name, error = %e, "skipping tool");
                 continue;
             }
+            // Discovered: the worker's ListTools is the one source of the tool (an
+            // external group's tools, and any group's MCP server tools).
+            let mcp_server = self.mcp_servers.iter().find(|s| s.owns(&definition.name));
+            let external = external_group || mcp_server.is_some();
             if external {
                 if let Some(conflict) = self.defined_elsewhere(group, &definition.name) {
                     let mut conflicts = lock(&self.conflicts);
@@ -301,11 +316,14 @@ impl Catalog {
                     }
                     continue;
                 }
-                let approval = definition.annotations.destructive.then(|| {
-                    format!(
-                        "{name} is destructive (as the {group} worker's ListTools annotates it), so every call needs approval"
-                    )
-                });
+                let approval = match mcp_server {
+                    Some(server) => server.approval_reason(&definition),
+                    None => definition.annotations.destructive.then(|| {
+                        format!(
+                            "{name} is destructive (as the {group} worker's ListTools annotates it), so every call needs approval"
+                        )
+                    }),
+                };
                 listed.insert(
                     name.clone(),
                     ToolExtension {
@@ -367,9 +385,7 @@ impl Catalog {
             }
         }
         drop(tools);
-        if external {
-            self.record_discovered(group, listed);
-        }
+        self.record_discovered(group, listed);
     }
 
     /// Which other source defines `name`, if any: a built-in tool, a declared one, or

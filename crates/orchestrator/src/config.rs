@@ -48,6 +48,9 @@ pub struct OrchestratorConfig {
     /// The tools that are not built in (`[[tools]]`, `tool_packs`): each is a Cedar
     /// action that policies can name, and the catalog serves it only as declared.
     pub tool_extensions: Vec<airlock_policy::authz::ToolExtension>,
+    /// `[[mcp_servers]]`: their tools (`<name>__<tool>`) are discovered from the worker
+    /// that runs each server, like an external worker's.
+    pub mcp_servers: Vec<airlock_policy::McpServerPolicy>,
 }
 
 /// `[store]` (DESIGN §15): what the store keeps of results, and for how long.

@@ -169,7 +169,8 @@ impl Orchestrator {
                 &config.worker_tls.dialer(),
                 &config.dispatch,
             )?
-            .with_extensions(prepared.authorizer.extensions().clone()),
+            .with_extensions(prepared.authorizer.extensions().clone())
+            .with_mcp_servers(config.mcp_servers.clone()),
         );
         let store = crate::store::open(
             &config.store,
@@ -397,10 +398,11 @@ fn read_policy(config: &OrchestratorConfig) -> Result<(String, String), PolicyEr
 }
 
 fn has_external_groups(config: &OrchestratorConfig) -> bool {
-    config
-        .workers
-        .iter()
-        .any(|w| !BUILT_IN_GROUPS.contains(&w.group.as_str()))
+    !config.mcp_servers.is_empty()
+        || config
+            .workers
+            .iter()
+            .any(|w| !BUILT_IN_GROUPS.contains(&w.group.as_str()))
 }
 
 /// The declared tools and those external workers list, as one set for policy.

@@ -13,11 +13,13 @@ pub mod tool;
 
 #[cfg(feature = "cedar")]
 pub mod authz;
+mod mcp;
 #[cfg(feature = "proto")]
 pub mod wire;
 
 pub use call::{CallStatus, ToolOutcome};
 pub use isolation::IsolationLevel;
 pub use limits::Limits;
+pub use mcp::McpServerPolicy;
 pub use names::{NameError, SessionId, validate_segment, validate_tool_name};
 pub use tool::{ToolAnnotations, ToolDefinition};

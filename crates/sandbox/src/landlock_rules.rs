@@ -128,13 +128,6 @@ impl LandlockPlan {
         Ok(())
     }
 
-    /// Whether no filesystem right is handled (the plan would restrict only scoping).
-    pub(crate) fn without_filesystem(mut self) -> Self {
-        self.handled_fs = 0;
-        self.rules.clear();
-        self
-    }
-
     pub(crate) fn abi(&self) -> u32 {
         self.abi
     }

@@ -58,8 +58,8 @@ pub use probe::{HostProbe, IsolationReport, LimitsReport, Missing, probe};
 pub use rlimits::{RlimitError, RlimitReport};
 pub use rootfs::RootfsError;
 pub use sandbox::{
-    Cancel, CommandSpec, NoSink, OutputSink, RunOutcome, Sandbox, SandboxConfig, SandboxError,
-    Stream, Usage,
+    AttachedStdio, Cancel, CommandSpec, NoSink, OutputSink, RunOutcome, Sandbox, SandboxConfig,
+    SandboxError, Stream, Usage,
 };
 pub use seccomp::{SeccompError, filter_available as seccomp_filter_available};
 pub use self_confine::{SelfConfineError, SelfConfinement, SelfConfinementReport, confine_self};

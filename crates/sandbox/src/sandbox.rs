@@ -145,6 +145,15 @@ impl CommandSpec {
     }
 }
 
+/// The child's ends of the stdin and stdout of an attached run
+/// ([`Sandbox::run_attached`]): typically the read end of one pipe and the write end of
+/// another, whose other ends the caller reads and writes.
+#[derive(Debug)]
+pub struct AttachedStdio {
+    pub stdin: OwnedFd,
+    pub stdout: OwnedFd,
+}
+
 /// Which output stream a chunk came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -415,14 +424,33 @@ impl Sandbox {
         let waited = accepted.elapsed();
         // Taking a free slot costs microseconds; only a real wait shortens the timeout.
         if waited < Duration::from_millis(1) {
-            return spawn::run(self, spec, sink, cancel);
+            return spawn::run(self, spec, None, sink, cancel);
         }
         let mut spec = spec.clone();
         spec.timeout = spec
             .timeout
             .saturating_sub(waited)
             .max(Duration::from_millis(1));
-        spawn::run(self, &spec, sink, cancel)
+        spawn::run(self, &spec, None, sink, cancel)
+    }
+
+    /// Runs a long-lived command that talks over its stdin and stdout (a stdio MCP
+    /// server): the same confinement as [`Sandbox::run`], but the command's stdin and
+    /// stdout are `stdio`'s descriptors, whose other ends the caller keeps, and only
+    /// stderr is captured (and streamed to `stderr_sink`). `spec.stdin` is ignored.
+    /// Blocks until the command exits, `spec.timeout` runs out, or `cancel` fires.
+    ///
+    /// It takes no call slot: such a command lives across many calls, so the caller
+    /// bounds how many it runs. Its cgroup sits under the same parent as the calls',
+    /// whose aggregate memory and pids limits hold them all.
+    pub fn run_attached(
+        &self,
+        spec: &CommandSpec,
+        stdio: AttachedStdio,
+        stderr_sink: &mut dyn OutputSink,
+        cancel: &Cancel,
+    ) -> Result<RunOutcome, SandboxError> {
+        spawn::run(self, spec, Some(stdio), stderr_sink, cancel)
     }
 
     /// Sandboxes that may run at once.

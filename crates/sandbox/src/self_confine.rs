@@ -72,7 +72,7 @@ pub struct SelfConfinement {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct SelfConfinementReport {
     pub no_new_privs: bool,
-    /// Landlock ABI in force (scoping only when `landlock_filesystem` is false).
+    /// Landlock ABI in force (`None` for a process that builds sandboxes).
     pub landlock_abi: Option<u32>,
     pub landlock_filesystem: bool,
     pub seccomp: &'static str,
@@ -153,11 +153,14 @@ pub fn confine_self(spec: &SelfConfinement) -> Result<SelfConfinementReport, cra
             for path in &spec.write_paths {
                 plan.allow(path, access::ALL)?;
             }
-            Some(if spec.allow_namespaces {
-                plan.without_filesystem()
-            } else {
-                plan
-            })
+            // A process that builds sandboxes gets no Landlock layer at all. One that
+            // handles file rights would forbid it the mount API; and a scoping-only
+            // one is not inert either: Landlock refuses moving a file to another
+            // directory (REFER) in every layer of a domain that any layer gives file
+            // rules, so it would make each cross-directory rename(2) inside the
+            // sandboxes fail with EXDEV (Python's os.rename, git's and pip's stores).
+            // Each sandbox applies its own rules and scoping.
+            (!spec.allow_namespaces).then_some(plan)
         }
     };
 
@@ -193,7 +196,7 @@ pub fn confine_self(spec: &SelfConfinement) -> Result<SelfConfinementReport, cra
     Ok(SelfConfinementReport {
         no_new_privs: true,
         landlock_abi: landlock.as_ref().map(LandlockPlan::abi),
-        landlock_filesystem: landlock.is_some() && !spec.allow_namespaces,
+        landlock_filesystem: landlock.is_some(),
         seccomp: "filter",
         capabilities_dropped: true,
         bounding_set_dropped: dropped.bounding_set,

@@ -7,6 +7,7 @@
 mod config;
 pub mod declared;
 mod execute;
+pub mod mcp;
 mod workspace;
 
 pub use config::ShellConfig;

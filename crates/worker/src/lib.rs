@@ -10,6 +10,7 @@ mod context;
 pub mod declared;
 mod endpoint;
 mod health;
+pub mod mcp;
 mod server;
 mod tls;
 mod tool;

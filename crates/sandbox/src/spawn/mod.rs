@@ -31,7 +31,7 @@ use crate::fds::{self, ChildFds};
 use crate::namespaces;
 use crate::rlimits::{RlimitPlan, Rlimits};
 use crate::rootfs::RootfsPlan;
-use crate::sandbox::{CommandSpec, OutputSink, RunOutcome, Sandbox, SandboxError};
+use crate::sandbox::{AttachedStdio, CommandSpec, OutputSink, RunOutcome, Sandbox, SandboxError};
 use crate::sys;
 
 mod child;
@@ -49,10 +49,13 @@ use plan::{
 pub(crate) const DEFAULT_PATH: &str =
     "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin";
 
-/// Runs one command in a fresh sandbox.
+/// Runs one command in a fresh sandbox. With `attached`, the command's stdin and
+/// stdout are the caller's descriptors (a long-running server that talks over them)
+/// and only stderr is captured; otherwise all three are pipes of ours.
 pub(crate) fn run(
     sandbox: &Sandbox,
     spec: &CommandSpec,
+    attached: Option<AttachedStdio>,
     sink: &mut dyn OutputSink,
     cancel: &Cancel,
 ) -> Result<RunOutcome, SandboxError> {
@@ -124,8 +127,14 @@ pub(crate) fn run(
     report.limits.timeout_ms = Some(u64::try_from(spec.timeout.as_millis()).unwrap_or(u64::MAX));
 
     let pipe = || sys::pipe().map_err(|e| SandboxError::Fd(fds::FdError::Pipe(e)));
-    let (stdin_r, stdin_w) = pipe()?;
-    let (stdout_r, stdout_w) = pipe()?;
+    let (stdin_r, stdin_w, stdout_r, stdout_w) = match attached {
+        Some(stdio) => (stdio.stdin, None, None, stdio.stdout),
+        None => {
+            let (stdin_r, stdin_w) = pipe()?;
+            let (stdout_r, stdout_w) = pipe()?;
+            (stdin_r, Some(stdin_w), Some(stdout_r), stdout_w)
+        }
+    };
     let (stderr_r, stderr_w) = pipe()?;
     let (sync_r, sync_w) = pipe()?;
     let (error_r, error_w) = pipe()?;

@@ -90,9 +90,9 @@ struct Capture {
 }
 
 impl Capture {
-    fn new(fd: OwnedFd, cap: usize, stream: Stream) -> Self {
+    fn new(fd: Option<OwnedFd>, cap: usize, stream: Stream) -> Self {
         Capture {
-            fd: Some(fd),
+            fd,
             data: Vec::new(),
             cap,
             truncated: false,
@@ -139,8 +139,10 @@ pub(super) struct Supervision<'a> {
     pub(super) child: Child,
     pub(super) started: Instant,
     pub(super) report: crate::IsolationReport,
-    pub(super) stdin_w: OwnedFd,
-    pub(super) stdout_r: OwnedFd,
+    /// Our end of the command's stdin, `None` when the caller holds it (attached).
+    pub(super) stdin_w: Option<OwnedFd>,
+    /// Our end of the command's stdout, `None` when the caller holds it (attached).
+    pub(super) stdout_r: Option<OwnedFd>,
     pub(super) stderr_r: OwnedFd,
     pub(super) status_r: OwnedFd,
     /// Standard mode's per-call `/tmp`, removed when the run ends.
@@ -170,12 +172,20 @@ pub(super) fn supervise(
     } = run;
     let cap = sandbox.config().output_cap_bytes;
     let deadline = started + spec.timeout;
-    for fd in [&stdin_w, &stdout_r, &stderr_r, &status_r] {
+    for fd in [
+        stdin_w.as_ref(),
+        stdout_r.as_ref(),
+        Some(&stderr_r),
+        Some(&status_r),
+    ]
+    .into_iter()
+    .flatten()
+    {
         sys::set_nonblocking(fd.as_raw_fd()).map_err(SandboxError::Io)?;
     }
     let mut stdout = Capture::new(stdout_r, cap, Stream::Stdout);
-    let mut stderr = Capture::new(stderr_r, cap, Stream::Stderr);
-    let mut stdin = (!spec.stdin.is_empty()).then_some(stdin_w);
+    let mut stderr = Capture::new(Some(stderr_r), cap, Stream::Stderr);
+    let mut stdin = stdin_w.filter(|_| !spec.stdin.is_empty());
     let mut stdin_pos = 0usize;
     let pidfd = pidfd_open(child.pid);
 

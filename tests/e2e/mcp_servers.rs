@@ -1,0 +1,398 @@
+//! MCP servers behind the gate (`[[mcp_servers]]`): real servers from PyPI
+//! (`mcp-server-time`, `mcp-server-git`, installed by `.ci/run`) and a misbehaving one
+//! of the test's own, run by the shell worker inside the sandbox. Their tools pass the
+//! gate as `<name>__<tool>`; the process is confined; a crash, a hang, a flood or
+//! garbage is an error result for that call only.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+
+use crate::support::{Airlock, cmdline, descendants, sse_events, up_refused};
+
+/// Where `.ci/run` installs the servers: a virtualenv under `/usr`, which the sandbox
+/// mounts read-only (a server installed under `/root` or `/home` is not visible there).
+const SERVERS: &str = "/usr/local/lib/airlock-test/mcp-servers/bin";
+
+const FLAKY: &str = include_str!("mcp_flaky_server.py");
+
+fn servers_bin() -> PathBuf {
+    let bin = PathBuf::from(SERVERS);
+    for server in ["mcp-server-time", "mcp-server-git"] {
+        assert!(
+            bin.join(server).exists(),
+            "{server} is not installed in {SERVERS}; .ci/run installs it \
+             (/usr/bin/python3 -m venv /usr/local/lib/airlock-test/mcp-servers && \
+             .../bin/pip install mcp-server-time mcp-server-git)"
+        );
+    }
+    bin
+}
+
+fn config() -> String {
+    let bin = servers_bin();
+    format!(
+        r#"
+[[mcp_servers]]
+name = "time"
+command = ["{time}", "--local-timezone", "UTC"]
+per_session = false
+
+[[mcp_servers]]
+name = "git"
+command = ["{git}"]
+
+[[mcp_servers]]
+name = "flaky"
+command = ["/usr/bin/python3", "-c", '''{FLAKY}''']
+"#,
+        time = bin.join("mcp-server-time").display(),
+        git = bin.join("mcp-server-git").display(),
+    )
+}
+
+/// The host pids of the processes below airlock whose command line holds `marker`.
+fn processes(airlock: &Airlock, marker: &str) -> Vec<u32> {
+    descendants(airlock.pid())
+        .into_iter()
+        .filter(|pid| cmdline(*pid).contains(marker))
+        .collect()
+}
+
+fn status_field(pid: u32, field: &str) -> String {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix(&format!("{field}:")))
+        .unwrap_or_default()
+        .trim()
+        .to_owned()
+}
+
+fn namespace(pid: &str, kind: &str) -> PathBuf {
+    std::fs::read_link(format!("/proc/{pid}/ns/{kind}")).expect("namespace link")
+}
+
+async fn wait_for_file(path: &Path) -> String {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while Instant::now() < deadline {
+        if let Ok(text) = std::fs::read_to_string(path)
+            && !text.is_empty()
+        {
+            return text;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("{} never appeared", path.display());
+}
+
+#[tokio::test]
+async fn mcp_servers_run_confined_behind_the_gate() {
+    let airlock = Airlock::start_with(&config()).await;
+
+    // Their tools are in the catalog as <server>__<tool>, with the servers' schemas.
+    let (status, tools) = airlock.get("/v1/tools").await;
+    assert_eq!(status, 200, "{tools}");
+    let listed = tools.to_string();
+    for name in [
+        "time__get_current_time",
+        "time__convert_time",
+        "git__git_status",
+        "git__git_commit",
+        "git__git_add",
+        "flaky__echo",
+    ] {
+        assert!(listed.contains(&format!("\"{name}\"")), "{name}: {listed}");
+    }
+
+    // A read-only tool runs at once; the schema is checked at the gate.
+    let (err, text, _) = airlock
+        .call(
+            "time__get_current_time",
+            json!({"timezone": "Europe/Paris"}),
+        )
+        .await;
+    assert!(!err, "{text}");
+    let now: Value = serde_json::from_str(&text).expect("JSON");
+    assert_eq!(now["timezone"], "Europe/Paris", "{now}");
+    let (err, text, _) = airlock
+        .call("time__get_current_time", json!({"timezone": 7}))
+        .await;
+    assert!(err, "{text}");
+
+    // The server process is confined like a sandboxed command: its own user, mount,
+    // pid and network namespaces, no privileges, seccomp, in an airlock cgroup.
+    let pids = processes(&airlock, "mcp-server-time");
+    assert_eq!(pids.len(), 1, "one shared time server: {pids:?}");
+    let pid = pids[0];
+    assert_eq!(status_field(pid, "NoNewPrivs"), "1");
+    assert_eq!(status_field(pid, "Seccomp"), "2");
+    assert_eq!(status_field(pid, "CapEff"), "0000000000000000");
+    assert_eq!(status_field(pid, "CapBnd"), "0000000000000000");
+    for kind in ["user", "mnt", "pid", "net", "ipc", "uts"] {
+        assert_ne!(
+            namespace(&pid.to_string(), kind),
+            namespace("self", kind),
+            "the MCP server shares the host's {kind} namespace"
+        );
+    }
+    let cgroup = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).expect("cgroup");
+    assert!(cgroup.contains("airlock"), "{cgroup}");
+    // The only network it has is its own loopback.
+    let routes = std::fs::read_to_string(format!("/proc/{pid}/net/dev")).expect("net/dev");
+    let interfaces: Vec<&str> = routes
+        .lines()
+        .skip(2)
+        .filter_map(|l| l.split(':').next())
+        .map(str::trim)
+        .collect();
+    assert_eq!(interfaces, ["lo"], "{routes}");
+
+    // git: a repository in the session's workspace is visible at /workspace...
+    let session = "repo";
+    let (err, text, _) = airlock
+        .call_in(
+            session,
+            "execute_shell",
+            json!({"command": "git init -q . && echo hello > a.txt"}),
+        )
+        .await;
+    assert!(!err, "{text}");
+    let (err, text, _) = airlock
+        .call_in(
+            session,
+            "git__git_status",
+            json!({"repo_path": "/workspace"}),
+        )
+        .await;
+    assert!(!err, "{text}");
+    assert!(text.contains("a.txt"), "{text}");
+
+    // ...and nothing outside it is: not a repository elsewhere on the host, not
+    // another session's workspace, whatever the path says.
+    let outside = tempfile::tempdir().expect("temp dir");
+    let host_repo = outside.path().join("secret-repo");
+    std::fs::create_dir(&host_repo).expect("dir");
+    let init = std::process::Command::new("git")
+        .args(["init", "-q"])
+        .current_dir(&host_repo)
+        .status()
+        .expect("git init");
+    assert!(init.success());
+    std::fs::write(host_repo.join("secret.txt"), "top secret\n").expect("write");
+    let (err, text, _) = airlock
+        .call_in(
+            "other",
+            "execute_shell",
+            json!({"command": "git init -q . && echo theirs > theirs.txt"}),
+        )
+        .await;
+    assert!(!err, "{text}");
+    let other_workspace = airlock.workspace("other");
+    let before: Vec<_> = std::fs::read_dir(&host_repo)
+        .expect("list")
+        .map(|e| e.expect("entry").file_name())
+        .collect();
+    for path in [
+        host_repo.display().to_string(),
+        other_workspace.display().to_string(),
+        format!("/proc/1/root{}", host_repo.display()),
+        "/workspace/../../../..".to_owned() + &host_repo.display().to_string(),
+        "/root".to_owned(),
+    ] {
+        let (err, text, _) = airlock
+            .call_in(session, "git__git_status", json!({"repo_path": path}))
+            .await;
+        assert!(err, "{path}: {text}");
+        assert!(
+            !text.contains("secret.txt") && !text.contains("theirs.txt"),
+            "{path}: {text}"
+        );
+    }
+    let after: Vec<_> = std::fs::read_dir(&host_repo)
+        .expect("list")
+        .map(|e| e.expect("entry").file_name())
+        .collect();
+    assert_eq!(before, after, "the host repository changed");
+
+    // One server per session: the two sessions' git servers are two processes.
+    let (err, text, _) = airlock
+        .call_in(
+            "other",
+            "git__git_status",
+            json!({"repo_path": "/workspace"}),
+        )
+        .await;
+    assert!(!err && text.contains("theirs.txt"), "{text}");
+    assert_eq!(processes(&airlock, "mcp-server-git").len(), 2);
+
+    // A tool the server does not mark read-only waits for a human, then runs once.
+    let (held, _) = airlock
+        .propose(
+            session,
+            "git__git_add",
+            json!({"repo_path": "/workspace", "files": ["a.txt"]}),
+        )
+        .await;
+    assert_eq!(held["status"], "pending_approval", "{held}");
+    let detail = airlock.approve_and_wait(&held).await;
+    assert_eq!(detail["status"], "ok", "{detail}");
+    let (held, _) = airlock
+        .propose(
+            session,
+            "git__git_commit",
+            json!({"repo_path": "/workspace", "message": "Add a.txt through MCP"}),
+        )
+        .await;
+    assert_eq!(held["status"], "pending_approval", "{held}");
+    let log = std::process::Command::new("git")
+        .args(["log", "--oneline"])
+        .current_dir(airlock.workspace(session))
+        .output()
+        .expect("git log");
+    assert!(!String::from_utf8_lossy(&log.stdout).contains("through MCP"));
+    let detail = airlock.approve_and_wait(&held).await;
+    assert_eq!(detail["status"], "ok", "{detail}");
+    let log = std::process::Command::new("git")
+        .args(["log", "--oneline"])
+        .current_dir(airlock.workspace(session))
+        .output()
+        .expect("git log");
+    assert!(
+        String::from_utf8_lossy(&log.stdout).contains("Add a.txt through MCP"),
+        "{log:?}"
+    );
+
+    // The audit names the MCP tools like any other.
+    let (status, audit) = airlock.get("/v1/audit?limit=1000").await;
+    assert_eq!(status, 200);
+    let audit = audit.to_string();
+    assert!(audit.contains("git__git_commit") && audit.contains("time__get_current_time"));
+    assert!(
+        audit.contains("not marked read-only by the MCP server git"),
+        "the approval's reason is not in the audit: {audit}"
+    );
+    let (_, verify) = airlock.get("/v1/audit/verify").await;
+    assert_eq!(verify["ok"], true, "{verify}");
+}
+
+#[tokio::test]
+async fn a_misbehaving_mcp_server_fails_only_the_call_at_hand() {
+    let airlock = Airlock::start_with(&config()).await;
+    let session = "flaky";
+    let (err, text, _) = airlock
+        .call_in(session, "flaky__echo", json!({"say": "hi"}))
+        .await;
+    assert!(!err, "{text}");
+    assert_eq!(
+        serde_json::from_str::<Value>(&text).ok(),
+        Some(json!({"say": "hi"}))
+    );
+
+    // A crash: an error naming the exit and the server's last words, then a new
+    // process for the next call.
+    let (err, text, _) = airlock.call_in(session, "flaky__crash", json!({})).await;
+    assert!(err, "{text}");
+    assert!(text.contains("exited with status 3"), "{text}");
+    assert!(text.contains("crashing on purpose"), "{text}");
+    let (err, text, _) = airlock
+        .call_in(session, "flaky__echo", json!({"again": true}))
+        .await;
+    assert!(!err, "{text}");
+
+    // Garbage lines are ignored; a line longer than any message is dropped unread.
+    for (tool, answer) in [
+        ("flaky__garbage", "after garbage"),
+        ("flaky__flood", "after flood"),
+    ] {
+        let (err, text, _) = airlock.call_in(session, tool, json!({})).await;
+        assert!(!err, "{tool}: {text}");
+        assert_eq!(text, answer);
+    }
+
+    // Progress reaches the caller's stream.
+    let body = json!({"session_id": session, "tool_uses": [{"type": "tool_use", "id": "p1",
+        "name": "flaky__progress", "input": {}}]});
+    let response = airlock
+        .request(reqwest::Method::POST, "/v1/tool_calls?stream=true")
+        .json(&body)
+        .send()
+        .await
+        .expect("send");
+    let text = tokio::time::timeout(Duration::from_secs(60), response.text())
+        .await
+        .expect("the stream ended")
+        .expect("read");
+    let events = sse_events(&text);
+    let progress: Vec<_> = events
+        .iter()
+        .filter(|(name, _)| name == "call.progress")
+        .collect();
+    assert_eq!(progress.len(), 3, "{text}");
+    assert_eq!(progress[2].1["message"], "step 3", "{text}");
+    assert!(text.contains("progressed"), "{text}");
+
+    // A hang: the caller cancels, the server hears notifications/cancelled, and the
+    // server still answers the next call.
+    let (started, _) = airlock.propose(session, "flaky__hang", json!({})).await;
+    let call_id = started["call_id"].as_str().expect("call id").to_owned();
+    let (status, body) = airlock
+        .post(&format!("/v1/calls/{call_id}/cancel"), &json!({}))
+        .await;
+    assert_eq!(status, 200, "{body}");
+    let (_, detail) = airlock
+        .get(&format!("/v1/calls/{call_id}?wait_ms=20000"))
+        .await;
+    assert_eq!(detail["status"], "cancelled", "{detail}");
+    let log = wait_for_file(&airlock.workspace(session).join("cancelled.log")).await;
+    assert!(log.starts_with("cancelled "), "{log}");
+    let (err, text, _) = airlock
+        .call_in(session, "flaky__echo", json!({"after": "hang"}))
+        .await;
+    assert!(!err, "{text}");
+
+    // The orchestrator and the other tools never noticed.
+    let (status, _) = airlock.get("/readyz").await;
+    assert_eq!(status, 200);
+    let (err, text, _) = airlock
+        .call("time__get_current_time", json!({"timezone": "UTC"}))
+        .await;
+    assert!(!err, "{text}");
+}
+
+#[test]
+fn bad_mcp_server_entries_stop_the_start() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    for (entry, says) in [
+        ("name = \"a__b\"\ncommand = [\"x\"]", "must be 1 to"),
+        ("name = \"t\"", "give command"),
+        (
+            "name = \"t\"\nurl = \"http://127.0.0.1:9/mcp\"",
+            "not served yet",
+        ),
+        (
+            "name = \"t\"\ncommand = [\"/nonexistent/mcp-server\"]",
+            "could not be started",
+        ),
+        (
+            "name = \"t\"\ncommand = [\"/bin/sh\", \"-c\", \"echo not-mcp; sleep 60\"]\nstart_timeout_seconds = 2",
+            "did not answer initialize",
+        ),
+    ] {
+        let config = dir.path().join("airlock.toml");
+        std::fs::write(
+            &config,
+            format!(
+                "[orchestrator]\nhttp_listen = \"127.0.0.1:0\"\ngrpc_listen = \"127.0.0.1:0\"\n\n[[mcp_servers]]\n{entry}\n"
+            ),
+        )
+        .expect("config");
+        let log = up_refused(&config, &dir.path().join("data"));
+        assert!(log.contains(says), "{entry}: {log}");
+        assert!(
+            log.contains("[[mcp_servers]] t") || log.contains("MCP server") || log.contains("a__b"),
+            "{entry}: {log}"
+        );
+    }
+}
