@@ -87,9 +87,26 @@ async fn wait_for_file(path: &Path) -> String {
     panic!("{} never appeared", path.display());
 }
 
+/// The default policy, plus a rule on an MCP tool's argument.
+const POLICY: &str = r#"
+@id("agents-may-call-tools") permit (principal in Airlock::Role::"agent", action, resource);
+@id("admins-may-call-tools") permit (principal in Airlock::Role::"admin", action, resource);
+@id("no-wip-commits") @reason("commit messages say what changed")
+forbid (principal, action == Airlock::Action::"git__git_commit", resource)
+when { context.arguments.message like "WIP*" };
+"#;
+
 #[tokio::test]
 async fn mcp_servers_run_confined_behind_the_gate() {
-    let airlock = Airlock::start_with(&config()).await;
+    let policy_dir = tempfile::tempdir().expect("temp dir");
+    let policy = policy_dir.path().join("policy.cedar");
+    std::fs::write(&policy, POLICY).expect("policy");
+    let airlock = Airlock::start_with(&format!(
+        "{}\n[policy]\nfile = \"{}\"\n",
+        config(),
+        policy.display()
+    ))
+    .await;
 
     // Their tools are in the catalog as <server>__<tool>, with the servers' schemas.
     let (status, tools) = airlock.get("/v1/tools").await;
@@ -226,6 +243,22 @@ async fn mcp_servers_run_confined_behind_the_gate() {
         .await;
     assert!(!err && text.contains("theirs.txt"), "{text}");
     assert_eq!(processes(&airlock, "mcp-server-git").len(), 2);
+
+    // Policies name MCP tools and their arguments like any other tool's.
+    let (denied, answer) = airlock
+        .propose(
+            session,
+            "git__git_commit",
+            json!({"repo_path": "/workspace", "message": "WIP: later"}),
+        )
+        .await;
+    assert_eq!(denied["status"], "denied", "{denied}");
+    assert!(
+        answer
+            .to_string()
+            .contains("commit messages say what changed"),
+        "{answer}"
+    );
 
     // A tool the server does not mark read-only waits for a human, then runs once.
     let (held, _) = airlock
