@@ -418,7 +418,7 @@ async fn three_replicas_behind_one_name_share_the_calls_and_survive_losing_one()
         cluster
             .orchestrator
             .log()
-            .contains("running the read-only call once more"),
+            .contains("running the read-only call on another replica"),
         "the read that waited on the dead replica ran again elsewhere:\n{}",
         cluster.orchestrator.log()
     );

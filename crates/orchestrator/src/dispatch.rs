@@ -72,7 +72,7 @@ pub struct WorkerCall<'a> {
     /// call must not be lost with its replica).
     pub detached: bool,
     /// The tool is read-only and idempotent: a call whose replica failed before
-    /// answering may run once more elsewhere.
+    /// answering may run on another replica (each at most once).
     pub retryable: bool,
 }
 
@@ -95,9 +95,10 @@ impl WorkerCall<'_> {
 ///
 /// A replica that certainly did not start the call (no connection, draining, refused
 /// by GOAWAY) is passed over for the next, whatever the tool. A replica that failed
-/// after the call went out may have run it: a read-only, idempotent call then runs once
-/// more on another replica, and any other call fails with an error that says it may or
-/// may not have taken effect. It is never sent a third time.
+/// after the call went out may have run it: a read-only, idempotent call then runs on
+/// another replica (each replica is tried at most once: during a rolling restart the
+/// next one may be going away too), and any other call fails with an error that says
+/// it may or may not have taken effect, never sent twice.
 ///
 /// When `cancel` fires after the request went out, the worker is asked to stop the call
 /// (`Cancel`, which kills its sandbox, detached or not) and this returns only once the
@@ -115,7 +116,6 @@ pub async fn execute(
     let timeout_ms = request.timeout_ms;
     let overall = Duration::from_millis(timeout_ms) + DEADLINE_SLACK;
     let mut tried: Vec<Arc<Replica>> = Vec::new();
-    let mut retried = false;
     let mut last_unreachable = String::from("no replicas are known");
     while let Some(replica) = group.replicas.choose(&tried) {
         tried.push(replica.clone());
@@ -173,9 +173,13 @@ pub async fn execute(
         }
         // The connection failed after the call went out: the worker may have run it.
         group.replicas.failed(&replica, failure.message());
-        if retryable && !retried {
-            retried = true;
-            tracing::warn!(group = %group.name, endpoint = %replica.endpoint, status = %failure, "replica failed before answering; running the read-only call once more on another replica");
+        if retryable {
+            tracing::warn!(group = %group.name, endpoint = %replica.endpoint, status = %failure, "replica failed before answering; running the read-only call on another replica");
+            last_unreachable = format!(
+                "replica {} failed before answering: {}",
+                replica.endpoint,
+                failure.message()
+            );
             continue;
         }
         return Err(DispatchError::Failed {

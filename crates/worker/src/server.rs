@@ -33,6 +33,11 @@ const MAX_MESSAGE_BYTES: usize = 32 * 1024 * 1024;
 const CANCEL_GRACE: Duration = Duration::from_secs(5);
 /// How long connections may stay open once every call has ended in a drain.
 const CLOSE_GRACE: Duration = Duration::from_secs(5);
+/// How long a drained worker still answers (refusing every new call as not started)
+/// before it closes its connections: a call the orchestrator sent just before it
+/// learnt of the drain then gets a refusal it can send elsewhere, not a connection
+/// torn down under it, which would leave it unsure whether the call ran.
+const REFUSE_LINGER: Duration = Duration::from_millis(300);
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
@@ -265,6 +270,7 @@ impl WorkerServer {
                     let _ = tokio::time::timeout(CANCEL_GRACE, in_flight.wait()).await;
                 }
                 tracing::info!("drained");
+                tokio::time::sleep(REFUSE_LINGER).await;
                 stop_serving.cancel();
             }
         };
