@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
-use crate::support::{Airlock, cmdline, descendants, sse_events, up_refused};
+use crate::support::{AIRLOCK, Airlock, cmdline, descendants, sse_events, up_refused};
 
 /// Where `.ci/run` installs the servers: a virtualenv under `/usr`, which the sandbox
 /// mounts read-only (a server installed under `/root` or `/home` is not visible there).
@@ -243,6 +243,23 @@ async fn mcp_servers_run_confined_behind_the_gate() {
         .await;
     assert!(!err && text.contains("theirs.txt"), "{text}");
     assert_eq!(processes(&airlock, "mcp-server-git").len(), 2);
+
+    // `airlock policy schema` shows them as the orchestrator derives them, with typed
+    // arguments, from the running shell worker.
+    let schema = std::process::Command::new(AIRLOCK)
+        .args(["policy", "schema", "--config"])
+        .arg(airlock.dir.path().join("airlock.toml"))
+        .arg("--data-dir")
+        .arg(airlock.data_dir())
+        .output()
+        .expect("airlock policy schema");
+    let schema_text = String::from_utf8_lossy(&schema.stdout);
+    assert!(schema.status.success(), "{schema:?}");
+    assert!(
+        schema_text.contains("action \"git__git_commit\" in [\"shell\"")
+            && schema_text.contains("action \"time__get_current_time\""),
+        "{schema_text}"
+    );
 
     // Policies name MCP tools and their arguments like any other tool's.
     let (denied, answer) = airlock

@@ -332,36 +332,56 @@ fn policy_schema(location: &Location) -> anyhow::Result<ExitCode> {
     use anyhow::Context as _;
     let loaded = config::Loaded::load(location.config.as_deref(), location.data_dir.as_deref())?;
     let mut tools = loaded.tool_extensions()?;
-    // External workers' tools come from their ListTools, as the orchestrator derives them.
-    let external: Vec<_> = loaded
+    // External workers' tools, and MCP servers' tools (from the worker that runs
+    // them, the shell worker), come from ListTools, as the orchestrator derives them.
+    let mut groups: Vec<(String, String)> = loaded
         .config
         .workers
         .iter()
         .filter(|w| !airlock_policy::authz::BUILT_IN_GROUPS.contains(&w.group.as_str()))
+        .map(|w| {
+            w.endpoints
+                .first()
+                .map(|e| (w.group.clone(), e.clone()))
+                .with_context(|| format!("worker group {:?} has no endpoints", w.group))
+        })
+        .collect::<anyhow::Result<_>>()?;
+    let mcp: Vec<airlock_policy::McpServerPolicy> = loaded
+        .config
+        .mcp_servers
+        .iter()
+        .map(airlock_worker::mcp::McpServerEntry::policy)
         .collect();
-    if !external.is_empty() {
+    if !mcp.is_empty() {
+        let shell = match loaded.config.workers.iter().find(|w| w.group == "shell") {
+            Some(group) => group.endpoints.first().cloned(),
+            None => Some(format!("unix:{}", loaded.socket_path("shell").display())),
+        };
+        groups.extend(shell.map(|endpoint| ("shell".to_owned(), endpoint)));
+    }
+    if !groups.is_empty() {
         let tls = loaded.worker_tls()?;
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
             .context("cannot start the async runtime")?;
-        for group in external {
-            let endpoint = group
-                .endpoints
-                .first()
-                .with_context(|| format!("worker group {:?} has no endpoints", group.group))?;
+        for (group, endpoint) in groups {
             let listed = runtime
                 .block_on(airlock_orchestrator::worker_check::list_tools(
-                    endpoint, &tls,
+                    &endpoint, &tls,
                 ))
-                .with_context(|| format!("the {} worker's tools", group.group))?;
-            tools.extend(listed.into_iter().map(|definition| {
-                airlock_policy::authz::ToolExtension {
-                    group: group.group.clone(),
-                    definition,
-                    approval: None,
+                .with_context(|| format!("the {group} worker's tools"))?;
+            let external = !airlock_policy::authz::BUILT_IN_GROUPS.contains(&group.as_str());
+            for definition in listed {
+                let server = mcp.iter().find(|s| s.owns(&definition.name));
+                if external || server.is_some() {
+                    tools.push(airlock_policy::authz::ToolExtension {
+                        group: group.clone(),
+                        approval: server.and_then(|s| s.approval_reason(&definition)),
+                        definition,
+                    });
                 }
-            }));
+            }
         }
     }
     let extensions = airlock_policy::authz::ToolExtensions::new(&tools)?;
