@@ -379,6 +379,7 @@ async fn wait_for_orchestrator(
     loop {
         if let Ok(text) = std::fs::read_to_string(&run_file)
             && let Ok(endpoints) = serde_json::from_str::<serde_json::Value>(&text)
+            && local_workers_live(&endpoints, components).await
         {
             return Ok(endpoints);
         }
@@ -400,6 +401,32 @@ async fn wait_for_orchestrator(
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// Whether the orchestrator sees every worker this launcher started as live: a worker
+/// that fails after the orchestrator is up (the shell worker when an MCP server does
+/// not start) must still stop `airlock up` with its error, not be restarted for ever
+/// behind an "Airlock is up".
+async fn local_workers_live(endpoints: &serde_json::Value, components: &[Component]) -> bool {
+    let Some(http) = endpoints["http"].as_str() else {
+        return false;
+    };
+    let client = reqwest::Client::new();
+    let ready = client
+        .get(format!("{http}/readyz"))
+        .timeout(Duration::from_secs(2))
+        .send()
+        .await;
+    let Ok(body) = (match ready {
+        Ok(response) => response.json::<serde_json::Value>().await,
+        Err(e) => Err(e),
+    }) else {
+        return false;
+    };
+    components
+        .iter()
+        .filter_map(|c| c.name.strip_suffix(" worker"))
+        .all(|group| body["workers"][group] == "live")
 }
 
 fn announce(loaded: &Loaded, endpoints: &serde_json::Value) -> anyhow::Result<()> {
