@@ -74,6 +74,39 @@ fn namespace(pid: &str, kind: &str) -> PathBuf {
     std::fs::read_link(format!("/proc/{pid}/ns/{kind}")).expect("namespace link")
 }
 
+/// Waits (bounded) until the catalog lists every one of `names`: the MCP tools are
+/// discovered from the shell worker's ListTools, and the policy is validated again
+/// with them, moments after the worker is up. Returns the listing.
+async fn wait_for_tools(airlock: &Airlock, names: &[&str]) -> String {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let (status, tools) = airlock.get("/v1/tools").await;
+        assert_eq!(status, 200, "{tools}");
+        let listed = tools.to_string();
+        if names
+            .iter()
+            .all(|name| listed.contains(&format!("\"{name}\"")))
+        {
+            return listed;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "not all of {names:?} listed: {listed}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// The workspace's commits, as the host's git sees them.
+fn host_git_log(repo: &Path) -> String {
+    let log = std::process::Command::new("git")
+        .args(["log", "--oneline"])
+        .current_dir(repo)
+        .output()
+        .expect("git log");
+    String::from_utf8_lossy(&log.stdout).into_owned()
+}
+
 async fn wait_for_file(path: &Path) -> String {
     let deadline = Instant::now() + Duration::from_secs(20);
     while Instant::now() < deadline {
@@ -109,19 +142,18 @@ async fn mcp_servers_run_confined_behind_the_gate() {
     .await;
 
     // Their tools are in the catalog as <server>__<tool>, with the servers' schemas.
-    let (status, tools) = airlock.get("/v1/tools").await;
-    assert_eq!(status, 200, "{tools}");
-    let listed = tools.to_string();
-    for name in [
-        "time__get_current_time",
-        "time__convert_time",
-        "git__git_status",
-        "git__git_commit",
-        "git__git_add",
-        "flaky__echo",
-    ] {
-        assert!(listed.contains(&format!("\"{name}\"")), "{name}: {listed}");
-    }
+    wait_for_tools(
+        &airlock,
+        &[
+            "time__get_current_time",
+            "time__convert_time",
+            "git__git_status",
+            "git__git_commit",
+            "git__git_add",
+            "flaky__echo",
+        ],
+    )
+    .await;
 
     // A read-only tool runs at once; the schema is checked at the gate.
     let (err, text, _) = airlock
@@ -296,23 +328,11 @@ async fn mcp_servers_run_confined_behind_the_gate() {
         )
         .await;
     assert_eq!(held["status"], "pending_approval", "{held}");
-    let log = std::process::Command::new("git")
-        .args(["log", "--oneline"])
-        .current_dir(airlock.workspace(session))
-        .output()
-        .expect("git log");
-    assert!(!String::from_utf8_lossy(&log.stdout).contains("through MCP"));
+    assert!(!host_git_log(&airlock.workspace(session)).contains("through MCP"));
     let detail = airlock.approve_and_wait(&held).await;
     assert_eq!(detail["status"], "ok", "{detail}");
-    let log = std::process::Command::new("git")
-        .args(["log", "--oneline"])
-        .current_dir(airlock.workspace(session))
-        .output()
-        .expect("git log");
-    assert!(
-        String::from_utf8_lossy(&log.stdout).contains("Add a.txt through MCP"),
-        "{log:?}"
-    );
+    let log = host_git_log(&airlock.workspace(session));
+    assert!(log.contains("Add a.txt through MCP"), "{log}");
 
     // The audit names the MCP tools like any other.
     let (status, audit) = airlock.get("/v1/audit?limit=1000").await;
@@ -330,6 +350,11 @@ async fn mcp_servers_run_confined_behind_the_gate() {
 #[tokio::test]
 async fn a_misbehaving_mcp_server_fails_only_the_call_at_hand() {
     let airlock = Airlock::start_with(&config()).await;
+    wait_for_tools(
+        &airlock,
+        &["flaky__echo", "flaky__hang", "time__get_current_time"],
+    )
+    .await;
     let session = "flaky";
     let (err, text, _) = airlock
         .call_in(session, "flaky__echo", json!({"say": "hi"}))

@@ -29,6 +29,8 @@ use rmcp::{ClientHandler, Peer, RoleClient, ServiceExt};
 use serde_json::Value;
 use tokio::sync::{Notify, watch};
 
+use super::lock;
+
 /// Longest message a server may send (one JSON-RPC line).
 pub(super) const MAX_MESSAGE_BYTES: usize = 4 << 20;
 /// How much of a server's stderr a crash report quotes.
@@ -372,12 +374,5 @@ fn keep_tail(tail: &mut Vec<u8>, data: &[u8]) {
     if tail.len() > STDERR_TAIL_BYTES {
         let cut = tail.len() - STDERR_TAIL_BYTES;
         tail.drain(..cut);
-    }
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    match mutex.lock() {
-        Ok(guard) => guard,
-        Err(poisoned) => poisoned.into_inner(),
     }
 }

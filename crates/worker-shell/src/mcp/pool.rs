@@ -14,6 +14,7 @@ use airlock_worker::mcp::McpServerEntry;
 use serde_json::Value;
 
 use super::instance::{Instance, InstanceError, Launch};
+use super::{lock, read, write};
 use crate::config::ShellConfig;
 
 /// How often idle instances are looked for.
@@ -238,26 +239,5 @@ async fn reap(pool: std::sync::Weak<McpPool>) {
             Some(pool) => pool.reap_idle(),
             None => return,
         }
-    }
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    match mutex.lock() {
-        Ok(guard) => guard,
-        Err(poisoned) => poisoned.into_inner(),
-    }
-}
-
-fn read<T>(lock: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
-    match lock.read() {
-        Ok(guard) => guard,
-        Err(poisoned) => poisoned.into_inner(),
-    }
-}
-
-fn write<T>(lock: &RwLock<T>) -> std::sync::RwLockWriteGuard<'_, T> {
-    match lock.write() {
-        Ok(guard) => guard,
-        Err(poisoned) => poisoned.into_inner(),
     }
 }
