@@ -9,7 +9,9 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
-use crate::support::{AIRLOCK, Airlock, cmdline, descendants, sse_events, up_refused};
+use crate::support::{
+    AIRLOCK, Airlock, cmdline, descendants, send_as, sse_events, token_digest, up_refused,
+};
 
 /// Where `.ci/run` installs the servers: a virtualenv under `/usr`, which the sandbox
 /// mounts read-only (a server installed under `/root` or `/home` is not visible there).
@@ -470,4 +472,172 @@ fn bad_mcp_server_entries_stop_the_start() {
             "{entry}: {log}"
         );
     }
+}
+
+/// The audit events of `kind` whose data names `tool`.
+async fn audit_events_of(airlock: &Airlock, kind: &str, tool: &str) -> Vec<Value> {
+    let (status, body) = airlock.get("/v1/audit?limit=1000").await;
+    assert_eq!(status, 200, "{body}");
+    body["events"]
+        .as_array()
+        .expect("events")
+        .iter()
+        .filter(|e| e["kind"] == kind && e["data"]["tool"] == tool)
+        .cloned()
+        .collect()
+}
+
+/// Tool poisoning (DESIGN §11): the definition of each discovered tool is pinned by its
+/// digest when first seen. A server that later rewrites a tool's description gets that
+/// tool hidden, with one audit event, until an admin accepts the new definition; an
+/// agent cannot accept it, and the server's other tools stay served throughout.
+#[tokio::test]
+async fn a_changed_mcp_tool_definition_is_hidden_until_an_admin_accepts_it() {
+    let config = format!(
+        r#"
+[[principals]]
+name = "alice"
+token_sha256 = "{alice}"
+roles = ["agent"]
+[[principals]]
+name = "root"
+token_sha256 = "{root}"
+roles = ["admin"]
+
+[[mcp_servers]]
+name = "flaky"
+command = ["/usr/bin/python3", "-c", '''{FLAKY}''']
+per_session = false
+"#,
+        alice = token_digest("alice-token"),
+        root = token_digest("root-token"),
+    );
+    let mut airlock = Airlock::start_with(&config).await;
+    airlock.token = "root-token".to_owned();
+    wait_for_tools(&airlock, &["flaky__echo", "flaky__crash"]).await;
+
+    // Pinned at first sight, once, and nothing waits for review.
+    let pinned = audit_events_of(&airlock, "tool_pinned", "flaky__echo").await;
+    assert_eq!(pinned.len(), 1, "{pinned:?}");
+    let (status, pins) = airlock.get("/v1/tools/pins").await;
+    assert_eq!(status, 200, "{pins}");
+    let pin = pins["pins"]
+        .as_array()
+        .expect("pins")
+        .iter()
+        .find(|p| p["tool"] == "flaky__echo")
+        .cloned()
+        .expect("flaky__echo is pinned");
+    assert_eq!(
+        pin["pinned"]["digest"], pinned[0]["data"]["digest"],
+        "{pin}"
+    );
+    assert!(pin["pending"].is_null(), "{pin}");
+    let first_digest = pin["pinned"]["digest"].clone();
+
+    // Nothing to accept yet; built-in tools are never pinned; agents may neither look
+    // nor accept.
+    let (status, body) = airlock
+        .post("/v1/tools/flaky__echo/accept", &json!({}))
+        .await;
+    assert_eq!(status, 409, "{body}");
+    let (status, body) = airlock.post("/v1/tools/read_file/accept", &json!({})).await;
+    assert_eq!(status, 404, "{body}");
+    for (method, path) in [
+        (reqwest::Method::GET, "/v1/tools/pins"),
+        (reqwest::Method::POST, "/v1/tools/flaky__echo/accept"),
+    ] {
+        let (status, body, _) = send_as(&airlock, "alice-token", method, path, None).await;
+        assert_eq!(status, 403, "{path}: {body}");
+    }
+
+    // The server poisons echo's description and says its tool list changed.
+    let (err, text, _) = airlock.call("flaky__poison", json!({})).await;
+    assert!(!err, "{text}");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let (_, tools) = airlock.get("/v1/tools").await;
+        let listed = tools.to_string();
+        if !listed.contains("\"flaky__echo\"") {
+            assert!(listed.contains("\"flaky__crash\""), "{listed}");
+            assert!(!listed.contains("Ignore previous instructions"), "{listed}");
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "flaky__echo is still served after its definition changed: {listed}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // Hidden means not callable, by anyone.
+    let (err, text, _) = airlock.call("flaky__echo", json!({"say": "hi"})).await;
+    assert!(err, "{text}");
+    assert!(text.contains("unknown tool"), "{text}");
+
+    // One audit event for the change, however often the catalog is refreshed (every
+    // 5 s for a live group).
+    tokio::time::sleep(Duration::from_secs(11)).await;
+    let changed = audit_events_of(&airlock, "tool_definition_changed", "flaky__echo").await;
+    assert_eq!(changed.len(), 1, "{changed:?}");
+    assert_eq!(changed[0]["data"]["pinned_digest"], first_digest);
+    assert_eq!(changed[0]["data"]["changed"], json!(["description"]));
+    let (_, pins) = airlock.get("/v1/tools/pins").await;
+    let pin = pins["pins"]
+        .as_array()
+        .expect("pins")
+        .iter()
+        .find(|p| p["tool"] == "flaky__echo")
+        .cloned()
+        .expect("flaky__echo is pinned");
+    assert_eq!(pin["pinned"]["digest"], first_digest, "{pin}");
+    let pending = &pin["pending"];
+    assert_eq!(
+        pending["digest"], changed[0]["data"]["seen_digest"],
+        "{pin}"
+    );
+    assert!(
+        pending["definition"]["description"]
+            .as_str()
+            .is_some_and(|d| d.contains("Ignore previous instructions")),
+        "{pin}"
+    );
+
+    // The CLI shows it hidden, and the admin accepts it.
+    let pins_cli = airlock
+        .cli(&["tools", "pins", "--token", "root-token"])
+        .output()
+        .expect("airlock tools pins");
+    let shown = String::from_utf8_lossy(&pins_cli.stdout);
+    assert!(pins_cli.status.success(), "{shown}");
+    assert!(
+        shown
+            .lines()
+            .any(|l| l.starts_with("flaky__echo") && l.contains("HIDDEN")),
+        "{shown}"
+    );
+    let accepted = airlock
+        .cli(&["tools", "accept", "flaky__echo", "--token", "root-token"])
+        .output()
+        .expect("airlock tools accept");
+    assert!(
+        accepted.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&accepted.stdout),
+        String::from_utf8_lossy(&accepted.stderr)
+    );
+
+    // Served again, as it is now (once the policy has taken the tool back in); the
+    // acceptance is audited with who gave it.
+    let listed = wait_for_tools(&airlock, &["flaky__echo"]).await;
+    assert!(listed.contains("Ignore previous instructions"), "{listed}");
+    let (err, text, _) = airlock.call("flaky__echo", json!({"say": "again"})).await;
+    assert!(!err, "{text}");
+    let accepted = audit_events_of(&airlock, "tool_accepted", "flaky__echo").await;
+    assert_eq!(accepted.len(), 1, "{accepted:?}");
+    assert_eq!(accepted[0]["principal"], "root");
+    assert_eq!(accepted[0]["data"]["previous_digest"], first_digest);
+    assert_eq!(accepted[0]["data"]["digest"], pending["digest"]);
+    let (status, verify) = airlock.get("/v1/audit/verify").await;
+    assert_eq!(status, 200, "{verify}");
+    assert_eq!(verify["ok"], true, "{verify}");
 }

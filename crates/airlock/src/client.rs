@@ -103,6 +103,67 @@ pub fn tools(connection: &Connection, raw: bool, format: &str) -> anyhow::Result
     Ok(ExitCode::SUCCESS)
 }
 
+/// `airlock tools pins` and `airlock tools accept <name>`.
+pub fn tool_pins(connection: &Connection, action: &crate::ToolsAction) -> anyhow::Result<ExitCode> {
+    use crate::ToolsAction;
+    let target = Target::resolve(connection)?;
+    let runtime = Target::runtime()?;
+    let client = reqwest::Client::new();
+    match action {
+        ToolsAction::Pins { json } => {
+            let body = runtime
+                .block_on(target.send(client.get(format!("{}/v1/tools/pins", target.url))))?;
+            if *json {
+                println!("{}", serde_json::to_string_pretty(&body)?);
+                return Ok(ExitCode::SUCCESS);
+            }
+            for pin in body["pins"].as_array().into_iter().flatten() {
+                let short = |digest: &Value| {
+                    digest
+                        .as_str()
+                        .map(|d| d.chars().take(12).collect::<String>())
+                        .unwrap_or_default()
+                };
+                // Names and definitions come from a worker or an MCP server: escaped.
+                let tool = pin["tool"]
+                    .as_str()
+                    .unwrap_or("?")
+                    .escape_debug()
+                    .to_string();
+                match pin.get("pending").filter(|p| !p.is_null()) {
+                    Some(pending) => println!(
+                        "{tool:<32} HIDDEN  pinned {} changed to {} since {}: review with --json, then `airlock tools accept {tool}`",
+                        short(&pin["pinned"]["digest"]),
+                        short(&pending["digest"]),
+                        pin["pending_since"].as_str().unwrap_or("?"),
+                    ),
+                    None => {
+                        println!(
+                            "{tool:<32} served  pinned {} ({})",
+                            short(&pin["pinned"]["digest"]),
+                            pin["accepted_by"].as_str().map_or(
+                                "first seen".to_owned(),
+                                |by| format!("accepted by {}", by.escape_debug())
+                            ),
+                        )
+                    }
+                }
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        ToolsAction::Accept { name } => {
+            airlock_policy::validate_tool_name(name)?;
+            let url = format!("{}/v1/tools/{name}/accept", target.url);
+            let body = runtime.block_on(target.send(client.post(url)))?;
+            println!(
+                "accepted {name}: pinned to digest {}; it is served as its worker lists it now",
+                body["pin"]["pinned"]["digest"].as_str().unwrap_or("?"),
+            );
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
 /// How often, at most, `airlock call` asks again while it follows a call: each
 /// `GET /v1/calls/{id}?wait_ms=` waits this long for the call to end, so a long wait is
 /// a few requests, not one that idles for an hour behind some proxy's timeout.

@@ -71,8 +71,10 @@ enum Command {
         #[command(flatten)]
         location: Location,
     },
-    /// List the tools you may call.
+    /// List the tools you may call; review and accept changed tool definitions.
     Tools {
+        #[command(subcommand)]
+        action: Option<ToolsAction>,
         #[command(flatten)]
         connection: Connection,
         /// Print the raw JSON catalog.
@@ -178,6 +180,19 @@ pub enum ApprovalAction {
 }
 
 #[derive(Debug, Subcommand)]
+pub enum ToolsAction {
+    /// The pinned definitions of the tools external workers and MCP servers list, and
+    /// the changes that keep a tool hidden until accepted (admin role).
+    Pins {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Serve a tool whose definition changed since it was pinned, as it is now (admin
+    /// role; audited as tool_accepted).
+    Accept { name: String },
+}
+
+#[derive(Debug, Subcommand)]
 pub enum AuditAction {
     /// The latest audit events.
     Tail {
@@ -275,6 +290,12 @@ fn main() -> ExitCode {
         Command::Approvals { action, connection } => client::approvals(&connection, &action),
         Command::Audit { action, connection } => client::audit(&connection, &action),
         Command::Tools {
+            action: Some(action),
+            connection,
+            ..
+        } => client::tool_pins(&connection, &action),
+        Command::Tools {
+            action: None,
             connection,
             json,
             format,

@@ -143,11 +143,19 @@ pub enum AuditKind {
     PrincipalsReloadFailed,
     AgentRunStarted,
     AgentRunFinished,
+    /// A discovered tool's definition (an external worker's or an MCP server's) was
+    /// seen for the first time and pinned by its digest.
+    ToolPinned,
+    /// A discovered tool's definition differs from its pin: the tool is hidden until an
+    /// admin accepts the new one.
+    ToolDefinitionChanged,
+    /// An admin accepted a changed definition (`airlock tools accept`).
+    ToolAccepted,
 }
 
 impl AuditKind {
     /// Every kind, in the README's order.
-    pub const ALL: [AuditKind; 21] = [
+    pub const ALL: [AuditKind; 24] = [
         AuditKind::Requested,
         AuditKind::Rejected,
         AuditKind::RejectedSchema,
@@ -169,6 +177,9 @@ impl AuditKind {
         AuditKind::PrincipalsReloadFailed,
         AuditKind::AgentRunStarted,
         AuditKind::AgentRunFinished,
+        AuditKind::ToolPinned,
+        AuditKind::ToolDefinitionChanged,
+        AuditKind::ToolAccepted,
     ];
 
     /// The name stored in `kind` and hashed into the chain.
@@ -195,6 +206,9 @@ impl AuditKind {
             AuditKind::PrincipalsReloadFailed => "principals_reload_failed",
             AuditKind::AgentRunStarted => "agent_run_started",
             AuditKind::AgentRunFinished => "agent_run_finished",
+            AuditKind::ToolPinned => "tool_pinned",
+            AuditKind::ToolDefinitionChanged => "tool_definition_changed",
+            AuditKind::ToolAccepted => "tool_accepted",
         }
     }
 }
@@ -355,6 +369,12 @@ pub fn chain_hash(
     hasher.update(prev_hash.as_bytes());
     hasher.update(canonical_json(&Value::Object(body)).as_bytes());
     hex::encode(hasher.finalize())
+}
+
+/// SHA-256 (hex) of the canonical JSON of `value`: equal for equal values, however their
+/// keys were ordered.
+pub fn value_sha256(value: &Value) -> String {
+    hex::encode(Sha256::digest(canonical_json(value).as_bytes()))
 }
 
 /// JSON text with object keys sorted (by UTF-8 bytes) at every depth and no

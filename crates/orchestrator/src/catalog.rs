@@ -19,6 +19,7 @@ use tokio_util::sync::CancellationToken;
 use crate::config::{DispatchConfig, WorkerGroupConfig};
 use crate::endpoints::{Dialer, EndpointSpec};
 use crate::replicas::ReplicaSet;
+use crate::store::{PinCheck, PinnedDefinition, Store};
 
 /// How often a group that is down is asked again.
 const DOWN_PROBE_INTERVAL: Duration = Duration::from_millis(500);
@@ -134,6 +135,15 @@ pub struct Catalog {
     conflicts: std::sync::Mutex<Vec<String>>,
     /// `[[mcp_servers]]`: whose tools a built-in group may list as discovered ones.
     mcp_servers: Vec<McpServerPolicy>,
+    /// Where discovered tools' definitions are pinned (DESIGN §11); `None` serves every
+    /// definition as listed (the in-process benchmark harness, which discovers nothing).
+    pins: Option<Arc<dyn Store>>,
+    /// Tool → the digest the store pinned for it, as last confirmed: a definition with
+    /// this digest is served without asking the store again.
+    pinned: std::sync::Mutex<std::collections::HashMap<String, String>>,
+    /// Tool → the digest of the changed definition it is hidden for, so that each
+    /// change is logged once.
+    hidden: std::sync::Mutex<std::collections::HashMap<String, String>>,
 }
 
 impl Catalog {
@@ -155,7 +165,18 @@ impl Catalog {
             changes: tokio::sync::watch::Sender::new(0),
             conflicts: std::sync::Mutex::default(),
             mcp_servers: Vec::new(),
+            pins: None,
+            pinned: std::sync::Mutex::default(),
+            hidden: std::sync::Mutex::default(),
         })
+    }
+
+    /// Pins each discovered tool's definition in `store` when first seen, and hides a
+    /// tool whose worker later lists another definition until an admin accepts it
+    /// ([`Store::accept_tool_pin`]).
+    pub fn with_pins(mut self, store: Arc<dyn Store>) -> Self {
+        self.pins = Some(store);
+        self
     }
 
     /// Serves the tools of these MCP servers (`<name>__<tool>`) as discovered tools of
@@ -268,7 +289,9 @@ impl Catalog {
                     if !was_live {
                         tracing::info!(group = %group.name, endpoint = %replica.endpoint, "worker group is live");
                     }
-                    self.install(&group.name, response.into_inner().tools);
+                    let tools = response.into_inner().tools;
+                    let hidden = self.check_pins(&group.name, &tools).await;
+                    self.install(&group.name, tools, &hidden);
                     return;
                 }
                 Ok(Err(status)) => {
@@ -284,10 +307,78 @@ impl Catalog {
         }
     }
 
-    /// Replaces the tools of `group` with `definitions`, skipping any that are malformed
-    /// or claimed by another group.
-    fn install(&self, group: &str, definitions: Vec<pb::ToolDefinition>) {
-        let external_group = !BUILT_IN_GROUPS.contains(&group);
+    /// Whether `group`'s tool `name` is discovered: its worker's `ListTools` is its one
+    /// source (an external group's tools, and any group's MCP server tools).
+    fn is_discovered(&self, group: &str, name: &str) -> bool {
+        !BUILT_IN_GROUPS.contains(&group) || self.mcp_servers.iter().any(|s| s.owns(name))
+    }
+
+    /// Compares each discovered tool `group` lists with its pin (pinning it when first
+    /// seen) and answers the tools to hide: those whose definition differs from the
+    /// pin, and, failing closed, those the store could not be asked about.
+    async fn check_pins(
+        &self,
+        group: &str,
+        definitions: &[pb::ToolDefinition],
+    ) -> std::collections::HashSet<String> {
+        let mut hidden = std::collections::HashSet::new();
+        let Some(store) = &self.pins else {
+            return hidden;
+        };
+        for wire in definitions {
+            if !self.is_discovered(group, &wire.name) {
+                continue;
+            }
+            // A malformed definition is skipped (and logged) by `install`.
+            let Ok(definition) = ToolDefinition::try_from(wire.clone()) else {
+                continue;
+            };
+            let Ok(definition) = serde_json::to_value(&definition) else {
+                continue;
+            };
+            let digest = crate::audit::value_sha256(&definition);
+            let name = wire.name.clone();
+            if lock(&self.pinned).get(&name) == Some(&digest) {
+                continue;
+            }
+            let seen = PinnedDefinition {
+                group: group.to_owned(),
+                digest: digest.clone(),
+                definition,
+            };
+            match store.check_tool_pin(&name, seen).await {
+                Ok(PinCheck::FirstSeen | PinCheck::Pinned) => {
+                    if let Some(was) = lock(&self.hidden).remove(&name) {
+                        tracing::info!(group, tool = %name, %digest, hidden_for = %was, "serving the tool again: its definition is the pinned one");
+                    }
+                    lock(&self.pinned).insert(name, digest);
+                }
+                Ok(PinCheck::Changed) => {
+                    let first_time = lock(&self.hidden).insert(name.clone(), digest.clone())
+                        != Some(digest.clone());
+                    if first_time {
+                        tracing::warn!(group, tool = %name, %digest, "hiding a tool whose definition differs from the one pinned for it; review it (GET /v1/tools/pins) and run `airlock tools accept {name}` to serve it");
+                    }
+                    lock(&self.pinned).remove(&name);
+                    hidden.insert(name);
+                }
+                Err(error) => {
+                    tracing::error!(group, tool = %name, %error, "hiding a tool whose definition cannot be checked against its pin");
+                    hidden.insert(name);
+                }
+            }
+        }
+        hidden
+    }
+
+    /// Replaces the tools of `group` with `definitions`, skipping any that are malformed,
+    /// claimed by another group or `hidden` (their definition is not the pinned one).
+    fn install(
+        &self,
+        group: &str,
+        definitions: Vec<pb::ToolDefinition>,
+        hidden: &std::collections::HashSet<String>,
+    ) {
         let mut listed = BTreeMap::new();
         let mut fresh = Vec::new();
         for wire in definitions {
@@ -303,10 +394,11 @@ impl Catalog {
                 tracing::error!(group, tool = %name, error = %e, "skipping tool");
                 continue;
             }
-            // Discovered: the worker's ListTools is the one source of the tool (an
-            // external group's tools, and any group's MCP server tools).
+            if hidden.contains(&name) {
+                continue;
+            }
             let mcp_server = self.mcp_servers.iter().find(|s| s.owns(&definition.name));
-            let external = external_group || mcp_server.is_some();
+            let external = self.is_discovered(group, &definition.name);
             if external {
                 if let Some(conflict) = self.defined_elsewhere(group, &definition.name) {
                     let mut conflicts = lock(&self.conflicts);

@@ -121,6 +121,8 @@ impl IntoResponse for ApiError {
 fn routes() -> Vec<(Method, &'static str, MethodRouter<HttpState>)> {
     vec![
         (Method::GET, "/v1/tools", get(list_tools)),
+        (Method::GET, "/v1/tools/pins", get(list_tool_pins)),
+        (Method::POST, "/v1/tools/{name}/accept", post(accept_tool)),
         (Method::POST, "/v1/tool_calls", post(tool_calls)),
         (Method::GET, "/v1/calls/{call_id}", get(get_call)),
         (
@@ -707,6 +709,37 @@ async fn read_audit(
         .await
         .map_err(store_error)?;
     Ok(axum::Json(json!({"events": events})))
+}
+
+/// The pinned definitions of discovered tools and the changes waiting for an admin.
+async fn list_tool_pins(
+    State(state): State<HttpState>,
+    axum::Extension(principal): axum::Extension<Principal>,
+) -> Result<axum::Json<Value>, ApiError> {
+    require_role(&principal, Role::Admin)?;
+    let pins = state.gate.tool_pins().await.map_err(store_error)?;
+    Ok(axum::Json(json!({"pins": pins})))
+}
+
+/// Serves a discovered tool's changed definition from now on (`airlock tools accept`).
+async fn accept_tool(
+    State(state): State<HttpState>,
+    axum::Extension(principal): axum::Extension<Principal>,
+    Path(name): Path<String>,
+) -> Result<axum::Json<Value>, ApiError> {
+    require_role(&principal, Role::Admin)?;
+    match state.gate.accept_tool(&name, &principal.name).await {
+        Ok(pin) => Ok(axum::Json(json!({"pin": pin}))),
+        Err(StoreError::NotFound { .. }) => Err(ApiError::not_found(format!(
+            "no pinned definition of tool {name:?}: only tools that external workers or MCP servers list are pinned; see GET /v1/tools/pins"
+        ))),
+        Err(e @ StoreError::NothingToAccept { .. }) => Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "conflict",
+            e.to_string(),
+        )),
+        Err(e) => Err(store_error(e)),
+    }
 }
 
 async fn verify_audit(

@@ -98,6 +98,19 @@ pub fn document() -> Value {
                 ],
                 "responses": with_errors(json!({"200": json_response("The call", json!({"$ref": "#/components/schemas/Call"}))})),
             }},
+            "/v1/tools/pins": {"get": {
+                "operationId": "listToolPins",
+                "summary": "Pinned definitions of discovered tools (admin role)",
+                "description": "Each tool an external worker or an MCP server lists is pinned by the SHA-256 of its definition when first seen. A later definition that differs is listed as pending and the tool is hidden until an admin accepts it.",
+                "responses": with_errors(json!({"200": json_response("The pins", json!({"$ref": "#/components/schemas/ToolPins"}))})),
+            }},
+            "/v1/tools/{name}/accept": {"post": {
+                "operationId": "acceptTool",
+                "summary": "Serve a discovered tool's changed definition from now on (admin role)",
+                "description": "Pins the pending definition (audited as tool_accepted) and asks the tool's worker group again. 404 when the tool has no pin, 409 when nothing is pending.",
+                "parameters": [{"name": "name", "in": "path", "required": true, "schema": {"type": "string"}}],
+                "responses": with_errors(json!({"200": json_response("The new pin", json!({"type": "object", "required": ["pin"], "properties": {"pin": {"$ref": "#/components/schemas/ToolPin"}}}))})),
+            }},
             "/v1/calls/{call_id}/cancel": {"post": {
                 "operationId": "cancelCall",
                 "summary": "Cancel a running call (its sandbox is killed)",
@@ -220,6 +233,15 @@ pub fn document() -> Value {
                 "AuditVerify": {"type": "object", "required": ["ok", "records"], "properties": {
                     "ok": {"type": "boolean"}, "records": {"type": "integer", "minimum": 0},
                     "first_bad_seq": {"type": "integer", "minimum": 1}, "reason": {"type": "string"}}},
+                "PinnedDefinition": {"type": "object", "required": ["group", "digest", "definition"], "properties": {
+                    "group": {"type": "string"}, "digest": {"type": "string"}, "definition": {"type": "object"}}},
+                "ToolPin": {"type": "object", "required": ["tool", "pinned", "pinned_at"], "properties": {
+                    "tool": {"type": "string"}, "pinned": {"$ref": "#/components/schemas/PinnedDefinition"},
+                    "pinned_at": {"type": "string"}, "accepted_by": {"type": ["string", "null"]},
+                    "pending": {"oneOf": [{"$ref": "#/components/schemas/PinnedDefinition"}, {"type": "null"}]},
+                    "pending_since": {"type": ["string", "null"]}}},
+                "ToolPins": {"type": "object", "required": ["pins"], "properties": {
+                    "pins": {"type": "array", "items": {"$ref": "#/components/schemas/ToolPin"}}}},
                 "Call": {"allOf": [{"$ref": "#/components/schemas/CallSummary"}, {"type": "object", "properties": {
                     "tool": {"type": "string"}, "tool_result": {"$ref": "#/components/schemas/ToolResult"}}}]},
             },

@@ -162,6 +162,12 @@ impl Orchestrator {
         if let Some(identity) = &config.worker_tls.mtls {
             airlock_tls::mtls::watch(identity.clone(), "orchestrator");
         }
+        let store = crate::store::open(
+            &config.store,
+            &config.data_dir,
+            config.store_password.clone(),
+        )
+        .await?;
         // Channels need the runtime, so the catalog is built here, not in `prepare`.
         let catalog = Arc::new(
             Catalog::new(
@@ -170,14 +176,9 @@ impl Orchestrator {
                 &config.dispatch,
             )?
             .with_extensions(prepared.authorizer.extensions().clone())
-            .with_mcp_servers(config.mcp_servers.clone()),
+            .with_mcp_servers(config.mcp_servers.clone())
+            .with_pins(store.clone()),
         );
-        let store = crate::store::open(
-            &config.store,
-            &config.data_dir,
-            config.store_password.clone(),
-        )
-        .await?;
         let gate = Arc::new(Gate::new(GateParts {
             catalog: catalog.clone(),
             limits: config.limits.clone(),

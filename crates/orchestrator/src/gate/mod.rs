@@ -272,6 +272,25 @@ impl Gate {
         self.store.verify().await
     }
 
+    /// The pinned definitions of discovered tools, with any change waiting for review.
+    pub async fn tool_pins(&self) -> Result<Vec<crate::store::ToolPin>, StoreError> {
+        self.store.tool_pins().await
+    }
+
+    /// Accepts the changed definition of `tool` (audited as `by`) and asks its group for
+    /// its tools at once, so that the tool is served again before this answers.
+    pub async fn accept_tool(
+        &self,
+        tool: &str,
+        by: &str,
+    ) -> Result<crate::store::ToolPin, StoreError> {
+        let pin = self.store.accept_tool_pin(tool, by).await?;
+        if let Some(group) = self.catalog.group(&pin.pinned.group) {
+            self.catalog.refresh_group(&group).await;
+        }
+        Ok(pin)
+    }
+
     pub fn authorizer(&self) -> Arc<Authorizer> {
         match self.authorizer.read() {
             Ok(a) => a.clone(),

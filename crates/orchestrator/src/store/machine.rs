@@ -18,10 +18,10 @@
 
 use super::{
     Approval, ApprovalId, ApprovalStatus, AuditRecord, CallChange, CallId, CallOutcome, CallState,
-    CallWrite, ExpiredApproval, NewApproval, NewAuditEvent, NewCall, StoreError, StoredCall,
-    Timestamp, now_millis, rfc3339, to_u64,
+    CallWrite, ExpiredApproval, NewApproval, NewAuditEvent, NewCall, PinCheck, PinnedDefinition,
+    StoreError, StoredCall, Timestamp, ToolPin, now_millis, rfc3339, to_u64,
 };
-use crate::audit::chain_hash;
+use crate::audit::{AuditKind, chain_hash};
 
 /// Which states a statement on `calls` applies to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -217,6 +217,13 @@ pub(super) trait Tx {
         &mut self,
         sweep: &Sweep,
     ) -> Result<Vec<(ApprovalId, CallId)>, StoreError>;
+
+    /// A tool's pin. Callers lock the head anchor first, which serializes every writer
+    /// of pins.
+    async fn tool_pin(&mut self, tool: &str) -> Result<Option<ToolPin>, StoreError>;
+
+    /// Inserts or replaces a tool's pin.
+    async fn put_tool_pin(&mut self, pin: &ToolPin) -> Result<(), StoreError>;
 }
 
 fn head_missing() -> StoreError {
@@ -273,6 +280,119 @@ pub(super) async fn append(
     tx.insert_audit(&record).await?;
     tx.move_chain_head(record.seq, &record.hash).await?;
     Ok(record)
+}
+
+/// See [`super::Store::check_tool_pin`]. The head anchor is locked first, so pin
+/// checks and accepts of every replica are serialized with each other and the chain.
+pub(super) async fn check_tool_pin(
+    tx: &mut impl Tx,
+    tool: &str,
+    seen: PinnedDefinition,
+) -> Result<PinCheck, StoreError> {
+    tx.chain_head().await?.ok_or_else(head_missing)?;
+    let now = now_millis();
+    let Some(mut pin) = tx.tool_pin(tool).await? else {
+        let event = NewAuditEvent::new(
+            AuditKind::ToolPinned,
+            serde_json::json!({"tool": tool, "group": seen.group, "digest": seen.digest}),
+        );
+        tx.put_tool_pin(&ToolPin {
+            tool: tool.to_owned(),
+            pinned: seen,
+            pinned_at: now,
+            accepted_by: None,
+            pending: None,
+            pending_since: None,
+        })
+        .await?;
+        append(tx, event).await?;
+        return Ok(PinCheck::FirstSeen);
+    };
+    if pin.pinned.digest == seen.digest {
+        // Back to the pinned definition: a change it had shown is no longer served, so
+        // there is nothing left to accept.
+        if pin.pending.take().is_some() {
+            pin.pending_since = None;
+            tx.put_tool_pin(&pin).await?;
+        }
+        return Ok(PinCheck::Pinned);
+    }
+    if pin
+        .pending
+        .as_ref()
+        .is_some_and(|pending| pending.digest == seen.digest)
+    {
+        return Ok(PinCheck::Changed);
+    }
+    let event = NewAuditEvent::new(
+        AuditKind::ToolDefinitionChanged,
+        serde_json::json!({
+            "tool": tool,
+            "group": seen.group,
+            "pinned_digest": pin.pinned.digest,
+            "seen_digest": seen.digest,
+            "changed": changed_fields(&pin.pinned.definition, &seen.definition),
+        }),
+    );
+    pin.pending = Some(seen);
+    pin.pending_since = Some(now);
+    tx.put_tool_pin(&pin).await?;
+    append(tx, event).await?;
+    Ok(PinCheck::Changed)
+}
+
+/// See [`super::Store::accept_tool_pin`].
+pub(super) async fn accept_tool_pin(
+    tx: &mut impl Tx,
+    tool: &str,
+    accepted_by: &str,
+) -> Result<ToolPin, StoreError> {
+    tx.chain_head().await?.ok_or_else(head_missing)?;
+    let mut pin = tx
+        .tool_pin(tool)
+        .await?
+        .ok_or_else(|| StoreError::NotFound {
+            what: "pinned tool",
+            id: tool.to_owned(),
+        })?;
+    let pending = pin
+        .pending
+        .take()
+        .ok_or_else(|| StoreError::NothingToAccept {
+            tool: tool.to_owned(),
+        })?;
+    let event = NewAuditEvent::new(
+        AuditKind::ToolAccepted,
+        serde_json::json!({
+            "tool": tool,
+            "group": pending.group,
+            "previous_digest": pin.pinned.digest,
+            "digest": pending.digest,
+        }),
+    )
+    .principal(accepted_by);
+    pin.pinned = pending;
+    pin.pinned_at = now_millis();
+    pin.accepted_by = Some(accepted_by.to_owned());
+    pin.pending_since = None;
+    tx.put_tool_pin(&pin).await?;
+    append(tx, event).await?;
+    Ok(pin)
+}
+
+/// The top-level fields of two definitions that differ (`description`,
+/// `input_schema`, ...): what an auditor looks at first.
+fn changed_fields(pinned: &serde_json::Value, seen: &serde_json::Value) -> Vec<String> {
+    let empty = serde_json::Map::new();
+    let pinned = pinned.as_object().unwrap_or(&empty);
+    let seen = seen.as_object().unwrap_or(&empty);
+    let mut keys: Vec<&String> = pinned.keys().chain(seen.keys()).collect();
+    keys.sort();
+    keys.dedup();
+    keys.into_iter()
+        .filter(|key| pinned.get(*key) != seen.get(*key))
+        .cloned()
+        .collect()
 }
 
 /// One call's write (see [`CallWrite`]): its gathered events, the change to its row,

@@ -119,6 +119,36 @@ CREATE INDEX IF NOT EXISTS approvals_page ON approvals (created_at, approval_id)
 CREATE INDEX IF NOT EXISTS approvals_status_page ON approvals (status, created_at, approval_id);
 ";
 
+/// Tables added after schema version 1 was pinned, created (if missing) at every open
+/// with `{int}` as in [`schema_v1`]. Older builds never read them, so a store that has
+/// them still opens with those builds. `tool_pins` holds the definition of each tool a
+/// worker discovers (an external worker's, an MCP server's) as first seen or last
+/// accepted, and a later definition that differs while it waits for an admin (DESIGN
+/// §11). Its `tool_group` column is not `group`, a reserved word in both engines.
+const ADDED_TABLES_TEMPLATE: &str = "
+CREATE TABLE IF NOT EXISTS tool_pins (
+    tool               TEXT PRIMARY KEY,
+    tool_group         TEXT NOT NULL,
+    digest             TEXT NOT NULL,
+    definition         TEXT NOT NULL,
+    pinned_at          {int} NOT NULL,
+    accepted_by        TEXT,
+    pending_group      TEXT,
+    pending_digest     TEXT,
+    pending_definition TEXT,
+    pending_since      {int}
+);
+";
+
+/// The DDL of [`ADDED_TABLES_TEMPLATE`] for an engine whose 64-bit integer type is
+/// `integer`.
+pub(super) fn added_tables(integer: &str) -> String {
+    ADDED_TABLES_TEMPLATE.replace("{int}", integer)
+}
+
+pub(super) const PIN_COLUMNS: &str = "tool, tool_group, digest, definition, pinned_at, \
+     accepted_by, pending_group, pending_digest, pending_definition, pending_since";
+
 /// The schema-1 DDL for an engine whose 64-bit integer type is `integer`.
 pub(super) fn schema_v1(integer: &str) -> String {
     SCHEMA_V1_TEMPLATE.replace("{int}", integer)
@@ -196,6 +226,10 @@ pub enum StoreError {
     AlreadyDecided { id: String, status: ApprovalStatus },
     #[error("approval {id} has expired")]
     Expired { id: String },
+    #[error(
+        "tool {tool} has no changed definition waiting to be accepted (its workers list the definition pinned for it)"
+    )]
+    NothingToAccept { tool: String },
 }
 
 /// Where a call is in its life (see the module docs).
@@ -530,6 +564,105 @@ pub struct SessionUsage {
     pub first_at: Option<Timestamp>,
 }
 
+/// One definition of a discovered tool: as pinned, or as a worker lists it now.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PinnedDefinition {
+    /// The worker group that lists it.
+    pub group: String,
+    /// SHA-256 (hex) of the canonical JSON of `definition`.
+    pub digest: String,
+    /// `{name, title, description, input_schema, annotations}`.
+    pub definition: Value,
+}
+
+/// What the store pins of a discovered tool (DESIGN §11): the definition first seen or
+/// last accepted, which is the one served, and a later one that differs, which is hidden
+/// until an admin accepts it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ToolPin {
+    pub tool: String,
+    pub pinned: PinnedDefinition,
+    #[serde(serialize_with = "ser_time")]
+    pub pinned_at: Timestamp,
+    /// The admin who accepted `pinned`; `None` when it is the first definition seen.
+    pub accepted_by: Option<String>,
+    /// A definition seen since that differs from `pinned`.
+    pub pending: Option<PinnedDefinition>,
+    #[serde(serialize_with = "ser_opt_time")]
+    pub pending_since: Option<Timestamp>,
+}
+
+/// A `tool_pins` row as both engines read it, before its JSON is parsed.
+pub(super) struct PinRow {
+    pub tool: String,
+    pub group: String,
+    pub digest: String,
+    pub definition: String,
+    pub pinned_at: Timestamp,
+    pub accepted_by: Option<String>,
+    pub pending_group: Option<String>,
+    pub pending_digest: Option<String>,
+    pub pending_definition: Option<String>,
+    pub pending_since: Option<Timestamp>,
+}
+
+impl PinRow {
+    pub(super) fn into_pin(self) -> Result<ToolPin, StoreError> {
+        let pending = match (
+            self.pending_group,
+            self.pending_digest,
+            self.pending_definition,
+        ) {
+            (Some(group), Some(digest), Some(definition)) => Some(PinnedDefinition {
+                group,
+                digest,
+                definition: from_json_text(&definition, "a pending tool definition")?,
+            }),
+            _ => None,
+        };
+        Ok(ToolPin {
+            pinned: PinnedDefinition {
+                group: self.group,
+                digest: self.digest,
+                definition: from_json_text(&self.definition, "a pinned tool definition")?,
+            },
+            tool: self.tool,
+            pinned_at: self.pinned_at,
+            accepted_by: self.accepted_by,
+            pending,
+            pending_since: self.pending_since,
+        })
+    }
+
+    /// The columns of `pin`, JSON as canonical text.
+    pub(super) fn from_pin(pin: &ToolPin) -> Self {
+        Self {
+            tool: pin.tool.clone(),
+            group: pin.pinned.group.clone(),
+            digest: pin.pinned.digest.clone(),
+            definition: to_json_text(&pin.pinned.definition),
+            pinned_at: pin.pinned_at,
+            accepted_by: pin.accepted_by.clone(),
+            pending_group: pin.pending.as_ref().map(|p| p.group.clone()),
+            pending_digest: pin.pending.as_ref().map(|p| p.digest.clone()),
+            pending_definition: pin.pending.as_ref().map(|p| to_json_text(&p.definition)),
+            pending_since: pin.pending_since,
+        }
+    }
+}
+
+/// How a definition a worker lists compares with its tool's pin.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PinCheck {
+    /// The tool had no pin; this definition is now pinned (audited `tool_pinned`).
+    FirstSeen,
+    /// It is the pinned definition: serve it.
+    Pinned,
+    /// It differs from the pinned one: hide the tool. `tool_definition_changed` was
+    /// audited when this definition was first seen.
+    Changed,
+}
+
 /// The durable state of the gate. Every method is atomic on its own.
 #[async_trait]
 pub trait Store: Send + Sync {
@@ -669,6 +802,24 @@ pub trait Store: Send + Sync {
     /// `/readyz` reports it, so that tests and benchmarks can count the durable writes
     /// of a call.
     fn commits(&self) -> u64;
+
+    /// Compares a definition a worker lists with its tool's pin: pins it when the tool
+    /// has none, records it as pending (once per digest) when it differs, each with its
+    /// audit event in the same transaction. Replicas on one store agree: the first
+    /// definition any of them sees is the pin.
+    async fn check_tool_pin(
+        &self,
+        tool: &str,
+        seen: PinnedDefinition,
+    ) -> Result<PinCheck, StoreError>;
+
+    /// Makes the pending definition of `tool` its pin (audited `tool_accepted`, by
+    /// `accepted_by`). [`StoreError::NotFound`] without a pin,
+    /// [`StoreError::NothingToAccept`] without a pending definition.
+    async fn accept_tool_pin(&self, tool: &str, accepted_by: &str) -> Result<ToolPin, StoreError>;
+
+    /// Every pin, by tool name.
+    async fn tool_pins(&self) -> Result<Vec<ToolPin>, StoreError>;
 
     /// Calls recorded for `(principal, session_id)` and the time of the first.
     async fn session_usage(

@@ -28,9 +28,10 @@ use super::sql::{Placeholders, filter_sql, move_call_sql, prune_results_sql};
 use super::{
     APPROVAL_SELECT, AUDIT_COLUMNS, Approval, ApprovalId, ApprovalPage, ApprovalQuery,
     ApprovalStatus, AuditQuery, AuditRecord, CALL_COLUMNS, CallId, CallOutcome, CallState,
-    CallWrite, ExpiredApproval, NewApproval, NewAuditEvent, NewCall, PAGING_INDEXES,
-    SCHEMA_VERSION, SessionUsage, Store, StoreError, StoredCall, Timestamp, VerifyReport,
-    decode_call_status, fill_page, from_json_text, schema_v1, to_i64, to_json_text, to_u64,
+    CallWrite, ExpiredApproval, NewApproval, NewAuditEvent, NewCall, PAGING_INDEXES, PIN_COLUMNS,
+    PinCheck, PinRow, PinnedDefinition, SCHEMA_VERSION, SessionUsage, Store, StoreError,
+    StoredCall, Timestamp, ToolPin, VerifyReport, added_tables, decode_call_status, fill_page,
+    from_json_text, schema_v1, to_i64, to_json_text, to_u64,
 };
 use crate::audit::{ChainVerifier, GENESIS_HASH};
 
@@ -186,6 +187,7 @@ async fn migrate(client: &mut Object) -> Result<(), StoreError> {
     }
     // Under the migration lock, so replicas starting together do not race to create them.
     tx.batch_execute(PAGING_INDEXES).await?;
+    tx.batch_execute(&added_tables("BIGINT")).await?;
     tx.commit().await?;
     Ok(())
 }
@@ -683,12 +685,103 @@ impl<C: GenericClient> Tx for PgTx<'_, C> {
             })
             .collect()
     }
+
+    async fn tool_pin(&mut self, tool: &str) -> Result<Option<ToolPin>, StoreError> {
+        self.client
+            .query_opt(
+                &format!("SELECT {PIN_COLUMNS} FROM tool_pins WHERE tool = $1"),
+                &[&tool],
+            )
+            .await?
+            .map(|row| pin_from_row(&row)?.into_pin())
+            .transpose()
+    }
+
+    async fn put_tool_pin(&mut self, pin: &ToolPin) -> Result<(), StoreError> {
+        let row = PinRow::from_pin(pin);
+        self.client
+            .execute(
+                &format!(
+                    "INSERT INTO tool_pins ({PIN_COLUMNS}) \
+                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) \
+                     ON CONFLICT (tool) DO UPDATE SET tool_group = EXCLUDED.tool_group, \
+                     digest = EXCLUDED.digest, definition = EXCLUDED.definition, \
+                     pinned_at = EXCLUDED.pinned_at, accepted_by = EXCLUDED.accepted_by, \
+                     pending_group = EXCLUDED.pending_group, \
+                     pending_digest = EXCLUDED.pending_digest, \
+                     pending_definition = EXCLUDED.pending_definition, \
+                     pending_since = EXCLUDED.pending_since"
+                ),
+                &[
+                    &row.tool,
+                    &row.group,
+                    &row.digest,
+                    &row.definition,
+                    &row.pinned_at,
+                    &row.accepted_by,
+                    &row.pending_group,
+                    &row.pending_digest,
+                    &row.pending_definition,
+                    &row.pending_since,
+                ],
+            )
+            .await?;
+        Ok(())
+    }
+}
+
+fn pin_from_row(row: &Row) -> Result<PinRow, StoreError> {
+    Ok(PinRow {
+        tool: row.try_get("tool")?,
+        group: row.try_get("tool_group")?,
+        digest: row.try_get("digest")?,
+        definition: row.try_get("definition")?,
+        pinned_at: row.try_get("pinned_at")?,
+        accepted_by: row.try_get("accepted_by")?,
+        pending_group: row.try_get("pending_group")?,
+        pending_digest: row.try_get("pending_digest")?,
+        pending_definition: row.try_get("pending_definition")?,
+        pending_since: row.try_get("pending_since")?,
+    })
 }
 
 #[async_trait]
 impl Store for PostgresStore {
     fn kind(&self) -> &'static str {
         "postgres"
+    }
+
+    async fn check_tool_pin(
+        &self,
+        tool: &str,
+        seen: PinnedDefinition,
+    ) -> Result<PinCheck, StoreError> {
+        let mut client = self.client().await?;
+        let tx = client.transaction().await?;
+        let check = machine::check_tool_pin(&mut PgTx { client: &tx }, tool, seen).await?;
+        self.counted(tx.commit().await.map_err(StoreError::from))?;
+        Ok(check)
+    }
+
+    async fn accept_tool_pin(&self, tool: &str, accepted_by: &str) -> Result<ToolPin, StoreError> {
+        let mut client = self.client().await?;
+        let tx = client.transaction().await?;
+        let pin = machine::accept_tool_pin(&mut PgTx { client: &tx }, tool, accepted_by).await?;
+        self.counted(tx.commit().await.map_err(StoreError::from))?;
+        Ok(pin)
+    }
+
+    async fn tool_pins(&self) -> Result<Vec<ToolPin>, StoreError> {
+        let client = self.client().await?;
+        let rows = client
+            .query(
+                &format!("SELECT {PIN_COLUMNS} FROM tool_pins ORDER BY tool"),
+                &[],
+            )
+            .await?;
+        rows.iter()
+            .map(|row| pin_from_row(row)?.into_pin())
+            .collect()
     }
 
     async fn append(&self, event: NewAuditEvent) -> Result<AuditRecord, StoreError> {

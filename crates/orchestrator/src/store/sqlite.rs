@@ -25,9 +25,10 @@ use super::sql::{Placeholders, filter_sql, move_call_sql, prune_results_sql};
 use super::{
     APPROVAL_SELECT, AUDIT_COLUMNS, Approval, ApprovalId, ApprovalPage, ApprovalQuery,
     ApprovalStatus, AuditQuery, AuditRecord, CALL_COLUMNS, CallId, CallOutcome, CallState,
-    CallWrite, ExpiredApproval, NewApproval, NewAuditEvent, NewCall, PAGING_INDEXES,
-    SCHEMA_VERSION, SessionUsage, Store, StoreError, StoredCall, Timestamp, VerifyReport,
-    decode_call_status, fill_page, from_json_text, schema_v1, to_i64, to_json_text, to_u64,
+    CallWrite, ExpiredApproval, NewApproval, NewAuditEvent, NewCall, PAGING_INDEXES, PIN_COLUMNS,
+    PinCheck, PinRow, PinnedDefinition, SCHEMA_VERSION, SessionUsage, Store, StoreError,
+    StoredCall, Timestamp, ToolPin, VerifyReport, added_tables, decode_call_status, fill_page,
+    from_json_text, schema_v1, to_i64, to_json_text, to_u64,
 };
 use crate::audit::{ChainVerifier, GENESIS_HASH};
 
@@ -152,6 +153,7 @@ fn migrate(conn: &mut Connection) -> Result<(), StoreError> {
         Some(_) => {}
     }
     tx.execute_batch(PAGING_INDEXES)?;
+    tx.execute_batch(&added_tables("INTEGER"))?;
     tx.commit()?;
     Ok(())
 }
@@ -653,6 +655,56 @@ impl Tx for SqliteTx<'_> {
         }
         Ok(swept)
     }
+
+    async fn tool_pin(&mut self, tool: &str) -> Result<Option<ToolPin>, StoreError> {
+        self.conn
+            .query_row(
+                &format!("SELECT {PIN_COLUMNS} FROM tool_pins WHERE tool = ?1"),
+                [tool],
+                pin_from_row,
+            )
+            .optional()?
+            .map(PinRow::into_pin)
+            .transpose()
+    }
+
+    async fn put_tool_pin(&mut self, pin: &ToolPin) -> Result<(), StoreError> {
+        let row = PinRow::from_pin(pin);
+        self.conn.execute(
+            &format!(
+                "INSERT OR REPLACE INTO tool_pins ({PIN_COLUMNS}) \
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)"
+            ),
+            params![
+                row.tool,
+                row.group,
+                row.digest,
+                row.definition,
+                row.pinned_at,
+                row.accepted_by,
+                row.pending_group,
+                row.pending_digest,
+                row.pending_definition,
+                row.pending_since,
+            ],
+        )?;
+        Ok(())
+    }
+}
+
+fn pin_from_row(row: &Row<'_>) -> rusqlite::Result<PinRow> {
+    Ok(PinRow {
+        tool: row.get("tool")?,
+        group: row.get("tool_group")?,
+        digest: row.get("digest")?,
+        definition: row.get("definition")?,
+        pinned_at: row.get("pinned_at")?,
+        accepted_by: row.get("accepted_by")?,
+        pending_group: row.get("pending_group")?,
+        pending_digest: row.get("pending_digest")?,
+        pending_definition: row.get("pending_definition")?,
+        pending_since: row.get("pending_since")?,
+    })
 }
 
 impl SqliteStore {
@@ -911,6 +963,37 @@ impl Store for SqliteStore {
     async fn write_call(&self, write: CallWrite) -> Result<bool, StoreError> {
         self.write(move |tx| drive(machine::write_call(tx, write)))
             .await
+    }
+
+    async fn check_tool_pin(
+        &self,
+        tool: &str,
+        seen: PinnedDefinition,
+    ) -> Result<PinCheck, StoreError> {
+        let tool = tool.to_owned();
+        self.write(move |tx| drive(machine::check_tool_pin(tx, &tool, seen)))
+            .await
+    }
+
+    async fn accept_tool_pin(&self, tool: &str, accepted_by: &str) -> Result<ToolPin, StoreError> {
+        let (tool, by) = (tool.to_owned(), accepted_by.to_owned());
+        self.write(move |tx| drive(machine::accept_tool_pin(tx, &tool, &by)))
+            .await
+    }
+
+    async fn tool_pins(&self) -> Result<Vec<ToolPin>, StoreError> {
+        self.run(|conn| {
+            let mut stmt = conn.prepare(&format!(
+                "SELECT {PIN_COLUMNS} FROM tool_pins ORDER BY tool"
+            ))?;
+            let rows = stmt.query_map([], pin_from_row)?;
+            let mut pins = Vec::new();
+            for row in rows {
+                pins.push(row?.into_pin()?);
+            }
+            Ok(pins)
+        })
+        .await
     }
 
     fn commits(&self) -> u64 {
