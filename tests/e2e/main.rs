@@ -26,6 +26,7 @@ mod held_calls;
 mod http_api;
 mod http_tools;
 mod mcp;
+mod mcp_http;
 mod mcp_servers;
 mod mtls;
 mod net_db;

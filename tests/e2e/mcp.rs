@@ -13,7 +13,7 @@ const CLIENT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/e2e/mcp_c
 const SDK_FIX: &str = "python3 -m pip install 'mcp>=1.10'";
 
 /// Fails (never skips) when python3 or the MCP SDK is missing, naming the fix.
-async fn require_python_sdk() {
+pub(crate) async fn require_python_sdk() {
     let probe = tokio::process::Command::new("python3")
         .args([
             "-c",

@@ -77,9 +77,9 @@ fn namespace(pid: &str, kind: &str) -> PathBuf {
 }
 
 /// Waits (bounded) until the catalog lists every one of `names`: the MCP tools are
-/// discovered from the shell worker's ListTools, and the policy is validated again
-/// with them, moments after the worker is up. Returns the listing.
-async fn wait_for_tools(airlock: &Airlock, names: &[&str]) -> String {
+/// discovered from the ListTools of the worker serving them, and the policy is
+/// validated again with them, moments after the worker is up. Returns the listing.
+pub(crate) async fn wait_for_tools(airlock: &Airlock, names: &[&str]) -> String {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let (status, tools) = airlock.get("/v1/tools").await;
@@ -446,7 +446,7 @@ fn bad_mcp_server_entries_stop_the_start() {
         ("name = \"t\"", "give command"),
         (
             "name = \"t\"\nurl = \"http://127.0.0.1:9/mcp\"",
-            "not served yet",
+            "127.0.0.1 is a loopback address",
         ),
         (
             "name = \"t\"\ncommand = [\"/nonexistent/mcp-server\"]",

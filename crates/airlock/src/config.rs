@@ -17,6 +17,7 @@ use airlock_worker_db::DatabaseConfig;
 use airlock_worker_fs::FsConfig;
 use airlock_worker_http::HttpConfig;
 use airlock_worker_http::declared::HttpTemplate;
+use airlock_worker_http::mcp::McpHttpServer;
 use airlock_worker_shell::ShellConfig;
 use airlock_worker_shell::declared::CommandTemplate;
 use anyhow::{Context, bail};
@@ -195,6 +196,13 @@ impl Loaded {
     /// reads them, at its start).
     pub fn http_tools(&self) -> anyhow::Result<Vec<HttpTemplate>> {
         compile_http(self.declared_tools()).map_err(|e| self.declared_error(e))
+    }
+
+    /// The Streamable HTTP MCP servers (`[[mcp_servers]]` with `url`), compiled (their
+    /// secrets not read: only the http worker reads them, at its start).
+    pub fn mcp_http_servers(&self) -> anyhow::Result<Vec<McpHttpServer>> {
+        airlock_worker_http::mcp::compile_all(&self.config.mcp_servers)
+            .map_err(|e| self.declared_error(e))
     }
 
     /// `error` naming the config file it comes from.
@@ -530,6 +538,7 @@ fn declared_entries(config: &AirlockConfig) -> anyhow::Result<Vec<ToolEntry>> {
     entries.extend(config.tools.iter().cloned());
     airlock_worker::declared::check_unique(&entries)?;
     airlock_worker::mcp::check_entries(&config.mcp_servers)?;
+    airlock_worker_http::mcp::compile_all(&config.mcp_servers)?;
     for entry in &entries {
         if let Some(server) = config
             .mcp_servers

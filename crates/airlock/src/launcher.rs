@@ -209,6 +209,12 @@ async fn supervise(loaded: Loaded) -> anyhow::Result<ExitCode> {
         .http_tools()?
         .iter()
         .flat_map(|tool| tool.env_names())
+        .chain(
+            loaded
+                .mcp_http_servers()?
+                .iter()
+                .flat_map(|server| server.env_names()),
+        )
         .collect();
     let mut components: Vec<Component> = LOCAL_GROUPS
         .iter()

@@ -353,8 +353,9 @@ fn policy_schema(location: &Location) -> anyhow::Result<ExitCode> {
     use anyhow::Context as _;
     let loaded = config::Loaded::load(location.config.as_deref(), location.data_dir.as_deref())?;
     let mut tools = loaded.tool_extensions()?;
-    // External workers' tools, and MCP servers' tools (from the worker that runs
-    // them, the shell worker), come from ListTools, as the orchestrator derives them.
+    // External workers' tools, and MCP servers' tools (from the worker that serves
+    // them: the shell worker for stdio servers, the http worker for Streamable HTTP
+    // ones), come from ListTools, as the orchestrator derives them.
     let mut groups: Vec<(String, String)> = loaded
         .config
         .workers
@@ -373,12 +374,21 @@ fn policy_schema(location: &Location) -> anyhow::Result<ExitCode> {
         .iter()
         .map(airlock_worker::mcp::McpServerEntry::policy)
         .collect();
-    if !mcp.is_empty() {
-        let shell = match loaded.config.workers.iter().find(|w| w.group == "shell") {
-            Some(group) => group.endpoints.first().cloned(),
-            None => Some(format!("unix:{}", loaded.socket_path("shell").display())),
+    for (group, serves) in [
+        (
+            "shell",
+            airlock_worker::mcp::McpServerEntry::is_stdio as fn(&_) -> bool,
+        ),
+        ("http", airlock_worker::mcp::McpServerEntry::is_http),
+    ] {
+        if !loaded.config.mcp_servers.iter().any(serves) {
+            continue;
+        }
+        let endpoint = match loaded.config.workers.iter().find(|w| w.group == group) {
+            Some(workers) => workers.endpoints.first().cloned(),
+            None => Some(format!("unix:{}", loaded.socket_path(group).display())),
         };
-        groups.extend(shell.map(|endpoint| ("shell".to_owned(), endpoint)));
+        groups.extend(endpoint.map(|endpoint| (group.to_owned(), endpoint)));
     }
     if !groups.is_empty() {
         let tls = loaded.worker_tls()?;

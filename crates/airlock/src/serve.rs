@@ -405,7 +405,7 @@ fn shell_worker(loaded: &Loaded, listen: Option<String>) -> anyhow::Result<ExitC
     // The private workspaces of the MCP servers that are not per session.
     let mcp_dir = loaded.data_dir.join("mcp");
     let mut write_paths = vec![shell.workspaces_root.clone()];
-    if !loaded.config.mcp_servers.is_empty() {
+    if loaded.config.mcp_servers.iter().any(|s| s.is_stdio()) {
         ensure_dir(&mcp_dir)?;
         write_paths.push(mcp_dir.clone());
     }
@@ -441,7 +441,13 @@ fn http_worker(loaded: &Loaded, listen: Option<String>) -> anyhow::Result<ExitCo
         .into_iter()
         .map(|template| template.resolve().map_err(|e| loaded.declared_error(e)))
         .collect::<anyhow::Result<Vec<_>>>()?;
-    let tools = airlock_worker_http::tools_with_declared(loaded.config.http.clone(), declared)
+    let mcp = loaded
+        .mcp_http_servers()?
+        .into_iter()
+        .map(|server| server.resolve().map_err(|e| loaded.declared_error(e)))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    // The [http] section is checked before anything binds.
+    airlock_worker_http::tools(loaded.config.http.clone())
         .context("invalid [http] configuration")?;
     let listener = BoundListener::bind(&listen_addr(loaded, "http", listen)?)?;
     let listener = secure(loaded, listener, "http worker")?;
@@ -456,7 +462,21 @@ fn http_worker(loaded: &Loaded, listen: Option<String>) -> anyhow::Result<ExitCo
             allow_namespaces: false,
         },
     )?;
-    serve_worker(loaded, listener, tools)
+    let runtime = runtime()?;
+    // The Streamable HTTP MCP servers are asked for their tools once the worker is
+    // confined, through its egress-checked client; one that cannot be reached (or that
+    // [http] refuses) stops the start, naming it, as a stdio server that does not
+    // start stops the shell worker's.
+    let tools = runtime
+        .block_on(airlock_worker_http::tools_with_mcp(
+            loaded.config.http.clone(),
+            declared,
+            mcp,
+        ))
+        .context("the http worker cannot serve its MCP servers; refusing to start")?;
+    let server = WorkerServer::new(tools, worker_settings(loaded));
+    runtime.block_on(server.serve(listener, signals::shutdown()))?;
+    Ok(ExitCode::SUCCESS)
 }
 
 fn db_worker(loaded: &Loaded, listen: Option<String>) -> anyhow::Result<ExitCode> {

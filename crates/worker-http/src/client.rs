@@ -216,6 +216,21 @@ impl Client {
         }
     }
 
+    /// One request whose response the caller reads as it arrives (an MCP server's
+    /// event stream): the URL is checked and resolved exactly as for [`Self::send`],
+    /// and no redirect is followed, so the answer comes from the checked address or
+    /// from nowhere. The body is the caller's to bound.
+    pub(crate) async fn open(
+        &self,
+        method: Method,
+        url: &Url,
+        headers: &HeaderMap,
+        body: Bytes,
+    ) -> Result<http::Response<Incoming>, ClientError> {
+        let target = resolve::check(&self.settings.policy, url, self.lookup.as_ref()).await?;
+        self.exchange(&target, &method, headers, body).await
+    }
+
     async fn connect(&self, target: &Target) -> Result<Box<dyn Io>, ClientError> {
         let mut reasons = Vec::new();
         let mut tcp = None;
@@ -302,7 +317,11 @@ impl Client {
             HeaderValue::from_str(&host).map_err(|e| http_err(&e))?,
         );
         h.insert(header::USER_AGENT, self.settings.user_agent.clone());
-        h.insert(header::ACCEPT_ENCODING, HeaderValue::from_static("gzip"));
+        // Callers of `send` cannot set it (`forbidden_header`): their bodies are gzip
+        // at most, decoded within the cap. A streamed answer asks for `identity`.
+        if !h.contains_key(header::ACCEPT_ENCODING) {
+            h.insert(header::ACCEPT_ENCODING, HeaderValue::from_static("gzip"));
+        }
         h.insert(header::CONNECTION, HeaderValue::from_static("close"));
         if !h.contains_key(header::ACCEPT) {
             h.insert(header::ACCEPT, HeaderValue::from_static("*/*"));
@@ -393,6 +412,22 @@ impl Client {
 pub struct Incoming {
     body: hyper::body::Incoming,
     _driver: AbortOnDrop,
+}
+
+impl Incoming {
+    /// The next piece of the body as it arrives; `None` at its end.
+    pub(crate) async fn chunk(&mut self) -> Option<Result<Bytes, String>> {
+        loop {
+            match self.body.frame().await? {
+                Ok(frame) => {
+                    if let Ok(data) = frame.into_data() {
+                        return Some(Ok(data));
+                    }
+                }
+                Err(e) => return Some(Err(e.to_string())),
+            }
+        }
+    }
 }
 
 /// Decodes (multi-member) gzip, producing at most `cap` bytes: a decompression bomb costs

@@ -86,8 +86,7 @@ pub struct HttpTemplate {
     /// Path segments of the URL with every field filled in by a plain value: a call
     /// whose URL has fewer lost one to a `.` or `..` segment.
     segments: usize,
-    /// Each header as the entry spells its name (for messages), its name, its parts.
-    headers: Vec<(String, HeaderName, Vec<ValuePart>)>,
+    headers: SecretHeaders,
     body: Option<BodyKind>,
     url_fields: BTreeSet<String>,
     timeout: Option<f64>,
@@ -157,23 +156,8 @@ impl HttpTemplate {
             }
         }
 
-        let mut headers = Vec::with_capacity(table.headers.len());
-        for (name, value) in &table.headers {
-            let place = format!("http.headers.{name}");
-            let header_name = HeaderName::from_bytes(name.trim().as_bytes()).map_err(|_| {
-                invalid(format!(
-                    "{place}: not a valid HTTP header name; use letters, digits and '-'"
-                ))
-            })?;
-            if client::forbidden_header(&header_name) {
-                return Err(invalid(format!(
-                    "{place}: the worker sets this header itself (or it belongs to the \
-                     connection); remove it"
-                )));
-            }
-            let parts = compile_value(value).map_err(|e| invalid(format!("{place}: {e}")))?;
-            headers.push((name.clone(), header_name, parts));
-        }
+        let headers =
+            SecretHeaders::compile(&table.headers, "http.headers", |_| None).map_err(&invalid)?;
 
         if table.body.is_some() && matches!(method, Method::GET | Method::HEAD) {
             return Err(invalid(format!(
@@ -213,6 +197,70 @@ impl HttpTemplate {
     /// The environment variables its headers read (so the launcher passes exactly these
     /// to the http worker, whose environment is otherwise an allowlist).
     pub fn env_names(&self) -> Vec<String> {
+        self.headers.env_names()
+    }
+
+    /// Reads the secrets its headers name, now (the http worker does this once at
+    /// start, before it gives up file access). A missing variable, an unreadable file,
+    /// an empty secret or one that cannot be a header value is an error naming the
+    /// variable or file, never the value.
+    pub fn resolve(self) -> Result<ResolvedTemplate, DeclaredToolError> {
+        let (headers, redactor) =
+            self.headers
+                .resolve("http.headers")
+                .map_err(|reason| DeclaredToolError::Invalid {
+                    tool: self.definition.name.clone(),
+                    reason,
+                })?;
+        Ok(ResolvedTemplate {
+            template: self,
+            headers,
+            redactor,
+        })
+    }
+}
+
+/// Header values that may name secrets, `${env:NAME}` or `${file:/path}`: checked when
+/// the config loads, read only by the http worker at its start ([`Self::resolve`]).
+/// The declared http tools' headers and the Streamable HTTP MCP servers' share it.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SecretHeaders {
+    /// Each header as the entry spells its name (for messages), its name, its parts.
+    headers: Vec<(String, HeaderName, Vec<ValuePart>)>,
+}
+
+impl SecretHeaders {
+    /// Checks each header of `raw`: a valid name the worker does not set itself (nor
+    /// one `reserved` gives a reason for), and a value of literal text and secret
+    /// references. Errors start with `place.<name>`.
+    pub fn compile(
+        raw: &BTreeMap<String, String>,
+        place: &str,
+        reserved: impl Fn(&HeaderName) -> Option<&'static str>,
+    ) -> Result<Self, String> {
+        let mut headers = Vec::with_capacity(raw.len());
+        for (name, value) in raw {
+            let place = format!("{place}.{name}");
+            let header_name = HeaderName::from_bytes(name.trim().as_bytes()).map_err(|_| {
+                format!("{place}: not a valid HTTP header name; use letters, digits and '-'")
+            })?;
+            if client::forbidden_header(&header_name) {
+                return Err(format!(
+                    "{place}: the worker sets this header itself (or it belongs to the \
+                     connection); remove it"
+                ));
+            }
+            if let Some(reason) = reserved(&header_name) {
+                return Err(format!("{place}: {reason}; remove it"));
+            }
+            let parts = compile_value(value).map_err(|e| format!("{place}: {e}"))?;
+            headers.push((name.clone(), header_name, parts));
+        }
+        Ok(Self { headers })
+    }
+
+    /// The environment variables the values read.
+    pub fn env_names(&self) -> Vec<String> {
         self.headers
             .iter()
             .flat_map(|(_, _, parts)| parts)
@@ -223,15 +271,12 @@ impl HttpTemplate {
             .collect()
     }
 
-    /// Reads the secrets its headers name, now (the http worker does this once at
-    /// start, before it gives up file access). A missing variable, an unreadable file,
-    /// an empty secret or one that cannot be a header value is an error naming the
-    /// variable or file, never the value.
-    pub fn resolve(self) -> Result<ResolvedTemplate, DeclaredToolError> {
-        let invalid = |reason: String| DeclaredToolError::Invalid {
-            tool: self.definition.name.clone(),
-            reason,
-        };
+    /// Reads the secrets the values name, now (the http worker does this once at
+    /// start, before it gives up file access): the headers, those holding a secret
+    /// marked sensitive, and the redactor of every secret read. A missing variable, an
+    /// unreadable file, an empty secret or one that cannot be a header value is an
+    /// error naming the variable or file, never the value.
+    pub(crate) fn resolve(&self, place: &str) -> Result<(HeaderMap, Redactor), String> {
         let mut headers = HeaderMap::new();
         let mut secrets = Vec::new();
         for (name, header_name, parts) in &self.headers {
@@ -245,13 +290,13 @@ impl HttpTemplate {
                     }
                     ValuePart::Env(var) => (
                         std::env::var(var).map_err(|e| {
-                            invalid(format!(
-                                "http.headers.{name}: the environment variable {var} {}",
+                            format!(
+                                "{place}.{name}: the environment variable {var} {}",
                                 match e {
                                     std::env::VarError::NotPresent => "is not set",
                                     std::env::VarError::NotUnicode(_) => "is not valid UTF-8",
                                 }
-                            ))
+                            )
                         })?,
                         format!("the environment variable {var}"),
                     ),
@@ -264,37 +309,32 @@ impl HttpTemplate {
                                     .unwrap_or(text)
                             })
                             .map_err(|e| {
-                                invalid(format!(
-                                    "http.headers.{name}: cannot read the secret file {}: {}",
+                                format!(
+                                    "{place}.{name}: cannot read the secret file {}: {}",
                                     path.display(),
                                     e.kind()
-                                ))
+                                )
                             })?,
                         format!("the secret file {}", path.display()),
                     ),
                 };
                 if text.is_empty() {
-                    return Err(invalid(format!("http.headers.{name}: {what} is empty")));
+                    return Err(format!("{place}.{name}: {what} is empty"));
                 }
                 value.push_str(&text);
                 secrets.push(Secret(text.into_bytes()));
                 secret = true;
             }
             let mut header_value = HeaderValue::from_str(&value).map_err(|_| {
-                invalid(format!(
-                    "http.headers.{name}: the value (with its secrets) contains a line break or \
+                format!(
+                    "{place}.{name}: the value (with its secrets) contains a line break or \
                      control character"
-                ))
+                )
             })?;
             header_value.set_sensitive(secret);
             headers.append(header_name.clone(), header_value);
         }
-        let redactor = Redactor::new(&secrets);
-        Ok(ResolvedTemplate {
-            template: self,
-            headers,
-            redactor,
-        })
+        Ok((headers, Redactor::new(&secrets)))
     }
 }
 
@@ -457,7 +497,7 @@ impl std::fmt::Debug for Secret {
 /// Replaces every secret, and the encodings a server is likely to echo it in, with
 /// [`REDACTED`].
 #[derive(Clone, Default)]
-struct Redactor {
+pub(crate) struct Redactor {
     /// Longest first, so a secret that contains another is replaced whole.
     needles: Vec<Vec<u8>>,
 }
@@ -499,7 +539,7 @@ impl Redactor {
         Self { needles }
     }
 
-    fn bytes(&self, haystack: &[u8]) -> Vec<u8> {
+    pub(crate) fn bytes(&self, haystack: &[u8]) -> Vec<u8> {
         let mut out = haystack.to_vec();
         for needle in &self.needles {
             out = replace_all(&out, needle, REDACTED.as_bytes());
@@ -527,7 +567,7 @@ impl Redactor {
         out
     }
 
-    fn text(&self, text: &str) -> String {
+    pub(crate) fn text(&self, text: &str) -> String {
         String::from_utf8_lossy(&self.bytes(text.as_bytes())).into_owned()
     }
 }

@@ -19,7 +19,9 @@
 //!    decoded by the worker up to the same cap, so a decompression bomb stays bounded.
 //!
 //! Declared http tools (`[[tools]]` entries with `http`, see [`declared`]) go out through
-//! the same client, so through every step above.
+//! the same client, so through every step above, and so do the requests to Streamable
+//! HTTP MCP servers (`[[mcp_servers]]` entries with `url`, see [`mcp`]), which follow
+//! no redirect at all.
 //!
 //! See [`HttpConfig`] for the policy's semantics and the limits.
 #![forbid(unsafe_code)]
@@ -29,12 +31,13 @@ mod config;
 pub mod declared;
 mod egress;
 pub mod html;
+pub mod mcp;
 mod resolve;
 mod tools;
 
 pub use config::{ConfigError, HttpConfig, PrivateAddresses};
 pub use egress::{PatternError, Refusal};
-pub use tools::{tools, tools_with_declared, tools_with_resolver};
+pub use tools::{StartError, tools, tools_with_declared, tools_with_mcp, tools_with_resolver};
 
 /// The egress decision alone, without any network access: what the http tools would do
 /// with `url` if its host resolved to `addrs` (ignored for an IP-literal host). `Ok`

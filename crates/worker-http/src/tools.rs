@@ -59,28 +59,58 @@ pub fn tools_with_resolver(
     build(config, Some(Arc::new(lookup)), Vec::new())
 }
 
+/// Why the http worker cannot serve what its configuration asks for.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error(transparent)]
+    Mcp(#[from] crate::mcp::McpStartError),
+}
+
+/// [`tools_with_declared`] and the tools of the Streamable HTTP MCP servers, whose
+/// sessions are opened now, through the same client, to list them (see [`crate::mcp`]).
+pub async fn tools_with_mcp(
+    config: HttpConfig,
+    declared: Vec<ResolvedTemplate>,
+    servers: Vec<crate::mcp::ResolvedMcpServer>,
+) -> Result<ToolSet, StartError> {
+    let client = client(config, None)?;
+    let mcp = crate::mcp::start(servers, &client).await?;
+    Ok(mcp
+        .into_iter()
+        .fold(with_client(client, declared), ToolSet::with))
+}
+
+/// The one client every tool of the worker sends through.
+pub(crate) fn client(config: HttpConfig, lookup: Option<Lookup>) -> Result<Client, ConfigError> {
+    let settings = Arc::new(config.validate()?);
+    Client::new(settings, lookup).map_err(|e| ConfigError::Tls(e.to_string()))
+}
+
 pub(crate) fn build(
     config: HttpConfig,
     lookup: Option<Lookup>,
     declared: Vec<ResolvedTemplate>,
 ) -> Result<ToolSet, ConfigError> {
-    let settings = Arc::new(config.validate()?);
-    let client = Client::new(settings, lookup).map_err(|e| ConfigError::Tls(e.to_string()))?;
+    Ok(with_client(client(config, lookup)?, declared))
+}
+
+fn with_client(client: Client, declared: Vec<ResolvedTemplate>) -> ToolSet {
     let mut set = ToolSet::new("http");
     for template in declared {
         set = set.with(DeclaredHttpTool::new(template, client.clone()));
     }
     // The built-ins go in last: a declared tool can never take a built-in's name (the
     // entry check refuses it), and if one did, the built-in would still win.
-    Ok(set
-        .with(HttpTool {
-            kind: Kind::Request,
-            client: client.clone(),
-        })
-        .with(HttpTool {
-            kind: Kind::Fetch,
-            client,
-        }))
+    set.with(HttpTool {
+        kind: Kind::Request,
+        client: client.clone(),
+    })
+    .with(HttpTool {
+        kind: Kind::Fetch,
+        client,
+    })
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -35,9 +35,14 @@ pub struct McpServerEntry {
     /// A stdio server: program and arguments, run by the shell worker in the sandbox.
     #[serde(default)]
     pub command: Option<Vec<String>>,
-    /// A Streamable HTTP server's URL.
+    /// A Streamable HTTP server's URL (`http://` or `https://`), reached by the http
+    /// worker under its egress rules.
     #[serde(default)]
     pub url: Option<String>,
+    /// Headers of every request to a Streamable HTTP server; values may name secrets
+    /// as `${env:NAME}` or `${file:/path}`, which only the http worker reads.
+    #[serde(default)]
+    pub headers: BTreeMap<String, String>,
     /// Fixed environment variables of a stdio server (the operator's; no secret
     /// belongs here, the sandbox's environment is visible to the server's code).
     #[serde(default)]
@@ -112,12 +117,15 @@ impl McpServerEntry {
                     "give command (a stdio server's program and arguments) or url".into(),
                 ));
             }
-            (None, Some(_)) => {
-                return Err(invalid(
-                    "Streamable HTTP servers (url) are not served yet; run the server over stdio \
-                     with command = [...]"
-                        .into(),
-                ));
+            (None, Some(url)) => {
+                check_url(url).map_err(|reason| invalid(format!("url {url:?}: {reason}")))?;
+                if !self.env.is_empty() {
+                    return Err(invalid(
+                        "env is for a stdio server's process; a Streamable HTTP server takes \
+                         headers"
+                            .into(),
+                    ));
+                }
             }
             (Some(command), None) => {
                 let Some(program) = command.first() else {
@@ -128,6 +136,12 @@ impl McpServerEntry {
                 }
                 if command.iter().any(|a| a.contains('\0')) {
                     return Err(invalid("command may not contain NUL bytes".into()));
+                }
+                if !self.headers.is_empty() {
+                    return Err(invalid(
+                        "headers are for a Streamable HTTP server (url); a stdio server takes env"
+                            .into(),
+                    ));
                 }
             }
         }
@@ -155,6 +169,11 @@ impl McpServerEntry {
     /// Whether the shell worker runs it (a stdio server).
     pub fn is_stdio(&self) -> bool {
         self.command.is_some()
+    }
+
+    /// Whether the http worker serves it (a Streamable HTTP server).
+    pub fn is_http(&self) -> bool {
+        self.command.is_none() && self.url.is_some()
     }
 
     /// The Airlock name of the server's tool `tool`, or why it cannot have one.
@@ -215,6 +234,32 @@ impl McpServerEntry {
             },
         })
     }
+}
+
+/// Why `url` cannot be a Streamable HTTP server's address. Where it may go is the
+/// http worker's egress policy's to say, at its start and on every request.
+fn check_url(url: &str) -> Result<(), String> {
+    let parsed = url::Url::parse(url.trim()).map_err(|e| format!("not a URL ({e})"))?;
+    if !matches!(parsed.scheme(), "http" | "https") {
+        return Err(format!(
+            "the scheme is {:?}; a Streamable HTTP server's URL is http:// or https://",
+            parsed.scheme()
+        ));
+    }
+    if !parsed.username().is_empty() || parsed.password().is_some() {
+        return Err(
+            "it holds a user name or password; send credentials in headers, e.g. \
+             headers = { Authorization = \"Bearer ${env:NAME}\" }"
+                .into(),
+        );
+    }
+    if parsed.host_str().is_none_or(str::is_empty) {
+        return Err("it has no host".into());
+    }
+    if parsed.fragment().is_some() {
+        return Err("a fragment (#…) is never sent; remove it".into());
+    }
+    Ok(())
 }
 
 /// Checks every entry and that no two share a name.
@@ -311,7 +356,21 @@ mod tests {
                 "name = \"t\"\ncommand = [\"x\"]\nurl = \"http://h\"",
                 "not both",
             ),
-            ("name = \"t\"\nurl = \"http://h/mcp\"", "not served yet"),
+            ("name = \"t\"\nurl = \"ftp://h/mcp\"", "http:// or https://"),
+            (
+                "name = \"t\"\nurl = \"http://u:p@h/mcp\"",
+                "user name or password",
+            ),
+            ("name = \"t\"\nurl = \"mcp.example.com/mcp\"", "not a URL"),
+            ("name = \"t\"\nurl = \"http://h/mcp#x\"", "fragment"),
+            (
+                "name = \"t\"\nurl = \"http://h/mcp\"\nenv = { A = \"1\" }",
+                "env is for a stdio",
+            ),
+            (
+                "name = \"t\"\ncommand = [\"x\"]\nheaders = { A = \"1\" }",
+                "headers are for",
+            ),
             (
                 "name = \"t\"\ncommand = [\"x\"]\nmax_sessions = 0",
                 "max_sessions",
@@ -324,6 +383,12 @@ mod tests {
             let err = entry(text).check().unwrap_err().to_string();
             assert!(err.contains(says), "{text}: {err}");
         }
+        let remote = entry(
+            "name = \"docs\"\nurl = \"https://mcp.example.com/mcp\"\n\
+             headers = { Authorization = \"Bearer ${env:DOCS_TOKEN}\" }\nper_session = false",
+        );
+        remote.check().unwrap();
+        assert!(remote.is_http() && !remote.is_stdio() && !good.is_http());
         let twice = [good.clone(), good];
         assert!(
             check_entries(&twice)
