@@ -2,7 +2,8 @@
 //! its (minimal) root, read and write the workspace, `/tmp`, `/dev/shm` and a few device
 //! nodes — nothing else. The best ABI the kernel offers is used and reported:
 //! ABI 2 adds the `REFER` right, 3 `TRUNCATE`, 4 TCP bind/connect (denied entirely when
-//! the network is off), 5 device ioctls, 6 scoping (no signals to, and no abstract unix
+//! the network is off; with `network = "proxy"`, connect to the proxy's port only and no
+//! bind), 5 device ioctls, 6 scoping (no signals to, and no abstract unix
 //! sockets of, processes outside the sandbox).
 //!
 //! The interface is used through raw system calls so that the child can apply a plan
@@ -13,6 +14,7 @@ use std::ffi::CString;
 use std::io;
 use std::path::Path;
 
+use crate::sandbox::{Network, PROXY_PORT};
 use crate::step::{AtStep, Failure, Step};
 use crate::sys;
 
@@ -31,6 +33,7 @@ pub enum LandlockError {
 
 const CREATE_RULESET_VERSION: u32 = 1;
 const RULE_PATH_BENEATH: libc::c_int = 1;
+const RULE_NET_PORT: libc::c_int = 2;
 
 pub(crate) mod access {
     pub const EXECUTE: u64 = 1 << 0;
@@ -66,6 +69,12 @@ struct PathBeneathAttr {
     parent_fd: i32,
 }
 
+#[repr(C)]
+struct NetPortAttr {
+    allowed_access: u64,
+    port: u64,
+}
+
 /// The Landlock ABI version of the running kernel, `None` when unavailable.
 pub fn abi_version() -> Option<u32> {
     // SAFETY: with a null attribute and size 0 and the VERSION flag, the call only
@@ -99,18 +108,26 @@ pub(crate) struct LandlockPlan {
     handled_net: u64,
     scoped: u64,
     rules: Vec<(CString, u64)>,
+    /// TCP ports that may be connected to, when TCP is handled.
+    connect_ports: Vec<u16>,
 }
 
 impl LandlockPlan {
-    /// An empty plan for `abi`; `deny_tcp` handles (so denies) TCP bind and connect.
-    pub(crate) fn new(abi: u32, deny_tcp: bool) -> Self {
+    /// An empty plan for `abi`. TCP bind and connect are handled (so denied) unless the
+    /// network is the host's; a proxy sandbox may connect to the proxy's port alone.
+    pub(crate) fn new(abi: u32, network: Network) -> Self {
         LandlockPlan {
             abi,
             handled_fs: handled_fs(abi),
-            handled_net: if abi >= 4 && deny_tcp {
+            handled_net: if abi >= 4 && network.own_namespace() {
                 NET_BIND_TCP | NET_CONNECT_TCP
             } else {
                 0
+            },
+            connect_ports: if abi >= 4 && network == Network::Proxy {
+                vec![PROXY_PORT]
+            } else {
+                Vec::new()
             },
             scoped: if abi >= 6 {
                 SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL
@@ -213,6 +230,22 @@ impl LandlockPlan {
             // SAFETY: closing the descriptor opened above, once.
             unsafe { libc::close(fd) };
             ret?;
+        }
+        for &port in &self.connect_ports {
+            let attr = NetPortAttr {
+                allowed_access: NET_CONNECT_TCP,
+                port: u64::from(port),
+            };
+            // SAFETY: `attr` is a valid net-port attribute for the call's duration.
+            sys::check(unsafe {
+                libc::syscall(
+                    libc::SYS_landlock_add_rule,
+                    ruleset,
+                    RULE_NET_PORT,
+                    &attr as *const NetPortAttr,
+                    0u32,
+                )
+            })?;
         }
         Ok(())
     }

@@ -36,6 +36,7 @@ mod caps;
 pub mod cgroup;
 mod fds;
 mod landlock_rules;
+mod loopback;
 mod namespaces;
 mod probe;
 mod rlimits;
@@ -58,8 +59,8 @@ pub use probe::{HostProbe, IsolationReport, LimitsReport, Missing, probe};
 pub use rlimits::{RlimitError, RlimitReport};
 pub use rootfs::RootfsError;
 pub use sandbox::{
-    AttachedStdio, Cancel, CommandSpec, NoSink, OutputSink, RunOutcome, Sandbox, SandboxConfig,
-    SandboxError, Stream, Usage,
+    AttachedStdio, Cancel, CommandSpec, Network, NoSink, OutputSink, PROXY_PORT, RunOutcome,
+    Sandbox, SandboxConfig, SandboxError, Stream, Usage,
 };
 pub use seccomp::{SeccompError, filter_available as seccomp_filter_available};
 pub use self_confine::{SelfConfineError, SelfConfinement, SelfConfinementReport, confine_self};

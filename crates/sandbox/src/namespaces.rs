@@ -30,13 +30,16 @@
 //!
 //! With the network off (the default) the sandbox gets its own network namespace, in
 //! which only a loopback interface exists; it is left down, and seccomp refuses every
-//! socket family but `AF_UNIX` anyway. With the network on, the sandbox shares the
-//! worker's network namespace.
+//! socket family but `AF_UNIX` anyway. With `network = "proxy"` it gets its own
+//! namespace too, with the loopback up and one listener in it that the worker holds
+//! (see [`crate::loopback`]). With `network = "host"`, the sandbox shares the worker's
+//! network namespace.
 
 use std::io;
 use std::os::fd::RawFd;
 use std::path::PathBuf;
 
+use crate::sandbox::Network;
 use crate::step::{AtStep, Failure, Step};
 use crate::sys;
 
@@ -54,9 +57,9 @@ pub enum NamespaceError {
 }
 
 /// The namespaces a strict sandbox enters, in report order.
-pub(crate) fn names(network: bool) -> Vec<&'static str> {
+pub(crate) fn names(network: Network) -> Vec<&'static str> {
     let mut v = vec!["user", "pid", "mount"];
-    if !network {
+    if network.own_namespace() {
         v.push("net");
     }
     v.extend(["ipc", "uts", "cgroup"]);
@@ -64,13 +67,13 @@ pub(crate) fn names(network: bool) -> Vec<&'static str> {
 }
 
 /// The `clone` flags of a strict sandbox (the cgroup namespace comes later, see module doc).
-pub(crate) fn clone_flags(network: bool) -> libc::c_ulong {
+pub(crate) fn clone_flags(network: Network) -> libc::c_ulong {
     let mut flags = libc::CLONE_NEWUSER
         | libc::CLONE_NEWPID
         | libc::CLONE_NEWNS
         | libc::CLONE_NEWIPC
         | libc::CLONE_NEWUTS;
-    if !network {
+    if network.own_namespace() {
         flags |= libc::CLONE_NEWNET;
     }
     libc::c_ulong::from(flags.cast_unsigned())

@@ -289,7 +289,7 @@ fn probe_user_namespaces() -> (Result<(), Missing>, Option<ProbeChild>) {
             None,
         );
     }
-    let flags = namespaces::clone_flags(true);
+    let flags = namespaces::clone_flags(crate::sandbox::Network::Host);
     // SAFETY: the child only calls unshare, write and _exit, all async-signal-safe.
     let pid = match unsafe { namespaces::clone_process(flags) } {
         Ok(pid) => pid,
@@ -371,7 +371,8 @@ pub struct IsolationReport {
     pub bounding_set_dropped: bool,
     pub rlimits: RlimitReport,
     pub limits: LimitsReport,
-    /// `"none"` (own network namespace, no sockets but AF_UNIX) or `"host"`.
+    /// `"none"` (own network namespace, no sockets but AF_UNIX), `"proxy"` (own network
+    /// namespace; IPv4 TCP to the egress proxy only) or `"host"`.
     pub network: &'static str,
 }
 

@@ -13,6 +13,7 @@ use std::ffi::{CStr, CString};
 use std::io;
 use std::path::{Path, PathBuf};
 
+use crate::sandbox::Network;
 use crate::step::{AtStep, Failure, Step};
 use crate::sys;
 
@@ -36,8 +37,12 @@ pub(crate) const SYSTEM_DIRS: [&str; 7] = ["usr", "bin", "sbin", "lib", "lib64",
 /// loader's cache, Debian's alternatives (`awk`, `editor`, …) and the timezone.
 const ETC_FROM_HOST: [&str; 3] = ["ld.so.cache", "alternatives", "localtime"];
 
-/// Extra `/etc` entries when the network is on: DNS and the CA bundle for TLS.
+/// Extra `/etc` entries with the host's network: DNS and the CA bundle for TLS.
 const ETC_FROM_HOST_NETWORK: [&str; 2] = ["resolv.conf", "ssl/certs"];
+
+/// Extra `/etc` entries behind the egress proxy: the CA bundle, since a client checks
+/// the certificate of the server it tunnels to; no DNS, since the proxy resolves names.
+const ETC_FROM_HOST_PROXY: [&str; 1] = ["ssl/certs"];
 
 /// Files of the minimal `/etc`: root and nobody only, no `shadow`, no keys.
 const ETC_FILES: [(&CStr, &[u8]); 5] = [
@@ -155,8 +160,8 @@ impl<'a> RootfsPlan<'a> {
 
 impl RootfsTemplate {
     /// Finds the host's side of the new root, with a `/tmp` of `tmp_bytes` and, when
-    /// `network` is on, DNS and the CA bundle.
-    pub(crate) fn prepare(tmp_bytes: u64, network: bool) -> Result<Self, RootfsError> {
+    /// the network is the host's, DNS and the CA bundle (behind the proxy, the bundle).
+    pub(crate) fn prepare(tmp_bytes: u64, network: Network) -> Result<Self, RootfsError> {
         let c = cstring;
         let old = Path::new("/oldroot");
 
@@ -185,10 +190,10 @@ impl RootfsTemplate {
 
         let mut etc_dirs = vec![c(Path::new("/etc"))?];
         let mut etc = Vec::new();
-        let from_host = ETC_FROM_HOST.iter().chain(if network {
-            ETC_FROM_HOST_NETWORK.iter()
-        } else {
-            [].iter()
+        let from_host = ETC_FROM_HOST.iter().chain(match network {
+            Network::Host => ETC_FROM_HOST_NETWORK.iter(),
+            Network::Proxy => ETC_FROM_HOST_PROXY.iter(),
+            Network::None => [].iter(),
         });
         for name in from_host {
             let host = Path::new("/etc").join(name);

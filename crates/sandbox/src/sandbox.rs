@@ -67,6 +67,41 @@ pub enum SandboxError {
     Io(#[source] io::Error),
 }
 
+/// The port of the egress proxy inside a `network = "proxy"` sandbox: its own network
+/// namespace, so every sandbox has its own `127.0.0.1:3128` (DESIGN §12).
+pub const PROXY_PORT: u16 = 3128;
+
+/// What network a sandbox has.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Network {
+    /// Its own network namespace, whose loopback stays down; sockets of `AF_UNIX` only.
+    #[default]
+    None,
+    /// Its own network namespace with a loopback interface, where the only thing to
+    /// reach is the worker's egress proxy on `127.0.0.1:`[`PROXY_PORT`]: IPv4 TCP sockets
+    /// only, and (Landlock ABI 4+) TCP connect to that port alone and no bind. The
+    /// proxy's listener is handed to the caller ([`OutputSink::proxy_listener`]).
+    Proxy,
+    /// The worker's own network namespace.
+    Host,
+}
+
+impl Network {
+    /// Whether the sandbox gets a network namespace of its own.
+    pub fn own_namespace(self) -> bool {
+        self != Network::Host
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Network::None => "none",
+            Network::Proxy => "proxy",
+            Network::Host => "host",
+        }
+    }
+}
+
 /// Sandbox settings (`[sandbox]` in airlock.toml). Defaults follow DESIGN.md.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
@@ -85,8 +120,8 @@ pub struct SandboxConfig {
     pub nofile: u64,
     /// Captured bytes per stream; the rest is drained and dropped, flagged truncated.
     pub output_cap_bytes: usize,
-    /// Give the sandbox the worker's network (default: none).
-    pub network: bool,
+    /// The sandbox's network (default: none).
+    pub network: Network,
     /// Parent cgroup of the calls: a name, created under the worker's own cgroup, or a
     /// path starting with `/` from the root of each hierarchy (a delegated subtree).
     pub cgroup_parent: String,
@@ -106,7 +141,7 @@ impl Default for SandboxConfig {
             fsize_bytes: 1 << 30,
             nofile: 1024,
             output_cap_bytes: 1 << 20,
-            network: false,
+            network: Network::None,
             cgroup_parent: "airlock".to_owned(),
             max_concurrent: crate::slots::default_max_concurrent(),
         }
@@ -166,6 +201,13 @@ pub enum Stream {
 /// part, up to the cap).
 pub trait OutputSink {
     fn chunk(&mut self, stream: Stream, data: &[u8]);
+
+    /// A `network = "proxy"` sandbox's listener on its own `127.0.0.1:`[`PROXY_PORT`],
+    /// once its command has started: whoever holds it decides what the sandbox reaches.
+    /// Dropping it (the default) leaves every connection of the sandbox refused.
+    fn proxy_listener(&mut self, listener: std::net::TcpListener) {
+        drop(listener);
+    }
 }
 
 impl<F: FnMut(Stream, &[u8])> OutputSink for F {
@@ -341,6 +383,12 @@ impl Sandbox {
             .and_then(|c| c.limit_parent(&aggregate).ok())
             .map(|()| aggregate.memory_bytes);
         let strict = level == IsolationLevel::Strict;
+        if config.network == Network::Proxy && !strict {
+            return Err(SandboxError::InvalidConfig(format!(
+                "network = \"proxy\" needs a network namespace of the sandbox's own, which the {} level does not create; run the shell worker where user namespaces work (strict), or use network = \"none\"",
+                level.as_str()
+            )));
+        }
         let seccomp = SeccompPlan::compile(seccomp::Profile::sandbox(config.network))?;
         let rootfs = if strict {
             Some(RootfsTemplate::prepare(config.tmp_bytes, config.network)?)
@@ -380,7 +428,7 @@ impl Sandbox {
                 max_concurrent,
                 aggregate_memory_bytes,
             },
-            network: if config.network { "host" } else { "none" },
+            network: config.network.as_str(),
         };
         Ok(Sandbox {
             config,

@@ -22,6 +22,7 @@ use seccompiler::{
     SeccompRule, TargetArch, sock_filter,
 };
 
+use crate::sandbox::Network;
 use crate::step::{AtStep, Failure, Step};
 use crate::sys;
 
@@ -39,8 +40,8 @@ pub enum SeccompError {
 /// Which system calls a profile lets through.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Profile {
-    /// Sockets of families other than `AF_UNIX`.
-    pub network: bool,
+    /// Which sockets: `AF_UNIX` only (none), also IPv4 TCP (proxy), any (host).
+    pub network: Network,
     /// `execve`/`execveat`.
     pub exec: bool,
     /// New namespaces and the mount API (needed by a worker that creates sandboxes;
@@ -54,7 +55,7 @@ pub(crate) struct Profile {
 
 impl Profile {
     /// The profile of a sandboxed command.
-    pub(crate) fn sandbox(network: bool) -> Self {
+    pub(crate) fn sandbox(network: Network) -> Self {
         Profile {
             network,
             exec: true,
@@ -178,16 +179,57 @@ impl SeccompPlan {
             }
             denied.insert(libc::SYS_clone, rules);
         }
-        if !profile.network {
-            denied.insert(
-                libc::SYS_socket,
-                vec![rule(vec![cond(
-                    0,
-                    SeccompCmpArgLen::Dword,
-                    SeccompCmpOp::Ne,
-                    libc::AF_UNIX as u64,
-                )?])?],
-            );
+        match profile.network {
+            Network::Host => {}
+            Network::None => {
+                denied.insert(
+                    libc::SYS_socket,
+                    vec![rule(vec![cond(
+                        0,
+                        SeccompCmpArgLen::Dword,
+                        SeccompCmpOp::Ne,
+                        libc::AF_UNIX as u64,
+                    )?])?],
+                );
+            }
+            Network::Proxy => {
+                // socket(family, type, …): refused for a family other than AF_UNIX and
+                // AF_INET, and for AF_INET of any type but SOCK_STREAM (the low four bits;
+                // the rest are SOCK_NONBLOCK/SOCK_CLOEXEC): no UDP, no raw sockets, no
+                // IPv6. What a TCP socket may connect to, Landlock and the namespace say.
+                let mut rules = vec![rule(vec![
+                    cond(
+                        0,
+                        SeccompCmpArgLen::Dword,
+                        SeccompCmpOp::Ne,
+                        libc::AF_UNIX as u64,
+                    )?,
+                    cond(
+                        0,
+                        SeccompCmpArgLen::Dword,
+                        SeccompCmpOp::Ne,
+                        libc::AF_INET as u64,
+                    )?,
+                ])?];
+                const SOCK_TYPE_MASK: u64 = 0xf;
+                for kind in (0..=SOCK_TYPE_MASK).filter(|k| *k != libc::SOCK_STREAM as u64) {
+                    rules.push(rule(vec![
+                        cond(
+                            0,
+                            SeccompCmpArgLen::Dword,
+                            SeccompCmpOp::Eq,
+                            libc::AF_INET as u64,
+                        )?,
+                        cond(
+                            1,
+                            SeccompCmpArgLen::Dword,
+                            SeccompCmpOp::MaskedEq(SOCK_TYPE_MASK),
+                            kind,
+                        )?,
+                    ])?);
+                }
+                denied.insert(libc::SYS_socket, rules);
+            }
         }
 
         if profile.no_setid_files {

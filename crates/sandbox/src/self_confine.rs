@@ -127,7 +127,7 @@ pub fn confine_self(spec: &SelfConfinement) -> Result<SelfConfinementReport, cra
     }
     let abi = landlock_rules::abi_version();
     let seccomp = SeccompPlan::compile(Profile {
-        network: true,
+        network: crate::sandbox::Network::Host,
         exec: spec.allow_exec,
         namespaces: spec.allow_namespaces,
         no_setid_files: false,
@@ -135,7 +135,7 @@ pub fn confine_self(spec: &SelfConfinement) -> Result<SelfConfinementReport, cra
     let landlock = match abi {
         None => None,
         Some(abi) => {
-            let mut plan = LandlockPlan::new(abi, false);
+            let mut plan = LandlockPlan::new(abi, crate::sandbox::Network::Host);
             let system = if spec.allow_exec {
                 access::READ_EXEC
             } else {

@@ -41,9 +41,11 @@ pub enum Step {
     Exec,
     /// Appended, so the numbers of the others stay as they were on the wire.
     NotDumpable,
+    LoopbackUp,
+    ProxyListener,
 }
 
-const ALL: [Step; 29] = [
+const ALL: [Step; 31] = [
     Step::WaitForParent,
     Step::JoinCgroup,
     Step::ParentDeathSignal,
@@ -73,6 +75,8 @@ const ALL: [Step; 29] = [
     Step::Seccomp,
     Step::Exec,
     Step::NotDumpable,
+    Step::LoopbackUp,
+    Step::ProxyListener,
 ];
 
 impl Step {
@@ -108,6 +112,8 @@ impl Step {
             Step::Seccomp => "install the seccomp filter",
             Step::Exec => "execute the command",
             Step::NotDumpable => "make the sandbox's first process non-dumpable",
+            Step::LoopbackUp => "bring up the sandbox's loopback interface",
+            Step::ProxyListener => "open the egress proxy's listener and hand it to the worker",
         }
     }
 

@@ -597,6 +597,127 @@ fn network_is_off() {
     assert_no_cgroup_left("net");
 }
 
+/// Takes the proxy sandbox's listener and answers one line on the first connection.
+struct ProxySink {
+    seen: std::sync::mpsc::Sender<std::net::SocketAddr>,
+    server: Option<std::thread::JoinHandle<usize>>,
+}
+
+impl airlock_sandbox::OutputSink for ProxySink {
+    fn chunk(&mut self, _: Stream, _: &[u8]) {}
+
+    fn proxy_listener(&mut self, listener: std::net::TcpListener) {
+        let _ = self
+            .seen
+            .send(listener.local_addr().expect("local address"));
+        listener.set_nonblocking(true).expect("non-blocking");
+        self.server = Some(std::thread::spawn(move || {
+            use std::io::Write as _;
+            let deadline = Instant::now() + Duration::from_secs(15);
+            let mut served = 0;
+            while Instant::now() < deadline && served < 1 {
+                match listener.accept() {
+                    Ok((mut stream, _)) => {
+                        let _ = stream.write_all(b"hello from the worker\n");
+                        served += 1;
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(10)),
+                }
+            }
+            served
+        }));
+    }
+}
+
+#[test]
+fn proxy_network_reaches_only_the_listener_the_worker_holds() {
+    let ws = workspace();
+    let sandbox = strict(SandboxConfig {
+        network: airlock_sandbox::Network::Proxy,
+        ..config("proxy")
+    });
+    assert_eq!(sandbox.report().network, "proxy");
+    let (seen, addresses) = std::sync::mpsc::channel();
+    let mut sink = ProxySink { seen, server: None };
+    // As an attacker would: the proxy's port, every other way out, and listening.
+    let script = r#"use Socket;
+        sub try_connect { my ($name, $host, $port) = @_;
+          socket(my $s, AF_INET, SOCK_STREAM, 0) or do { print "$name: socket $!\n"; return };
+          if (connect($s, pack_sockaddr_in($port, inet_aton($host)))) {
+            my $line = <$s>; print "$name: connected ", ($line // "nothing\n") }
+          else { print "$name: $!\n" } }
+        try_connect("proxy", "127.0.0.1", 3128);
+        try_connect("other-port", "127.0.0.1", 3129);
+        try_connect("outside", "192.0.2.1", 3128);
+        try_connect("dns", "1.1.1.1", 53);
+        socket(my $u, AF_INET, SOCK_DGRAM, 0) ? print("udp-ok\n") : print("udp: $!\n");
+        socket(my $r, AF_INET, SOCK_RAW, 1) ? print("raw-ok\n") : print("raw: $!\n");
+        socket(my $six, AF_INET6, SOCK_STREAM, 0) ? print("inet6-ok\n") : print("inet6: $!\n");
+        socket(my $p, 17, SOCK_RAW, 0) ? print("packet-ok\n") : print("packet: $!\n");
+        socket(my $n, 16, SOCK_RAW, 0) ? print("netlink-ok\n") : print("netlink: $!\n");
+        socket(my $l, AF_INET, SOCK_STREAM, 0);
+        bind($l, pack_sockaddr_in(4000, inet_aton("127.0.0.1"))) ? print("bind-ok\n") : print("bind: $!\n");
+        socket(my $x, AF_UNIX, SOCK_STREAM, 0) ? print("unix-ok\n") : print("unix: $!\n");"#;
+    let out = sandbox
+        .run(
+            &spec(&["perl", "-e", script], ws.path()),
+            &mut sink,
+            &Cancel::new(),
+        )
+        .expect("run");
+    let stdout = text(&out.stdout);
+    assert_eq!(out.exit_code, Some(0), "{stdout} {}", text(&out.stderr));
+    assert_eq!(
+        addresses.recv_timeout(Duration::from_secs(5)).ok(),
+        Some("127.0.0.1:3128".parse().unwrap())
+    );
+    let served = sink
+        .server
+        .take()
+        .expect("listener handed over")
+        .join()
+        .unwrap();
+    assert_eq!(served, 1, "{stdout}");
+    assert!(
+        stdout.contains("proxy: connected hello from the worker"),
+        "{stdout}"
+    );
+    for refused in [
+        "other-port: ",
+        "outside: ",
+        "dns: ",
+        "udp: ",
+        "raw: ",
+        "inet6: ",
+        "packet: ",
+        "netlink: ",
+        "bind: ",
+    ] {
+        let line = stdout
+            .lines()
+            .find(|l| l.starts_with(refused))
+            .unwrap_or_else(|| panic!("no {refused} line (it succeeded?): {stdout}"));
+        assert!(!line.contains("connected"), "{line}");
+    }
+    assert!(stdout.contains("unix-ok"), "{stdout}");
+    // The listener lives in the sandbox's namespace, not the host's: nothing of it is
+    // reachable from here, and it is closed with the run.
+    assert!(std::net::TcpStream::connect("127.0.0.1:3128").is_err());
+    assert_no_cgroup_left("proxy");
+}
+
+#[test]
+fn proxy_network_is_refused_below_strict() {
+    let err = Sandbox::new(SandboxConfig {
+        network: airlock_sandbox::Network::Proxy,
+        min_isolation: IsolationLevel::Standard,
+        force_level: Some(IsolationLevel::Standard),
+        ..config("proxy-standard")
+    })
+    .expect_err("a standard sandbox has no network namespace for the proxy");
+    assert!(err.to_string().contains("network = \"proxy\""), "{err}");
+}
+
 #[test]
 fn seccomp_blocks_escape_syscalls() {
     let ws = workspace();

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use airlock_policy::IsolationLevel;
-use airlock_sandbox::SandboxConfig;
+use airlock_sandbox::{Network, SandboxConfig};
 use serde::Deserialize;
 
 /// Sandbox limits and shell defaults. Every key has the default DESIGN.md pins.
@@ -29,8 +29,11 @@ pub struct ShellConfig {
     /// Default and maximum `timeout_seconds`.
     pub timeout_seconds: u64,
     pub max_timeout_seconds: u64,
-    /// Give sandboxes the worker's network (default: none, only their own loopback).
-    pub network: bool,
+    /// The sandboxes' network (DESIGN §12): `"none"` (default; `false` means the same),
+    /// `"proxy"` (only the egress proxy, under `[sandbox.egress]`), or `"host"` (`true`:
+    /// the worker's whole network).
+    #[serde(deserialize_with = "network_setting")]
+    pub network: Network,
     /// Environment variable names a call may set.
     pub allowed_env: Vec<String>,
     /// Parent cgroup of the sandboxes: a name under the worker's own cgroup, or a path
@@ -67,7 +70,7 @@ impl Default for ShellConfig {
             model_output_bytes: 64 << 10,
             timeout_seconds: 30,
             max_timeout_seconds: 600,
-            network: false,
+            network: Network::None,
             allowed_env: ["LANG", "LC_ALL", "LC_CTYPE", "TZ", "TERM", "NO_COLOR", "CI"]
                 .map(String::from)
                 .to_vec(),
@@ -78,6 +81,28 @@ impl Default for ShellConfig {
             volumes: None,
             force_level: None,
         }
+    }
+}
+
+/// `network = false | true | "none" | "proxy" | "host"`.
+fn network_setting<'de, D: serde::Deserializer<'de>>(de: D) -> Result<Network, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Setting {
+        Switch(bool),
+        Mode(String),
+    }
+    match Setting::deserialize(de)? {
+        Setting::Switch(false) => Ok(Network::None),
+        Setting::Switch(true) => Ok(Network::Host),
+        Setting::Mode(mode) => match mode.as_str() {
+            "none" => Ok(Network::None),
+            "proxy" => Ok(Network::Proxy),
+            "host" => Ok(Network::Host),
+            other => Err(serde::de::Error::custom(format!(
+                "network = {other:?}: use \"none\" (no network), \"proxy\" (only the hosts [sandbox.egress] allow) or \"host\""
+            ))),
+        },
     }
 }
 

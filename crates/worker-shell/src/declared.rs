@@ -13,7 +13,7 @@
 use std::sync::Arc;
 
 use airlock_policy::{ToolDefinition, ToolOutcome};
-use airlock_sandbox::{CommandSpec, Sandbox};
+use airlock_sandbox::{CommandSpec, Network, Sandbox};
 pub use airlock_worker::declared::{DeclaredToolError, ToolEntry, ToolNetwork};
 use airlock_worker::declared::{check_field, check_unique, mentions_placeholder, placeholder};
 use airlock_worker::{CallContext, Tool};
@@ -282,11 +282,11 @@ impl CommandTool {
     }
 
     fn spec(&self, arguments: &Value, ctx: &CallContext) -> Result<CommandSpec, String> {
-        if self.template.network == ToolNetwork::Proxy && !self.config.network {
+        if self.template.network == ToolNetwork::Proxy && self.config.network == Network::None {
             return Err(format!(
                 "{} needs the network (network = \"proxy\"), and this worker's sandboxes have \
-                 none: egress through the proxy is not available in this Airlock, and \
-                 [sandbox] network = false",
+                 none: set [sandbox] network = \"proxy\" and name the hosts it may reach in \
+                 [sandbox.egress] allow",
                 self.template.name()
             ));
         }

@@ -11,6 +11,7 @@ use std::os::fd::RawFd;
 use super::handshake;
 use super::plan::ChildPlan;
 use crate::fds::{self, ERROR_FD};
+use crate::loopback;
 use crate::namespaces;
 use crate::step::{AtStep, Failure, Step};
 use crate::sys;
@@ -65,6 +66,13 @@ fn confine_and_exec(plan: &ChildPlan<'_>, report_fd: &mut RawFd) -> Result<Infal
         //     hostname of our own.
         namespaces::enter_cgroup_namespace()?;
         namespaces::set_hostname(b"airlock")?;
+        // 3p. Behind the egress proxy: the namespace's loopback up, and a listener on
+        //     127.0.0.1:3128 in it handed to the worker, which serves the proxy on it.
+        //     Our copies are closed here; the command never holds it.
+        if let Some(channel) = plan.proxy_channel {
+            loopback::bring_up()?;
+            loopback::hand_over_listener(channel)?;
+        }
         // 4s. The new root: system dirs read-only, minimal /etc and /dev, workspace,
         //     /tmp, fresh /proc; pivot_root; old root detached; cwd under /workspace.
         if let Some(rootfs) = &plan.rootfs {

@@ -28,10 +28,13 @@ use std::time::Instant;
 use crate::Cancel;
 use crate::cgroup::CgroupLimits;
 use crate::fds::{self, ChildFds};
+use crate::loopback;
 use crate::namespaces;
 use crate::rlimits::{RlimitPlan, Rlimits};
 use crate::rootfs::RootfsPlan;
-use crate::sandbox::{AttachedStdio, CommandSpec, OutputSink, RunOutcome, Sandbox, SandboxError};
+use crate::sandbox::{
+    AttachedStdio, CommandSpec, Network, OutputSink, RunOutcome, Sandbox, SandboxError,
+};
 use crate::sys;
 
 mod child;
@@ -139,6 +142,10 @@ pub(crate) fn run(
     let (sync_r, sync_w) = pipe()?;
     let (error_r, error_w) = pipe()?;
     let (status_r, status_w) = pipe()?;
+    let proxy_channel = match cfg.network {
+        Network::Proxy => Some(loopback::channel()?),
+        Network::None | Network::Host => None,
+    };
     let cgroup_tasks = match &cgroup {
         Some(cg) => cg
             .self_join_files()
@@ -160,6 +167,7 @@ pub(crate) fn run(
             status: status_w.as_raw_fd(),
         },
         sync: sync_r.as_raw_fd(),
+        proxy_channel: proxy_channel.as_ref().map(|(_, child)| child.as_raw_fd()),
         rootfs,
         host_cwd,
         rlimits,
@@ -198,6 +206,7 @@ pub(crate) fn run(
     };
     drop((stdin_r, stdout_w, stderr_w, sync_r, error_w, status_w));
     drop(plan);
+    let proxy_channel = proxy_channel.map(|(ours, _child)| ours);
 
     // Handshake: id maps, cgroup, then let the child go.
     if strict {
@@ -218,6 +227,16 @@ pub(crate) fn run(
         });
     }
     drop(error_r);
+    if let Some(channel) = &proxy_channel {
+        match loopback::receive_listener(channel) {
+            Ok(listener) => sink.proxy_listener(listener),
+            Err(e) => {
+                child.kill();
+                let _ = child.reap();
+                return Err(e);
+            }
+        }
+    }
 
     parent::supervise(
         Supervision {

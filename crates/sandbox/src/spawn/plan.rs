@@ -113,6 +113,9 @@ pub(super) struct ChildPlan<'a> {
     pub(super) cgroup_tasks: Vec<CString>,
     pub(super) fds: ChildFds,
     pub(super) sync: RawFd,
+    /// `network = "proxy"`: the child's end of the socket pair over which it hands the
+    /// egress proxy's listener to the worker (see `crate::loopback`).
+    pub(super) proxy_channel: Option<RawFd>,
     pub(super) rootfs: Option<RootfsPlan<'a>>,
     pub(super) host_cwd: CString,
     pub(super) rlimits: RlimitPlan,
@@ -174,7 +177,7 @@ pub(super) fn relative_cwd(cwd: Option<&str>) -> Result<PathBuf, SandboxError> {
 
 /// Landlock rules of a strict sandbox (paths of the new root).
 pub(super) fn strict_landlock(sandbox: &Sandbox) -> Result<LandlockPlan, SandboxError> {
-    let mut plan = LandlockPlan::new(sandbox.landlock_abi(), !sandbox.config().network);
+    let mut plan = LandlockPlan::new(sandbox.landlock_abi(), sandbox.config().network);
     plan.allow(Path::new("/"), access::READ)?;
     allow_system(&mut plan)?;
     for dir in ["/workspace", "/tmp", "/dev/shm"] {
@@ -189,7 +192,7 @@ pub(super) fn standard_landlock(
     workspace: &Path,
     tmp: &Path,
 ) -> Result<LandlockPlan, SandboxError> {
-    let mut plan = LandlockPlan::new(sandbox.landlock_abi(), !sandbox.config().network);
+    let mut plan = LandlockPlan::new(sandbox.landlock_abi(), sandbox.config().network);
     allow_system(&mut plan)?;
     for file in [
         "passwd",
