@@ -77,11 +77,19 @@ impl Shared {
         granted
     }
 
-    fn budget_refusal(&self) -> Failure {
+    /// Refuses a new target once the call's budget is spent, before connecting to it.
+    fn spent(&self) -> Result<(), Failure> {
+        if self.relayed.load(Ordering::Acquire) >= self.rules.max_bytes {
+            return Err(self.budget_refusal(Answer::Http(403)));
+        }
+        Ok(())
+    }
+
+    fn budget_refusal(&self, answer: Answer) -> Failure {
         Failure::refused(
-            Answer::Close,
+            answer,
             format!(
-                "refused: this call has relayed {} bytes, the most [sandbox.egress] max_bytes allows; the connection was closed",
+                "refused: this call has relayed {} bytes, the most [sandbox.egress] max_bytes allows",
                 self.rules.max_bytes
             ),
         )
@@ -518,6 +526,7 @@ async fn tunnel(
     })?;
     attempt.host = host.to_string();
     attempt.port = port;
+    shared.spent()?;
     let addrs = shared.rules.admit(&host, port).await?;
     let target = host_port(&host, port);
     let mut upstream = connect(shared, &addrs, &target).await?;
@@ -535,7 +544,14 @@ async fn tunnel(
     check_sni(&host, sni.as_deref())?;
 
     attempt.verdict = Verdict::Allowed;
-    send(shared, &mut upstream, &hello, &mut attempt.bytes_sent).await?;
+    send(
+        shared,
+        &mut upstream,
+        &hello,
+        &mut attempt.bytes_sent,
+        Answer::Alert,
+    )
+    .await?;
     relay(shared, client, &mut upstream, attempt, None).await
 }
 
@@ -656,6 +672,7 @@ async fn forward(
     let target = host_port(&host, port);
     check_host_header(&head, &host, port, &target)?;
     let body = body_length(&head)?;
+    shared.spent()?;
 
     let addrs = shared.rules.admit(&host, port).await?;
     let mut upstream = connect(shared, &addrs, &target).await?;
@@ -666,7 +683,14 @@ async fn forward(
         .unwrap_or(usize::MAX)
         .min(head.rest.len());
     out.extend_from_slice(head.rest.get(..early).unwrap_or_default());
-    send(shared, &mut upstream, &out, &mut attempt.bytes_sent).await?;
+    send(
+        shared,
+        &mut upstream,
+        &out,
+        &mut attempt.bytes_sent,
+        Answer::Http(403),
+    )
+    .await?;
     let remaining = body.saturating_sub(u64::try_from(early).unwrap_or(u64::MAX));
     relay(shared, client, &mut upstream, attempt, Some(remaining)).await
 }
@@ -773,6 +797,7 @@ async fn send(
     upstream: &mut TcpStream,
     bytes: &[u8],
     counted: &mut u64,
+    on_budget: Answer,
 ) -> Result<(), Failure> {
     let len = u64::try_from(bytes.len()).unwrap_or(u64::MAX);
     let granted = shared.take(len);
@@ -782,7 +807,7 @@ async fn send(
     let written = upstream.write_all(part).await;
     *counted = counted.saturating_add(granted);
     if granted < len {
-        return Err(shared.budget_refusal());
+        return Err(shared.budget_refusal(on_budget));
     }
     written.map_err(|e| Failure {
         answer: Answer::Close,
@@ -866,7 +891,7 @@ async fn relay(
     );
     match tokio::try_join!(up, down) {
         Ok(_) | Err(Stopped::Io) => Ok(()),
-        Err(Stopped::Budget) => Err(shared.budget_refusal()),
+        Err(Stopped::Budget) => Err(shared.budget_refusal(Answer::Close)),
     }
 }
 
