@@ -170,7 +170,9 @@ impl HostPattern {
         self.port.is_none_or(|p| p == port)
     }
 
-    fn is_address_pattern(&self) -> bool {
+    /// An address or network entry (`1.2.3.4`, `[::1]:8080`, `10.0.0.0/8`): the only kind
+    /// that matches an address rather than a name.
+    pub fn is_address_pattern(&self) -> bool {
         matches!(self.host, HostMatcher::Ip(_) | HostMatcher::Net(_))
     }
 

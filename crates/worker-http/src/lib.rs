@@ -29,10 +29,14 @@
 mod client;
 mod config;
 pub mod declared;
-mod egress;
+/// The egress policy (host patterns, the special-purpose address table, the decision for
+/// one target), shared with the shell worker's egress proxy so both judge a target alike.
+pub mod egress;
 pub mod html;
 pub mod mcp;
-mod resolve;
+/// From a URL or a name to checked socket addresses, shared with the shell worker's
+/// egress proxy (one lookup, every address checked).
+pub mod resolve;
 mod tools;
 
 pub use config::{ConfigError, HttpConfig, PrivateAddresses};

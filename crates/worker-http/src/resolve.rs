@@ -43,8 +43,9 @@ pub fn parse_url(raw: &str) -> Result<Url, ResolveError> {
     })
 }
 
-/// Checks the scheme and the parts of a URL that need no lookup.
-fn url_parts(url: &Url) -> Result<(Host<String>, u16), Refusal> {
+/// Checks the scheme and the parts of a URL that need no lookup, and returns its host
+/// (a name lower-cased without a trailing dot, or an address) and port.
+pub fn url_parts(url: &Url) -> Result<(Host<String>, u16), Refusal> {
     if !matches!(url.scheme(), "http" | "https") {
         return Err(Refusal::Scheme(url.scheme().to_owned()));
     }
@@ -68,8 +69,9 @@ fn url_parts(url: &Url) -> Result<(Host<String>, u16), Refusal> {
 /// brings its own resolver). Called once per hop.
 pub type Lookup = Arc<dyn Fn(&str) -> std::io::Result<Vec<IpAddr>> + Send + Sync>;
 
-/// Looks a name up through `custom` or the system resolver (`/etc/hosts`, then DNS).
-async fn lookup(
+/// Looks a name up through `custom` or the system resolver (`/etc/hosts`, then DNS), once;
+/// the addresses come back without duplicates, in the resolver's order.
+pub async fn lookup(
     host: &str,
     port: u16,
     custom: Option<&Lookup>,

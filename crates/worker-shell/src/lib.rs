@@ -6,6 +6,7 @@
 
 mod config;
 pub mod declared;
+pub mod egress;
 mod execute;
 pub mod mcp;
 mod workspace;
