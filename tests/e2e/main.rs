@@ -17,6 +17,7 @@ mod as_user;
 mod claims;
 mod cli;
 mod declared_tools;
+mod egress;
 mod external_workers;
 mod front_doors;
 mod fs_tools;

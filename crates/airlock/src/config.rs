@@ -442,6 +442,24 @@ const MIN_WORKSPACE_INODES: u64 = 64;
 
 /// Refuses a quota that is half off (`0` for one of the two keys) or too small to hold a
 /// file system, at load time.
+/// `[sandbox.egress]` compiles (patterns, pinned hosts), and each declared tool's
+/// `egress_allow` narrows it, so that a mistake stops every component at start.
+fn check_egress(config: &AirlockConfig, entries: &[ToolEntry]) -> anyhow::Result<()> {
+    let rules = config
+        .sandbox
+        .egress
+        .check()
+        .context("invalid [sandbox.egress]")?;
+    for entry in entries {
+        if let Some(allow) = &entry.egress_allow {
+            rules
+                .narrowed(allow)
+                .with_context(|| format!("[[tools]] {}: invalid egress_allow", entry.name))?;
+        }
+    }
+    Ok(())
+}
+
 fn check_workspace_quota(sandbox: &ShellConfig) -> anyhow::Result<()> {
     let (bytes, inodes) = (sandbox.workspace_bytes, sandbox.workspace_inodes);
     if (bytes == 0) != (inodes == 0) {
@@ -555,6 +573,7 @@ fn declared_entries(config: &AirlockConfig) -> anyhow::Result<Vec<ToolEntry>> {
     }
     compile_commands(&entries)?;
     compile_http(&entries)?;
+    check_egress(config, &entries)?;
     airlock_policy::authz::ToolExtensions::new(&extensions_of(&entries)?)?;
     Ok(entries)
 }

@@ -792,6 +792,7 @@ mod tests {
             timeout_seconds: None,
             env: BTreeMap::new(),
             network: ToolNetwork::None,
+            egress_allow: None,
             http: Some(http),
         }
     }

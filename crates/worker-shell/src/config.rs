@@ -34,6 +34,8 @@ pub struct ShellConfig {
     /// the worker's whole network).
     #[serde(deserialize_with = "network_setting")]
     pub network: Network,
+    /// `[sandbox.egress]`: what a `network = "proxy"` sandbox may reach (DESIGN §12).
+    pub egress: crate::egress::EgressConfig,
     /// Environment variable names a call may set.
     pub allowed_env: Vec<String>,
     /// Parent cgroup of the sandboxes: a name under the worker's own cgroup, or a path
@@ -71,6 +73,7 @@ impl Default for ShellConfig {
             timeout_seconds: 30,
             max_timeout_seconds: 600,
             network: Network::None,
+            egress: crate::egress::EgressConfig::default(),
             allowed_env: ["LANG", "LC_ALL", "LC_CTYPE", "TZ", "TERM", "NO_COLOR", "CI"]
                 .map(String::from)
                 .to_vec(),

@@ -21,6 +21,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use crate::config::ShellConfig;
+use crate::egress::EgressRules;
 use crate::execute;
 
 /// The `dev` pack, embedded: the same format as `[[tools]]` in `airlock.toml`.
@@ -83,6 +84,8 @@ pub struct CommandTemplate {
     timeout: Option<f64>,
     env: Vec<(String, String)>,
     network: ToolNetwork,
+    /// `egress_allow`: the hosts this tool may reach, within `[sandbox.egress] allow`.
+    egress_allow: Option<Vec<String>>,
 }
 
 impl CommandTemplate {
@@ -162,6 +165,11 @@ impl CommandTemplate {
                 Some(field.to_owned())
             }
         };
+        if entry.egress_allow.is_some() && entry.network != ToolNetwork::Proxy {
+            return Err(invalid(
+                "egress_allow narrows the proxy's hosts: it needs network = \"proxy\"".into(),
+            ));
+        }
         if let Some(t) = entry.timeout_seconds
             && !(t.is_finite() && t > 0.0)
         {
@@ -179,7 +187,23 @@ impl CommandTemplate {
             timeout: entry.timeout_seconds,
             env: entry.env.clone().into_iter().collect(),
             network: entry.network,
+            egress_allow: entry.egress_allow.clone(),
         })
+    }
+
+    /// The proxy's rules for this tool's calls: none unless it declares `network =
+    /// "proxy"`; the worker's, narrowed to its `egress_allow` when it has one.
+    pub fn egress_rules(
+        &self,
+        worker: &Arc<EgressRules>,
+    ) -> Result<Option<Arc<EgressRules>>, crate::egress::EgressError> {
+        if self.network != ToolNetwork::Proxy {
+            return Ok(None);
+        }
+        match &self.egress_allow {
+            None => Ok(Some(worker.clone())),
+            Some(allow) => Ok(Some(Arc::new(worker.narrowed(allow)?))),
+        }
     }
 
     pub fn name(&self) -> &str {
@@ -270,14 +294,21 @@ pub struct CommandTool {
     template: CommandTemplate,
     config: ShellConfig,
     sandbox: Arc<Sandbox>,
+    egress: Option<Arc<EgressRules>>,
 }
 
 impl CommandTool {
-    pub fn new(template: CommandTemplate, config: ShellConfig, sandbox: Arc<Sandbox>) -> Self {
+    pub fn new(
+        template: CommandTemplate,
+        config: ShellConfig,
+        sandbox: Arc<Sandbox>,
+        egress: Option<Arc<EgressRules>>,
+    ) -> Self {
         Self {
             template,
             config,
             sandbox,
+            egress,
         }
     }
 
@@ -327,7 +358,9 @@ impl Tool for CommandTool {
             return ToolOutcome::error(message);
         }
         match self.spec(&arguments, &ctx) {
-            Ok(spec) => execute::run(&self.config, &self.sandbox, spec, ctx).await,
+            Ok(spec) => {
+                execute::run(&self.config, &self.sandbox, spec, ctx, self.egress.clone()).await
+            }
             Err(message) => ToolOutcome::error(message),
         }
     }
@@ -352,6 +385,7 @@ mod tests {
             timeout_seconds: None,
             env: BTreeMap::new(),
             network: ToolNetwork::None,
+            egress_allow: None,
             http: None,
         }
     }

@@ -5,22 +5,34 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use airlock_policy::{ToolAnnotations, ToolDefinition, ToolOutcome};
-use airlock_sandbox::{Cancel, CommandSpec, RunOutcome, Sandbox, Stream};
+use airlock_sandbox::{Cancel, CommandSpec, OutputSink, PROXY_PORT, RunOutcome, Sandbox, Stream};
 use airlock_worker::{CallContext, OutputStream, Tool};
 use serde::Deserialize;
 use serde_json::{Value, json};
+use tokio_util::sync::CancellationToken;
 
 use crate::config::ShellConfig;
+use crate::egress::{self, EgressLog, EgressRules};
 use crate::workspace;
 
 pub struct ExecuteShell {
     config: ShellConfig,
     sandbox: Arc<Sandbox>,
+    /// The egress proxy's rules when the sandboxes have `network = "proxy"`.
+    egress: Option<Arc<EgressRules>>,
 }
 
 impl ExecuteShell {
-    pub fn new(config: ShellConfig, sandbox: Arc<Sandbox>) -> Self {
-        Self { config, sandbox }
+    pub fn new(
+        config: ShellConfig,
+        sandbox: Arc<Sandbox>,
+        egress: Option<Arc<EgressRules>>,
+    ) -> Self {
+        Self {
+            config,
+            sandbox,
+            egress,
+        }
     }
 }
 
@@ -50,13 +62,21 @@ impl Drop for CancelOnDrop {
 impl Tool for ExecuteShell {
     fn definition(&self) -> ToolDefinition {
         let max = self.config.max_timeout_seconds;
+        let network = match self.egress {
+            None => "there is no network",
+            Some(_) => {
+                "the network is only HTTP(S), through a proxy (set in HTTP_PROXY and \
+                 HTTPS_PROXY) that reaches the hosts the operator allows; `egress` in the result \
+                 lists each attempt, and a refused one's reason"
+            }
+        };
         ToolDefinition {
             name: "execute_shell".into(),
             title: "Run a shell command".into(),
             description: format!(
                 "Run a command in a fresh, isolated Linux sandbox. The session's workspace is \
-                 the working directory, at /workspace; /tmp is small and private; there is no \
-                 network. Give either `command` (run by /bin/sh -c) or `argv`. Returns JSON with \
+                 the working directory, at /workspace; /tmp is small and private; {network}. \
+                 Give either `command` (run by /bin/sh -c) or `argv`. Returns JSON with \
                  exit_code, signal, stdout, stderr, truncation flags, timed_out, duration_ms, \
                  usage and the isolation report. Output beyond {} KiB per stream is cut.",
                 self.config.model_output_bytes / 1024
@@ -98,7 +118,7 @@ impl Tool for ExecuteShell {
             return ToolOutcome::error(message);
         }
         match self.spec(args, &ctx) {
-            Ok(spec) => run(&self.config, &self.sandbox, spec, ctx).await,
+            Ok(spec) => run(&self.config, &self.sandbox, spec, ctx, self.egress.clone()).await,
             Err(message) => ToolOutcome::error(message),
         }
     }
@@ -142,14 +162,91 @@ pub(crate) async fn ensure_volume(config: &ShellConfig, ctx: &CallContext) -> Re
     }
 }
 
+/// The variables that announce the egress proxy; `NO_PROXY` empty, so that nothing
+/// goes around it (nothing could: the sandbox has no other way out).
+fn proxy_env() -> Vec<(String, String)> {
+    let url = format!("http://127.0.0.1:{PROXY_PORT}");
+    let mut env: Vec<(String, String)> = ["HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"]
+        .into_iter()
+        .map(|name| (name.to_owned(), url.clone()))
+        .collect();
+    env.extend(["NO_PROXY", "no_proxy"].map(|name| (name.to_owned(), String::new())));
+    env
+}
+
+/// What a call's sandbox hands over while it runs: output chunks to the call's stream,
+/// and (`network = "proxy"`) its listener to the call's proxy.
+struct CallSink {
+    ctx: CallContext,
+    proxy: Option<tokio::sync::oneshot::Sender<std::net::TcpListener>>,
+}
+
+impl OutputSink for CallSink {
+    fn chunk(&mut self, stream: Stream, data: &[u8]) {
+        let stream = match stream {
+            Stream::Stdout => OutputStream::Stdout,
+            Stream::Stderr => OutputStream::Stderr,
+        };
+        self.ctx.output_blocking(stream, data.to_vec());
+    }
+
+    fn proxy_listener(&mut self, listener: std::net::TcpListener) {
+        // A tool that may not use the proxy drops it: its connections are refused.
+        if let Some(proxy) = self.proxy.take() {
+            let _ = proxy.send(listener);
+        }
+    }
+}
+
+/// The call's proxy: serves the sandbox's listener from when the sandbox hands it over
+/// until the run ends, under `rules`.
+struct CallProxy {
+    stop: CancellationToken,
+    task: tokio::task::JoinHandle<Option<EgressLog>>,
+}
+
+impl CallProxy {
+    fn start(
+        rules: Arc<EgressRules>,
+    ) -> (Self, tokio::sync::oneshot::Sender<std::net::TcpListener>) {
+        let (listener_tx, listener_rx) = tokio::sync::oneshot::channel();
+        let stop = CancellationToken::new();
+        let task = tokio::spawn({
+            let stop = stop.clone();
+            async move {
+                let listener = listener_rx.await.ok()?;
+                Some(egress::serve(listener, rules, stop).await)
+            }
+        });
+        (Self { stop, task }, listener_tx)
+    }
+
+    /// Ends every connection and answers what was attempted.
+    async fn finish(self) -> Option<EgressLog> {
+        self.stop.cancel();
+        self.task.await.ok().flatten()
+    }
+}
+
 /// Runs one command in a fresh sandbox, streaming its output, and renders the result
 /// every shell-run tool returns (execute_shell and the declared command tools alike).
+/// With `egress`, the sandbox reaches what those rules allow through the call's own
+/// proxy, and the result lists every attempt.
 pub(crate) async fn run(
     config: &ShellConfig,
     sandbox: &Arc<Sandbox>,
-    spec: CommandSpec,
+    mut spec: CommandSpec,
     ctx: CallContext,
+    egress: Option<Arc<EgressRules>>,
 ) -> ToolOutcome {
+    let (proxy, proxy_tx) = match egress {
+        Some(rules) => {
+            spec.env.extend(proxy_env());
+            let (proxy, tx) = CallProxy::start(rules);
+            (Some(proxy), Some(tx))
+        }
+        None => (None, None),
+    };
     let workspace = spec.workspace.clone();
     let cancel = Cancel::new();
     let guard = CancelOnDrop(cancel.clone());
@@ -162,22 +259,19 @@ pub(crate) async fn run(
         })
     };
     let sandbox = sandbox.clone();
-    let stream_ctx = ctx.clone();
-    let run = tokio::task::spawn_blocking(move || {
-        let mut sink = |stream: Stream, data: &[u8]| {
-            let stream = match stream {
-                Stream::Stdout => OutputStream::Stdout,
-                Stream::Stderr => OutputStream::Stderr,
-            };
-            stream_ctx.output_blocking(stream, data.to_vec());
-        };
-        sandbox.run(&spec, &mut sink, &cancel)
-    })
-    .await;
+    let mut sink = CallSink {
+        ctx: ctx.clone(),
+        proxy: proxy_tx,
+    };
+    let run = tokio::task::spawn_blocking(move || sandbox.run(&spec, &mut sink, &cancel)).await;
     watcher.abort();
     drop(guard);
+    let egress = match proxy {
+        Some(proxy) => proxy.finish().await,
+        None => None,
+    };
     match run {
-        Ok(Ok(outcome)) => render(config, outcome, &workspace),
+        Ok(Ok(outcome)) => render(config, outcome, &workspace, egress),
         Ok(Err(e)) => ToolOutcome::error(format!("the sandbox could not run the command: {e}")),
         Err(e) => ToolOutcome::error(format!("the sandbox thread failed: {e}")),
     }
@@ -234,7 +328,12 @@ impl ExecuteShell {
     }
 }
 
-fn render(config: &ShellConfig, outcome: RunOutcome, workspace: &std::path::Path) -> ToolOutcome {
+fn render(
+    config: &ShellConfig,
+    outcome: RunOutcome,
+    workspace: &std::path::Path,
+    egress: Option<EgressLog>,
+) -> ToolOutcome {
     let cap = config.model_output_bytes;
     let (stdout, stdout_cut) = clip(&outcome.stdout, cap);
     let (stderr, stderr_cut) = clip(&outcome.stderr, cap);
@@ -267,6 +366,15 @@ fn render(config: &ShellConfig, outcome: RunOutcome, workspace: &std::path::Path
     });
     if workspace_full {
         body["note"] = Value::String(airlock_worker::volumes::WORKSPACE_FULL.to_owned());
+    }
+    // Every attempt through the proxy: in the result for the model, and in the isolation
+    // report, which the orchestrator audits with the call's completion.
+    if let Some(log) = egress {
+        let record = json!({"attempts": log.attempts, "dropped": log.dropped});
+        body["egress"] = record.clone();
+        if let Some(report) = isolation.as_object_mut() {
+            report.insert("egress".into(), record);
+        }
     }
     ToolOutcome {
         is_error: outcome.exit_code != Some(0),

@@ -27,8 +27,8 @@ pub enum ToolNetwork {
     /// Only its own loopback, like `execute_shell` (the default).
     #[default]
     None,
-    /// Egress through the proxy (DESIGN §12); until it exists, only where `[sandbox]
-    /// network = true` gives sandboxes the worker's network.
+    /// Egress through the shell worker's proxy (DESIGN §12), where `[sandbox] network =
+    /// "proxy"`: the hosts `[sandbox.egress] allow` names, narrowed by `egress_allow`.
     Proxy,
 }
 
@@ -70,6 +70,10 @@ pub struct ToolEntry {
     pub env: BTreeMap<String, String>,
     #[serde(default)]
     pub network: ToolNetwork,
+    /// The hosts a `network = "proxy"` tool may reach: patterns as `[sandbox.egress]
+    /// allow`, and only those that list also allows (DESIGN §12).
+    #[serde(default)]
+    pub egress_allow: Option<Vec<String>>,
     /// An HTTP-backed tool (`{ method, url, headers, body }`), served by the http worker.
     #[serde(default)]
     pub http: Option<Value>,
