@@ -29,6 +29,7 @@ mod mcp;
 mod mcp_servers;
 mod mtls;
 mod net_db;
+mod observability;
 mod ordinary_user;
 mod replicas;
 mod shell;

@@ -177,7 +177,10 @@ pub(crate) async fn run(
     watcher.abort();
     drop(guard);
     match run {
-        Ok(Ok(outcome)) => render(config, outcome, &workspace),
+        Ok(Ok(outcome)) => {
+            config.metrics.ran(&outcome);
+            render(config, outcome, &workspace)
+        }
         Ok(Err(e)) => ToolOutcome::error(format!("the sandbox could not run the command: {e}")),
         Err(e) => ToolOutcome::error(format!("the sandbox thread failed: {e}")),
     }

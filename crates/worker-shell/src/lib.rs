@@ -8,10 +8,12 @@ mod config;
 pub mod declared;
 mod execute;
 pub mod mcp;
+mod metrics;
 mod workspace;
 
 pub use config::ShellConfig;
 pub use execute::ExecuteShell;
+pub use metrics::SandboxMetrics;
 
 use std::sync::Arc;
 

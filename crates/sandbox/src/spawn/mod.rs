@@ -59,6 +59,7 @@ pub(crate) fn run(
     sink: &mut dyn OutputSink,
     cancel: &Cancel,
 ) -> Result<RunOutcome, SandboxError> {
+    let requested = Instant::now();
     let cfg = sandbox.config();
     let strict = sandbox.is_strict();
 
@@ -218,6 +219,7 @@ pub(crate) fn run(
         });
     }
     drop(error_r);
+    let spawn = requested.elapsed();
 
     parent::supervise(
         Supervision {
@@ -226,6 +228,7 @@ pub(crate) fn run(
             cancel,
             child,
             started,
+            spawn,
             report,
             stdin_w,
             stdout_r,
