@@ -482,3 +482,70 @@ async fn metrics_need_no_token_pass_promtool_and_name_no_call_session_or_argumen
         assert!(text.contains(line), "{line} missing:\n{text}");
     }
 }
+
+#[tokio::test]
+async fn audit_tail_follow_json_streams_events_as_appended_with_a_chain_that_verifies() {
+    use std::io::BufRead;
+    let airlock = Airlock::start().await;
+    let (is_error, text, _) = airlock.call("list_directory", json!({"path": "."})).await;
+    assert!(!is_error, "{text}");
+    let mut tail = airlock
+        .cli(&["audit", "tail", "--follow", "--json", "--limit", "1"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("airlock audit tail");
+    let stdout = tail.stdout.take().expect("stdout");
+    let (lines_tx, mut lines) = tokio::sync::mpsc::unbounded_channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stdout).lines() {
+            let Ok(line) = line else { return };
+            if lines_tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    let next = async |lines: &mut tokio::sync::mpsc::UnboundedReceiver<String>| -> Value {
+        let line = tokio::time::timeout(Duration::from_secs(20), lines.recv())
+            .await
+            .expect("an event within 20 s")
+            .expect("tail still running");
+        serde_json::from_str(&line).unwrap_or_else(|e| panic!("{line}: {e}"))
+    };
+    // The latest event first (the call's completion), then what is appended after it.
+    let first = next(&mut lines).await;
+    assert_eq!(first["kind"], "completed", "{first}");
+    let (is_error, text, call) = airlock
+        .call(
+            "write_file",
+            json!({"path": "followed.txt", "content": "x"}),
+        )
+        .await;
+    assert!(!is_error, "{text}");
+    let call_id = call["call_id"].as_str().expect("call id");
+    let mut events = vec![first];
+    while events.last().expect("one")["kind"] != "completed" || events.len() < 2 {
+        events.push(next(&mut lines).await);
+    }
+    let _ = tail.kill();
+    let _ = tail.wait();
+    for pair in events.windows(2) {
+        assert_eq!(
+            pair[1]["seq"].as_u64().expect("seq"),
+            pair[0]["seq"].as_u64().expect("seq") + 1,
+            "{events:?}"
+        );
+        assert_eq!(pair[1]["prev_hash"], pair[0]["hash"], "{events:?}");
+    }
+    for event in &events {
+        let record: airlock_orchestrator::audit::AuditRecord =
+            serde_json::from_value(event.clone()).expect("an audit record");
+        assert!(record.hash_is_valid(), "{event}");
+    }
+    let followed: Vec<&Value> = events[1..].iter().collect();
+    assert!(
+        followed.iter().all(|e| e["call_id"] == call_id),
+        "{followed:?}"
+    );
+    assert_eq!(followed.last().expect("completed")["data"]["status"], "ok");
+}
