@@ -31,6 +31,7 @@ mod mcp_http;
 mod mcp_servers;
 mod mtls;
 mod net_db;
+mod observability;
 mod ordinary_user;
 mod replicas;
 mod shell;

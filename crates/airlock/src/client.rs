@@ -667,24 +667,43 @@ pub fn audit(connection: &Connection, action: &crate::AuditAction) -> anyhow::Re
     let runtime = Target::runtime()?;
     let client = reqwest::Client::new();
     match action {
-        AuditAction::Tail { limit, session } => {
-            let mut url = format!("{}/v1/audit?latest=true&limit={limit}", target.url);
-            if let Some(session) = session {
-                url.push_str(&format!("&session_id={session}"));
-            }
+        AuditAction::Tail {
+            limit,
+            session,
+            follow,
+            json,
+        } => {
+            let session = session
+                .as_ref()
+                .map(|s| format!("&session_id={s}"))
+                .unwrap_or_default();
+            let url = format!("{}/v1/audit?latest=true&limit={limit}{session}", target.url);
             let body = runtime.block_on(target.send(client.get(url)))?;
+            let mut last_seq = 0;
             for event in body["events"].as_array().into_iter().flatten() {
-                println!(
-                    "{:>6} {} {:<18} {:<10} {} {}",
-                    event["seq"],
-                    event["ts"].as_str().unwrap_or("?"),
-                    event["kind"].as_str().unwrap_or("?"),
-                    event["principal"].as_str().unwrap_or("-"),
-                    event["call_id"].as_str().unwrap_or("-"),
-                    event["data"],
-                );
+                last_seq = print_audit_event(event, *json).max(last_seq);
             }
-            Ok(ExitCode::SUCCESS)
+            if !*follow {
+                return Ok(ExitCode::SUCCESS);
+            }
+            // Polled rather than pushed: `after` is the store's own cursor, so nothing
+            // appended between two polls is missed, whichever replica appended it.
+            runtime.block_on(async {
+                loop {
+                    let url = format!(
+                        "{}/v1/audit?after={last_seq}&limit={AUDIT_FOLLOW_PAGE}{session}",
+                        target.url
+                    );
+                    let body = target.send(client.get(url)).await?;
+                    let events = body["events"].as_array().cloned().unwrap_or_default();
+                    for event in &events {
+                        last_seq = print_audit_event(event, *json).max(last_seq);
+                    }
+                    if events.len() < AUDIT_FOLLOW_PAGE {
+                        tokio::time::sleep(AUDIT_FOLLOW_POLL).await;
+                    }
+                }
+            })
         }
         AuditAction::Verify => {
             let report = runtime
@@ -706,6 +725,32 @@ pub fn audit(connection: &Connection, action: &crate::AuditAction) -> anyhow::Re
             }
         }
     }
+}
+
+/// Events asked for per poll of `audit tail --follow`.
+const AUDIT_FOLLOW_PAGE: usize = 500;
+/// How long `audit tail --follow` waits when it has caught up.
+const AUDIT_FOLLOW_POLL: std::time::Duration = std::time::Duration::from_millis(250);
+
+/// Prints one audit event (a JSON line, or a line for people) and returns its seq.
+fn print_audit_event(event: &serde_json::Value, json: bool) -> u64 {
+    use std::io::Write;
+    if json {
+        println!("{event}");
+    } else {
+        println!(
+            "{:>6} {} {:<18} {:<10} {} {}",
+            event["seq"],
+            event["ts"].as_str().unwrap_or("?"),
+            event["kind"].as_str().unwrap_or("?"),
+            event["principal"].as_str().unwrap_or("-"),
+            event["call_id"].as_str().unwrap_or("-"),
+            event["data"],
+        );
+    }
+    // A consumer reading a pipe sees each event as it comes.
+    let _ = std::io::stdout().flush();
+    event["seq"].as_u64().unwrap_or(0)
 }
 
 /// `airlock agent "<prompt>"`: posts to `/v1/agent/runs` and prints the events as they

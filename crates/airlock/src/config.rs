@@ -67,6 +67,19 @@ pub struct AirlockConfig {
     /// MCP servers behind the gate (DESIGN §11): stdio ones run by the shell worker in
     /// its sandbox; their tools are `<name>__<tool>`.
     pub mcp_servers: Vec<airlock_worker::mcp::McpServerEntry>,
+    /// Prometheus metrics of the workers (the orchestrator serves `/metrics` on its
+    /// HTTP port).
+    pub metrics: MetricsSection,
+}
+
+/// `[metrics]`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MetricsSection {
+    /// Where a worker serves `GET /metrics` (`host:port`; `--metrics-listen` overrides).
+    /// Under `airlock up`, each worker gets its own port: a free one for port 0, else
+    /// this port for the fs worker and the next ones for shell, http and db.
+    pub listen: Option<String>,
 }
 
 /// `[worker]`.

@@ -216,11 +216,12 @@ async fn supervise(loaded: Loaded) -> anyhow::Result<ExitCode> {
                 .flat_map(|server| server.env_names()),
         )
         .collect();
+    let metrics = worker_metrics(&loaded)?;
     let mut components: Vec<Component> = LOCAL_GROUPS
         .iter()
         .map(|group| Component {
             name: format!("{group} worker"),
-            args: component_args(&loaded, &["worker", group]),
+            args: worker_args(&loaded, group, &metrics),
             full_env: false,
             extra_env: if *group == "http" {
                 secret_env.clone()
@@ -275,7 +276,7 @@ async fn supervise(loaded: Loaded) -> anyhow::Result<ExitCode> {
             return Err(e);
         }
     };
-    announce(&loaded, &endpoints)?;
+    announce(&loaded, &endpoints, &metrics)?;
 
     loop {
         let exited = tokio::select! {
@@ -435,16 +436,66 @@ async fn local_workers_live(endpoints: &serde_json::Value, components: &[Compone
         .all(|group| body["workers"][group] == "live")
 }
 
-fn announce(loaded: &Loaded, endpoints: &serde_json::Value) -> anyhow::Result<()> {
+/// `[metrics] listen` as one address per worker this launcher starts, settled once so
+/// that a restarted worker serves its metrics where Prometheus already looks: a free
+/// port each for port 0, else the port for the first worker and the next ones in
+/// [`LOCAL_GROUPS`] order.
+fn worker_metrics(loaded: &Loaded) -> anyhow::Result<Vec<(&'static str, String)>> {
+    let Some(listen) = &loaded.config.metrics.listen else {
+        return Ok(Vec::new());
+    };
+    let base: std::net::SocketAddr = listen
+        .parse()
+        .with_context(|| format!("[metrics] listen = {listen:?} is not host:port"))?;
+    LOCAL_GROUPS
+        .iter()
+        .zip(0u16..)
+        .map(|(group, offset)| {
+            let addr = match base.port() {
+                0 => settle_port(listen)?,
+                port => {
+                    let port = port
+                        .checked_add(offset)
+                        .context("[metrics] listen: no room for a port per worker above it")?;
+                    std::net::SocketAddr::new(base.ip(), port).to_string()
+                }
+            };
+            Ok((*group, addr))
+        })
+        .collect()
+}
+
+fn worker_args(loaded: &Loaded, group: &str, metrics: &[(&str, String)]) -> Vec<String> {
+    let mut args = component_args(loaded, &["worker", group]);
+    if let Some((_, addr)) = metrics.iter().find(|(g, _)| *g == group) {
+        args.extend(["--metrics-listen".to_owned(), addr.clone()]);
+    }
+    args
+}
+
+fn announce(
+    loaded: &Loaded,
+    endpoints: &serde_json::Value,
+    workers_metrics: &[(&str, String)],
+) -> anyhow::Result<()> {
     let token_file: Option<PathBuf> = loaded
         .config
         .principals
         .is_empty()
         .then(|| airlock_orchestrator::auth::token_file_path(&loaded.data_dir));
+    // Where Prometheus scrapes each component.
+    let mut metrics = serde_json::Map::new();
+    if let Some(http) = endpoints["http"].as_str() {
+        metrics.insert("orchestrator".into(), json!(format!("{http}/metrics")));
+    }
+    for (group, addr) in workers_metrics {
+        metrics.insert((*group).to_owned(), json!(format!("http://{addr}/metrics")));
+    }
     let document = json!({
         "http": endpoints["http"],
         "grpc": endpoints["grpc"],
         "token_file": token_file.as_ref().map(|p| p.display().to_string()),
+        "metrics": metrics,
     });
     let path = loaded.data_dir.join("endpoints.json");
     let tmp = loaded.data_dir.join(".endpoints.json.tmp");

@@ -194,12 +194,19 @@ pub enum ToolsAction {
 
 #[derive(Debug, Subcommand)]
 pub enum AuditAction {
-    /// The latest audit events.
+    /// The latest audit events; with --follow, then each event as it is appended.
     Tail {
         #[arg(long, default_value_t = 20)]
         limit: u32,
         #[arg(long)]
         session: Option<String>,
+        /// Keep printing events as they are appended, until interrupted.
+        #[arg(long)]
+        follow: bool,
+        /// One JSON object per line: the whole record, with its seq, prev_hash and hash,
+        /// so that a consumer can check the chain.
+        #[arg(long)]
+        json: bool,
     },
     /// Check the hash chain; exits 1 when a record was edited, deleted, inserted or moved.
     Verify,

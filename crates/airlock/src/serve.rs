@@ -8,11 +8,16 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
+
+use airlock_metrics::MetricsListener;
 
 use airlock_orchestrator::{BoundListeners, Orchestrator, Reload};
 use airlock_sandbox::{SelfConfinement, confine_self};
 use airlock_worker::volumes::{BROKER_SOCKET, VolumeClient};
-use airlock_worker::{BoundListener, ListenAddr, ToolSet, WorkerServer, WorkerSettings};
+use airlock_worker::{
+    BoundListener, ListenAddr, ToolSet, WorkerMetrics, WorkerServer, WorkerSettings,
+};
 use anyhow::Context;
 
 use crate::Location;
@@ -44,24 +49,36 @@ pub enum WorkerGroup {
         /// Listen address: unix:/path.sock or host:port (default: <data_dir>/sockets/fs.sock).
         #[arg(long, env = "AIRLOCK_LISTEN")]
         listen: Option<String>,
+        /// Serve Prometheus metrics on host:port (overrides [metrics] listen).
+        #[arg(long, env = "AIRLOCK_METRICS_LISTEN")]
+        metrics_listen: Option<String>,
     },
     /// execute_shell, one sandbox per call.
     Shell {
         /// Listen address: unix:/path.sock or host:port (default: <data_dir>/sockets/shell.sock).
         #[arg(long, env = "AIRLOCK_LISTEN")]
         listen: Option<String>,
+        /// Serve Prometheus metrics on host:port (overrides [metrics] listen).
+        #[arg(long, env = "AIRLOCK_METRICS_LISTEN")]
+        metrics_listen: Option<String>,
     },
     /// http_request and fetch_url under the egress policy.
     Http {
         /// Listen address: unix:/path.sock or host:port (default: <data_dir>/sockets/http.sock).
         #[arg(long, env = "AIRLOCK_LISTEN")]
         listen: Option<String>,
+        /// Serve Prometheus metrics on host:port (overrides [metrics] listen).
+        #[arg(long, env = "AIRLOCK_METRICS_LISTEN")]
+        metrics_listen: Option<String>,
     },
     /// Database tools over SQLite and PostgreSQL.
     Db {
         /// Listen address: unix:/path.sock or host:port (default: <data_dir>/sockets/db.sock).
         #[arg(long, env = "AIRLOCK_LISTEN")]
         listen: Option<String>,
+        /// Serve Prometheus metrics on host:port (overrides [metrics] listen).
+        #[arg(long, env = "AIRLOCK_METRICS_LISTEN")]
+        metrics_listen: Option<String>,
     },
 }
 
@@ -83,17 +100,33 @@ pub fn run(component: Component, location: &Location) -> anyhow::Result<ExitCode
             orchestrator(&loaded)
         }
         Component::Worker {
-            group: WorkerGroup::Fs { listen },
-        } => fs_worker(&loaded, listen),
+            group:
+                WorkerGroup::Fs {
+                    listen,
+                    metrics_listen,
+                },
+        } => fs_worker(&loaded, Listen::new(&loaded, listen, metrics_listen)?),
         Component::Worker {
-            group: WorkerGroup::Shell { listen },
-        } => shell_worker(&loaded, listen),
+            group:
+                WorkerGroup::Shell {
+                    listen,
+                    metrics_listen,
+                },
+        } => shell_worker(&loaded, Listen::new(&loaded, listen, metrics_listen)?),
         Component::Worker {
-            group: WorkerGroup::Http { listen },
-        } => http_worker(&loaded, listen),
+            group:
+                WorkerGroup::Http {
+                    listen,
+                    metrics_listen,
+                },
+        } => http_worker(&loaded, Listen::new(&loaded, listen, metrics_listen)?),
         Component::Worker {
-            group: WorkerGroup::Db { listen },
-        } => db_worker(&loaded, listen),
+            group:
+                WorkerGroup::Db {
+                    listen,
+                    metrics_listen,
+                },
+        } => db_worker(&loaded, Listen::new(&loaded, listen, metrics_listen)?),
     }
 }
 
@@ -290,6 +323,27 @@ fn config_reloads(loaded: &Loaded) -> tokio::sync::mpsc::Receiver<Reload> {
     rx
 }
 
+/// A worker's `--listen` and its metrics listener (`--metrics-listen`, else `[metrics]
+/// listen`), bound here: before the worker confines itself, like its gRPC socket.
+struct Listen {
+    grpc: Option<String>,
+    metrics: Option<MetricsListener>,
+}
+
+impl Listen {
+    fn new(loaded: &Loaded, grpc: Option<String>, metrics: Option<String>) -> anyhow::Result<Self> {
+        let metrics = metrics
+            .or_else(|| loaded.config.metrics.listen.clone())
+            .map(|addr| {
+                let listener = MetricsListener::bind(&addr)?;
+                tracing::info!(listen = ?listener.local_addr(), "metrics on /metrics");
+                Ok::<_, anyhow::Error>(listener)
+            })
+            .transpose()?;
+        Ok(Self { grpc, metrics })
+    }
+}
+
 fn listen_addr(loaded: &Loaded, group: &str, listen: Option<String>) -> anyhow::Result<ListenAddr> {
     Ok(match listen {
         Some(a) => a.parse()?,
@@ -359,9 +413,34 @@ fn serve_worker(
     loaded: &Loaded,
     listener: BoundListener,
     tools: ToolSet,
+    metrics: Option<MetricsListener>,
 ) -> anyhow::Result<ExitCode> {
-    let server = WorkerServer::new(tools, worker_settings(loaded));
-    runtime()?.block_on(server.serve(listener, signals::shutdown()))?;
+    let registry = airlock_metrics::registry();
+    serve_on(&runtime()?, loaded, listener, tools, (registry, metrics))
+}
+
+/// Serves a worker's tools, and its metrics when it has a metrics listener. The
+/// metrics answer through the drain, until the process exits.
+fn serve_on(
+    runtime: &tokio::runtime::Runtime,
+    loaded: &Loaded,
+    listener: BoundListener,
+    tools: ToolSet,
+    (mut registry, metrics): (airlock_metrics::Registry, Option<MetricsListener>),
+) -> anyhow::Result<ExitCode> {
+    let counted = WorkerMetrics::register(&mut registry);
+    let server = WorkerServer::new(tools, worker_settings(loaded)).with_metrics(counted);
+    runtime.block_on(async {
+        if let Some(metrics) = metrics {
+            let registry = Arc::new(registry);
+            tokio::spawn(async move {
+                if let Err(e) = metrics.serve(registry, std::future::pending()).await {
+                    tracing::error!(error = %e, "the metrics listener stopped");
+                }
+            });
+        }
+        server.serve(listener, signals::shutdown()).await
+    })?;
     Ok(ExitCode::SUCCESS)
 }
 
@@ -369,11 +448,11 @@ fn ensure_dir(path: &PathBuf) -> anyhow::Result<()> {
     std::fs::create_dir_all(path).with_context(|| format!("cannot create {}", path.display()))
 }
 
-fn fs_worker(loaded: &Loaded, listen: Option<String>) -> anyhow::Result<ExitCode> {
+fn fs_worker(loaded: &Loaded, listen: Listen) -> anyhow::Result<ExitCode> {
     let mut fs = loaded.fs();
     ensure_dir(&fs.workspaces_root)?;
     fs.volumes = workspace_volumes(loaded, "fs worker")?;
-    let listener = BoundListener::bind(&listen_addr(loaded, "fs", listen)?)?;
+    let listener = BoundListener::bind(&listen_addr(loaded, "fs", listen.grpc)?)?;
     let listener = secure(loaded, listener, "fs worker")?;
     tracing::info!(listen = %listener.local_addr(), root = %fs.workspaces_root.display(), "fs worker starting");
     limit_memory("fs worker", loaded, Ceiling::Fixed)?;
@@ -386,14 +465,21 @@ fn fs_worker(loaded: &Loaded, listen: Option<String>) -> anyhow::Result<ExitCode
             allow_namespaces: false,
         },
     )?;
-    serve_worker(loaded, listener, airlock_worker_fs::tools(fs))
+    serve_worker(
+        loaded,
+        listener,
+        airlock_worker_fs::tools(fs),
+        listen.metrics,
+    )
 }
 
-fn shell_worker(loaded: &Loaded, listen: Option<String>) -> anyhow::Result<ExitCode> {
+fn shell_worker(loaded: &Loaded, listen: Listen) -> anyhow::Result<ExitCode> {
     let mut shell = loaded.shell();
+    let mut registry = airlock_metrics::registry();
+    shell.metrics = airlock_worker_shell::SandboxMetrics::register(&mut registry);
     ensure_dir(&shell.workspaces_root)?;
     shell.volumes = workspace_volumes(loaded, "shell worker")?;
-    let listener = BoundListener::bind(&listen_addr(loaded, "shell", listen)?)?;
+    let listener = BoundListener::bind(&listen_addr(loaded, "shell", listen.grpc)?)?;
     let listener = secure(loaded, listener, "shell worker")?;
     // Probing the host and creating the parent cgroups needs the privileges the
     // confinement below gives up, so the sandbox is prepared first.
@@ -429,12 +515,16 @@ fn shell_worker(loaded: &Loaded, listen: Option<String>) -> anyhow::Result<ExitC
         ))
         .context("the shell worker cannot serve its MCP servers; refusing to start")?;
     let tools = mcp_tools.into_iter().fold(tools, ToolSet::with);
-    let server = WorkerServer::new(tools, worker_settings(loaded));
-    runtime.block_on(server.serve(listener, signals::shutdown()))?;
-    Ok(ExitCode::SUCCESS)
+    serve_on(
+        &runtime,
+        loaded,
+        listener,
+        tools,
+        (registry, listen.metrics),
+    )
 }
 
-fn http_worker(loaded: &Loaded, listen: Option<String>) -> anyhow::Result<ExitCode> {
+fn http_worker(loaded: &Loaded, listen: Listen) -> anyhow::Result<ExitCode> {
     // Secrets are read here, before the confinement below takes file access away.
     let declared = loaded
         .http_tools()?
@@ -449,7 +539,7 @@ fn http_worker(loaded: &Loaded, listen: Option<String>) -> anyhow::Result<ExitCo
     // The [http] section is checked before anything binds.
     airlock_worker_http::tools(loaded.config.http.clone())
         .context("invalid [http] configuration")?;
-    let listener = BoundListener::bind(&listen_addr(loaded, "http", listen)?)?;
+    let listener = BoundListener::bind(&listen_addr(loaded, "http", listen.grpc)?)?;
     let listener = secure(loaded, listener, "http worker")?;
     tracing::info!(listen = %listener.local_addr(), "http worker starting");
     limit_memory("http worker", loaded, Ceiling::Fixed)?;
@@ -474,12 +564,16 @@ fn http_worker(loaded: &Loaded, listen: Option<String>) -> anyhow::Result<ExitCo
             mcp,
         ))
         .context("the http worker cannot serve its MCP servers; refusing to start")?;
-    let server = WorkerServer::new(tools, worker_settings(loaded));
-    runtime.block_on(server.serve(listener, signals::shutdown()))?;
-    Ok(ExitCode::SUCCESS)
+    serve_on(
+        &runtime,
+        loaded,
+        listener,
+        tools,
+        (airlock_metrics::registry(), listen.metrics),
+    )
 }
 
-fn db_worker(loaded: &Loaded, listen: Option<String>) -> anyhow::Result<ExitCode> {
+fn db_worker(loaded: &Loaded, listen: Listen) -> anyhow::Result<ExitCode> {
     let databases = loaded.databases();
     if loaded.config.databases.is_empty() {
         crate::demo::ensure_demo_database(&loaded.demo_database_path())?;
@@ -491,7 +585,7 @@ fn db_worker(loaded: &Loaded, listen: Option<String>) -> anyhow::Result<ExitCode
         .collect();
     let tools =
         airlock_worker_db::tools(databases).context("invalid [[databases]] configuration")?;
-    let listener = BoundListener::bind(&listen_addr(loaded, "db", listen)?)?;
+    let listener = BoundListener::bind(&listen_addr(loaded, "db", listen.grpc)?)?;
     let listener = secure(loaded, listener, "db worker")?;
     tracing::info!(listen = %listener.local_addr(), "db worker starting");
     limit_memory("db worker", loaded, Ceiling::Fixed)?;
@@ -508,7 +602,7 @@ fn db_worker(loaded: &Loaded, listen: Option<String>) -> anyhow::Result<ExitCode
             allow_namespaces: false,
         },
     )?;
-    serve_worker(loaded, listener, tools)
+    serve_worker(loaded, listener, tools, listen.metrics)
 }
 
 fn worker_settings(loaded: &Loaded) -> WorkerSettings {

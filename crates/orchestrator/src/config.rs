@@ -199,6 +199,10 @@ pub struct AuditConfig {
     /// Argument names whose values are redacted in audit records (besides the ones the
     /// tool schemas mark `writeOnly` or `x-airlock-secret`).
     pub secret_fields: Vec<String>,
+    /// How often the orchestrator checks the whole hash chain by itself, for the
+    /// `airlock_audit_verify_ok` series an alert watches; 0: only when asked
+    /// (`GET /v1/audit/verify`, `airlock audit verify`).
+    pub verify_interval_seconds: u64,
 }
 
 impl Default for AuditConfig {
@@ -207,6 +211,7 @@ impl Default for AuditConfig {
             secret_fields: ["password", "token", "api_key", "secret", "authorization"]
                 .map(String::from)
                 .to_vec(),
+            verify_interval_seconds: 3600,
         }
     }
 }

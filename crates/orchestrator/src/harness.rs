@@ -90,6 +90,7 @@ impl GateHarness {
             workspaces_root: None,
             principals: principals.clone(),
             retention: StoreRetention::default(),
+            metrics: Arc::new(crate::metrics::Metrics::new()),
         }));
         gate.probe_workers().await?;
         Ok(Self {

@@ -178,6 +178,10 @@ pub fn router(state: HttpState) -> Router {
     Router::new()
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
+        // Unauthenticated like the health checks: Prometheus scrapes without a bearer
+        // token, and nothing in it names a call, principal, session, path or argument
+        // (docs/decisions.md, "Metrics").
+        .route("/metrics", get(metrics))
         .merge(authenticated)
         .merge(crate::mcp::router(state.clone()))
         .fallback(not_found)
@@ -237,6 +241,14 @@ async fn readyz(State(state): State<HttpState>) -> Response {
         "store": {"kind": state.gate.store_kind(), "commits": state.gate.store_commits()},
     });
     (status, axum::Json(body)).into_response()
+}
+
+async fn metrics(State(state): State<HttpState>) -> Response {
+    (
+        [(http::header::CONTENT_TYPE, airlock_metrics::CONTENT_TYPE)],
+        state.gate.scrape().await,
+    )
+        .into_response()
 }
 
 async fn openapi() -> axum::Json<Value> {

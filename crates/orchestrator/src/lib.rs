@@ -23,6 +23,7 @@ mod grpc_api;
 pub mod harness;
 mod http_api;
 mod mcp;
+pub mod metrics;
 mod openapi;
 mod replicas;
 mod server;

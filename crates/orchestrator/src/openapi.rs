@@ -165,6 +165,9 @@ pub fn document() -> Value {
             }},
             "/healthz": {"get": {"operationId": "healthz", "summary": "Process is up", "security": [],
                 "responses": {"200": json_response("Up", json!({"type": "object"}))}}},
+            "/metrics": {"get": {"operationId": "metrics", "summary": "Prometheus metrics (text format 0.0.4)", "security": [],
+                "description": "Calls by tool and status, latencies, gate stages, approval wait, store latency, calls in flight, cache hits, refusals, pending approvals, worker replicas by state, and process metrics. Labels name tools, statuses, stages, groups and states only: never a call, principal, session, path or argument.",
+                "responses": {"200": {"description": "The metrics", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
             "/readyz": {"get": {"operationId": "readyz", "summary": "Every tool group has a live worker", "security": [],
                 "responses": {"200": json_response("Ready", json!({"type": "object"})),
                               "503": json_response("Not ready; workers lists each group's state, replicas each replica's, store the store's kind and the write transactions it committed since start", json!({"type": "object"}))}}},
@@ -275,7 +278,7 @@ mod tests {
                 let served = table
                     .iter()
                     .any(|(m, p)| p == path && m.as_str().eq_ignore_ascii_case(method));
-                let unauthenticated = matches!(path.as_str(), "/healthz" | "/readyz");
+                let unauthenticated = matches!(path.as_str(), "/healthz" | "/readyz" | "/metrics");
                 assert!(
                     served || unauthenticated,
                     "{method} {path} is documented but not routed"

@@ -179,6 +179,10 @@ impl Orchestrator {
             .with_mcp_servers(config.mcp_servers.clone())
             .with_pins(store.clone()),
         );
+        let metrics = Arc::new(crate::metrics::Metrics::new());
+        for tool in config.cache.ttl_seconds.keys() {
+            metrics.cached_tool(tool);
+        }
         let gate = Arc::new(Gate::new(GateParts {
             catalog: catalog.clone(),
             limits: config.limits.clone(),
@@ -192,6 +196,7 @@ impl Orchestrator {
             // The front doors' table, so that a reload reaches the gate's re-checks too.
             principals: prepared.principals.clone(),
             retention: config.retention.clone(),
+            metrics,
         }));
         let stop = CancellationToken::new();
         gate.probe_workers().await?;
@@ -231,6 +236,7 @@ impl Orchestrator {
         tokio::spawn(catalog.refresh_forever(stop.clone()));
         tokio::spawn(gate.clone().resume_forever(stop.clone()));
         tokio::spawn(gate.clone().prune_forever(stop.clone()));
+        tokio::spawn(gate.clone().verify_forever(stop.clone()));
         {
             let gate = gate.clone();
             let config = config.clone();

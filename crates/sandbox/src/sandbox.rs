@@ -304,6 +304,10 @@ pub struct RunOutcome {
     pub cancelled: bool,
     #[serde(serialize_with = "duration_ms")]
     pub duration: Duration,
+    /// From the request to the command's `exec` (preparation, clone, id maps, cgroup,
+    /// the child's confinement): what a sandbox costs before the command runs.
+    #[serde(skip)]
+    pub spawn: Duration,
     pub usage: Usage,
     pub isolation: IsolationReport,
 }

@@ -51,6 +51,9 @@ pub struct ShellConfig {
     /// The broker that mounts those file systems; set by the binary when the quota is on.
     #[serde(skip)]
     pub volumes: Option<airlock_worker::volumes::VolumeClient>,
+    /// Where sandbox start-up times and kills are counted; set by the binary.
+    #[serde(skip)]
+    pub metrics: crate::metrics::SandboxMetrics,
     /// Run at exactly this level instead of the strongest the host offers (set by
     /// `airlock sandbox run --profile`).
     #[serde(skip)]
@@ -82,6 +85,7 @@ impl Default for ShellConfig {
             workspace_bytes: 1 << 30,
             workspace_inodes: 100_000,
             volumes: None,
+            metrics: crate::metrics::SandboxMetrics::default(),
             force_level: None,
         }
     }

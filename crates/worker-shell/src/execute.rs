@@ -271,7 +271,10 @@ pub(crate) async fn run(
         None => None,
     };
     match run {
-        Ok(Ok(outcome)) => render(config, outcome, &workspace, egress),
+        Ok(Ok(outcome)) => {
+            config.metrics.ran(&outcome);
+            render(config, outcome, &workspace, egress)
+        }
         Ok(Err(e)) => ToolOutcome::error(format!("the sandbox could not run the command: {e}")),
         Err(e) => ToolOutcome::error(format!("the sandbox thread failed: {e}")),
     }

@@ -9,10 +9,12 @@ pub mod declared;
 pub mod egress;
 mod execute;
 pub mod mcp;
+mod metrics;
 mod workspace;
 
 pub use config::ShellConfig;
 pub use execute::ExecuteShell;
+pub use metrics::SandboxMetrics;
 
 use std::sync::Arc;
 

@@ -11,6 +11,7 @@ pub mod declared;
 mod endpoint;
 mod health;
 pub mod mcp;
+mod metrics;
 mod server;
 mod tls;
 mod tool;
@@ -18,6 +19,7 @@ pub mod volumes;
 
 pub use context::{CallContext, OutputStream, ToolEvent};
 pub use endpoint::{ListenAddr, ListenAddrError};
+pub use metrics::WorkerMetrics;
 pub use server::{
     BoundListener, INSECURE_PLAINTEXT_SERVICE, ServeError, WorkerServer, WorkerSettings,
 };

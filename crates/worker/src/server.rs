@@ -11,6 +11,7 @@ use std::io;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -24,6 +25,7 @@ use tokio_util::sync::{CancellationToken, DropGuard};
 use tokio_util::task::TaskTracker;
 use tonic::{Request, Response, Status};
 
+use crate::metrics::{CallMeter, WorkerMetrics};
 use crate::{CallContext, ListenAddr, OutputStream, ToolEvent, ToolSet};
 
 /// Largest gRPC message accepted or sent (arguments and results of one call).
@@ -179,11 +181,22 @@ fn reflection() -> tonic_reflection::server::Builder<'static> {
 pub struct WorkerServer {
     tools: ToolSet,
     settings: WorkerSettings,
+    metrics: Arc<WorkerMetrics>,
 }
 
 impl WorkerServer {
     pub fn new(tools: ToolSet, settings: WorkerSettings) -> Self {
-        Self { tools, settings }
+        Self {
+            tools,
+            settings,
+            metrics: Arc::default(),
+        }
+    }
+
+    /// Counts calls in `metrics` (registered where the worker's `/metrics` serves them).
+    pub fn with_metrics(mut self, metrics: WorkerMetrics) -> Self {
+        self.metrics = Arc::new(metrics);
+        self
     }
 
     /// Serves until `shutdown` resolves, then drains (DESIGN §9):
@@ -226,6 +239,7 @@ impl WorkerServer {
             in_flight: in_flight.clone(),
             ledger: Ledger::default(),
             running: Running::default(),
+            metrics: self.metrics,
         };
         let router = tonic::transport::Server::builder()
             .add_service(crate::health::DrainingHealth::server(
@@ -344,6 +358,7 @@ struct WorkerService {
     in_flight: TaskTracker,
     ledger: Ledger,
     running: Running,
+    metrics: Arc<WorkerMetrics>,
 }
 
 impl WorkerService {
@@ -450,6 +465,7 @@ impl ToolWorker for WorkerService {
             event_tx,
         );
         tracing::debug!(call_id = %request.call_id, tool = %request.tool, "execute");
+        let meter = self.metrics.start(&request.tool);
         let call = async move { tool.execute(arguments, ctx).await };
         self.in_flight.spawn(run_call(
             call,
@@ -460,6 +476,7 @@ impl ToolWorker for WorkerService {
             detached,
             ledger,
             registered,
+            meter,
         ));
         let stream = ReceiverStream::new(out_rx);
         if detached {
@@ -525,6 +542,7 @@ async fn run_call(
     detached: bool,
     ledger: watch::Sender<Option<Final>>,
     _running: Option<RunningGuard>,
+    meter: CallMeter,
 ) {
     tokio::pin!(call);
     let expiry = tokio::time::sleep(timeout);
@@ -564,6 +582,13 @@ async fn run_call(
             }
         }
     };
+    meter.ended(match &answer {
+        Ok(result) if result.is_error => "error",
+        Ok(_) => "ok",
+        Err(status) if status.code() == tonic::Code::DeadlineExceeded => "timeout",
+        Err(status) if status.code() == tonic::Code::Cancelled => "cancelled",
+        Err(_) => "error",
+    });
     ledger.send_replace(Some(answer.clone()));
     let _ = out.send(answer.map(result_event)).await;
 }

@@ -64,22 +64,21 @@ impl Gate {
             AuditKind::PendingApproval,
             json!({"approval_id": approval_id, "reasons": reasons, "expires_at": crate::store::rfc3339(expires_at)}),
         );
-        self.store
-            .write_call(CallWrite {
-                events: ctx.journal.clone(),
-                change: CallChange::CreateApproval(NewApproval {
-                    approval_id: approval_id.clone().into(),
-                    call: new_call(ctx, CallState::PendingApproval),
-                    created_at: now,
-                    expires_at,
-                }),
-                then: vec![pending],
-            })
-            .await
-            .map_err(|error| Rejection::Store {
-                doing: "record the pending approval",
-                error,
-            })?;
+        self.write_call(CallWrite {
+            events: ctx.journal.clone(),
+            change: CallChange::CreateApproval(NewApproval {
+                approval_id: approval_id.clone().into(),
+                call: new_call(ctx, CallState::PendingApproval),
+                created_at: now,
+                expires_at,
+            }),
+            then: vec![pending],
+        })
+        .await
+        .map_err(|error| Rejection::Store {
+            doing: "record the pending approval",
+            error,
+        })?;
         ctx.journal.clear();
         ctx.recorded = true;
         self.calls.update(&ctx.call_id, |r| {

@@ -45,7 +45,6 @@ impl Gate {
         group: Option<&WorkerGroup>,
     ) -> Result<Claim, Rejection> {
         let claimed = self
-            .store
             .write_call(CallWrite {
                 events: ctx.journal.clone(),
                 change: CallChange::Claim {
@@ -83,7 +82,6 @@ impl Gate {
             return Ok(());
         };
         let written = self
-            .store
             .write_call(CallWrite {
                 events: ctx.journal.clone(),
                 change: CallChange::InsertClaimed {

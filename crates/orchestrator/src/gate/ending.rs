@@ -12,6 +12,7 @@ use super::Gate;
 use super::ctx::CallCtx;
 use crate::audit::{AuditKind, NewAuditEvent};
 use crate::dispatch::DispatchError;
+use crate::metrics::Refusal;
 use crate::store::{Approval, CallChange, CallOutcome, CallWrite, StoreError, now_millis};
 
 /// How long a call was held for approval.
@@ -198,6 +199,9 @@ impl Gate {
         let mut ending = match result {
             Ok(ending) => ending,
             Err(rejection) => {
+                if matches!(rejection, Rejection::OverBudget { .. }) {
+                    self.metrics.refused(Refusal::Budget);
+                }
                 if let Some((kind, data)) = rejection.audit() {
                     ctx.note(kind, data);
                 }
@@ -245,7 +249,7 @@ impl Gate {
             change,
             then: vec![completed.clone()],
         };
-        match self.store.write_call(write).await {
+        match self.write_call(write).await {
             Ok(true) => {}
             // Already finished by another replica: its outcome and audit event stand.
             Ok(false) => return,
@@ -270,13 +274,14 @@ impl Gate {
                     change: CallChange::Nothing,
                     then: vec![completed],
                 };
-                if let Err(e) = self.store.write_call(events_only).await {
+                if let Err(e) = self.write_call(events_only).await {
                     tracing::error!(call_id, error = %e, "cannot append to the audit log");
                 }
             }
         }
         // The store counts the call now (or it ends without a row).
         drop(row);
+        self.count_ending(ctx, ending.status, local_wait, duration_ms);
         tracing::info!(
             call_id,
             principal = %ctx.principal.name,
@@ -286,6 +291,26 @@ impl Gate {
             "call finished"
         );
         self.remember(&call_id, ending, duration_ms, approval_wait_ms);
+    }
+
+    /// The call's ending in the metrics, counted by the replica that recorded it. A tool
+    /// the catalog does not serve is `unknown`: the name is the caller's, unbounded.
+    fn count_ending(
+        &self,
+        ctx: &CallCtx,
+        status: CallStatus,
+        local_wait: Duration,
+        duration_ms: u64,
+    ) {
+        let tool = match self.catalog.get(&ctx.tool_use.name) {
+            Some(tool) => tool.definition.name.clone(),
+            None => crate::metrics::UNKNOWN_TOOL.to_owned(),
+        };
+        self.metrics
+            .call_ended(&tool, status, Duration::from_millis(duration_ms));
+        if ctx.held.is_some() {
+            self.metrics.approval_waited(local_wait);
+        }
     }
 
     /// The call's ending, in memory for its waiters.

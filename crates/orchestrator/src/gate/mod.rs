@@ -61,6 +61,7 @@ use crate::catalog::{Catalog, CatalogTool};
 use crate::config::StoreRetention;
 use crate::config::{ApprovalsConfig, AuditConfig};
 use crate::dispatch::WorkerEvent;
+use crate::metrics::{Metrics, Refusal};
 use crate::store::{CallChange, CallWrite, Store, StoreError};
 use ctx::CallCtx;
 use ending::{Ending, Rejection};
@@ -97,6 +98,8 @@ pub struct GateParts {
     pub principals: Arc<Principals>,
     /// `[store]`: what the store keeps of results, and for how long.
     pub retention: StoreRetention,
+    /// The Prometheus series the gate feeds (`GET /metrics`).
+    pub metrics: Arc<Metrics>,
 }
 
 pub struct Gate {
@@ -113,6 +116,7 @@ pub struct Gate {
     workspaces_root: Option<PathBuf>,
     principals: Arc<Principals>,
     retention: StoreRetention,
+    metrics: Arc<Metrics>,
     authorizer: RwLock<Arc<Authorizer>>,
     /// Woken when an approval is decided through this replica.
     decided: Notify,
@@ -188,6 +192,7 @@ impl Gate {
             workspaces_root: parts.workspaces_root,
             principals: parts.principals,
             retention: parts.retention,
+            metrics: parts.metrics,
             authorizer: RwLock::new(Arc::new(parts.authorizer)),
             decided: Notify::new(),
             visibility: std::sync::Mutex::default(),
@@ -236,7 +241,40 @@ impl Gate {
 
     /// Takes `calls` from the principal's per-minute rate (`[budgets] rate_per_minute`).
     pub fn take_rate(&self, principal: &str, calls: u32) -> Result<(), BudgetError> {
-        self.budgets.take(principal, calls)
+        let taken = self.budgets.take(principal, calls);
+        if taken.is_err() {
+            self.metrics.refused(Refusal::RateLimit);
+        }
+        taken
+    }
+
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
+    }
+
+    /// The metrics as Prometheus text, with the gauges that are read rather than
+    /// counted (pending approvals in the store, worker replicas) brought up to date.
+    pub async fn scrape(&self) -> String {
+        match self.store.pending_approvals().await {
+            Ok(pending) => self.metrics.set_pending_approvals(pending),
+            Err(e) => tracing::warn!(error = %e, "cannot count the pending approvals for /metrics"),
+        }
+        let health = self.worker_health();
+        self.metrics.set_replicas(health.iter().map(|g| {
+            (
+                g.name.as_str(),
+                g.replicas.iter().map(|r| r.state).collect(),
+            )
+        }));
+        self.metrics.render()
+    }
+
+    /// A store write on a call's path, timed for `airlock_store_operation_duration_seconds`.
+    async fn write_call(&self, write: CallWrite) -> Result<bool, StoreError> {
+        let started = Instant::now();
+        let written = self.store.write_call(write).await;
+        self.metrics.store("write_call", started.elapsed());
+        written
     }
 
     /// Follows a call this replica knows.
@@ -268,8 +306,39 @@ impl Gate {
         self.store.commits()
     }
 
+    /// Checks the audit log's hash chain; the verdict is also `airlock_audit_verify_ok`.
     pub async fn verify_audit(&self) -> Result<VerifyReport, StoreError> {
-        self.store.verify().await
+        let report = self.store.verify().await;
+        if let Ok(report) = &report {
+            self.metrics.audit_verified(report.ok, report.records);
+        }
+        report
+    }
+
+    /// Verifies the audit chain now and every `[audit] verify_interval_seconds`, so that
+    /// a broken chain raises an alert without anyone asking.
+    pub async fn verify_forever(self: Arc<Self>, stop: CancellationToken) {
+        let every = self.audit_config.verify_interval_seconds;
+        if every == 0 {
+            return;
+        }
+        loop {
+            match self.verify_audit().await {
+                Ok(report) if !report.ok => tracing::error!(
+                    first_bad_seq = report.first_bad_seq,
+                    reason = report.reason.as_deref().unwrap_or(""),
+                    "the audit log's hash chain does not verify"
+                ),
+                Ok(_) => {}
+                Err(error) => {
+                    tracing::warn!(%error, "cannot verify the audit log; trying again later")
+                }
+            }
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tokio::time::sleep(Duration::from_secs(every)) => {}
+            }
+        }
     }
 
     /// The pinned definitions of discovered tools, with any change waiting for review.
@@ -405,9 +474,11 @@ impl Gate {
             recorded: false,
         };
         let gate = self.clone();
+        let in_flight = self.metrics.in_flight();
         tokio::spawn(async move {
             let result = gate.pipeline(&mut ctx).await;
             gate.conclude(&mut ctx, result).await;
+            drop(in_flight);
         });
         rx
     }
@@ -432,15 +503,25 @@ impl Gate {
 
     /// The stages of a fresh call, in order.
     async fn pipeline(&self, ctx: &mut CallCtx) -> Result<Ending, Rejection> {
+        let mut laps = Laps::new(&self.metrics);
         let tool = self.admit(ctx)?;
+        laps.lap("admission");
         validate::validate(&tool, &ctx.tool_use.input)?;
+        laps.lap("validate");
         let repeat = self.check_budget(ctx).await?;
+        laps.lap("budget");
         let verdict = self.authorize(ctx, &tool)?;
+        laps.lap("policy");
         let cache_key = self.cache_key(ctx, &tool);
         if let Some(hit) = self.cached(ctx, &tool, cache_key.as_ref()) {
+            laps.lap("cache");
+            self.metrics.cache_hit(&tool.definition.name);
             return Ok(hit);
         }
+        laps.lap("cache");
+        // The wait for a human is `airlock_approval_wait_seconds`, not a stage's time.
         self.approve(ctx, &verdict).await?;
+        laps.restart();
         self.calls.update(&ctx.call_id, |r| r.checked = true);
         let approved = verdict.needs_approval();
         let record = if approved {
@@ -456,6 +537,7 @@ impl Gate {
             recheck: approved.then_some("dispatch"),
         };
         let result = self.claim_and_dispatch(ctx, &tool, how).await;
+        laps.lap("dispatch");
         let failed = result.as_ref().map_or(true, |e| e.outcome.is_error);
         self.record_repeat(&repeat, failed);
         if let Ok(ending) = &result {
@@ -514,7 +596,7 @@ impl Gate {
             change: CallChange::Nothing,
             then: Vec::new(),
         };
-        if let Err(e) = self.store.write_call(write).await {
+        if let Err(e) = self.write_call(write).await {
             tracing::error!(call_id = %ctx.call_id, error = %e, "cannot append to the audit log");
         }
     }
@@ -526,5 +608,34 @@ impl Gate {
     /// How long an MCP request waits on a call held for approval (`[limits] mcp_wait_ms`).
     pub fn mcp_wait(&self) -> Duration {
         Duration::from_millis(self.limits.mcp_wait_ms.min(crate::wire::MAX_WAIT_MS))
+    }
+}
+
+/// Times the gate's stages one after the other, for
+/// `airlock_gate_stage_duration_seconds{stage}`; a stage that rejects the call is not
+/// timed (the call's own duration covers it).
+struct Laps<'a> {
+    metrics: &'a Metrics,
+    since: Instant,
+}
+
+impl<'a> Laps<'a> {
+    fn new(metrics: &'a Metrics) -> Self {
+        Self {
+            metrics,
+            since: Instant::now(),
+        }
+    }
+
+    /// Records the stage that just ended and starts the next.
+    fn lap(&mut self, stage: &'static str) {
+        let now = Instant::now();
+        self.metrics.stage(stage, now.duration_since(self.since));
+        self.since = now;
+    }
+
+    /// Starts the next stage without recording the time since the last one.
+    fn restart(&mut self) {
+        self.since = Instant::now();
     }
 }

@@ -821,6 +821,10 @@ pub trait Store: Send + Sync {
     /// Every pin, by tool name.
     async fn tool_pins(&self) -> Result<Vec<ToolPin>, StoreError>;
 
+    /// How many approvals wait for a decision (`airlock_pending_approvals`): counted
+    /// over the status index, without reading any row's input.
+    async fn pending_approvals(&self) -> Result<u64, StoreError>;
+
     /// Calls recorded for `(principal, session_id)` and the time of the first.
     async fn session_usage(
         &self,

@@ -771,6 +771,18 @@ impl Store for PostgresStore {
         Ok(pin)
     }
 
+    async fn pending_approvals(&self) -> Result<u64, StoreError> {
+        let client = self.client().await?;
+        let row = client
+            .query_one(
+                "SELECT COUNT(*) FROM approvals WHERE status = $1",
+                &[&ApprovalStatus::Pending.as_str()],
+            )
+            .await?;
+        let count: i64 = row.try_get(0)?;
+        Ok(u64::try_from(count).unwrap_or(0))
+    }
+
     async fn tool_pins(&self) -> Result<Vec<ToolPin>, StoreError> {
         let client = self.client().await?;
         let rows = client

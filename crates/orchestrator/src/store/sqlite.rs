@@ -981,6 +981,18 @@ impl Store for SqliteStore {
             .await
     }
 
+    async fn pending_approvals(&self) -> Result<u64, StoreError> {
+        self.run(|conn| {
+            let count: i64 = conn.query_row(
+                "SELECT COUNT(*) FROM approvals WHERE status = ?1",
+                [ApprovalStatus::Pending.as_str()],
+                |row| row.get(0),
+            )?;
+            Ok(u64::try_from(count).unwrap_or(0))
+        })
+        .await
+    }
+
     async fn tool_pins(&self) -> Result<Vec<ToolPin>, StoreError> {
         self.run(|conn| {
             let mut stmt = conn.prepare(&format!(

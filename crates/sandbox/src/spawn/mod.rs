@@ -62,6 +62,7 @@ pub(crate) fn run(
     sink: &mut dyn OutputSink,
     cancel: &Cancel,
 ) -> Result<RunOutcome, SandboxError> {
+    let requested = Instant::now();
     let cfg = sandbox.config();
     let strict = sandbox.is_strict();
 
@@ -227,6 +228,7 @@ pub(crate) fn run(
         });
     }
     drop(error_r);
+    let spawn = requested.elapsed();
     if let Some(channel) = &proxy_channel {
         match loopback::receive_listener(channel) {
             Ok(listener) => sink.proxy_listener(listener),
@@ -245,6 +247,7 @@ pub(crate) fn run(
             cancel,
             child,
             started,
+            spawn,
             report,
             stdin_w,
             stdout_r,

@@ -138,6 +138,8 @@ pub(super) struct Supervision<'a> {
     pub(super) cancel: &'a Cancel,
     pub(super) child: Child,
     pub(super) started: Instant,
+    /// How long the sandbox took to reach the command's `exec`.
+    pub(super) spawn: Duration,
     pub(super) report: crate::IsolationReport,
     /// Our end of the command's stdin, `None` when the caller holds it (attached).
     pub(super) stdin_w: Option<OwnedFd>,
@@ -163,6 +165,7 @@ pub(super) fn supervise(
         cancel,
         mut child,
         started,
+        spawn,
         report,
         stdin_w,
         stdout_r,
@@ -353,6 +356,7 @@ pub(super) fn supervise(
         timed_out,
         cancelled,
         duration,
+        spawn,
         usage,
         isolation: report,
     })
