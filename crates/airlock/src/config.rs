@@ -11,7 +11,8 @@ use airlock_orchestrator::{
 };
 use airlock_policy::Limits;
 use airlock_policy::authz::ToolExtension;
-use airlock_worker::declared::ToolEntry;
+use airlock_sandbox::Network;
+use airlock_worker::declared::{ToolEntry, ToolNetwork};
 use airlock_worker::volumes::WorkspaceQuota;
 use airlock_worker_db::DatabaseConfig;
 use airlock_worker_fs::FsConfig;
@@ -229,7 +230,8 @@ impl Loaded {
     /// The declared tools as the policy sees them: each one's definition, worker group,
     /// and whether its calls need approval.
     pub fn tool_extensions(&self) -> anyhow::Result<Vec<ToolExtension>> {
-        extensions_of(&self.declared).map_err(|e| self.declared_error(e))
+        extensions_of(&self.declared, self.config.sandbox.network)
+            .map_err(|e| self.declared_error(e))
     }
 
     pub fn workspaces_root(&self) -> PathBuf {
@@ -322,6 +324,7 @@ impl Loaded {
             dispatch: self.config.dispatch.clone(),
             retention: self.config.store.clone(),
             tool_extensions: self.tool_extensions()?,
+            shell_network: self.config.sandbox.network.as_str().to_owned(),
             mcp_servers: self
                 .config
                 .mcp_servers
@@ -587,20 +590,33 @@ fn declared_entries(config: &AirlockConfig) -> anyhow::Result<Vec<ToolEntry>> {
     compile_commands(&entries)?;
     compile_http(&entries)?;
     check_egress(config, &entries)?;
-    airlock_policy::authz::ToolExtensions::new(&extensions_of(&entries)?)?;
+    airlock_policy::authz::ToolExtensions::new(&extensions_of(&entries, config.sandbox.network)?)?;
     Ok(entries)
 }
 
+/// The declared tools as policies see them. A command tool's `context.network` is the
+/// network its sandbox will have: the worker's when that is the host's; the proxy when
+/// the tool asks for it and the worker's sandboxes have one; otherwise none.
 fn extensions_of(
     entries: &[ToolEntry],
+    shell_network: Network,
 ) -> Result<Vec<ToolExtension>, airlock_worker::declared::DeclaredToolError> {
     entries
         .iter()
         .map(|entry| {
+            let network = entry.is_command().then(|| {
+                match (shell_network, entry.network) {
+                    (Network::Host, _) => "host",
+                    (Network::Proxy, ToolNetwork::Proxy) => "proxy",
+                    _ => "none",
+                }
+                .to_owned()
+            });
             Ok(ToolExtension {
                 group: entry.group().to_owned(),
                 definition: entry.definition()?,
                 approval: entry.approval_reason(),
+                network,
             })
         })
         .collect()

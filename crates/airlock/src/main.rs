@@ -417,12 +417,14 @@ fn policy_schema(location: &Location) -> anyhow::Result<ExitCode> {
                         group: group.clone(),
                         approval: server.and_then(|s| s.approval_reason(&definition)),
                         definition,
+                        network: None,
                     });
                 }
             }
         }
     }
-    let extensions = airlock_policy::authz::ToolExtensions::new(&tools)?;
+    let extensions = airlock_policy::authz::ToolExtensions::new(&tools)?
+        .with_shell_network(loaded.config.sandbox.network.as_str());
     print!("{}", airlock_policy::authz::schema_text(&extensions));
     Ok(ExitCode::SUCCESS)
 }

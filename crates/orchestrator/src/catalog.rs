@@ -422,6 +422,7 @@ impl Catalog {
                         group: group.to_owned(),
                         definition: definition.clone(),
                         approval,
+                        network: None,
                     },
                 );
             }

@@ -48,6 +48,9 @@ pub struct OrchestratorConfig {
     /// The tools that are not built in (`[[tools]]`, `tool_packs`): each is a Cedar
     /// action that policies can name, and the catalog serves it only as declared.
     pub tool_extensions: Vec<airlock_policy::authz::ToolExtension>,
+    /// `[sandbox] network` (`"none"`, `"proxy"`, `"host"`): what execute_shell's policies
+    /// see as `context.network`.
+    pub shell_network: String,
     /// `[[mcp_servers]]`: their tools (`<name>__<tool>`) are discovered from the worker
     /// that runs each server, like an external worker's.
     pub mcp_servers: Vec<airlock_policy::McpServerPolicy>,

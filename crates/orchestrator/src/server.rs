@@ -124,7 +124,9 @@ impl Orchestrator {
     pub fn prepare(config: &OrchestratorConfig) -> Result<Prepared, ServeError> {
         let principals = Principals::load(&config.principals, &config.data_dir)?;
         Catalog::check(&config.workers, &config.worker_tls.dialer())?;
-        let extensions = Arc::new(ToolExtensions::new(&config.tool_extensions)?);
+        let extensions = Arc::new(
+            ToolExtensions::new(&config.tool_extensions)?.with_shell_network(&config.shell_network),
+        );
         let (text, file) = read_policy(config)?;
         let inputs = PolicyInputs {
             approvals: config.approvals.knob(),
@@ -419,7 +421,8 @@ fn catalog_extensions(
 ) -> Result<Arc<ToolExtensions>, airlock_policy::authz::ExtensionError> {
     let mut tools = config.tool_extensions.clone();
     tools.extend(catalog.discovered());
-    ToolExtensions::new(&tools).map(Arc::new)
+    ToolExtensions::new(&tools)
+        .map(|extensions| Arc::new(extensions.with_shell_network(&config.shell_network)))
 }
 
 /// An external worker listed other tools: the policy is validated again against them.

@@ -202,6 +202,7 @@ async fn check_tools(client: &mut Client) -> Vec<Finding> {
             group: group.clone(),
             definition,
             approval: None,
+            network: None,
         });
     }
     match ToolExtensions::new(&extensions) {

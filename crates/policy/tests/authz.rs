@@ -1051,6 +1051,7 @@ fn declared_commit() -> airlock_policy::authz::ToolExtension {
             },
         },
         approval: Some("`git_commit` is destructive".into()),
+        network: Some("none".into()),
     }
 }
 
@@ -1149,4 +1150,64 @@ fn the_printed_schema_holds_the_declared_tools() {
     // The printed text is itself a schema Cedar reads (as two fragments).
     let plain = airlock_policy::authz::schema_text(&Default::default());
     assert_eq!(plain, airlock_policy::authz::SCHEMA_SOURCE);
+}
+
+// ------------------------------------------------------- the network a sandbox has
+
+/// `policy` with the declared `git_commit` in a sandbox of `commit_network`, and
+/// execute_shell's sandboxes on `shell_network`.
+fn with_networks(policy: &str, shell_network: &str, commit_network: &str) -> Authorizer {
+    let mut commit = declared_commit();
+    commit.network = Some(commit_network.to_owned());
+    commit.approval = None;
+    let extensions = airlock_policy::authz::ToolExtensions::new(&[commit])
+        .unwrap()
+        .with_shell_network(shell_network);
+    Authorizer::from_sources(
+        policy,
+        "network.cedar",
+        airlock_policy::authz::PolicyInputs {
+            approvals: ApprovalKnob::off(),
+            extensions: std::sync::Arc::new(extensions),
+        },
+    )
+    .unwrap_or_else(|error| panic!("{error}"))
+}
+
+#[test]
+fn policies_see_the_network_a_sandbox_has() {
+    let policy = with_default(
+        r#"
+        @id("no-fetch-behind-proxy") @reason("downloads go through pip_install")
+        forbid (principal, action == Airlock::Action::"execute_shell", resource)
+        when { context.network != "none" && context.program == "curl" };
+        @id("commits-offline") @reason("commits never need the network")
+        forbid (principal, action == Airlock::Action::"git_commit", resource)
+        when { context.network != "none" };
+        "#,
+    );
+    let curl = agent("execute_shell", json!({"argv": ["curl", "https://x.test"]}));
+    let ls = agent("execute_shell", json!({"argv": ["ls"]}));
+    let proxied = with_networks(&policy, "proxy", "proxy");
+    assert_deny(&decide(&proxied, &curl), "downloads go through pip_install");
+    assert_allow(&decide(&proxied, &ls));
+    assert_deny(
+        &decide(&proxied, &commit_call("Fix the parser")),
+        "commits never need the network",
+    );
+    let offline = with_networks(&policy, "none", "none");
+    assert_allow(&decide(&offline, &curl));
+    assert_allow(&decide(&offline, &commit_call("Fix the parser")));
+    // A misspelt attribute does not load: the context is typed.
+    let error = Authorizer::from_sources(
+        &with_default(
+            r#"forbid (principal, action == Airlock::Action::"execute_shell", resource)
+            when { context.netwrk == "proxy" };"#,
+        ),
+        "typo.cedar",
+        ApprovalKnob::off(),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(error.contains("netwrk"), "{error}");
 }

@@ -316,6 +316,7 @@ pub(crate) fn context_json(
     arguments: &Value,
     session_id: &str,
     workspace: Option<&Path>,
+    network: Option<&str>,
 ) -> Result<Value, ArgumentError> {
     let empty = Map::new();
     let object = match arguments {
@@ -349,6 +350,10 @@ pub(crate) fn context_json(
     }
     let mut context = Map::new();
     context.insert("session_id".to_owned(), Value::from(session_id));
+    // The network the call's sandbox has (execute_shell and declared command tools).
+    if let Some(network) = network {
+        context.insert("network".to_owned(), Value::from(network));
+    }
     if spec.group == "fs" {
         // Every path the call touches, so that one rule covers every fs tool (move_path
         // has `source` and `destination`, not `path`).
@@ -531,7 +536,7 @@ mod tests {
 
     fn context(tool: &str, arguments: &Value, workspace: Option<&Path>) -> Value {
         let (spec, fields) = fields_of(tool);
-        context_json(spec, &fields, arguments, "s1", workspace).unwrap()
+        context_json(spec, &fields, arguments, "s1", workspace, None).unwrap()
     }
 
     #[test]
@@ -579,11 +584,11 @@ mod tests {
     fn wrong_types_and_missing_fields_are_refused() {
         let (read, fields) = fields_of("read_file");
         assert!(matches!(
-            context_json(read, &fields, &json!({}), "s", None),
+            context_json(read, &fields, &json!({}), "s", None, None),
             Err(ArgumentError::Missing { ref field, .. }) if field == "path"
         ));
         assert!(matches!(
-            context_json(read, &fields, &json!({"path": 3}), "s", None),
+            context_json(read, &fields, &json!({"path": 3}), "s", None, None),
             Err(ArgumentError::WrongType { .. })
         ));
         assert!(matches!(
@@ -592,15 +597,16 @@ mod tests {
                 &fields,
                 &json!({"path": "a", "limit": 1.5}),
                 "s",
+                None,
                 None
             ),
             Err(ArgumentError::WrongType { .. })
         ));
         assert!(matches!(
-            context_json(read, &fields, &json!([]), "s", None),
+            context_json(read, &fields, &json!([]), "s", None, None),
             Err(ArgumentError::NotAnObject { .. })
         ));
         let (none, fields) = fields_of("list_databases");
-        assert!(context_json(none, &fields, &Value::Null, "s", None).is_ok());
+        assert!(context_json(none, &fields, &Value::Null, "s", None, None).is_ok());
     }
 }

@@ -32,6 +32,10 @@ pub struct ToolExtension {
     /// `Some(reason)`: every call needs a human's approval, whatever the policy says
     /// (a policy may add approvals, never remove this one).
     pub approval: Option<String>,
+    /// The network its sandbox has (`"none"`, `"proxy"` or `"host"`), which policies see
+    /// as `context.network`; `None` for a tool that runs in no sandbox of the shell
+    /// worker's (http-backed, external, MCP).
+    pub network: Option<String>,
 }
 
 /// Why the extension tools cannot be declared to policy.
@@ -51,12 +55,17 @@ pub(crate) struct Extended {
     /// The arguments they do not see, each with why (Cedar cannot type it).
     pub left_out: Vec<(String, &'static str)>,
     pub approval: Option<String>,
+    pub network: Option<String>,
 }
 
-/// Every extension tool, checked, by name.
+/// Every extension tool, checked, by name, and the network of `execute_shell`'s
+/// sandboxes: what policies know of the deployment beyond the embedded schema.
 #[derive(Debug, Default)]
 pub struct ToolExtensions {
     tools: BTreeMap<String, Extended>,
+    /// `[sandbox] network` (`"none"` when not set), seen as `context.network` by
+    /// execute_shell's policies.
+    shell_network: Option<String>,
 }
 
 impl ToolExtensions {
@@ -102,10 +111,26 @@ impl ToolExtensions {
                     fields,
                     left_out,
                     approval: tool.approval.clone(),
+                    network: tool.network.clone(),
                 },
             );
         }
-        Ok(Self { tools: checked })
+        Ok(Self {
+            tools: checked,
+            shell_network: None,
+        })
+    }
+
+    /// The network of `execute_shell`'s sandboxes (`[sandbox] network`: `"none"`,
+    /// `"proxy"` or `"host"`).
+    pub fn with_shell_network(mut self, network: &str) -> Self {
+        self.shell_network = Some(network.to_owned());
+        self
+    }
+
+    /// What `context.network` holds for execute_shell.
+    pub fn shell_network(&self) -> &str {
+        self.shell_network.as_deref().unwrap_or("none")
     }
 
     pub fn is_empty(&self) -> bool {
@@ -197,6 +222,9 @@ impl ToolExtensions {
                 quote(name),
                 parents.join(", ")
             );
+            if tool.network.is_some() {
+                let _ = writeln!(text, "      network: String,");
+            }
             let arguments: Vec<String> = tool
                 .fields
                 .iter()
@@ -286,6 +314,7 @@ mod tests {
     pub(crate) fn commit_tool() -> ToolExtension {
         ToolExtension {
             group: "shell".into(),
+            network: Some("none".into()),
             definition: ToolDefinition {
                 name: "git_commit".into(),
                 title: String::new(),

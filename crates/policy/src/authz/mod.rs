@@ -431,12 +431,18 @@ impl Authorizer {
                 ));
             }
         };
+        let network = match extension {
+            Some(extended) if catalog::spec(tool).is_none() => extended.network.as_deref(),
+            _ if spec.extra == catalog::Extra::Shell => Some(self.extensions.shell_network()),
+            _ => None,
+        };
         let context = match catalog::context_json(
             spec,
             &fields,
             request.arguments,
             request.session_id,
             request.workspace,
+            network,
         ) {
             Ok(context) => context,
             Err(error) => return Decision::deny(error.to_string()),
@@ -799,7 +805,8 @@ mod tests {
             let input_schema = declared::expected_input_schema(&spec.name).unwrap();
             let fields = catalog::fields(spec, &input_schema).unwrap();
             let action = Types::uid(&types.action, &spec.name);
-            let context = catalog::context_json(spec, &fields, &full, "s", None).unwrap();
+            let network = (spec.extra == catalog::Extra::Shell).then_some("proxy");
+            let context = catalog::context_json(spec, &fields, &full, "s", None, network).unwrap();
             cedar::Context::from_json_value(context, Some((&schema, &action)))
                 .unwrap_or_else(|error| panic!("{}: {error}", spec.name));
             // The required fields alone are enough too.
@@ -808,7 +815,8 @@ mod tests {
                 minimal.insert(field.name.clone(), full[&field.name].clone());
             }
             let context =
-                catalog::context_json(spec, &fields, &Value::Object(minimal), "s", None).unwrap();
+                catalog::context_json(spec, &fields, &Value::Object(minimal), "s", None, network)
+                    .unwrap();
             cedar::Context::from_json_value(context, Some((&schema, &action)))
                 .unwrap_or_else(|error| panic!("{} (minimal): {error}", spec.name));
         }
