@@ -207,6 +207,7 @@ async fn pip_and_git_reach_the_mirror_through_the_proxy_and_nothing_else_does() 
             &servers.mirror.to_string(),
             &servers.forbidden.to_string(),
             &orchestrator,
+            &airlock.data_dir().join("sockets").to_string_lossy(),
         ],
         120,
     )
@@ -222,8 +223,17 @@ async fn pip_and_git_reach_the_mirror_through_the_proxy_and_nothing_else_does() 
         "udp",
         "raw",
         "inet6",
+        "worker-socket-shell",
+        "worker-socket-fs",
+        "worker-socket-http",
+        "worker-socket-db",
     ] {
         assert!(said(name).starts_with("error"), "{name}: {probe}");
+    }
+    // The workers' sockets exist on the host (the probe's refusal is not a wrong path).
+    for group in ["shell", "fs", "http", "db"] {
+        let socket = airlock.data_dir().join(format!("sockets/{group}.sock"));
+        assert!(socket.exists(), "{}", socket.display());
     }
     for name in [
         "connect-forbidden",

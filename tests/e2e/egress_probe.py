@@ -1,13 +1,14 @@
 # Run inside a `network = "proxy"` sandbox as an attacker would: every way out that is
 # not the proxy, and every way through the proxy that its rules refuse. Prints one JSON
 # object: attempt name -> what happened. argv: mirror port, forbidden port, a port of
-# the orchestrator on the host.
+# the orchestrator on the host, the host directory of the workers' sockets.
 import json
 import socket
 import ssl
 import sys
 
 mirror, forbidden, orchestrator = (int(a) for a in sys.argv[1:4])
+sockets = sys.argv[4]
 PROXY = ("127.0.0.1", 3128)
 out = {}
 
@@ -109,6 +110,18 @@ def inet6():
     return "connected"
 
 
+def worker_socket(group):
+    def go():
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(3)
+        s.connect("%s/%s.sock" % (sockets, group))
+        s.close()
+        return "connected"
+    return go
+
+
+for group in ("shell", "fs", "http", "db"):
+    attempt("worker-socket-" + group, worker_socket(group))
 attempt("udp", udp)
 attempt("raw", raw)
 attempt("inet6", inet6)
