@@ -16,6 +16,15 @@ use crate::support::{Airlock, up_refused};
 
 const SERVERS: &str = include_str!("egress_servers.py");
 const PROBE: &str = include_str!("egress_probe.py");
+/// Fetches `argv[1]` with the standard library (which honours the proxy variables) and
+/// prints the status, or what went wrong.
+const FETCH: &str = "import sys, urllib.request
+try:
+    print(urllib.request.urlopen(sys.argv[1], timeout=10).status)
+except Exception as e:
+    print('failed:', e)
+    sys.exit(1)
+";
 
 /// The mirror and the forbidden server (tests/e2e/egress_servers.py), killed on drop.
 struct Servers {
@@ -75,6 +84,29 @@ network = "proxy"
 [sandbox.egress]
 allow = ["mirror.test:{mirror}", "*.example"]
 hosts = {{ "mirror.test" = "127.0.0.1", "rebind.example" = "127.0.0.1", "forbidden.test" = "127.0.0.1" }}
+
+# The proxy narrowed for one tool, and a tool that asks for no network at all.
+[[tools]]
+name = "fetch_narrowed"
+description = "Fetches one URL through the proxy; only *.example hosts."
+command = ["python3", "-c", '''{FETCH}''', "{{url}}"]
+network = "proxy"
+egress_allow = ["*.example"]
+annotations = {{ read_only = true }}
+[tools.input_schema]
+type = "object"
+required = ["url"]
+properties = {{ url = {{ type = "string", maxLength = 200 }} }}
+
+[[tools]]
+name = "fetch_offline"
+description = "Fetches one URL, with no network."
+command = ["python3", "-c", '''{FETCH}''', "{{url}}"]
+annotations = {{ read_only = true }}
+[tools.input_schema]
+type = "object"
+required = ["url"]
+properties = {{ url = {{ type = "string", maxLength = 200 }} }}
 "#,
             mirror = self.mirror
         )
@@ -293,6 +325,44 @@ async fn pip_and_git_reach_the_mirror_through_the_proxy_and_nothing_else_does() 
         completed.to_string().contains("forbidden.test"),
         "{completed}"
     );
+    // A declared tool's egress_allow narrows the worker's list: the mirror, which
+    // execute_shell reached above, is refused to it; a tool without network = "proxy"
+    // reaches nothing at all.
+    let mirror_url = format!("http://mirror.test:{}/simple/", servers.mirror);
+    let (err, text, _) = airlock
+        .call_in("egress", "fetch_narrowed", json!({"url": mirror_url}))
+        .await;
+    assert!(err, "{text}");
+    let result: Value = serde_json::from_str(&text).expect("result");
+    assert!(
+        result["stdout"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("403"),
+        "{result}"
+    );
+    let narrowed = attempts(&result, "mirror.test");
+    assert!(
+        narrowed.iter().any(|a| a["verdict"] == "refused"
+            && a["reason"]
+                .as_str()
+                .is_some_and(|r| r.contains("egress_allow"))),
+        "{result}"
+    );
+    let (err, text, _) = airlock
+        .call_in("egress", "fetch_offline", json!({"url": mirror_url}))
+        .await;
+    assert!(err, "{text}");
+    let result: Value = serde_json::from_str(&text).expect("result");
+    assert!(
+        result["stdout"]
+            .as_str()
+            .unwrap_or_default()
+            .starts_with("failed:"),
+        "{result}"
+    );
+    assert!(result.get("egress").is_none(), "{result}");
+
     let (status, verify) = airlock.get("/v1/audit/verify").await;
     assert_eq!(status, 200);
     assert_eq!(verify["ok"], true, "{verify}");
