@@ -170,12 +170,20 @@ pub enum ApprovalAction {
         id: String,
         #[arg(long)]
         reason: Option<String>,
+        /// The approval's input_sha256 as listed: refused (409) if the call's input
+        /// is not the one it digests.
+        #[arg(long)]
+        input_sha256: Option<String>,
     },
     /// Deny a pending call.
     Deny {
         id: String,
         #[arg(long)]
         reason: Option<String>,
+        /// The approval's input_sha256 as listed: refused (409) if the call's input
+        /// is not the one it digests.
+        #[arg(long)]
+        input_sha256: Option<String>,
     },
 }
 

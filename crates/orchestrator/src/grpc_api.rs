@@ -371,6 +371,7 @@ impl Orchestrator for GrpcFrontDoor {
             &request.approval_id,
             request.approve,
             reason,
+            None,
         )
         .await
         .map_err(|e| match e {
@@ -378,9 +379,9 @@ impl Orchestrator for GrpcFrontDoor {
                 Status::not_found(format!("no approval {:?}", request.approval_id))
             }
             DecideError::SelfApproval => Status::permission_denied(e.to_string()),
-            DecideError::Conflict(_) | DecideError::Revoked(_) => {
-                Status::failed_precondition(e.to_string())
-            }
+            DecideError::InputChanged { .. }
+            | DecideError::Conflict(_)
+            | DecideError::Revoked(_) => Status::failed_precondition(e.to_string()),
             DecideError::Store(_) => Status::unavailable(e.to_string()),
         })?;
         Ok(Response::new(approval_info(&approval)))

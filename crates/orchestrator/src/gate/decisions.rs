@@ -15,6 +15,11 @@ pub enum DecideError {
         "[approvals] distinct_approver is set: a request must be approved by someone other than its requester"
     )]
     SelfApproval,
+    /// The approver decided on other arguments than the call holds.
+    #[error(
+        "input_sha256 {given} does not match the call's input ({actual}): look at the approval again"
+    )]
+    InputChanged { given: String, actual: String },
     #[error("{0}")]
     Conflict(StoreError),
     /// The requester lost the right to the call since it asked: the approval was
@@ -45,13 +50,15 @@ pub const REVOKED_BY: &str = "system:revoked";
 /// Approves or denies; the caller has checked the approver role. An approval is
 /// checked against the principals and the policy in force first
 /// ([`Gate::reauthorize`]); one that no longer holds denies the call instead
-/// ([`DecideError::Revoked`]).
+/// ([`DecideError::Revoked`]). `input_sha256`, when given, must be the approval's: the
+/// decision holds for the arguments the approver saw and no others.
 pub async fn decide(
     gate: &Gate,
     approver: &Principal,
     approval_id: &str,
     approve: bool,
     reason: Option<&str>,
+    input_sha256: Option<&str>,
 ) -> Result<Approval, DecideError> {
     let approval_id = &crate::store::ApprovalId::from(approval_id);
     let approval = gate
@@ -63,6 +70,17 @@ pub async fn decide(
     if gate.approvals.distinct_approver && approval.principal == approver.name {
         return Err(DecideError::SelfApproval);
     }
+    // A call's input never changes once stored, so comparing with the row read here is
+    // enough: the approval decided below holds this very input.
+    if let Some(given) = input_sha256
+        && !given.eq_ignore_ascii_case(&approval.input_sha256)
+    {
+        return Err(DecideError::InputChanged {
+            given: given.to_owned(),
+            actual: approval.input_sha256,
+        });
+    }
+    let policy_sha256 = gate.policy_sha256();
     let store_error = |e| match e {
         StoreError::NotFound { .. } => DecideError::NotFound,
         e @ (StoreError::AlreadyDecided { .. } | StoreError::Expired { .. }) => {
@@ -104,7 +122,8 @@ pub async fn decide(
         gate.audit(
             NewAuditEvent::new(
                 AuditKind::ApprovalDenied,
-                json!({"approval_id": approval_id, "decided_by": REVOKED_BY, "reason": denial}),
+                json!({"approval_id": approval_id, "decided_by": REVOKED_BY, "reason": denial,
+                "input_sha256": denied.input_sha256, "policy_sha256": policy_sha256}),
             )
             .call_id(denied.call_id.clone())
             .principal(denied.principal.clone())
@@ -126,7 +145,8 @@ pub async fn decide(
             } else {
                 AuditKind::ApprovalDenied
             },
-            json!({"approval_id": approval_id, "decided_by": approver.name, "reason": reason}),
+            json!({"approval_id": approval_id, "decided_by": approver.name, "reason": reason,
+                "input_sha256": decided.input_sha256, "policy_sha256": policy_sha256}),
         )
         .call_id(decided.call_id.clone())
         .principal(decided.principal.clone())

@@ -367,6 +367,13 @@ impl Gate {
         }
     }
 
+    /// SHA-256 of the policy text in force: nothing else versions a policy, and the
+    /// digest names the same text on every replica and after every reload.
+    pub fn policy_sha256(&self) -> String {
+        use sha2::Digest as _;
+        hex::encode(sha2::Sha256::digest(self.authorizer().source().as_bytes()))
+    }
+
     pub fn replace_authorizer(&self, authorizer: Authorizer) {
         match self.authorizer.write() {
             Ok(mut a) => *a = Arc::new(authorizer),

@@ -413,6 +413,9 @@ pub struct Approval {
     /// The call's real arguments: redact them before showing them if the approver
     /// must not see secrets.
     pub input: Value,
+    /// SHA-256 of the canonical JSON of the input as stored (not as redacted): what an
+    /// approver quotes back to bind the decision to these arguments.
+    pub input_sha256: String,
     pub principal: String,
     pub session_id: Option<String>,
     pub status: ApprovalStatus,

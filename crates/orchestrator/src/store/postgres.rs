@@ -255,11 +255,13 @@ fn call_from_row(row: &Row) -> Result<StoredCall, StoreError> {
 fn approval_from_row(row: &Row) -> Result<Approval, StoreError> {
     let input: String = row.try_get("input")?;
     let status: String = row.try_get("status")?;
+    let input = from_json_text(&input, "an approval's input")?;
     Ok(Approval {
+        input_sha256: crate::audit::value_sha256(&input),
         approval_id: ApprovalId::from(row.try_get::<_, String>("approval_id")?),
         call_id: CallId::from(row.try_get::<_, String>("call_id")?),
         tool: row.try_get("tool")?,
-        input: from_json_text(&input, "an approval's input")?,
+        input,
         principal: row.try_get("principal")?,
         session_id: row.try_get("session_id")?,
         status: ApprovalStatus::parse(&status)?,

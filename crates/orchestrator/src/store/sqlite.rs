@@ -248,11 +248,13 @@ fn call_from_row(row: &Row<'_>) -> Result<StoredCall, StoreError> {
 fn approval_from_row(row: &Row<'_>) -> Result<Approval, StoreError> {
     let input: String = row.get("input")?;
     let status: String = row.get("status")?;
+    let input = from_json_text(&input, "an approval's input")?;
     Ok(Approval {
+        input_sha256: crate::audit::value_sha256(&input),
         approval_id: ApprovalId::from(row.get::<_, String>("approval_id")?),
         call_id: CallId::from(row.get::<_, String>("call_id")?),
         tool: row.get("tool")?,
-        input: from_json_text(&input, "an approval's input")?,
+        input,
         principal: row.get("principal")?,
         session_id: row.get("session_id")?,
         status: ApprovalStatus::parse(&status)?,

@@ -382,6 +382,12 @@ impl Authorizer {
         &self.file
     }
 
+    /// The policy text as loaded: its digest identifies the policy a decision was
+    /// taken under.
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
     /// The approval knob in force.
     pub fn approvals(&self) -> &ApprovalKnob {
         &self.approvals
