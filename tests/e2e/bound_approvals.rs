@@ -200,3 +200,115 @@ async fn a_decision_quoting_another_input_is_refused_and_the_digest_is_audited()
     );
     assert_eq!(data["decided_by"], "bob", "{data}");
 }
+
+#[tokio::test]
+async fn a_quorum_call_runs_once_its_second_distinct_approver_approves() {
+    let airlock = Airlock::start_with(&principals(
+        "[approvals]\ntools = []\nquorum = { write_file = 2 }\n",
+    ))
+    .await;
+    let ws = airlock.data_dir().join("workspaces/alice/q1");
+    let held = propose(
+        &airlock,
+        "q1",
+        "write_file",
+        json!({"path": "q.txt", "content": "two said yes"}),
+    )
+    .await;
+    assert_eq!(held["status"], "pending_approval", "{held}");
+    let approval_id = held["approval_id"].as_str().expect("approval id");
+    let call_id = held["call_id"].as_str().expect("call id");
+
+    // The first approval leaves it pending and lists its approver.
+    let (status, first) = decide(&airlock, "bob-token", approval_id, "approve", json!({})).await;
+    assert_eq!(status, 200, "{first}");
+    assert_eq!(first["status"], "pending", "{first}");
+    assert_eq!(first["approved_by"], json!(["bob"]), "{first}");
+    let listed = approval(&airlock, approval_id).await;
+    assert_eq!(listed["status"], "pending", "{listed}");
+    assert_eq!(listed["approved_by"], json!(["bob"]), "{listed}");
+    let detail = call_detail(&airlock, call_id, 500).await;
+    assert_eq!(detail["status"], "pending_approval", "{detail}");
+    assert!(!ws.join("q.txt").exists(), "one approver is not enough");
+
+    // The same approver again is refused and counts for nothing.
+    let (status, again) = decide(&airlock, "bob-token", approval_id, "approve", json!({})).await;
+    assert_eq!(status, 409, "{again}");
+    assert_eq!(again["error"]["code"], "already_approved", "{again}");
+    assert_eq!(
+        approval(&airlock, approval_id).await["approved_by"],
+        json!(["bob"])
+    );
+    assert!(!ws.join("q.txt").exists());
+
+    // A second, distinct approver completes the quorum: the call runs, once.
+    let (status, second) = decide(&airlock, "dave-token", approval_id, "approve", json!({})).await;
+    assert_eq!(status, 200, "{second}");
+    assert_eq!(second["status"], "approved", "{second}");
+    assert_eq!(second["approved_by"], json!(["bob", "dave"]), "{second}");
+    let detail = call_detail(&airlock, call_id, 30_000).await;
+    assert_eq!(detail["status"], "ok", "{detail}");
+    assert_eq!(
+        std::fs::read_to_string(ws.join("q.txt")).expect("written"),
+        "two said yes"
+    );
+    let (status, late) = decide(&airlock, "bob-token", approval_id, "approve", json!({})).await;
+    assert_eq!(status, 409, "{late}");
+
+    let events = audit_of(&airlock, call_id).await;
+    let kinds: Vec<&str> = events
+        .iter()
+        .map(|e| e["kind"].as_str().expect("kind"))
+        .collect();
+    let count = |kind: &str| kinds.iter().filter(|k| **k == kind).count();
+    assert_eq!(count("pending_approval"), 1, "{kinds:?}");
+    assert_eq!(count("partially_approved"), 1, "{kinds:?}");
+    assert_eq!(count("approved"), 1, "{kinds:?}");
+    assert_eq!(count("dispatched"), 1, "ran once: {kinds:?}");
+    assert_eq!(count("completed"), 1, "ran once: {kinds:?}");
+    let pending = events
+        .iter()
+        .find(|e| e["kind"] == "pending_approval")
+        .expect("pending");
+    assert_eq!(pending["data"]["quorum"], 2, "{pending}");
+    let approved = events
+        .iter()
+        .find(|e| e["kind"] == "approved")
+        .expect("approved");
+    assert_eq!(approved["data"]["approved_by"], json!(["bob", "dave"]));
+    assert_eq!(approved["data"]["quorum"], 2);
+}
+
+#[tokio::test]
+async fn a_quorum_annotation_holds_the_call_for_that_many_approvers() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let policy = dir.path().join("policy.cedar");
+    std::fs::write(
+        &policy,
+        format!(
+            "{}\n@id(\"two-for-writes\") @quorum(\"2\")\npermit (principal, action == Airlock::Action::\"write_file\", resource);\n",
+            airlock_policy::authz::DEFAULT_POLICY_SOURCE
+        ),
+    )
+    .expect("policy");
+    let airlock = Airlock::start_with(&principals(&format!(
+        "[approvals]\ntools = []\n[policy]\nfile = \"{}\"\n",
+        policy.display()
+    )))
+    .await;
+    let held = propose(
+        &airlock,
+        "q2",
+        "write_file",
+        json!({"path": "p.txt", "content": "x"}),
+    )
+    .await;
+    assert_eq!(held["status"], "pending_approval", "{held}");
+    let approval_id = held["approval_id"].as_str().expect("approval id");
+    let (status, first) = decide(&airlock, "bob-token", approval_id, "approve", json!({})).await;
+    assert_eq!(status, 200, "{first}");
+    assert_eq!(first["status"], "pending", "{first}");
+    let (status, second) = decide(&airlock, "dave-token", approval_id, "approve", json!({})).await;
+    assert_eq!(status, 200, "{second}");
+    assert_eq!(second["status"], "approved", "{second}");
+}

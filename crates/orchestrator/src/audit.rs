@@ -126,6 +126,8 @@ pub enum AuditKind {
     /// Held for a human.
     PendingApproval,
     Approved,
+    /// One approver approved, and the quorum wants more: the call stays held.
+    PartiallyApproved,
     ApprovalDenied,
     /// Its approval expired undecided.
     Expired,
@@ -155,7 +157,7 @@ pub enum AuditKind {
 
 impl AuditKind {
     /// Every kind, in the README's order.
-    pub const ALL: [AuditKind; 24] = [
+    pub const ALL: [AuditKind; 25] = [
         AuditKind::Requested,
         AuditKind::Rejected,
         AuditKind::RejectedSchema,
@@ -164,6 +166,7 @@ impl AuditKind {
         AuditKind::CacheHit,
         AuditKind::PendingApproval,
         AuditKind::Approved,
+        AuditKind::PartiallyApproved,
         AuditKind::ApprovalDenied,
         AuditKind::Expired,
         AuditKind::ApprovalWithdrawn,
@@ -193,6 +196,7 @@ impl AuditKind {
             AuditKind::CacheHit => "cache_hit",
             AuditKind::PendingApproval => "pending_approval",
             AuditKind::Approved => "approved",
+            AuditKind::PartiallyApproved => "partially_approved",
             AuditKind::ApprovalDenied => "approval_denied",
             AuditKind::Expired => "expired",
             AuditKind::ApprovalWithdrawn => "approval_withdrawn",

@@ -380,6 +380,7 @@ impl Orchestrator for GrpcFrontDoor {
             }
             DecideError::SelfApproval => Status::permission_denied(e.to_string()),
             DecideError::InputChanged { .. }
+            | DecideError::AlreadyApproved(_)
             | DecideError::Conflict(_)
             | DecideError::Revoked(_) => Status::failed_precondition(e.to_string()),
             DecideError::Store(_) => Status::unavailable(e.to_string()),

@@ -702,6 +702,9 @@ async fn decide_approval(
         DecideError::InputChanged { .. } => {
             ApiError::new(StatusCode::CONFLICT, "input_changed", e.to_string())
         }
+        DecideError::AlreadyApproved(_) => {
+            ApiError::new(StatusCode::CONFLICT, "already_approved", e.to_string())
+        }
         DecideError::Conflict(_) => ApiError::new(StatusCode::CONFLICT, "conflict", e.to_string()),
         DecideError::Revoked(_) => ApiError::new(StatusCode::CONFLICT, "revoked", e.to_string()),
         DecideError::Store(_) => ApiError::new(

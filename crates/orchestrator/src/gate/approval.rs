@@ -33,7 +33,9 @@ impl Gate {
                 self.hold_row(ctx);
                 Ok(())
             }
-            Verdict::NeedsApproval { reasons } => self.await_approval(ctx, reasons).await,
+            Verdict::NeedsApproval { reasons, quorum } => {
+                self.await_approval(ctx, reasons, *quorum).await
+            }
         }
     }
 
@@ -51,7 +53,12 @@ impl Gate {
 
     /// Creates the durable pending approval and waits for its decision; `ctx.held` is
     /// how long it waited.
-    async fn await_approval(&self, ctx: &mut CallCtx, reasons: &[String]) -> Result<(), Rejection> {
+    async fn await_approval(
+        &self,
+        ctx: &mut CallCtx,
+        reasons: &[String],
+        quorum: u32,
+    ) -> Result<(), Rejection> {
         let since = Instant::now();
         let approval_id = format!("apr_{}", uuid::Uuid::new_v4().simple());
         let now = now_millis();
@@ -62,7 +69,8 @@ impl Gate {
         // before anyone can decide it.
         let pending = ctx.event(
             AuditKind::PendingApproval,
-            json!({"approval_id": approval_id, "reasons": reasons, "expires_at": crate::store::rfc3339(expires_at)}),
+            json!({"approval_id": approval_id, "reasons": reasons, "quorum": quorum,
+                "expires_at": crate::store::rfc3339(expires_at)}),
         );
         self.write_call(CallWrite {
             events: ctx.journal.clone(),

@@ -20,6 +20,9 @@ pub enum DecideError {
         "input_sha256 {given} does not match the call's input ({actual}): look at the approval again"
     )]
     InputChanged { given: String, actual: String },
+    /// Under a quorum, the same approver again: only distinct approvers count.
+    #[error("{0}")]
+    AlreadyApproved(StoreError),
     #[error("{0}")]
     Conflict(StoreError),
     /// The requester lost the right to the call since it asked: the approval was
@@ -86,13 +89,13 @@ pub async fn decide(
         e @ (StoreError::AlreadyDecided { .. } | StoreError::Expired { .. }) => {
             DecideError::Conflict(e)
         }
+        e @ StoreError::AlreadyApprovedBy { .. } => DecideError::AlreadyApproved(e),
         e => DecideError::Store(e),
     };
     // The requester may have lost the right since it asked (a policy reload, a principal
     // removed or stripped of the agent role): an approval must not revive the call.
-    if approve
-        && approval.status == ApprovalStatus::Pending
-        && let Err(reasons) = gate.reauthorize(
+    let recheck = (approve && approval.status == ApprovalStatus::Pending).then(|| {
+        gate.reauthorize(
             &approval.principal,
             &approval.tool,
             approval
@@ -101,7 +104,8 @@ pub async fn decide(
                 .unwrap_or(airlock_policy::SessionId::DEFAULT),
             &approval.input,
         )
-    {
+    });
+    if let Some(Err(reasons)) = recheck {
         let why = reasons.join("; ");
         let denial = format!("checked again when {} approved it: {why}", approver.name);
         let denied = gate
@@ -133,24 +137,45 @@ pub async fn decide(
         gate.notify_decided();
         return Err(DecideError::Revoked(why));
     }
-    let decided = gate
-        .store
-        .decide_approval(approval_id, approve, &approver.name, reason, now_millis())
-        .await
-        .map_err(store_error)?;
+    // The quorum of the policy and `[approvals]` in force now, like the rights checked
+    // just above (an approval already decided answers its conflict below).
+    let quorum = match recheck {
+        Some(Ok(quorum)) => quorum,
+        _ => 1,
+    };
+    let decided = if approve {
+        gate.store
+            .approve_approval(
+                approval_id,
+                &approver.name,
+                reason,
+                &approval.input_sha256,
+                quorum,
+                now_millis(),
+            )
+            .await
+    } else {
+        gate.store
+            .decide_approval(approval_id, false, &approver.name, reason, now_millis())
+            .await
+    }
+    .map_err(store_error)?;
+    let kind = match decided.status {
+        ApprovalStatus::Pending => AuditKind::PartiallyApproved,
+        _ if approve => AuditKind::Approved,
+        _ => AuditKind::ApprovalDenied,
+    };
+    let mut data = json!({"approval_id": approval_id, "decided_by": approver.name, "reason": reason,
+        "input_sha256": decided.input_sha256, "policy_sha256": policy_sha256});
+    if approve {
+        data["approved_by"] = json!(decided.approved_by);
+        data["quorum"] = json!(quorum);
+    }
     gate.audit(
-        NewAuditEvent::new(
-            if approve {
-                AuditKind::Approved
-            } else {
-                AuditKind::ApprovalDenied
-            },
-            json!({"approval_id": approval_id, "decided_by": approver.name, "reason": reason,
-                "input_sha256": decided.input_sha256, "policy_sha256": policy_sha256}),
-        )
-        .call_id(decided.call_id.clone())
-        .principal(decided.principal.clone())
-        .session_id(decided.session_id.clone()),
+        NewAuditEvent::new(kind, data)
+            .call_id(decided.call_id.clone())
+            .principal(decided.principal.clone())
+            .session_id(decided.session_id.clone()),
     )
     .await;
     gate.notify_decided();

@@ -125,6 +125,8 @@ CREATE INDEX IF NOT EXISTS approvals_status_page ON approvals (status, created_a
 /// worker discovers (an external worker's, an MCP server's) as first seen or last
 /// accepted, and a later definition that differs while it waits for an admin (DESIGN
 /// §11). Its `tool_group` column is not `group`, a reserved word in both engines.
+/// `approval_votes` holds each approver's approval of a pending approval and the
+/// `input_sha256` it approved (`[approvals] quorum`, DESIGN §14).
 const ADDED_TABLES_TEMPLATE: &str = "
 CREATE TABLE IF NOT EXISTS tool_pins (
     tool               TEXT PRIMARY KEY,
@@ -137,6 +139,13 @@ CREATE TABLE IF NOT EXISTS tool_pins (
     pending_digest     TEXT,
     pending_definition TEXT,
     pending_since      {int}
+);
+CREATE TABLE IF NOT EXISTS approval_votes (
+    approval_id  TEXT NOT NULL,
+    approver     TEXT NOT NULL,
+    decided_at   {int} NOT NULL,
+    input_sha256 TEXT NOT NULL,
+    PRIMARY KEY (approval_id, approver)
 );
 ";
 
@@ -226,6 +235,8 @@ pub enum StoreError {
     AlreadyDecided { id: String, status: ApprovalStatus },
     #[error("approval {id} has expired")]
     Expired { id: String },
+    #[error("approval {id} already has {approver}'s approval; another approver must approve it")]
+    AlreadyApprovedBy { id: String, approver: String },
     #[error(
         "tool {tool} has no changed definition waiting to be accepted (its workers list the definition pinned for it)"
     )]
@@ -416,6 +427,9 @@ pub struct Approval {
     /// SHA-256 of the canonical JSON of the input as stored (not as redacted): what an
     /// approver quotes back to bind the decision to these arguments.
     pub input_sha256: String,
+    /// Who approved it so far, first first: under a quorum a pending approval lists the
+    /// approvers it has.
+    pub approved_by: Vec<String>,
     pub principal: String,
     pub session_id: Option<String>,
     pub status: ApprovalStatus,
@@ -745,6 +759,21 @@ pub trait Store: Send + Sync {
         approve: bool,
         decided_by: &str,
         reason: Option<&str>,
+        now: Timestamp,
+    ) -> Result<Approval, StoreError>;
+
+    /// Records `approver`'s approval of a pending approval (with the `input_sha256` it
+    /// approved) and approves it once `quorum` distinct approvers have: until then it
+    /// stays pending and lists them in `approved_by`. Errors as for
+    /// [`Store::decide_approval`], and [`StoreError::AlreadyApprovedBy`] if this
+    /// approver approved it already.
+    async fn approve_approval(
+        &self,
+        approval_id: &ApprovalId,
+        approver: &str,
+        reason: Option<&str>,
+        input_sha256: &str,
+        quorum: u32,
         now: Timestamp,
     ) -> Result<Approval, StoreError>;
 

@@ -258,6 +258,7 @@ fn approval_from_row(row: &Row) -> Result<Approval, StoreError> {
     let input = from_json_text(&input, "an approval's input")?;
     Ok(Approval {
         input_sha256: crate::audit::value_sha256(&input),
+        approved_by: Vec::new(),
         approval_id: ApprovalId::from(row.try_get::<_, String>("approval_id")?),
         call_id: CallId::from(row.try_get::<_, String>("call_id")?),
         tool: row.try_get("tool")?,
@@ -283,7 +284,27 @@ async fn select_approval<C: GenericClient>(
             &[&id],
         )
         .await?;
-    row.as_ref().map(approval_from_row).transpose()
+    match row {
+        Some(row) => {
+            let mut approval = approval_from_row(&row)?;
+            approval.approved_by = select_votes(client, id).await?;
+            Ok(Some(approval))
+        }
+        None => Ok(None),
+    }
+}
+
+/// Who approved an approval so far, in the order they did.
+async fn select_votes<C: GenericClient>(client: &C, id: &str) -> Result<Vec<String>, StoreError> {
+    let rows = client
+        .query(
+            "SELECT approver FROM approval_votes WHERE approval_id = $1 ORDER BY decided_at, approver",
+            &[&id],
+        )
+        .await?;
+    rows.iter()
+        .map(|row| row.try_get::<_, String>(0).map_err(StoreError::from))
+        .collect()
 }
 
 /// An approval and the size of its stored input.
@@ -301,7 +322,9 @@ async fn select_approval_sized<C: GenericClient>(
         Some(row) => {
             let input: &str = row.try_get("input")?;
             let size = input.len();
-            Ok(Some((approval_from_row(&row)?, size)))
+            let mut approval = approval_from_row(&row)?;
+            approval.approved_by = select_votes(client, id).await?;
+            Ok(Some((approval, size)))
         }
         None => Ok(None),
     }
@@ -611,6 +634,30 @@ impl<C: GenericClient> Tx for PgTx<'_, C> {
 
     async fn approval(&mut self, approval_id: &ApprovalId) -> Result<Option<Approval>, StoreError> {
         select_approval(self.client, approval_id.as_str()).await
+    }
+
+    async fn approval_votes(
+        &mut self,
+        approval_id: &ApprovalId,
+    ) -> Result<Vec<String>, StoreError> {
+        select_votes(self.client, approval_id.as_str()).await
+    }
+
+    async fn insert_approval_vote(
+        &mut self,
+        approval_id: &ApprovalId,
+        approver: &str,
+        input_sha256: &str,
+        at: Timestamp,
+    ) -> Result<(), StoreError> {
+        self.client
+            .execute(
+                "INSERT INTO approval_votes (approval_id, approver, decided_at, input_sha256) \
+                 VALUES ($1, $2, $3, $4)",
+                &[&approval_id.as_str(), &approver, &at, &input_sha256],
+            )
+            .await?;
+        Ok(())
     }
 
     async fn move_approval(&mut self, mv: &ApprovalMove<'_>) -> Result<bool, StoreError> {
@@ -964,6 +1011,34 @@ impl Store for PostgresStore {
             approval_id,
             approve,
             verdict,
+            now,
+        )
+        .await?;
+        self.counted(tx.commit().await.map_err(StoreError::from))?;
+        answer
+    }
+
+    async fn approve_approval(
+        &self,
+        approval_id: &ApprovalId,
+        approver: &str,
+        reason: Option<&str>,
+        input_sha256: &str,
+        quorum: u32,
+        now: Timestamp,
+    ) -> Result<Approval, StoreError> {
+        let mut client = self.client().await?;
+        let tx = client.transaction().await?;
+        let verdict = Verdict {
+            by: approver,
+            reason,
+        };
+        let answer = machine::approve_approval(
+            &mut PgTx { client: &tx },
+            approval_id,
+            verdict,
+            input_sha256,
+            quorum,
             now,
         )
         .await?;

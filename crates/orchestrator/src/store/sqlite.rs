@@ -251,6 +251,7 @@ fn approval_from_row(row: &Row<'_>) -> Result<Approval, StoreError> {
     let input = from_json_text(&input, "an approval's input")?;
     Ok(Approval {
         input_sha256: crate::audit::value_sha256(&input),
+        approved_by: Vec::new(),
         approval_id: ApprovalId::from(row.get::<_, String>("approval_id")?),
         call_id: CallId::from(row.get::<_, String>("call_id")?),
         tool: row.get("tool")?,
@@ -270,6 +271,17 @@ fn select_approval(conn: &Connection, id: &str) -> Result<Option<Approval>, Stor
     Ok(select_approval_sized(conn, id)?.map(|(approval, _)| approval))
 }
 
+/// Who approved an approval so far, in the order they did.
+fn select_votes(conn: &Connection, id: &str) -> Result<Vec<String>, StoreError> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT approver FROM approval_votes WHERE approval_id = ?1 ORDER BY decided_at, approver",
+    )?;
+    let votes = stmt
+        .query_map([id], |row| row.get::<_, String>(0))?
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(votes)
+}
+
 /// An approval and the size of its stored input.
 fn select_approval_sized(
     conn: &Connection,
@@ -280,7 +292,9 @@ fn select_approval_sized(
     match rows.next()? {
         Some(row) => {
             let size = row.get_ref("input")?.as_bytes().map_or(0, <[u8]>::len);
-            Ok(Some((approval_from_row(row)?, size)))
+            let mut approval = approval_from_row(row)?;
+            approval.approved_by = select_votes(conn, id)?;
+            Ok(Some((approval, size)))
         }
         None => Ok(None),
     }
@@ -587,6 +601,28 @@ impl Tx for SqliteTx<'_> {
         select_approval(self.conn, approval_id.as_str())
     }
 
+    async fn approval_votes(
+        &mut self,
+        approval_id: &ApprovalId,
+    ) -> Result<Vec<String>, StoreError> {
+        select_votes(self.conn, approval_id.as_str())
+    }
+
+    async fn insert_approval_vote(
+        &mut self,
+        approval_id: &ApprovalId,
+        approver: &str,
+        input_sha256: &str,
+        at: Timestamp,
+    ) -> Result<(), StoreError> {
+        self.conn.execute(
+            "INSERT INTO approval_votes (approval_id, approver, decided_at, input_sha256) \
+             VALUES (?1, ?2, ?3, ?4)",
+            params![approval_id.as_str(), approver, at, input_sha256],
+        )?;
+        Ok(())
+    }
+
     async fn move_approval(&mut self, mv: &ApprovalMove<'_>) -> Result<bool, StoreError> {
         let changed = match mv.verdict {
             Some(verdict) => self.conn.execute(
@@ -861,6 +897,36 @@ impl Store for SqliteStore {
                 reason: reason.as_deref(),
             };
             drive(machine::decide_approval(tx, &id, approve, verdict, now))
+        })
+        .await?
+    }
+
+    async fn approve_approval(
+        &self,
+        approval_id: &ApprovalId,
+        approver: &str,
+        reason: Option<&str>,
+        input_sha256: &str,
+        quorum: u32,
+        now: Timestamp,
+    ) -> Result<Approval, StoreError> {
+        let id = approval_id.clone();
+        let approver = approver.to_owned();
+        let reason = reason.map(str::to_owned);
+        let input_sha256 = input_sha256.to_owned();
+        self.write(move |tx| {
+            let verdict = Verdict {
+                by: &approver,
+                reason: reason.as_deref(),
+            };
+            drive(machine::approve_approval(
+                tx,
+                &id,
+                verdict,
+                &input_sha256,
+                quorum,
+                now,
+            ))
         })
         .await?
     }
