@@ -4,7 +4,9 @@
 
 use serde_json::{Value, json};
 
-use crate::support::{Airlock, send_as as send, token_digest};
+use std::time::{Duration, Instant};
+
+use crate::support::{AIRLOCK, Airlock, send_as as send, token_digest};
 
 /// An agent, two approvers and an admin with known tokens; `extra` is appended.
 fn principals(extra: &str) -> String {
@@ -241,6 +243,26 @@ async fn a_quorum_call_runs_once_its_second_distinct_approver_approves() {
     );
     assert!(!ws.join("q.txt").exists());
 
+    // An approval that needs two cannot be remembered: one approver would then approve
+    // the later calls alone.
+    let (status, remembered) = decide(
+        &airlock,
+        "dave-token",
+        approval_id,
+        "approve",
+        json!({"remember": "session"}),
+    )
+    .await;
+    assert_eq!(status, 409, "{remembered}");
+    assert_eq!(
+        remembered["error"]["code"], "cannot_remember",
+        "{remembered}"
+    );
+    assert_eq!(
+        approval(&airlock, approval_id).await["approved_by"],
+        json!(["bob"])
+    );
+
     // A second, distinct approver completes the quorum: the call runs, once.
     let (status, second) = decide(&airlock, "dave-token", approval_id, "approve", json!({})).await;
     assert_eq!(status, 200, "{second}");
@@ -311,4 +333,187 @@ async fn a_quorum_annotation_holds_the_call_for_that_many_approvers() {
     let (status, second) = decide(&airlock, "dave-token", approval_id, "approve", json!({})).await;
     assert_eq!(status, 200, "{second}");
     assert_eq!(second["status"], "approved", "{second}");
+}
+
+/// Calls as alice and waits up to 10 s for the answer: the call's `calls[]` entry.
+async fn call(airlock: &Airlock, session: &str, input: Value) -> Value {
+    let body = json!({"session_id": session, "wait_ms": 10_000,
+        "tool_uses": [{"type": "tool_use", "id": "t1", "name": "write_file", "input": input}]});
+    let (status, body, _) = send(
+        airlock,
+        "alice-token",
+        reqwest::Method::POST,
+        "/v1/tool_calls",
+        Some(body),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    body["calls"][0].clone()
+}
+
+#[tokio::test]
+async fn an_approval_remembered_for_a_session_covers_the_same_call_there_until_it_expires() {
+    // Approvals expire 6 s after they are asked for; the remembered one with them.
+    let airlock = Airlock::start_with(&principals(
+        "[approvals]\ntools = [\"write_file\"]\ntimeout_seconds = 6\n",
+    ))
+    .await;
+    let ws = airlock.data_dir().join("workspaces/alice/r1");
+    let input = json!({"path": "r.txt", "content": "same"});
+    let held = propose(&airlock, "r1", "write_file", input.clone()).await;
+    assert_eq!(held["status"], "pending_approval", "{held}");
+    let asked_at = Instant::now();
+    let approval_id = held["approval_id"].as_str().expect("approval id");
+    let first_call = held["call_id"].as_str().expect("call id");
+
+    // Deny takes no remember; remember takes only "session".
+    for (verb, remember) in [("deny", "session"), ("approve", "forever")] {
+        let (status, body) = decide(
+            &airlock,
+            "bob-token",
+            approval_id,
+            verb,
+            json!({"remember": remember}),
+        )
+        .await;
+        assert_eq!(status, 400, "{verb} {remember}: {body}");
+    }
+    // Approved from the CLI, bound to the input and remembered for the session.
+    let digest = approval(&airlock, approval_id).await["input_sha256"]
+        .as_str()
+        .expect("digest")
+        .to_owned();
+    let approve = std::process::Command::new(AIRLOCK)
+        .args([
+            "approvals",
+            "approve",
+            approval_id,
+            "--input-sha256",
+            &digest,
+            "--remember",
+            "session",
+        ])
+        .env("AIRLOCK_URL", &airlock.url)
+        .env("AIRLOCK_TOKEN", "bob-token")
+        .output()
+        .expect("run the CLI");
+    assert!(
+        approve.status.success(),
+        "{}",
+        String::from_utf8_lossy(&approve.stderr)
+    );
+    assert_eq!(
+        call_detail(&airlock, first_call, 30_000).await["status"],
+        "ok"
+    );
+    std::fs::remove_file(ws.join("r.txt")).expect("written once");
+
+    // The identical call in the same session runs at once, audited as covered.
+    let again = call(&airlock, "r1", input.clone()).await;
+    assert_eq!(
+        again["status"],
+        "ok",
+        "{again} {}",
+        call_detail(&airlock, again["call_id"].as_str().unwrap_or_default(), 0).await
+    );
+    assert!(
+        again.get("approval_id").is_none_or(Value::is_null),
+        "{again}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(ws.join("r.txt")).expect("written again"),
+        "same"
+    );
+    let events = audit_of(&airlock, again["call_id"].as_str().expect("id")).await;
+    let kinds: Vec<&str> = events
+        .iter()
+        .map(|e| e["kind"].as_str().expect("kind"))
+        .collect();
+    assert!(!kinds.contains(&"pending_approval"), "{kinds:?}");
+    let covered = events
+        .iter()
+        .find(|e| e["kind"] == "approval_remembered")
+        .unwrap_or_else(|| panic!("no approval_remembered: {kinds:?}"));
+    assert_eq!(covered["data"]["approval_id"], approval_id, "{covered}");
+    assert_eq!(
+        covered["data"]["input_sha256"],
+        digest.as_str(),
+        "{covered}"
+    );
+    let approved = audit_of(&airlock, first_call)
+        .await
+        .into_iter()
+        .find(|e| e["kind"] == "approved")
+        .expect("approved");
+    assert_eq!(approved["data"]["remember"], "session", "{approved}");
+
+    // Another input in that session, or the same input in another session: held.
+    let other_input = propose(
+        &airlock,
+        "r1",
+        "write_file",
+        json!({"path": "r.txt", "content": "different"}),
+    )
+    .await;
+    assert_eq!(other_input["status"], "pending_approval", "{other_input}");
+    let other_session = propose(&airlock, "r2", "write_file", input.clone()).await;
+    assert_eq!(
+        other_session["status"], "pending_approval",
+        "{other_session}"
+    );
+
+    // Once the approval has expired, the same call in the same session is held again.
+    let expiry = Duration::from_secs(6) + Duration::from_millis(500);
+    if let Some(left) = expiry.checked_sub(asked_at.elapsed()) {
+        tokio::time::sleep(left).await;
+    }
+    let after = propose(&airlock, "r1", "write_file", input).await;
+    assert_eq!(after["status"], "pending_approval", "{after}");
+}
+
+#[tokio::test]
+async fn a_remembered_approval_ends_with_its_session() {
+    // The session ends 30 s after its first call; approvals would last an hour.
+    let airlock = Airlock::start_with(&principals(
+        "[approvals]\ntools = [\"write_file\"]\n[budgets]\nsession_wall_time_seconds = 30\n",
+    ))
+    .await;
+    let held = propose(
+        &airlock,
+        "e1",
+        "write_file",
+        json!({"path": "e.txt", "content": "x"}),
+    )
+    .await;
+    let approval_id = held["approval_id"].as_str().expect("approval id");
+    let (status, decided) = decide(
+        &airlock,
+        "bob-token",
+        approval_id,
+        "approve",
+        json!({"remember": "session"}),
+    )
+    .await;
+    assert_eq!(status, 200, "{decided}");
+    let call_id = held["call_id"].as_str().expect("call id");
+    assert_eq!(call_detail(&airlock, call_id, 30_000).await["status"], "ok");
+    let approved = audit_of(&airlock, call_id)
+        .await
+        .into_iter()
+        .find(|e| e["kind"] == "approved")
+        .expect("approved");
+    let until = approved["data"]["remembered_until"]
+        .as_str()
+        .expect("remembered_until")
+        .to_owned();
+    let expires = decided["expires_at"].as_str().expect("expires_at");
+    // Both are RFC 3339 in UTC with the same precision: they sort as text.
+    assert!(
+        until.as_str() < expires,
+        "the session's end ({until}) comes before the approval's expiry ({expires})"
+    );
+    assert!(
+        until.as_str() > decided["created_at"].as_str().expect("created_at"),
+        "{until}"
+    );
 }

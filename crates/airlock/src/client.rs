@@ -645,18 +645,19 @@ pub fn approvals(
             id,
             reason,
             input_sha256,
+            ..
         }
         | ApprovalAction::Deny {
             id,
             reason,
             input_sha256,
         } => {
-            let verb = if matches!(action, ApprovalAction::Approve { .. }) {
-                "approve"
-            } else {
-                "deny"
+            let (verb, remember) = match action {
+                ApprovalAction::Approve { remember, .. } => ("approve", remember.as_deref()),
+                _ => ("deny", None),
             };
-            let body = json!({"reason": reason, "input_sha256": input_sha256});
+            let body =
+                json!({"reason": reason, "input_sha256": input_sha256, "remember": remember});
             let url = format!("{}/v1/approvals/{id}/{verb}", target.url);
             let decided = runtime.block_on(target.send(client.post(url).json(&body)))?;
             println!(

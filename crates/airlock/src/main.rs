@@ -174,6 +174,10 @@ pub enum ApprovalAction {
         /// is not the one it digests.
         #[arg(long)]
         input_sha256: Option<String>,
+        /// `session`: later calls of the same tool with the same input in that session
+        /// run without a new approval, until this one's expiry or the session's end.
+        #[arg(long, value_parser = ["session"])]
+        remember: Option<String>,
     },
     /// Deny a pending call.
     Deny {

@@ -128,6 +128,8 @@ pub enum AuditKind {
     Approved,
     /// One approver approved, and the quorum wants more: the call stays held.
     PartiallyApproved,
+    /// The call ran without a new approval, covered by one remembered for its session.
+    ApprovalRemembered,
     ApprovalDenied,
     /// Its approval expired undecided.
     Expired,
@@ -157,7 +159,7 @@ pub enum AuditKind {
 
 impl AuditKind {
     /// Every kind, in the README's order.
-    pub const ALL: [AuditKind; 25] = [
+    pub const ALL: [AuditKind; 26] = [
         AuditKind::Requested,
         AuditKind::Rejected,
         AuditKind::RejectedSchema,
@@ -167,6 +169,7 @@ impl AuditKind {
         AuditKind::PendingApproval,
         AuditKind::Approved,
         AuditKind::PartiallyApproved,
+        AuditKind::ApprovalRemembered,
         AuditKind::ApprovalDenied,
         AuditKind::Expired,
         AuditKind::ApprovalWithdrawn,
@@ -197,6 +200,7 @@ impl AuditKind {
             AuditKind::PendingApproval => "pending_approval",
             AuditKind::Approved => "approved",
             AuditKind::PartiallyApproved => "partially_approved",
+            AuditKind::ApprovalRemembered => "approval_remembered",
             AuditKind::ApprovalDenied => "approval_denied",
             AuditKind::Expired => "expired",
             AuditKind::ApprovalWithdrawn => "approval_withdrawn",

@@ -372,6 +372,7 @@ impl Orchestrator for GrpcFrontDoor {
             request.approve,
             reason,
             None,
+            false,
         )
         .await
         .map_err(|e| match e {
@@ -381,6 +382,7 @@ impl Orchestrator for GrpcFrontDoor {
             DecideError::SelfApproval => Status::permission_denied(e.to_string()),
             DecideError::InputChanged { .. }
             | DecideError::AlreadyApproved(_)
+            | DecideError::CannotRemember(_)
             | DecideError::Conflict(_)
             | DecideError::Revoked(_) => Status::failed_precondition(e.to_string()),
             DecideError::Store(_) => Status::unavailable(e.to_string()),

@@ -685,6 +685,20 @@ async fn decide_approval(
             ));
         }
     };
+    let remember = match body.get("remember") {
+        None | Some(Value::Null) => false,
+        Some(Value::String(r)) if r == "session" && approve => true,
+        Some(_) if !approve => {
+            return Err(ApiError::bad_request(
+                "remember applies to an approval, not a denial",
+            ));
+        }
+        Some(_) => {
+            return Err(ApiError::bad_request(
+                "remember must be \"session\" (or absent)",
+            ));
+        }
+    };
     let approval = approvals::decide(
         &state.gate,
         principal,
@@ -692,6 +706,7 @@ async fn decide_approval(
         approve,
         reason.as_deref(),
         input_sha256.as_deref(),
+        remember,
     )
     .await
     .map_err(|e| match e {
@@ -704,6 +719,9 @@ async fn decide_approval(
         }
         DecideError::AlreadyApproved(_) => {
             ApiError::new(StatusCode::CONFLICT, "already_approved", e.to_string())
+        }
+        DecideError::CannotRemember(_) => {
+            ApiError::new(StatusCode::CONFLICT, "cannot_remember", e.to_string())
         }
         DecideError::Conflict(_) => ApiError::new(StatusCode::CONFLICT, "conflict", e.to_string()),
         DecideError::Revoked(_) => ApiError::new(StatusCode::CONFLICT, "revoked", e.to_string()),

@@ -17,7 +17,7 @@ use airlock_orchestrator::audit::{AuditKind, GENESIS_HASH, chain_hash};
 use airlock_orchestrator::store::{
     self, ApprovalId, ApprovalPage, ApprovalQuery, ApprovalStatus, AuditQuery, CallChange, CallId,
     CallOutcome, CallState, CallWrite, NewApproval, NewAuditEvent, NewCall, PinCheck,
-    PinnedDefinition, Store, StoreError, Timestamp, now_millis,
+    PinnedDefinition, RememberedApproval, Store, StoreError, Timestamp, now_millis,
 };
 use airlock_policy::CallStatus;
 use serde_json::json;
@@ -157,6 +157,7 @@ both_backends!(
     decide_unknown_approval_is_not_found,
     a_quorum_needs_distinct_approvers_and_approves_once,
     racing_approvers_complete_a_quorum_once,
+    remembered_approvals_cover_their_key_until_they_end,
     claim_moves_approved_to_dispatched,
     claim_refuses_calls_that_are_not_approved_and_unknown_calls,
     claim_is_lost_by_a_second_claimant_while_the_lease_runs,
@@ -1635,6 +1636,52 @@ async fn racing_approvers_complete_a_quorum_once(backend: Backend) {
     );
     let decided = store.get_approval(&aid("ap-1")).await.unwrap().unwrap();
     assert_eq!(decided.approved_by.len(), 3, "{decided:?}");
+}
+
+async fn remembered_approvals_cover_their_key_until_they_end(backend: Backend) {
+    let store = backend.open().await;
+    let now = now_millis();
+    let remembered = RememberedApproval {
+        principal: "alice".to_owned(),
+        session_id: "s1".to_owned(),
+        tool: "write_file".to_owned(),
+        input_sha256: "ab".repeat(32),
+        approval_id: aid("ap-1"),
+        expires_at: now + 1_000,
+    };
+    store.remember_approval(&remembered, now).await.unwrap();
+    let look = |principal: &'static str, session: &'static str, digest: String, at: i64| {
+        let store = store.clone();
+        async move {
+            store
+                .remembered_approval(principal, session, "write_file", &digest, at)
+                .await
+                .unwrap()
+        }
+    };
+    assert_eq!(
+        look("alice", "s1", "ab".repeat(32), now).await,
+        Some(remembered.clone())
+    );
+    assert_eq!(look("alice", "s2", "ab".repeat(32), now).await, None);
+    assert_eq!(look("bob", "s1", "ab".repeat(32), now).await, None);
+    assert_eq!(look("alice", "s1", "cd".repeat(32), now).await, None);
+    // It ends at its expiry (`expires_at <= now` covers nothing).
+    assert_eq!(
+        look("alice", "s1", "ab".repeat(32), now + 1_000).await,
+        None
+    );
+    // Remembered again (a later approval of the same call): the newer one counts.
+    let renewed = RememberedApproval {
+        approval_id: aid("ap-2"),
+        expires_at: now + 5_000,
+        ..remembered
+    };
+    store.remember_approval(&renewed, now).await.unwrap();
+    assert_eq!(
+        look("alice", "s1", "ab".repeat(32), now + 1_000).await,
+        Some(renewed)
+    );
 }
 
 async fn decide_unknown_approval_is_not_found(backend: Backend) {

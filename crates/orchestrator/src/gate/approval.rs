@@ -13,7 +13,8 @@ use super::ending::{Held, Rejection};
 use super::policy::Verdict;
 use crate::audit::AuditKind;
 use crate::store::{
-    ApprovalStatus, CallChange, CallState, CallWrite, NewApproval, NewCall, now_millis,
+    ApprovalStatus, CallChange, CallState, CallWrite, NewApproval, NewCall, RememberedApproval,
+    now_millis,
 };
 
 /// How often waiting calls look at the store (decisions made on other replicas).
@@ -34,7 +35,44 @@ impl Gate {
                 Ok(())
             }
             Verdict::NeedsApproval { reasons, quorum } => {
+                // A remembered approval stands for one approver: a call that now needs
+                // more is held again.
+                if *quorum <= 1
+                    && let Some(remembered) = self.remembered(ctx).await
+                {
+                    ctx.note(
+                        AuditKind::ApprovalRemembered,
+                        json!({"approval_id": remembered.approval_id, "reasons": reasons,
+                            "input_sha256": remembered.input_sha256,
+                            "remembered_until": crate::store::rfc3339(remembered.expires_at)}),
+                    );
+                    self.hold_row(ctx);
+                    return Ok(());
+                }
                 self.await_approval(ctx, reasons, *quorum).await
+            }
+        }
+    }
+
+    /// The approval remembered for this call's session, tool and input, if one covers
+    /// it now. A store that cannot answer covers nothing: the call is held.
+    async fn remembered(&self, ctx: &CallCtx) -> Option<RememberedApproval> {
+        let digest = crate::audit::value_sha256(&ctx.tool_use.input);
+        match self
+            .store
+            .remembered_approval(
+                &ctx.principal.name,
+                ctx.session.as_str(),
+                &ctx.tool_use.name,
+                &digest,
+                now_millis(),
+            )
+            .await
+        {
+            Ok(found) => found,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read remembered approvals; holding the call");
+                None
             }
         }
     }

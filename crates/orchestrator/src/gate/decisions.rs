@@ -5,7 +5,10 @@ use serde_json::json;
 use super::Gate;
 use crate::audit::{AuditKind, NewAuditEvent, redact};
 use crate::auth::Principal;
-use crate::store::{Approval, ApprovalPage, ApprovalQuery, ApprovalStatus, StoreError, now_millis};
+use crate::store::{
+    Approval, ApprovalPage, ApprovalQuery, ApprovalStatus, RememberedApproval, StoreError,
+    now_millis,
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum DecideError {
@@ -23,6 +26,12 @@ pub enum DecideError {
     /// Under a quorum, the same approver again: only distinct approvers count.
     #[error("{0}")]
     AlreadyApproved(StoreError),
+    /// `"remember": "session"` on an approval that needs more than one approver: one
+    /// approver must not approve the calls after it alone.
+    #[error(
+        "this call needs {0} distinct approvers, so its approval cannot be remembered for the session"
+    )]
+    CannotRemember(u32),
     #[error("{0}")]
     Conflict(StoreError),
     /// The requester lost the right to the call since it asked: the approval was
@@ -54,7 +63,9 @@ pub const REVOKED_BY: &str = "system:revoked";
 /// checked against the principals and the policy in force first
 /// ([`Gate::reauthorize`]); one that no longer holds denies the call instead
 /// ([`DecideError::Revoked`]). `input_sha256`, when given, must be the approval's: the
-/// decision holds for the arguments the approver saw and no others.
+/// decision holds for the arguments the approver saw and no others. `remember` (an
+/// approval only) lets later calls of the same principal, session, tool and input run
+/// without a new approval until this one's expiry or the session's end.
 pub async fn decide(
     gate: &Gate,
     approver: &Principal,
@@ -62,6 +73,7 @@ pub async fn decide(
     approve: bool,
     reason: Option<&str>,
     input_sha256: Option<&str>,
+    remember: bool,
 ) -> Result<Approval, DecideError> {
     let approval_id = &crate::store::ApprovalId::from(approval_id);
     let approval = gate
@@ -143,6 +155,9 @@ pub async fn decide(
         Some(Ok(quorum)) => quorum,
         _ => 1,
     };
+    if approve && remember && quorum > 1 {
+        return Err(DecideError::CannotRemember(quorum));
+    }
     let decided = if approve {
         gate.store
             .approve_approval(
@@ -171,6 +186,17 @@ pub async fn decide(
         data["approved_by"] = json!(decided.approved_by);
         data["quorum"] = json!(quorum);
     }
+    if remember && decided.status == ApprovalStatus::Approved {
+        data["remember"] = json!("session");
+        data["remembered_until"] = match remember_for_session(gate, &decided).await {
+            Ok(until) => json!(crate::store::rfc3339(until)),
+            // The approval stands; later calls are only held again.
+            Err(e) => {
+                tracing::warn!(error = %e, approval_id = %approval_id, "cannot remember the approval");
+                serde_json::Value::Null
+            }
+        };
+    }
     gate.audit(
         NewAuditEvent::new(kind, data)
             .call_id(decided.call_id.clone())
@@ -180,4 +206,34 @@ pub async fn decide(
     .await;
     gate.notify_decided();
     Ok(decided)
+}
+
+/// Stores an approval given with `"remember": "session"`: it covers later calls until
+/// its own expiry or the end of the session's wall time, whichever comes first.
+async fn remember_for_session(gate: &Gate, approval: &Approval) -> Result<i64, StoreError> {
+    let session = approval
+        .session_id
+        .as_deref()
+        .unwrap_or(airlock_policy::SessionId::DEFAULT);
+    let usage = gate
+        .store
+        .session_usage(&approval.principal, session)
+        .await?;
+    let until = usage.first_at.map_or(approval.expires_at, |first| {
+        approval.expires_at.min(gate.budgets.session_ends_at(first))
+    });
+    gate.store
+        .remember_approval(
+            &RememberedApproval {
+                principal: approval.principal.clone(),
+                session_id: session.to_owned(),
+                tool: approval.tool.clone(),
+                input_sha256: approval.input_sha256.clone(),
+                approval_id: approval.approval_id.clone(),
+                expires_at: until,
+            },
+            now_millis(),
+        )
+        .await?;
+    Ok(until)
 }

@@ -530,7 +530,10 @@ impl Gate {
         self.approve(ctx, &verdict).await?;
         laps.restart();
         self.calls.update(&ctx.call_id, |r| r.checked = true);
-        let approved = verdict.needs_approval();
+        // Held and approved: the store has the call. One covered by a remembered
+        // approval did not wait and is not stored yet (its row is kept for its first
+        // write), so it goes on like a call policy allowed.
+        let approved = verdict.needs_approval() && ctx.row.is_none();
         let record = if approved {
             Record::Stored
         } else if tool.definition.annotations.read_only {

@@ -126,7 +126,9 @@ CREATE INDEX IF NOT EXISTS approvals_status_page ON approvals (status, created_a
 /// accepted, and a later definition that differs while it waits for an admin (DESIGN
 /// §11). Its `tool_group` column is not `group`, a reserved word in both engines.
 /// `approval_votes` holds each approver's approval of a pending approval and the
-/// `input_sha256` it approved (`[approvals] quorum`, DESIGN §14).
+/// `input_sha256` it approved (`[approvals] quorum`, DESIGN §14);
+/// `remembered_approvals` the approvals given with `"remember": "session"`, each
+/// covering later calls of the same principal, session, tool and input until it ends.
 const ADDED_TABLES_TEMPLATE: &str = "
 CREATE TABLE IF NOT EXISTS tool_pins (
     tool               TEXT PRIMARY KEY,
@@ -146,6 +148,15 @@ CREATE TABLE IF NOT EXISTS approval_votes (
     decided_at   {int} NOT NULL,
     input_sha256 TEXT NOT NULL,
     PRIMARY KEY (approval_id, approver)
+);
+CREATE TABLE IF NOT EXISTS remembered_approvals (
+    principal    TEXT NOT NULL,
+    session_id   TEXT NOT NULL,
+    tool         TEXT NOT NULL,
+    input_sha256 TEXT NOT NULL,
+    approval_id  TEXT NOT NULL,
+    expires_at   {int} NOT NULL,
+    PRIMARY KEY (principal, session_id, tool, input_sha256)
 );
 ";
 
@@ -446,6 +457,19 @@ pub struct Approval {
         skip_serializing_if = "Option::is_none"
     )]
     pub decided_at: Option<Timestamp>,
+}
+
+/// An approval given with `"remember": "session"`: later calls of `principal` in
+/// `session_id` with the same `tool` and input digest run without a new one until
+/// `expires_at`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct RememberedApproval {
+    pub principal: String,
+    pub session_id: String,
+    pub tool: String,
+    pub input_sha256: String,
+    pub approval_id: ApprovalId,
+    pub expires_at: Timestamp,
 }
 
 /// Which page of approvals to list: oldest first, by `(created_at, approval_id)`.
@@ -776,6 +800,24 @@ pub trait Store: Send + Sync {
         quorum: u32,
         now: Timestamp,
     ) -> Result<Approval, StoreError>;
+
+    /// Remembers an approval for its session (replacing an earlier one for the same
+    /// principal, session, tool and input), and forgets those that ended by `now`.
+    async fn remember_approval(
+        &self,
+        remembered: &RememberedApproval,
+        now: Timestamp,
+    ) -> Result<(), StoreError>;
+
+    /// The remembered approval covering this call at `now`, if any.
+    async fn remembered_approval(
+        &self,
+        principal: &str,
+        session_id: &str,
+        tool: &str,
+        input_sha256: &str,
+        now: Timestamp,
+    ) -> Result<Option<RememberedApproval>, StoreError>;
 
     /// Claims a call for dispatch, exactly once: `approved` → `dispatched` (or takes
     /// over a `dispatched` call whose lease ended at or before `now`), setting

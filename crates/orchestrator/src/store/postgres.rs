@@ -29,9 +29,9 @@ use super::{
     APPROVAL_SELECT, AUDIT_COLUMNS, Approval, ApprovalId, ApprovalPage, ApprovalQuery,
     ApprovalStatus, AuditQuery, AuditRecord, CALL_COLUMNS, CallId, CallOutcome, CallState,
     CallWrite, ExpiredApproval, NewApproval, NewAuditEvent, NewCall, PAGING_INDEXES, PIN_COLUMNS,
-    PinCheck, PinRow, PinnedDefinition, SCHEMA_VERSION, SessionUsage, Store, StoreError,
-    StoredCall, Timestamp, ToolPin, VerifyReport, added_tables, decode_call_status, fill_page,
-    from_json_text, schema_v1, to_i64, to_json_text, to_u64,
+    PinCheck, PinRow, PinnedDefinition, RememberedApproval, SCHEMA_VERSION, SessionUsage, Store,
+    StoreError, StoredCall, Timestamp, ToolPin, VerifyReport, added_tables, decode_call_status,
+    fill_page, from_json_text, schema_v1, to_i64, to_json_text, to_u64,
 };
 use crate::audit::{ChainVerifier, GENESIS_HASH};
 
@@ -1044,6 +1044,68 @@ impl Store for PostgresStore {
         .await?;
         self.counted(tx.commit().await.map_err(StoreError::from))?;
         answer
+    }
+
+    async fn remember_approval(
+        &self,
+        remembered: &RememberedApproval,
+        now: Timestamp,
+    ) -> Result<(), StoreError> {
+        let r = remembered;
+        let mut client = self.client().await?;
+        let tx = client.transaction().await?;
+        tx.execute(
+            "DELETE FROM remembered_approvals WHERE expires_at <= $1",
+            &[&now],
+        )
+        .await?;
+        tx.execute(
+            "INSERT INTO remembered_approvals \
+             (principal, session_id, tool, input_sha256, approval_id, expires_at) \
+             VALUES ($1, $2, $3, $4, $5, $6) \
+             ON CONFLICT (principal, session_id, tool, input_sha256) \
+             DO UPDATE SET approval_id = EXCLUDED.approval_id, expires_at = EXCLUDED.expires_at",
+            &[
+                &r.principal,
+                &r.session_id,
+                &r.tool,
+                &r.input_sha256,
+                &r.approval_id.as_str(),
+                &r.expires_at,
+            ],
+        )
+        .await?;
+        self.counted(tx.commit().await.map_err(StoreError::from))
+    }
+
+    async fn remembered_approval(
+        &self,
+        principal: &str,
+        session_id: &str,
+        tool: &str,
+        input_sha256: &str,
+        now: Timestamp,
+    ) -> Result<Option<RememberedApproval>, StoreError> {
+        let client = self.client().await?;
+        let row = client
+            .query_opt(
+                "SELECT approval_id, expires_at FROM remembered_approvals \
+                 WHERE principal = $1 AND session_id = $2 AND tool = $3 \
+                 AND input_sha256 = $4 AND expires_at > $5",
+                &[&principal, &session_id, &tool, &input_sha256, &now],
+            )
+            .await?;
+        row.map(|row| {
+            Ok(RememberedApproval {
+                principal: principal.to_owned(),
+                session_id: session_id.to_owned(),
+                tool: tool.to_owned(),
+                input_sha256: input_sha256.to_owned(),
+                approval_id: ApprovalId::from(row.try_get::<_, String>("approval_id")?),
+                expires_at: row.try_get("expires_at")?,
+            })
+        })
+        .transpose()
     }
 
     async fn claim_for_dispatch(

@@ -26,9 +26,9 @@ use super::{
     APPROVAL_SELECT, AUDIT_COLUMNS, Approval, ApprovalId, ApprovalPage, ApprovalQuery,
     ApprovalStatus, AuditQuery, AuditRecord, CALL_COLUMNS, CallId, CallOutcome, CallState,
     CallWrite, ExpiredApproval, NewApproval, NewAuditEvent, NewCall, PAGING_INDEXES, PIN_COLUMNS,
-    PinCheck, PinRow, PinnedDefinition, SCHEMA_VERSION, SessionUsage, Store, StoreError,
-    StoredCall, Timestamp, ToolPin, VerifyReport, added_tables, decode_call_status, fill_page,
-    from_json_text, schema_v1, to_i64, to_json_text, to_u64,
+    PinCheck, PinRow, PinnedDefinition, RememberedApproval, SCHEMA_VERSION, SessionUsage, Store,
+    StoreError, StoredCall, Timestamp, ToolPin, VerifyReport, added_tables, decode_call_status,
+    fill_page, from_json_text, schema_v1, to_i64, to_json_text, to_u64,
 };
 use crate::audit::{ChainVerifier, GENESIS_HASH};
 
@@ -929,6 +929,67 @@ impl Store for SqliteStore {
             ))
         })
         .await?
+    }
+
+    async fn remember_approval(
+        &self,
+        remembered: &RememberedApproval,
+        now: Timestamp,
+    ) -> Result<(), StoreError> {
+        let r = remembered.clone();
+        self.write(move |tx| {
+            tx.conn.execute(
+                "DELETE FROM remembered_approvals WHERE expires_at <= ?1",
+                [now],
+            )?;
+            tx.conn.execute(
+                "INSERT OR REPLACE INTO remembered_approvals \
+                 (principal, session_id, tool, input_sha256, approval_id, expires_at) \
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+                params![
+                    r.principal,
+                    r.session_id,
+                    r.tool,
+                    r.input_sha256,
+                    r.approval_id.as_str(),
+                    r.expires_at
+                ],
+            )?;
+            Ok(())
+        })
+        .await
+    }
+
+    async fn remembered_approval(
+        &self,
+        principal: &str,
+        session_id: &str,
+        tool: &str,
+        input_sha256: &str,
+        now: Timestamp,
+    ) -> Result<Option<RememberedApproval>, StoreError> {
+        let key = [principal, session_id, tool, input_sha256].map(str::to_owned);
+        self.run(move |conn| {
+            let found: Option<(String, Timestamp)> = conn
+                .query_row(
+                    "SELECT approval_id, expires_at FROM remembered_approvals \
+                     WHERE principal = ?1 AND session_id = ?2 AND tool = ?3 \
+                     AND input_sha256 = ?4 AND expires_at > ?5",
+                    params![key[0], key[1], key[2], key[3], now],
+                    |row| Ok((row.get(0)?, row.get(1)?)),
+                )
+                .optional()?;
+            let [principal, session_id, tool, input_sha256] = key;
+            Ok(found.map(|(approval_id, expires_at)| RememberedApproval {
+                principal,
+                session_id,
+                tool,
+                input_sha256,
+                approval_id: ApprovalId::from(approval_id),
+                expires_at,
+            }))
+        })
+        .await
     }
 
     async fn claim_for_dispatch(
