@@ -353,9 +353,9 @@ async fn call(airlock: &Airlock, session: &str, input: Value) -> Value {
 
 #[tokio::test]
 async fn an_approval_remembered_for_a_session_covers_the_same_call_there_until_it_expires() {
-    // Approvals expire 6 s after they are asked for; the remembered one with them.
+    // Approvals expire 10 s after they are asked for; the remembered one with them.
     let airlock = Airlock::start_with(&principals(
-        "[approvals]\ntools = [\"write_file\"]\ntimeout_seconds = 6\n",
+        "[approvals]\ntools = [\"write_file\"]\ntimeout_seconds = 10\n",
     ))
     .await;
     let ws = airlock.data_dir().join("workspaces/alice/r1");
@@ -463,7 +463,7 @@ async fn an_approval_remembered_for_a_session_covers_the_same_call_there_until_i
     );
 
     // Once the approval has expired, the same call in the same session is held again.
-    let expiry = Duration::from_secs(6) + Duration::from_millis(500);
+    let expiry = Duration::from_secs(10) + Duration::from_millis(500);
     if let Some(left) = expiry.checked_sub(asked_at.elapsed()) {
         tokio::time::sleep(left).await;
     }
