@@ -766,6 +766,7 @@ async fn approvals_are_decided_over_grpc_and_the_cli_too() {
                 approval_id: "apr_x".into(),
                 approve: true,
                 reason: String::new(),
+                ..Default::default()
             },
         ))
         .await
@@ -778,12 +779,51 @@ async fn approvals_are_decided_over_grpc_and_the_cli_too() {
                 approval_id: first_approval.clone(),
                 approve: true,
                 reason: "ok".into(),
+                input_sha256: "0".repeat(64),
+                ..Default::default()
+            },
+        ))
+        .await
+        .expect_err("another input's digest");
+    assert_eq!(
+        decided.code(),
+        tonic::Code::FailedPrecondition,
+        "{decided:?}"
+    );
+    assert!(decided.message().contains("input_sha256"), "{decided:?}");
+    let listed = client
+        .list_approvals(authed_request(
+            &airlock.token,
+            pb::ListApprovalsRequest {
+                status: "pending".into(),
+                ..Default::default()
+            },
+        ))
+        .await
+        .expect("list")
+        .into_inner()
+        .approvals
+        .into_iter()
+        .find(|a| a.approval_id == first_approval)
+        .expect("still pending");
+    assert_eq!(listed.input_sha256.len(), 64, "{listed:?}");
+    let decided = client
+        .decide_approval(authed_request(
+            &airlock.token,
+            pb::DecideApprovalRequest {
+                approval_id: first_approval.clone(),
+                approve: true,
+                reason: "ok".into(),
+                input_sha256: listed.input_sha256.clone(),
+                ..Default::default()
             },
         ))
         .await
         .expect("decide")
         .into_inner();
     assert_eq!(decided.status, "approved");
+    assert_eq!(decided.input_sha256, listed.input_sha256);
+    assert_eq!(decided.approved_by.len(), 1, "{decided:?}");
     let (_, done) = airlock
         .get(&format!(
             "/v1/calls/{}?wait_ms=20000",

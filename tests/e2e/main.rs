@@ -14,6 +14,7 @@ mod adversarial_workers;
 mod agent;
 mod api_contract;
 mod as_user;
+mod bound_approvals;
 mod claims;
 mod cli;
 mod declared_tools;

@@ -603,7 +603,7 @@ pub fn approvals(
                     // output.
                     for a in approvals {
                         printer.out(&format!(
-                            "{}  {:<8} {:<14} by {:<12} session {:<10} expires {}\n    {}\n",
+                            "{}  {:<8} {:<14} by {:<12} session {:<10} expires {}\n    {}\n    input_sha256 {}\n",
                             a["approval_id"].as_str().unwrap_or("?"),
                             a["status"].as_str().unwrap_or("?"),
                             a["tool"].as_str().unwrap_or("?"),
@@ -611,6 +611,7 @@ pub fn approvals(
                             a["session_id"].as_str().unwrap_or("-"),
                             a["expires_at"].as_str().unwrap_or("?"),
                             a["input"],
+                            a["input_sha256"].as_str().unwrap_or("?"),
                         ));
                     }
                 }
@@ -640,13 +641,23 @@ pub fn approvals(
                 println!("no {}approvals", if *all { "" } else { "pending " });
             }
         }
-        ApprovalAction::Approve { id, reason } | ApprovalAction::Deny { id, reason } => {
-            let verb = if matches!(action, ApprovalAction::Approve { .. }) {
-                "approve"
-            } else {
-                "deny"
+        ApprovalAction::Approve {
+            id,
+            reason,
+            input_sha256,
+            ..
+        }
+        | ApprovalAction::Deny {
+            id,
+            reason,
+            input_sha256,
+        } => {
+            let (verb, remember) = match action {
+                ApprovalAction::Approve { remember, .. } => ("approve", remember.as_deref()),
+                _ => ("deny", None),
             };
-            let body = json!({"reason": reason});
+            let body =
+                json!({"reason": reason, "input_sha256": input_sha256, "remember": remember});
             let url = format!("{}/v1/approvals/{id}/{verb}", target.url);
             let decided = runtime.block_on(target.send(client.post(url).json(&body)))?;
             println!(

@@ -170,12 +170,24 @@ pub enum ApprovalAction {
         id: String,
         #[arg(long)]
         reason: Option<String>,
+        /// The approval's input_sha256 as listed: refused (409) if the call's input
+        /// is not the one it digests.
+        #[arg(long)]
+        input_sha256: Option<String>,
+        /// `session`: later calls of the same tool with the same input in that session
+        /// run without a new approval, until this one's expiry or the session's end.
+        #[arg(long, value_parser = ["session"])]
+        remember: Option<String>,
     },
     /// Deny a pending call.
     Deny {
         id: String,
         #[arg(long)]
         reason: Option<String>,
+        /// The approval's input_sha256 as listed: refused (409) if the call's input
+        /// is not the one it digests.
+        #[arg(long)]
+        input_sha256: Option<String>,
     },
 }
 

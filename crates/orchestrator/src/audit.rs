@@ -126,6 +126,10 @@ pub enum AuditKind {
     /// Held for a human.
     PendingApproval,
     Approved,
+    /// One approver approved, and the quorum wants more: the call stays held.
+    PartiallyApproved,
+    /// The call ran without a new approval, covered by one remembered for its session.
+    ApprovalRemembered,
     ApprovalDenied,
     /// Its approval expired undecided.
     Expired,
@@ -155,7 +159,7 @@ pub enum AuditKind {
 
 impl AuditKind {
     /// Every kind, in the README's order.
-    pub const ALL: [AuditKind; 24] = [
+    pub const ALL: [AuditKind; 26] = [
         AuditKind::Requested,
         AuditKind::Rejected,
         AuditKind::RejectedSchema,
@@ -164,6 +168,8 @@ impl AuditKind {
         AuditKind::CacheHit,
         AuditKind::PendingApproval,
         AuditKind::Approved,
+        AuditKind::PartiallyApproved,
+        AuditKind::ApprovalRemembered,
         AuditKind::ApprovalDenied,
         AuditKind::Expired,
         AuditKind::ApprovalWithdrawn,
@@ -193,6 +199,8 @@ impl AuditKind {
             AuditKind::CacheHit => "cache_hit",
             AuditKind::PendingApproval => "pending_approval",
             AuditKind::Approved => "approved",
+            AuditKind::PartiallyApproved => "partially_approved",
+            AuditKind::ApprovalRemembered => "approval_remembered",
             AuditKind::ApprovalDenied => "approval_denied",
             AuditKind::Expired => "expired",
             AuditKind::ApprovalWithdrawn => "approval_withdrawn",

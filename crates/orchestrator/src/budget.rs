@@ -74,6 +74,13 @@ impl Budgets {
         Ok(())
     }
 
+    /// When a session whose first call was at `first_at_ms` reaches its wall time, after
+    /// which [`Budgets::check_session`] refuses its calls.
+    pub fn session_ends_at(&self, first_at_ms: i64) -> i64 {
+        let wall_ms = self.config.session_wall_time_seconds.saturating_mul(1000);
+        first_at_ms.saturating_add(i64::try_from(wall_ms).unwrap_or(i64::MAX))
+    }
+
     /// Refuses an identical call that already failed `max_repeated_failures` times in a row.
     pub fn check_repeat(&self, key: &str) -> Result<(), BudgetError> {
         let failures = lock(&self.failures).get(key).copied().unwrap_or(0);

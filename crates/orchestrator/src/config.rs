@@ -150,6 +150,8 @@ pub struct ApprovalsConfig {
     pub timeout_seconds: u64,
     /// Forbid approving one's own request.
     pub distinct_approver: bool,
+    /// `{ tool = N }`: a held call of the tool needs N distinct approvers.
+    pub quorum: BTreeMap<String, u32>,
 }
 
 impl Default for ApprovalsConfig {
@@ -158,6 +160,7 @@ impl Default for ApprovalsConfig {
             tools: ApprovalKnob::default().tools,
             timeout_seconds: 3600,
             distinct_approver: false,
+            quorum: BTreeMap::new(),
         }
     }
 }
@@ -166,6 +169,7 @@ impl ApprovalsConfig {
     pub fn knob(&self) -> ApprovalKnob {
         ApprovalKnob {
             tools: self.tools.clone(),
+            quorum: self.quorum.clone(),
         }
     }
 }

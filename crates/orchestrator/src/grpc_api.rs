@@ -365,12 +365,32 @@ impl Orchestrator for GrpcFrontDoor {
         }
         let request = request.into_inner();
         let reason = (!request.reason.is_empty()).then_some(request.reason.as_str());
+        let input_sha256 = match request.input_sha256.as_str() {
+            "" => None,
+            d if d.len() == 64 && d.chars().all(|c| c.is_ascii_hexdigit()) => Some(d),
+            _ => {
+                return Err(Status::invalid_argument(
+                    "input_sha256 must be the 64 hex digits of the approval's input_sha256",
+                ));
+            }
+        };
+        let remember = match request.remember.as_str() {
+            "" => false,
+            "session" if request.approve => true,
+            _ => {
+                return Err(Status::invalid_argument(
+                    "remember must be \"session\" (on an approval) or empty",
+                ));
+            }
+        };
         let approval = crate::gate::decisions::decide(
             &self.gate,
             &principal,
             &request.approval_id,
             request.approve,
             reason,
+            input_sha256,
+            remember,
         )
         .await
         .map_err(|e| match e {
@@ -378,9 +398,11 @@ impl Orchestrator for GrpcFrontDoor {
                 Status::not_found(format!("no approval {:?}", request.approval_id))
             }
             DecideError::SelfApproval => Status::permission_denied(e.to_string()),
-            DecideError::Conflict(_) | DecideError::Revoked(_) => {
-                Status::failed_precondition(e.to_string())
-            }
+            DecideError::InputChanged { .. }
+            | DecideError::AlreadyApproved(_)
+            | DecideError::CannotRemember(_)
+            | DecideError::Conflict(_)
+            | DecideError::Revoked(_) => Status::failed_precondition(e.to_string()),
             DecideError::Store(_) => Status::unavailable(e.to_string()),
         })?;
         Ok(Response::new(approval_info(&approval)))
@@ -400,5 +422,7 @@ fn approval_info(a: &crate::store::Approval) -> pb::ApprovalInfo {
         expires_at: crate::store::rfc3339(a.expires_at),
         decided_by: a.decided_by.clone().unwrap_or_default(),
         reason: a.reason.clone().unwrap_or_default(),
+        input_sha256: a.input_sha256.clone(),
+        approved_by: a.approved_by.clone(),
     }
 }

@@ -660,19 +660,44 @@ async fn decide_approval(
         .and_then(|v| v.to_str().ok())
         .unwrap_or("0")
         != "0";
-    let reason = if declared || headers.contains_key(header::TRANSFER_ENCODING) {
-        let body = read_json(headers, body, 64 * 1024).await?;
-        match body.get("reason") {
-            None | Some(Value::Null) => None,
-            Some(Value::String(r)) if r.len() <= 4096 => Some(r.clone()),
-            Some(_) => {
-                return Err(ApiError::bad_request(
-                    "reason must be a string of at most 4096 bytes",
-                ));
-            }
-        }
+    let body = if declared || headers.contains_key(header::TRANSFER_ENCODING) {
+        read_json(headers, body, 64 * 1024).await?
     } else {
-        None
+        Value::Null
+    };
+    let reason = match body.get("reason") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(r)) if r.len() <= 4096 => Some(r.clone()),
+        Some(_) => {
+            return Err(ApiError::bad_request(
+                "reason must be a string of at most 4096 bytes",
+            ));
+        }
+    };
+    let input_sha256 = match body.get("input_sha256") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(d)) if d.len() == 64 && d.chars().all(|c| c.is_ascii_hexdigit()) => {
+            Some(d.clone())
+        }
+        Some(_) => {
+            return Err(ApiError::bad_request(
+                "input_sha256 must be the 64 hex digits of the approval's input_sha256",
+            ));
+        }
+    };
+    let remember = match body.get("remember") {
+        None | Some(Value::Null) => false,
+        Some(Value::String(r)) if r == "session" && approve => true,
+        Some(_) if !approve => {
+            return Err(ApiError::bad_request(
+                "remember applies to an approval, not a denial",
+            ));
+        }
+        Some(_) => {
+            return Err(ApiError::bad_request(
+                "remember must be \"session\" (or absent)",
+            ));
+        }
     };
     let approval = approvals::decide(
         &state.gate,
@@ -680,12 +705,23 @@ async fn decide_approval(
         approval_id,
         approve,
         reason.as_deref(),
+        input_sha256.as_deref(),
+        remember,
     )
     .await
     .map_err(|e| match e {
         DecideError::NotFound => ApiError::not_found(format!("no approval {approval_id:?}")),
         DecideError::SelfApproval => {
             ApiError::new(StatusCode::FORBIDDEN, "forbidden", e.to_string())
+        }
+        DecideError::InputChanged { .. } => {
+            ApiError::new(StatusCode::CONFLICT, "input_changed", e.to_string())
+        }
+        DecideError::AlreadyApproved(_) => {
+            ApiError::new(StatusCode::CONFLICT, "already_approved", e.to_string())
+        }
+        DecideError::CannotRemember(_) => {
+            ApiError::new(StatusCode::CONFLICT, "cannot_remember", e.to_string())
         }
         DecideError::Conflict(_) => ApiError::new(StatusCode::CONFLICT, "conflict", e.to_string()),
         DecideError::Revoked(_) => ApiError::new(StatusCode::CONFLICT, "revoked", e.to_string()),

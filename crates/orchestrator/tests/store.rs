@@ -17,7 +17,7 @@ use airlock_orchestrator::audit::{AuditKind, GENESIS_HASH, chain_hash};
 use airlock_orchestrator::store::{
     self, ApprovalId, ApprovalPage, ApprovalQuery, ApprovalStatus, AuditQuery, CallChange, CallId,
     CallOutcome, CallState, CallWrite, NewApproval, NewAuditEvent, NewCall, PinCheck,
-    PinnedDefinition, Store, StoreError, Timestamp, now_millis,
+    PinnedDefinition, RememberedApproval, Store, StoreError, Timestamp, now_millis,
 };
 use airlock_policy::CallStatus;
 use serde_json::json;
@@ -155,6 +155,9 @@ both_backends!(
     decide_after_the_deadline_moves_pending_to_expired_and_rejects_the_call,
     decide_twice_is_already_decided_and_keeps_the_first_decision,
     decide_unknown_approval_is_not_found,
+    a_quorum_needs_distinct_approvers_and_approves_once,
+    racing_approvers_complete_a_quorum_once,
+    remembered_approvals_cover_their_key_until_they_end,
     claim_moves_approved_to_dispatched,
     claim_refuses_calls_that_are_not_approved_and_unknown_calls,
     claim_is_lost_by_a_second_claimant_while_the_lease_runs,
@@ -1526,6 +1529,159 @@ async fn decide_twice_is_already_decided_and_keeps_the_first_decision(backend: B
     );
     assert_eq!(store.get_approval(&aid("ap-1")).await.unwrap(), Some(first));
     assert_eq!(call_state(&store, "call-1").await, CallState::Rejected);
+}
+
+async fn a_quorum_needs_distinct_approvers_and_approves_once(backend: Backend) {
+    let store = backend.open().await;
+    let created = store
+        .create_approval(new_approval("ap-1", "call-1", 60_000))
+        .await
+        .unwrap();
+    assert!(created.approved_by.is_empty(), "{created:?}");
+    let digest = created.input_sha256.clone();
+    let now = now_millis();
+    let first = store
+        .approve_approval(&aid("ap-1"), "bob", Some("one"), &digest, 2, now)
+        .await
+        .unwrap();
+    assert_eq!(first.status, ApprovalStatus::Pending);
+    assert_eq!(first.approved_by, vec!["bob".to_owned()]);
+    assert_eq!(first.decided_by, None);
+    assert_eq!(
+        call_state(&store, "call-1").await,
+        CallState::PendingApproval
+    );
+    assert_eq!(
+        store.get_approval(&aid("ap-1")).await.unwrap(),
+        Some(first.clone())
+    );
+    let again = store
+        .approve_approval(&aid("ap-1"), "bob", None, &digest, 2, now + 1)
+        .await;
+    assert!(
+        matches!(&again, Err(StoreError::AlreadyApprovedBy { id, approver }) if id == "ap-1" && approver == "bob"),
+        "{again:?}"
+    );
+    assert_eq!(
+        store.get_approval(&aid("ap-1")).await.unwrap(),
+        Some(first),
+        "a refused approval changes nothing"
+    );
+    let second = store
+        .approve_approval(&aid("ap-1"), "carol", Some("two"), &digest, 2, now + 2)
+        .await
+        .unwrap();
+    assert_eq!(second.status, ApprovalStatus::Approved);
+    assert_eq!(
+        second.approved_by,
+        vec!["bob".to_owned(), "carol".to_owned()]
+    );
+    assert_eq!(second.decided_by.as_deref(), Some("carol"));
+    assert_eq!(call_state(&store, "call-1").await, CallState::Approved);
+    let third = store
+        .approve_approval(&aid("ap-1"), "dave", None, &digest, 2, now + 3)
+        .await;
+    assert!(
+        matches!(&third, Err(StoreError::AlreadyDecided { .. })),
+        "{third:?}"
+    );
+    // Quorum 1 is a plain approval that names its approver.
+    store
+        .create_approval(new_approval("ap-2", "call-2", 60_000))
+        .await
+        .unwrap();
+    let single = store
+        .approve_approval(&aid("ap-2"), "bob", None, &digest, 1, now)
+        .await
+        .unwrap();
+    assert_eq!(single.status, ApprovalStatus::Approved);
+    assert_eq!(single.approved_by, vec!["bob".to_owned()]);
+}
+
+async fn racing_approvers_complete_a_quorum_once(backend: Backend) {
+    let store = backend.open().await;
+    let created = store
+        .create_approval(new_approval("ap-1", "call-1", 60_000))
+        .await
+        .unwrap();
+    let digest = created.input_sha256.clone();
+    let approvers = ["a1", "a2", "a3", "a4", "a5", "a6"];
+    let tasks: Vec<_> = approvers
+        .iter()
+        .map(|who| {
+            let store = store.clone();
+            let digest = digest.clone();
+            let who = (*who).to_owned();
+            tokio::spawn(async move {
+                store
+                    .approve_approval(&aid("ap-1"), &who, None, &digest, 3, now_millis())
+                    .await
+            })
+        })
+        .collect();
+    let mut completed = 0;
+    let mut partial = 0;
+    for task in tasks {
+        match task.await.unwrap() {
+            Ok(a) if a.status == ApprovalStatus::Approved => completed += 1,
+            Ok(a) if a.status == ApprovalStatus::Pending => partial += 1,
+            Err(StoreError::AlreadyDecided { .. }) => {}
+            other => panic!("unexpected answer {other:?}"),
+        }
+    }
+    assert_eq!(
+        (partial, completed),
+        (2, 1),
+        "exactly one completes the quorum"
+    );
+    let decided = store.get_approval(&aid("ap-1")).await.unwrap().unwrap();
+    assert_eq!(decided.approved_by.len(), 3, "{decided:?}");
+}
+
+async fn remembered_approvals_cover_their_key_until_they_end(backend: Backend) {
+    let store = backend.open().await;
+    let now = now_millis();
+    let remembered = RememberedApproval {
+        principal: "alice".to_owned(),
+        session_id: "s1".to_owned(),
+        tool: "write_file".to_owned(),
+        input_sha256: "ab".repeat(32),
+        approval_id: aid("ap-1"),
+        expires_at: now + 1_000,
+    };
+    store.remember_approval(&remembered, now).await.unwrap();
+    let look = |principal: &'static str, session: &'static str, digest: String, at: i64| {
+        let store = store.clone();
+        async move {
+            store
+                .remembered_approval(principal, session, "write_file", &digest, at)
+                .await
+                .unwrap()
+        }
+    };
+    assert_eq!(
+        look("alice", "s1", "ab".repeat(32), now).await,
+        Some(remembered.clone())
+    );
+    assert_eq!(look("alice", "s2", "ab".repeat(32), now).await, None);
+    assert_eq!(look("bob", "s1", "ab".repeat(32), now).await, None);
+    assert_eq!(look("alice", "s1", "cd".repeat(32), now).await, None);
+    // It ends at its expiry (`expires_at <= now` covers nothing).
+    assert_eq!(
+        look("alice", "s1", "ab".repeat(32), now + 1_000).await,
+        None
+    );
+    // Remembered again (a later approval of the same call): the newer one counts.
+    let renewed = RememberedApproval {
+        approval_id: aid("ap-2"),
+        expires_at: now + 5_000,
+        ..remembered
+    };
+    store.remember_approval(&renewed, now).await.unwrap();
+    assert_eq!(
+        look("alice", "s1", "ab".repeat(32), now + 1_000).await,
+        Some(renewed)
+    );
 }
 
 async fn decide_unknown_approval_is_not_found(backend: Backend) {

@@ -97,7 +97,7 @@ fn assert_allow(decision: &Decision) {
 #[track_caller]
 fn assert_approval(decision: &Decision, reason_part: &str) {
     match decision {
-        Decision::RequireApproval { reasons } => assert!(
+        Decision::RequireApproval { reasons, .. } => assert!(
             reasons.iter().any(|reason| reason.contains(reason_part)),
             "no reason contains {reason_part:?}: {reasons:?}"
         ),
@@ -652,6 +652,7 @@ fn an_empty_knob_turns_approvals_off_but_cedar_can_still_require_them() {
         &policy,
         ApprovalKnob {
             tools: vec!["read_file".to_owned()],
+            ..ApprovalKnob::default()
         },
     );
     assert_approval(
@@ -1210,4 +1211,56 @@ fn policies_see_the_network_a_sandbox_has() {
     .unwrap_err()
     .to_string();
     assert!(error.contains("netwrk"), "{error}");
+}
+
+#[test]
+fn a_quorum_comes_from_the_knob_or_a_quorum_annotation_and_the_largest_wins() {
+    let quorum_of = |decision: &Decision| match decision {
+        Decision::RequireApproval { quorum, .. } => *quorum,
+        other => panic!("expected approval, got {other:?}"),
+    };
+    let write = || agent("write_file", json!({"path": "a", "content": ""}));
+    // An ordinary approval needs one approver.
+    let plain = Authorizer::default_policy(ApprovalKnob::default()).unwrap();
+    assert_eq!(quorum_of(&decide(&plain, &write())), 1);
+
+    // `[approvals] quorum` alone holds the tool (it is not in `tools`) for N approvers.
+    let knob = ApprovalKnob {
+        tools: Vec::new(),
+        quorum: [("write_file".to_owned(), 2)].into_iter().collect(),
+    };
+    let by_knob = Authorizer::default_policy(knob.clone()).unwrap();
+    let decision = decide(&by_knob, &write());
+    assert_approval(&decision, "[approvals] quorum");
+    assert_eq!(quorum_of(&decision), 2);
+    assert_allow(&decide(&by_knob, &agent("read_file", json!({"path": "a"}))));
+
+    // `@quorum("3")` on a permit asks for approval by three, and beats the knob's 2.
+    let policy = with_default(
+        r#"
+        @id("three-for-writes") @quorum("3")
+        permit (principal, action == Airlock::Action::"write_file", resource);
+        "#,
+    );
+    let annotated = load(&policy, ApprovalKnob::off());
+    let decision = decide(&annotated, &write());
+    assert_approval(&decision, "three-for-writes");
+    assert_eq!(quorum_of(&decision), 3);
+    assert_eq!(quorum_of(&decide(&load(&policy, knob), &write())), 3);
+
+    // Not a number in range, or on a forbid: refused at load with the line.
+    for bad in ["0", "two", "17"] {
+        let text = format!("\n@quorum(\"{bad}\") permit (principal, action, resource);\n");
+        let error =
+            Authorizer::from_sources(&text, "q.cedar", ApprovalKnob::default()).unwrap_err();
+        assert!(
+            matches!(error, PolicyError::Annotation { line: 2, .. }),
+            "{bad}: {error:?}"
+        );
+        assert!(error.to_string().contains("@quorum must be"), "{error}");
+    }
+    let on_forbid = "@quorum(\"2\") forbid (principal, action, resource);\n";
+    let error =
+        Authorizer::from_sources(on_forbid, "f.cedar", ApprovalKnob::default()).unwrap_err();
+    assert!(matches!(error, PolicyError::Annotation { .. }), "{error:?}");
 }

@@ -13,7 +13,8 @@ use super::ending::{Held, Rejection};
 use super::policy::Verdict;
 use crate::audit::AuditKind;
 use crate::store::{
-    ApprovalStatus, CallChange, CallState, CallWrite, NewApproval, NewCall, now_millis,
+    ApprovalStatus, CallChange, CallState, CallWrite, NewApproval, NewCall, RememberedApproval,
+    now_millis,
 };
 
 /// How often waiting calls look at the store (decisions made on other replicas).
@@ -33,7 +34,46 @@ impl Gate {
                 self.hold_row(ctx);
                 Ok(())
             }
-            Verdict::NeedsApproval { reasons } => self.await_approval(ctx, reasons).await,
+            Verdict::NeedsApproval { reasons, quorum } => {
+                // A remembered approval stands for one approver: a call that now needs
+                // more is held again.
+                if *quorum <= 1
+                    && let Some(remembered) = self.remembered(ctx).await
+                {
+                    ctx.note(
+                        AuditKind::ApprovalRemembered,
+                        json!({"approval_id": remembered.approval_id, "reasons": reasons,
+                            "input_sha256": remembered.input_sha256,
+                            "remembered_until": crate::store::rfc3339(remembered.expires_at)}),
+                    );
+                    self.hold_row(ctx);
+                    return Ok(());
+                }
+                self.await_approval(ctx, reasons, *quorum).await
+            }
+        }
+    }
+
+    /// The approval remembered for this call's session, tool and input, if one covers
+    /// it now. A store that cannot answer covers nothing: the call is held.
+    async fn remembered(&self, ctx: &CallCtx) -> Option<RememberedApproval> {
+        let digest = crate::audit::value_sha256(&ctx.tool_use.input);
+        match self
+            .store
+            .remembered_approval(
+                &ctx.principal.name,
+                ctx.session.as_str(),
+                &ctx.tool_use.name,
+                &digest,
+                now_millis(),
+            )
+            .await
+        {
+            Ok(found) => found,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read remembered approvals; holding the call");
+                None
+            }
         }
     }
 
@@ -51,7 +91,12 @@ impl Gate {
 
     /// Creates the durable pending approval and waits for its decision; `ctx.held` is
     /// how long it waited.
-    async fn await_approval(&self, ctx: &mut CallCtx, reasons: &[String]) -> Result<(), Rejection> {
+    async fn await_approval(
+        &self,
+        ctx: &mut CallCtx,
+        reasons: &[String],
+        quorum: u32,
+    ) -> Result<(), Rejection> {
         let since = Instant::now();
         let approval_id = format!("apr_{}", uuid::Uuid::new_v4().simple());
         let now = now_millis();
@@ -62,7 +107,8 @@ impl Gate {
         // before anyone can decide it.
         let pending = ctx.event(
             AuditKind::PendingApproval,
-            json!({"approval_id": approval_id, "reasons": reasons, "expires_at": crate::store::rfc3339(expires_at)}),
+            json!({"approval_id": approval_id, "reasons": reasons, "quorum": quorum,
+                "expires_at": crate::store::rfc3339(expires_at)}),
         );
         self.write_call(CallWrite {
             events: ctx.journal.clone(),

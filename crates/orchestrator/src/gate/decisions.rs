@@ -5,7 +5,10 @@ use serde_json::json;
 use super::Gate;
 use crate::audit::{AuditKind, NewAuditEvent, redact};
 use crate::auth::Principal;
-use crate::store::{Approval, ApprovalPage, ApprovalQuery, ApprovalStatus, StoreError, now_millis};
+use crate::store::{
+    Approval, ApprovalPage, ApprovalQuery, ApprovalStatus, RememberedApproval, StoreError,
+    now_millis,
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum DecideError {
@@ -15,6 +18,20 @@ pub enum DecideError {
         "[approvals] distinct_approver is set: a request must be approved by someone other than its requester"
     )]
     SelfApproval,
+    /// The approver decided on other arguments than the call holds.
+    #[error(
+        "input_sha256 {given} does not match the call's input ({actual}): look at the approval again"
+    )]
+    InputChanged { given: String, actual: String },
+    /// Under a quorum, the same approver again: only distinct approvers count.
+    #[error("{0}")]
+    AlreadyApproved(StoreError),
+    /// `"remember": "session"` on an approval that needs more than one approver: one
+    /// approver must not approve the calls after it alone.
+    #[error(
+        "this call needs {0} distinct approvers, so its approval cannot be remembered for the session"
+    )]
+    CannotRemember(u32),
     #[error("{0}")]
     Conflict(StoreError),
     /// The requester lost the right to the call since it asked: the approval was
@@ -45,13 +62,18 @@ pub const REVOKED_BY: &str = "system:revoked";
 /// Approves or denies; the caller has checked the approver role. An approval is
 /// checked against the principals and the policy in force first
 /// ([`Gate::reauthorize`]); one that no longer holds denies the call instead
-/// ([`DecideError::Revoked`]).
+/// ([`DecideError::Revoked`]). `input_sha256`, when given, must be the approval's: the
+/// decision holds for the arguments the approver saw and no others. `remember` (an
+/// approval only) lets later calls of the same principal, session, tool and input run
+/// without a new approval until this one's expiry or the session's end.
 pub async fn decide(
     gate: &Gate,
     approver: &Principal,
     approval_id: &str,
     approve: bool,
     reason: Option<&str>,
+    input_sha256: Option<&str>,
+    remember: bool,
 ) -> Result<Approval, DecideError> {
     let approval_id = &crate::store::ApprovalId::from(approval_id);
     let approval = gate
@@ -63,18 +85,29 @@ pub async fn decide(
     if gate.approvals.distinct_approver && approval.principal == approver.name {
         return Err(DecideError::SelfApproval);
     }
+    // A call's input never changes once stored, so comparing with the row read here is
+    // enough: the approval decided below holds this very input.
+    if let Some(given) = input_sha256
+        && !given.eq_ignore_ascii_case(&approval.input_sha256)
+    {
+        return Err(DecideError::InputChanged {
+            given: given.to_owned(),
+            actual: approval.input_sha256,
+        });
+    }
+    let policy_sha256 = gate.policy_sha256();
     let store_error = |e| match e {
         StoreError::NotFound { .. } => DecideError::NotFound,
         e @ (StoreError::AlreadyDecided { .. } | StoreError::Expired { .. }) => {
             DecideError::Conflict(e)
         }
+        e @ StoreError::AlreadyApprovedBy { .. } => DecideError::AlreadyApproved(e),
         e => DecideError::Store(e),
     };
     // The requester may have lost the right since it asked (a policy reload, a principal
     // removed or stripped of the agent role): an approval must not revive the call.
-    if approve
-        && approval.status == ApprovalStatus::Pending
-        && let Err(reasons) = gate.reauthorize(
+    let recheck = (approve && approval.status == ApprovalStatus::Pending).then(|| {
+        gate.reauthorize(
             &approval.principal,
             &approval.tool,
             approval
@@ -83,7 +116,8 @@ pub async fn decide(
                 .unwrap_or(airlock_policy::SessionId::DEFAULT),
             &approval.input,
         )
-    {
+    });
+    if let Some(Err(reasons)) = recheck {
         let why = reasons.join("; ");
         let denial = format!("checked again when {} approved it: {why}", approver.name);
         let denied = gate
@@ -104,7 +138,8 @@ pub async fn decide(
         gate.audit(
             NewAuditEvent::new(
                 AuditKind::ApprovalDenied,
-                json!({"approval_id": approval_id, "decided_by": REVOKED_BY, "reason": denial}),
+                json!({"approval_id": approval_id, "decided_by": REVOKED_BY, "reason": denial,
+                "input_sha256": denied.input_sha256, "policy_sha256": policy_sha256}),
             )
             .call_id(denied.call_id.clone())
             .principal(denied.principal.clone())
@@ -114,25 +149,91 @@ pub async fn decide(
         gate.notify_decided();
         return Err(DecideError::Revoked(why));
     }
-    let decided = gate
-        .store
-        .decide_approval(approval_id, approve, &approver.name, reason, now_millis())
-        .await
-        .map_err(store_error)?;
+    // The quorum of the policy and `[approvals]` in force now, like the rights checked
+    // just above (an approval already decided answers its conflict below).
+    let quorum = match recheck {
+        Some(Ok(quorum)) => quorum,
+        _ => 1,
+    };
+    if approve && remember && quorum > 1 {
+        return Err(DecideError::CannotRemember(quorum));
+    }
+    let decided = if approve {
+        gate.store
+            .approve_approval(
+                approval_id,
+                &approver.name,
+                reason,
+                &approval.input_sha256,
+                quorum,
+                now_millis(),
+            )
+            .await
+    } else {
+        gate.store
+            .decide_approval(approval_id, false, &approver.name, reason, now_millis())
+            .await
+    }
+    .map_err(store_error)?;
+    let kind = match decided.status {
+        ApprovalStatus::Pending => AuditKind::PartiallyApproved,
+        _ if approve => AuditKind::Approved,
+        _ => AuditKind::ApprovalDenied,
+    };
+    let mut data = json!({"approval_id": approval_id, "decided_by": approver.name, "reason": reason,
+        "input_sha256": decided.input_sha256, "policy_sha256": policy_sha256});
+    if approve {
+        data["approved_by"] = json!(decided.approved_by);
+        data["quorum"] = json!(quorum);
+    }
+    if remember && decided.status == ApprovalStatus::Approved {
+        data["remember"] = json!("session");
+        data["remembered_until"] = match remember_for_session(gate, &decided).await {
+            Ok(until) => json!(crate::store::rfc3339(until)),
+            // The approval stands; later calls are only held again.
+            Err(e) => {
+                tracing::warn!(error = %e, approval_id = %approval_id, "cannot remember the approval");
+                serde_json::Value::Null
+            }
+        };
+    }
     gate.audit(
-        NewAuditEvent::new(
-            if approve {
-                AuditKind::Approved
-            } else {
-                AuditKind::ApprovalDenied
-            },
-            json!({"approval_id": approval_id, "decided_by": approver.name, "reason": reason}),
-        )
-        .call_id(decided.call_id.clone())
-        .principal(decided.principal.clone())
-        .session_id(decided.session_id.clone()),
+        NewAuditEvent::new(kind, data)
+            .call_id(decided.call_id.clone())
+            .principal(decided.principal.clone())
+            .session_id(decided.session_id.clone()),
     )
     .await;
     gate.notify_decided();
     Ok(decided)
+}
+
+/// Stores an approval given with `"remember": "session"`: it covers later calls until
+/// its own expiry or the end of the session's wall time, whichever comes first.
+async fn remember_for_session(gate: &Gate, approval: &Approval) -> Result<i64, StoreError> {
+    let session = approval
+        .session_id
+        .as_deref()
+        .unwrap_or(airlock_policy::SessionId::DEFAULT);
+    let usage = gate
+        .store
+        .session_usage(&approval.principal, session)
+        .await?;
+    let until = usage.first_at.map_or(approval.expires_at, |first| {
+        approval.expires_at.min(gate.budgets.session_ends_at(first))
+    });
+    gate.store
+        .remember_approval(
+            &RememberedApproval {
+                principal: approval.principal.clone(),
+                session_id: session.to_owned(),
+                tool: approval.tool.clone(),
+                input_sha256: approval.input_sha256.clone(),
+                approval_id: approval.approval_id.clone(),
+                expires_at: until,
+            },
+            now_millis(),
+        )
+        .await?;
+    Ok(until)
 }

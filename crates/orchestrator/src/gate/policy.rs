@@ -18,6 +18,8 @@ pub(super) enum Verdict {
     /// Runs only once a human approves; the reasons are shown to the approver.
     NeedsApproval {
         reasons: Vec<String>,
+        /// Distinct approvers needed.
+        quorum: u32,
     },
 }
 
@@ -42,7 +44,9 @@ impl Gate {
             &ctx.tool_use.input,
         ) {
             Decision::Allow => Ok(Verdict::Allow),
-            Decision::RequireApproval { reasons } => Ok(Verdict::NeedsApproval { reasons }),
+            Decision::RequireApproval { reasons, quorum } => {
+                Ok(Verdict::NeedsApproval { reasons, quorum })
+            }
             Decision::Deny { reasons } => Err(Rejection::DeniedByPolicy { reasons }),
         }
     }
@@ -50,14 +54,16 @@ impl Gate {
     /// Checks an approved call again against the principals and the policy in force
     /// now: its principal must still be configured with the agent role, its tool still
     /// in the catalog, and the policy must not deny it (needing approval is fine: it
-    /// has been approved). `Err` holds why not, for the audit and the caller.
+    /// has been approved). `Ok` holds how many distinct approvers the policy and the
+    /// `[approvals]` settings in force ask for; `Err` why the call may not run, for the
+    /// audit and the caller.
     pub(crate) fn reauthorize(
         &self,
         principal: &str,
         tool: &str,
         session: &str,
         input: &Value,
-    ) -> Result<(), Vec<String>> {
+    ) -> Result<u32, Vec<String>> {
         let Some(current) = self.principals.by_name(principal) else {
             return Err(vec![format!(
                 "principal {principal:?} is no longer configured"
@@ -77,7 +83,8 @@ impl Gate {
                 .into_iter()
                 .map(|r| format!("the policy in force denies it: {r}"))
                 .collect()),
-            Decision::Allow | Decision::RequireApproval { .. } => Ok(()),
+            Decision::Allow => Ok(1),
+            Decision::RequireApproval { quorum, .. } => Ok(quorum),
         }
     }
 
@@ -90,6 +97,7 @@ impl Gate {
             ctx.session.as_str(),
             &ctx.tool_use.input,
         )
+        .map(|_| ())
         .map_err(|reasons| Rejection::Revoked { stage, reasons })
     }
 

@@ -209,6 +209,19 @@ pub(super) trait Tx {
     /// Applies a move; true if the approval was in `from` (and so moved).
     async fn move_approval(&mut self, mv: &ApprovalMove<'_>) -> Result<bool, StoreError>;
 
+    /// Who approved an approval so far, in the order they did.
+    async fn approval_votes(&mut self, approval_id: &ApprovalId)
+    -> Result<Vec<String>, StoreError>;
+
+    /// Records one approver's approval (the caller checked it is not there yet).
+    async fn insert_approval_vote(
+        &mut self,
+        approval_id: &ApprovalId,
+        approver: &str,
+        input_sha256: &str,
+        at: Timestamp,
+    ) -> Result<(), StoreError>;
+
     /// Drops the results of calls finished before `before`; how many it dropped.
     async fn prune_results(&mut self, before: Timestamp) -> Result<u64, StoreError>;
 
@@ -600,6 +613,43 @@ pub(super) async fn decide_approval(
         .await?
         .ok_or_else(|| approval_not_found(approval_id))?;
     Ok(Ok(decided))
+}
+
+/// See [`super::Store::approve_approval`]. The approval row is locked first, so the
+/// approvals of racing approvers are counted one after the other and exactly one of
+/// them completes the quorum.
+pub(super) async fn approve_approval(
+    tx: &mut impl Tx,
+    approval_id: &ApprovalId,
+    verdict: Verdict<'_>,
+    input_sha256: &str,
+    quorum: u32,
+    now: Timestamp,
+) -> Result<Kept<Approval>, StoreError> {
+    let Some(found) = tx.approval_for_update(approval_id).await? else {
+        return Err(approval_not_found(approval_id));
+    };
+    if found.status != ApprovalStatus::Pending || found.expires_at <= now {
+        // Decided or expired: the decision's own answer (and the expiry it records).
+        return decide_approval(tx, approval_id, true, verdict, now).await;
+    }
+    let votes = tx.approval_votes(approval_id).await?;
+    if votes.iter().any(|by| by == verdict.by) {
+        return Err(StoreError::AlreadyApprovedBy {
+            id: approval_id.to_string(),
+            approver: verdict.by.to_owned(),
+        });
+    }
+    tx.insert_approval_vote(approval_id, verdict.by, input_sha256, now)
+        .await?;
+    if votes.len() + 1 >= usize::try_from(quorum.max(1)).unwrap_or(usize::MAX) {
+        return decide_approval(tx, approval_id, true, verdict, now).await;
+    }
+    let partial = tx
+        .approval(approval_id)
+        .await?
+        .ok_or_else(|| approval_not_found(approval_id))?;
+    Ok(Ok(partial))
 }
 
 /// `approved` → `dispatched`, or a lapsed `dispatched` claim taken over, for

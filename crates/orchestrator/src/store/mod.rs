@@ -125,6 +125,10 @@ CREATE INDEX IF NOT EXISTS approvals_status_page ON approvals (status, created_a
 /// worker discovers (an external worker's, an MCP server's) as first seen or last
 /// accepted, and a later definition that differs while it waits for an admin (DESIGN
 /// §11). Its `tool_group` column is not `group`, a reserved word in both engines.
+/// `approval_votes` holds each approver's approval of a pending approval and the
+/// `input_sha256` it approved (`[approvals] quorum`, DESIGN §14);
+/// `remembered_approvals` the approvals given with `"remember": "session"`, each
+/// covering later calls of the same principal, session, tool and input until it ends.
 const ADDED_TABLES_TEMPLATE: &str = "
 CREATE TABLE IF NOT EXISTS tool_pins (
     tool               TEXT PRIMARY KEY,
@@ -137,6 +141,22 @@ CREATE TABLE IF NOT EXISTS tool_pins (
     pending_digest     TEXT,
     pending_definition TEXT,
     pending_since      {int}
+);
+CREATE TABLE IF NOT EXISTS approval_votes (
+    approval_id  TEXT NOT NULL,
+    approver     TEXT NOT NULL,
+    decided_at   {int} NOT NULL,
+    input_sha256 TEXT NOT NULL,
+    PRIMARY KEY (approval_id, approver)
+);
+CREATE TABLE IF NOT EXISTS remembered_approvals (
+    principal    TEXT NOT NULL,
+    session_id   TEXT NOT NULL,
+    tool         TEXT NOT NULL,
+    input_sha256 TEXT NOT NULL,
+    approval_id  TEXT NOT NULL,
+    expires_at   {int} NOT NULL,
+    PRIMARY KEY (principal, session_id, tool, input_sha256)
 );
 ";
 
@@ -226,6 +246,8 @@ pub enum StoreError {
     AlreadyDecided { id: String, status: ApprovalStatus },
     #[error("approval {id} has expired")]
     Expired { id: String },
+    #[error("approval {id} already has {approver}'s approval; another approver must approve it")]
+    AlreadyApprovedBy { id: String, approver: String },
     #[error(
         "tool {tool} has no changed definition waiting to be accepted (its workers list the definition pinned for it)"
     )]
@@ -413,6 +435,12 @@ pub struct Approval {
     /// The call's real arguments: redact them before showing them if the approver
     /// must not see secrets.
     pub input: Value,
+    /// SHA-256 of the canonical JSON of the input as stored (not as redacted): what an
+    /// approver quotes back to bind the decision to these arguments.
+    pub input_sha256: String,
+    /// Who approved it so far, first first: under a quorum a pending approval lists the
+    /// approvers it has.
+    pub approved_by: Vec<String>,
     pub principal: String,
     pub session_id: Option<String>,
     pub status: ApprovalStatus,
@@ -429,6 +457,19 @@ pub struct Approval {
         skip_serializing_if = "Option::is_none"
     )]
     pub decided_at: Option<Timestamp>,
+}
+
+/// An approval given with `"remember": "session"`: later calls of `principal` in
+/// `session_id` with the same `tool` and input digest run without a new one until
+/// `expires_at`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct RememberedApproval {
+    pub principal: String,
+    pub session_id: String,
+    pub tool: String,
+    pub input_sha256: String,
+    pub approval_id: ApprovalId,
+    pub expires_at: Timestamp,
 }
 
 /// Which page of approvals to list: oldest first, by `(created_at, approval_id)`.
@@ -744,6 +785,39 @@ pub trait Store: Send + Sync {
         reason: Option<&str>,
         now: Timestamp,
     ) -> Result<Approval, StoreError>;
+
+    /// Records `approver`'s approval of a pending approval (with the `input_sha256` it
+    /// approved) and approves it once `quorum` distinct approvers have: until then it
+    /// stays pending and lists them in `approved_by`. Errors as for
+    /// [`Store::decide_approval`], and [`StoreError::AlreadyApprovedBy`] if this
+    /// approver approved it already.
+    async fn approve_approval(
+        &self,
+        approval_id: &ApprovalId,
+        approver: &str,
+        reason: Option<&str>,
+        input_sha256: &str,
+        quorum: u32,
+        now: Timestamp,
+    ) -> Result<Approval, StoreError>;
+
+    /// Remembers an approval for its session (replacing an earlier one for the same
+    /// principal, session, tool and input), and forgets those that ended by `now`.
+    async fn remember_approval(
+        &self,
+        remembered: &RememberedApproval,
+        now: Timestamp,
+    ) -> Result<(), StoreError>;
+
+    /// The remembered approval covering this call at `now`, if any.
+    async fn remembered_approval(
+        &self,
+        principal: &str,
+        session_id: &str,
+        tool: &str,
+        input_sha256: &str,
+        now: Timestamp,
+    ) -> Result<Option<RememberedApproval>, StoreError>;
 
     /// Claims a call for dispatch, exactly once: `approved` → `dispatched` (or takes
     /// over a `dispatched` call whose lease ended at or before `now`), setting

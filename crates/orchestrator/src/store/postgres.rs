@@ -29,9 +29,9 @@ use super::{
     APPROVAL_SELECT, AUDIT_COLUMNS, Approval, ApprovalId, ApprovalPage, ApprovalQuery,
     ApprovalStatus, AuditQuery, AuditRecord, CALL_COLUMNS, CallId, CallOutcome, CallState,
     CallWrite, ExpiredApproval, NewApproval, NewAuditEvent, NewCall, PAGING_INDEXES, PIN_COLUMNS,
-    PinCheck, PinRow, PinnedDefinition, SCHEMA_VERSION, SessionUsage, Store, StoreError,
-    StoredCall, Timestamp, ToolPin, VerifyReport, added_tables, decode_call_status, fill_page,
-    from_json_text, schema_v1, to_i64, to_json_text, to_u64,
+    PinCheck, PinRow, PinnedDefinition, RememberedApproval, SCHEMA_VERSION, SessionUsage, Store,
+    StoreError, StoredCall, Timestamp, ToolPin, VerifyReport, added_tables, decode_call_status,
+    fill_page, from_json_text, schema_v1, to_i64, to_json_text, to_u64,
 };
 use crate::audit::{ChainVerifier, GENESIS_HASH};
 
@@ -255,11 +255,14 @@ fn call_from_row(row: &Row) -> Result<StoredCall, StoreError> {
 fn approval_from_row(row: &Row) -> Result<Approval, StoreError> {
     let input: String = row.try_get("input")?;
     let status: String = row.try_get("status")?;
+    let input = from_json_text(&input, "an approval's input")?;
     Ok(Approval {
+        input_sha256: crate::audit::value_sha256(&input),
+        approved_by: Vec::new(),
         approval_id: ApprovalId::from(row.try_get::<_, String>("approval_id")?),
         call_id: CallId::from(row.try_get::<_, String>("call_id")?),
         tool: row.try_get("tool")?,
-        input: from_json_text(&input, "an approval's input")?,
+        input,
         principal: row.try_get("principal")?,
         session_id: row.try_get("session_id")?,
         status: ApprovalStatus::parse(&status)?,
@@ -281,7 +284,27 @@ async fn select_approval<C: GenericClient>(
             &[&id],
         )
         .await?;
-    row.as_ref().map(approval_from_row).transpose()
+    match row {
+        Some(row) => {
+            let mut approval = approval_from_row(&row)?;
+            approval.approved_by = select_votes(client, id).await?;
+            Ok(Some(approval))
+        }
+        None => Ok(None),
+    }
+}
+
+/// Who approved an approval so far, in the order they did.
+async fn select_votes<C: GenericClient>(client: &C, id: &str) -> Result<Vec<String>, StoreError> {
+    let rows = client
+        .query(
+            "SELECT approver FROM approval_votes WHERE approval_id = $1 ORDER BY decided_at, approver",
+            &[&id],
+        )
+        .await?;
+    rows.iter()
+        .map(|row| row.try_get::<_, String>(0).map_err(StoreError::from))
+        .collect()
 }
 
 /// An approval and the size of its stored input.
@@ -299,7 +322,9 @@ async fn select_approval_sized<C: GenericClient>(
         Some(row) => {
             let input: &str = row.try_get("input")?;
             let size = input.len();
-            Ok(Some((approval_from_row(&row)?, size)))
+            let mut approval = approval_from_row(&row)?;
+            approval.approved_by = select_votes(client, id).await?;
+            Ok(Some((approval, size)))
         }
         None => Ok(None),
     }
@@ -609,6 +634,30 @@ impl<C: GenericClient> Tx for PgTx<'_, C> {
 
     async fn approval(&mut self, approval_id: &ApprovalId) -> Result<Option<Approval>, StoreError> {
         select_approval(self.client, approval_id.as_str()).await
+    }
+
+    async fn approval_votes(
+        &mut self,
+        approval_id: &ApprovalId,
+    ) -> Result<Vec<String>, StoreError> {
+        select_votes(self.client, approval_id.as_str()).await
+    }
+
+    async fn insert_approval_vote(
+        &mut self,
+        approval_id: &ApprovalId,
+        approver: &str,
+        input_sha256: &str,
+        at: Timestamp,
+    ) -> Result<(), StoreError> {
+        self.client
+            .execute(
+                "INSERT INTO approval_votes (approval_id, approver, decided_at, input_sha256) \
+                 VALUES ($1, $2, $3, $4)",
+                &[&approval_id.as_str(), &approver, &at, &input_sha256],
+            )
+            .await?;
+        Ok(())
     }
 
     async fn move_approval(&mut self, mv: &ApprovalMove<'_>) -> Result<bool, StoreError> {
@@ -967,6 +1016,96 @@ impl Store for PostgresStore {
         .await?;
         self.counted(tx.commit().await.map_err(StoreError::from))?;
         answer
+    }
+
+    async fn approve_approval(
+        &self,
+        approval_id: &ApprovalId,
+        approver: &str,
+        reason: Option<&str>,
+        input_sha256: &str,
+        quorum: u32,
+        now: Timestamp,
+    ) -> Result<Approval, StoreError> {
+        let mut client = self.client().await?;
+        let tx = client.transaction().await?;
+        let verdict = Verdict {
+            by: approver,
+            reason,
+        };
+        let answer = machine::approve_approval(
+            &mut PgTx { client: &tx },
+            approval_id,
+            verdict,
+            input_sha256,
+            quorum,
+            now,
+        )
+        .await?;
+        self.counted(tx.commit().await.map_err(StoreError::from))?;
+        answer
+    }
+
+    async fn remember_approval(
+        &self,
+        remembered: &RememberedApproval,
+        now: Timestamp,
+    ) -> Result<(), StoreError> {
+        let r = remembered;
+        let mut client = self.client().await?;
+        let tx = client.transaction().await?;
+        tx.execute(
+            "DELETE FROM remembered_approvals WHERE expires_at <= $1",
+            &[&now],
+        )
+        .await?;
+        tx.execute(
+            "INSERT INTO remembered_approvals \
+             (principal, session_id, tool, input_sha256, approval_id, expires_at) \
+             VALUES ($1, $2, $3, $4, $5, $6) \
+             ON CONFLICT (principal, session_id, tool, input_sha256) \
+             DO UPDATE SET approval_id = EXCLUDED.approval_id, expires_at = EXCLUDED.expires_at",
+            &[
+                &r.principal,
+                &r.session_id,
+                &r.tool,
+                &r.input_sha256,
+                &r.approval_id.as_str(),
+                &r.expires_at,
+            ],
+        )
+        .await?;
+        self.counted(tx.commit().await.map_err(StoreError::from))
+    }
+
+    async fn remembered_approval(
+        &self,
+        principal: &str,
+        session_id: &str,
+        tool: &str,
+        input_sha256: &str,
+        now: Timestamp,
+    ) -> Result<Option<RememberedApproval>, StoreError> {
+        let client = self.client().await?;
+        let row = client
+            .query_opt(
+                "SELECT approval_id, expires_at FROM remembered_approvals \
+                 WHERE principal = $1 AND session_id = $2 AND tool = $3 \
+                 AND input_sha256 = $4 AND expires_at > $5",
+                &[&principal, &session_id, &tool, &input_sha256, &now],
+            )
+            .await?;
+        row.map(|row| {
+            Ok(RememberedApproval {
+                principal: principal.to_owned(),
+                session_id: session_id.to_owned(),
+                tool: tool.to_owned(),
+                input_sha256: input_sha256.to_owned(),
+                approval_id: ApprovalId::from(row.try_get::<_, String>("approval_id")?),
+                expires_at: row.try_get("expires_at")?,
+            })
+        })
+        .transpose()
     }
 
     async fn claim_for_dispatch(

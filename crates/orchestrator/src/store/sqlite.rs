@@ -26,9 +26,9 @@ use super::{
     APPROVAL_SELECT, AUDIT_COLUMNS, Approval, ApprovalId, ApprovalPage, ApprovalQuery,
     ApprovalStatus, AuditQuery, AuditRecord, CALL_COLUMNS, CallId, CallOutcome, CallState,
     CallWrite, ExpiredApproval, NewApproval, NewAuditEvent, NewCall, PAGING_INDEXES, PIN_COLUMNS,
-    PinCheck, PinRow, PinnedDefinition, SCHEMA_VERSION, SessionUsage, Store, StoreError,
-    StoredCall, Timestamp, ToolPin, VerifyReport, added_tables, decode_call_status, fill_page,
-    from_json_text, schema_v1, to_i64, to_json_text, to_u64,
+    PinCheck, PinRow, PinnedDefinition, RememberedApproval, SCHEMA_VERSION, SessionUsage, Store,
+    StoreError, StoredCall, Timestamp, ToolPin, VerifyReport, added_tables, decode_call_status,
+    fill_page, from_json_text, schema_v1, to_i64, to_json_text, to_u64,
 };
 use crate::audit::{ChainVerifier, GENESIS_HASH};
 
@@ -248,11 +248,14 @@ fn call_from_row(row: &Row<'_>) -> Result<StoredCall, StoreError> {
 fn approval_from_row(row: &Row<'_>) -> Result<Approval, StoreError> {
     let input: String = row.get("input")?;
     let status: String = row.get("status")?;
+    let input = from_json_text(&input, "an approval's input")?;
     Ok(Approval {
+        input_sha256: crate::audit::value_sha256(&input),
+        approved_by: Vec::new(),
         approval_id: ApprovalId::from(row.get::<_, String>("approval_id")?),
         call_id: CallId::from(row.get::<_, String>("call_id")?),
         tool: row.get("tool")?,
-        input: from_json_text(&input, "an approval's input")?,
+        input,
         principal: row.get("principal")?,
         session_id: row.get("session_id")?,
         status: ApprovalStatus::parse(&status)?,
@@ -268,6 +271,17 @@ fn select_approval(conn: &Connection, id: &str) -> Result<Option<Approval>, Stor
     Ok(select_approval_sized(conn, id)?.map(|(approval, _)| approval))
 }
 
+/// Who approved an approval so far, in the order they did.
+fn select_votes(conn: &Connection, id: &str) -> Result<Vec<String>, StoreError> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT approver FROM approval_votes WHERE approval_id = ?1 ORDER BY decided_at, approver",
+    )?;
+    let votes = stmt
+        .query_map([id], |row| row.get::<_, String>(0))?
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(votes)
+}
+
 /// An approval and the size of its stored input.
 fn select_approval_sized(
     conn: &Connection,
@@ -278,7 +292,9 @@ fn select_approval_sized(
     match rows.next()? {
         Some(row) => {
             let size = row.get_ref("input")?.as_bytes().map_or(0, <[u8]>::len);
-            Ok(Some((approval_from_row(row)?, size)))
+            let mut approval = approval_from_row(row)?;
+            approval.approved_by = select_votes(conn, id)?;
+            Ok(Some((approval, size)))
         }
         None => Ok(None),
     }
@@ -585,6 +601,28 @@ impl Tx for SqliteTx<'_> {
         select_approval(self.conn, approval_id.as_str())
     }
 
+    async fn approval_votes(
+        &mut self,
+        approval_id: &ApprovalId,
+    ) -> Result<Vec<String>, StoreError> {
+        select_votes(self.conn, approval_id.as_str())
+    }
+
+    async fn insert_approval_vote(
+        &mut self,
+        approval_id: &ApprovalId,
+        approver: &str,
+        input_sha256: &str,
+        at: Timestamp,
+    ) -> Result<(), StoreError> {
+        self.conn.execute(
+            "INSERT INTO approval_votes (approval_id, approver, decided_at, input_sha256) \
+             VALUES (?1, ?2, ?3, ?4)",
+            params![approval_id.as_str(), approver, at, input_sha256],
+        )?;
+        Ok(())
+    }
+
     async fn move_approval(&mut self, mv: &ApprovalMove<'_>) -> Result<bool, StoreError> {
         let changed = match mv.verdict {
             Some(verdict) => self.conn.execute(
@@ -861,6 +899,97 @@ impl Store for SqliteStore {
             drive(machine::decide_approval(tx, &id, approve, verdict, now))
         })
         .await?
+    }
+
+    async fn approve_approval(
+        &self,
+        approval_id: &ApprovalId,
+        approver: &str,
+        reason: Option<&str>,
+        input_sha256: &str,
+        quorum: u32,
+        now: Timestamp,
+    ) -> Result<Approval, StoreError> {
+        let id = approval_id.clone();
+        let approver = approver.to_owned();
+        let reason = reason.map(str::to_owned);
+        let input_sha256 = input_sha256.to_owned();
+        self.write(move |tx| {
+            let verdict = Verdict {
+                by: &approver,
+                reason: reason.as_deref(),
+            };
+            drive(machine::approve_approval(
+                tx,
+                &id,
+                verdict,
+                &input_sha256,
+                quorum,
+                now,
+            ))
+        })
+        .await?
+    }
+
+    async fn remember_approval(
+        &self,
+        remembered: &RememberedApproval,
+        now: Timestamp,
+    ) -> Result<(), StoreError> {
+        let r = remembered.clone();
+        self.write(move |tx| {
+            tx.conn.execute(
+                "DELETE FROM remembered_approvals WHERE expires_at <= ?1",
+                [now],
+            )?;
+            tx.conn.execute(
+                "INSERT OR REPLACE INTO remembered_approvals \
+                 (principal, session_id, tool, input_sha256, approval_id, expires_at) \
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+                params![
+                    r.principal,
+                    r.session_id,
+                    r.tool,
+                    r.input_sha256,
+                    r.approval_id.as_str(),
+                    r.expires_at
+                ],
+            )?;
+            Ok(())
+        })
+        .await
+    }
+
+    async fn remembered_approval(
+        &self,
+        principal: &str,
+        session_id: &str,
+        tool: &str,
+        input_sha256: &str,
+        now: Timestamp,
+    ) -> Result<Option<RememberedApproval>, StoreError> {
+        let key = [principal, session_id, tool, input_sha256].map(str::to_owned);
+        self.run(move |conn| {
+            let found: Option<(String, Timestamp)> = conn
+                .query_row(
+                    "SELECT approval_id, expires_at FROM remembered_approvals \
+                     WHERE principal = ?1 AND session_id = ?2 AND tool = ?3 \
+                     AND input_sha256 = ?4 AND expires_at > ?5",
+                    params![key[0], key[1], key[2], key[3], now],
+                    |row| Ok((row.get(0)?, row.get(1)?)),
+                )
+                .optional()?;
+            let [principal, session_id, tool, input_sha256] = key;
+            Ok(found.map(|(approval_id, expires_at)| RememberedApproval {
+                principal,
+                session_id,
+                tool,
+                input_sha256,
+                approval_id: ApprovalId::from(approval_id),
+                expires_at,
+            }))
+        })
+        .await
     }
 
     async fn claim_for_dispatch(

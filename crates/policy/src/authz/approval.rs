@@ -1,4 +1,7 @@
-//! The `[approvals] tools` knob: the simple list of tools whose calls wait for a human.
+//! The `[approvals] tools` knob: the simple list of tools whose calls wait for a human,
+//! and `[approvals] quorum`: how many distinct humans some of them wait for.
+
+use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -37,6 +40,10 @@ pub const METHOD_OVERRIDE_HEADERS: [&str; 3] = [
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ApprovalKnob {
     pub tools: Vec<String>,
+    /// `[approvals] quorum = { tool = N }`: a held call of the tool runs once N distinct
+    /// approvers approved it. A tool named here needs approval as if it were in `tools`.
+    #[serde(default)]
+    pub quorum: BTreeMap<String, u32>,
 }
 
 impl Default for ApprovalKnob {
@@ -46,6 +53,7 @@ impl Default for ApprovalKnob {
                 .iter()
                 .map(|&t| t.to_owned())
                 .collect(),
+            quorum: BTreeMap::new(),
         }
     }
 }
@@ -53,17 +61,31 @@ impl Default for ApprovalKnob {
 impl ApprovalKnob {
     /// The knob turned off (`tools = []`).
     pub fn off() -> Self {
-        Self { tools: Vec::new() }
+        Self {
+            tools: Vec::new(),
+            quorum: BTreeMap::new(),
+        }
+    }
+
+    /// How many distinct approvers the knob asks for a held call of `tool` (at least 1).
+    pub fn quorum(&self, tool: &str) -> u32 {
+        self.quorum.get(tool).copied().unwrap_or(1).max(1)
     }
 
     /// Whether the knob alone requires approval for this call; `Some(reason)` if so.
     pub fn requires(&self, tool: &str, arguments: &Value) -> Option<String> {
-        if !self.tools.iter().any(|listed| listed == tool) {
+        if !self.tools.iter().any(|listed| listed == tool) && !self.quorum.contains_key(tool) {
             return None;
         }
         if tool == "http_request" {
             return http_request_write(arguments)
                 .map(|why| format!("[approvals] tools lists `http_request` and {why}"));
+        }
+        if !self.tools.iter().any(|listed| listed == tool) {
+            return Some(format!(
+                "[approvals] quorum asks {} approvers for `{tool}`",
+                self.quorum(tool)
+            ));
         }
         Some(format!("[approvals] tools lists `{tool}`"))
     }

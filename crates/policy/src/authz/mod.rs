@@ -125,14 +125,25 @@ impl PolicyError {
     }
 }
 
+/// The most distinct approvers `@quorum` may ask for: more would be a typo, and a call
+/// nobody can ever run.
+pub const MAX_QUORUM: u32 = 16;
+
 /// The outcome of [`Authorizer::decide`]. Strictest wins: deny, then approval, then
 /// allow.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(tag = "decision", rename_all = "snake_case")]
 pub enum Decision {
     Allow,
-    RequireApproval { reasons: Vec<String> },
-    Deny { reasons: Vec<String> },
+    RequireApproval {
+        reasons: Vec<String>,
+        /// How many distinct approvers must approve: the largest of `[approvals]
+        /// quorum` for the tool and the `@quorum` of the policies that asked (at least 1).
+        quorum: u32,
+    },
+    Deny {
+        reasons: Vec<String>,
+    },
 }
 
 impl Decision {
@@ -140,7 +151,7 @@ impl Decision {
     pub fn reasons(&self) -> &[String] {
         match self {
             Self::Allow => &[],
-            Self::RequireApproval { reasons } | Self::Deny { reasons } => reasons,
+            Self::RequireApproval { reasons, .. } | Self::Deny { reasons } => reasons,
         }
     }
 
@@ -189,6 +200,8 @@ impl CallRequest<'_> {
 struct PolicyMeta {
     forbid: bool,
     approval: bool,
+    /// `@quorum("N")`: the distinct approvers the calls it holds need.
+    quorum: Option<u32>,
     reason: Option<String>,
 }
 
@@ -382,6 +395,12 @@ impl Authorizer {
         &self.file
     }
 
+    /// The policy text as loaded: its digest identifies the policy a decision was
+    /// taken under.
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
     /// The approval knob in force.
     pub fn approvals(&self) -> &ApprovalKnob {
         &self.approvals
@@ -515,15 +534,20 @@ impl Authorizer {
         if let Some(reason) = extension.and_then(|extended| extended.approval.as_ref()) {
             approvals.insert(0, reason.clone());
         }
+        let mut quorum = self.approvals.quorum(tool);
         for id in diagnostics.reason() {
-            if self.meta.get(id).is_some_and(|meta| meta.approval) {
+            if let Some(meta) = self.meta.get(id).filter(|meta| meta.approval) {
                 approvals.push(self.describe(id, "approval required by policy"));
+                quorum = quorum.max(meta.quorum.unwrap_or(1));
             }
         }
         if approvals.is_empty() {
             Decision::Allow
         } else {
-            Decision::RequireApproval { reasons: approvals }
+            Decision::RequireApproval {
+                reasons: approvals,
+                quorum,
+            }
         }
     }
 
@@ -759,6 +783,29 @@ fn rename_policies(
                 ));
             }
         };
+        // `@quorum("N")` asks for N distinct approvers; it implies `@approval("required")`
+        // since a quorum of approvers only means something for a held call.
+        let quorum = match policy.annotation("quorum") {
+            None => None,
+            Some(_) if forbid => {
+                return Err(fail(
+                    &id,
+                    "@quorum belongs on a permit policy; a forbid policy denies".to_owned(),
+                ));
+            }
+            Some(n) => match n.trim().parse::<u32>() {
+                Ok(n) if (1..=MAX_QUORUM).contains(&n) => Some(n),
+                _ => {
+                    return Err(fail(
+                        &id,
+                        format!(
+                            "@quorum must be a number of approvers from 1 to {MAX_QUORUM}, not \"{n}\""
+                        ),
+                    ));
+                }
+            },
+        };
+        let approval = approval || quorum.is_some();
         let reason = policy.annotation("reason").map(str::to_owned);
         policies
             .add(policy.new_id(policy_id.clone()))
@@ -769,6 +816,7 @@ fn rename_policies(
             PolicyMeta {
                 forbid,
                 approval,
+                quorum,
                 reason,
             },
         );
