@@ -166,17 +166,29 @@ impl Airlock {
         env: &[(&str, &str)],
         user: Option<(&OrdinaryUser, Option<&Delegation>)>,
     ) -> Self {
-        let (dir, mut command) = Self::up_command(top_level, extra_config, env, user);
-        let child = command.spawn().expect("spawn airlock up");
-        let mut airlock = Self {
-            dir,
-            url: String::new(),
-            grpc: String::new(),
-            token: String::new(),
-            child: Some(child),
-            client: reqwest::Client::new(),
+        // `airlock up` settles port 0 to a free port and starts the orchestrator on it; in
+        // between, one of the many connections of the tests running beside this one may
+        // take that port as its local port. Such a start is tried once more, and only
+        // such a start.
+        let mut attempt = 0;
+        let (mut airlock, endpoints) = loop {
+            attempt += 1;
+            let (dir, mut command) = Self::up_command(top_level, extra_config, env, user);
+            let child = command.spawn().expect("spawn airlock up");
+            let mut airlock = Self {
+                dir,
+                url: String::new(),
+                grpc: String::new(),
+                token: String::new(),
+                child: Some(child),
+                client: reqwest::Client::new(),
+            };
+            match airlock.try_endpoints().await {
+                Ok(endpoints) => break (airlock, endpoints),
+                Err(log) if attempt == 1 && log.contains("Address already in use") => {}
+                Err(log) => panic!("airlock up exited early:\n{log}"),
+            }
         };
-        let endpoints = airlock.wait_for_endpoints().await;
         airlock.url = endpoints["http"]
             .as_str()
             .expect("http endpoint")
@@ -216,11 +228,12 @@ impl Airlock {
         self.child.as_ref().expect("running").id()
     }
 
-    async fn wait_for_endpoints(&mut self) -> Value {
+    /// `endpoints.json` once `airlock up` wrote it, or its log when it exited first.
+    async fn try_endpoints(&mut self) -> Result<Value, String> {
         let path = self.data_dir().join("endpoints.json");
         let log = self.dir.path().join("airlock.log");
         let child = self.child.as_mut().expect("running");
-        wait_for_endpoints(&path, child, &log).await
+        try_wait_for_endpoints(&path, child, &log).await
     }
 
     /// `airlock <args…> --data-dir <this test's data dir>`, with no client settings from
@@ -493,16 +506,29 @@ pub fn mounts_under(dir: &Path) -> Vec<PathBuf> {
 /// Waits (bounded) until `endpoints` holds the JSON that a started `airlock up` writes;
 /// fails with `log` when the launcher exits first or the bound runs out.
 pub async fn wait_for_endpoints(endpoints: &Path, launcher: &mut Child, log: &Path) -> Value {
+    match try_wait_for_endpoints(endpoints, launcher, log).await {
+        Ok(endpoints) => endpoints,
+        Err(log) => panic!("airlock up exited early:\n{log}"),
+    }
+}
+
+/// [`wait_for_endpoints`], answering the launcher's log when it exited before writing
+/// them.
+async fn try_wait_for_endpoints(
+    endpoints: &Path,
+    launcher: &mut Child,
+    log: &Path,
+) -> Result<Value, String> {
     let log = || std::fs::read_to_string(log).unwrap_or_default();
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         if let Ok(text) = std::fs::read_to_string(endpoints)
             && let Ok(v) = serde_json::from_str::<Value>(&text)
         {
-            return v;
+            return Ok(v);
         }
         if let Some(status) = launcher.try_wait().ok().flatten() {
-            panic!("airlock up exited early ({status}):\n{}", log());
+            return Err(format!("({status})\n{}", log()));
         }
         assert!(
             Instant::now() < deadline,
