@@ -13,6 +13,10 @@ use airlock_policy::{McpServerPolicy, ToolAnnotations, ToolDefinition, ToolOutco
 use serde::Deserialize;
 use serde_json::{Value, json};
 
+mod sessions;
+
+pub use sessions::{IdleSince, ListedTools, SessionKey, SessionSlot, evict_idle, session_key};
+
 /// Between a server's name and its tool's: `time__get_current_time`.
 pub const SEPARATOR: &str = "__";
 

@@ -22,12 +22,14 @@
 
 mod wire;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use airlock_worker::mcp::McpServerEntry;
+use airlock_worker::mcp::{
+    IdleSince, ListedTools, McpServerEntry, SessionKey, SessionSlot, evict_idle, session_key,
+};
 use airlock_worker::{CallContext, Tool, ToolDefinition, ToolOutcome};
 use bytes::Bytes;
 use http::header::{HeaderName, HeaderValue};
@@ -179,19 +181,16 @@ pub(crate) async fn start(
     Ok(tools)
 }
 
-/// Which session a call uses: its own (principal, session)'s, or the shared one.
-type Key = Option<(String, String)>;
-
 /// One key's session, or none yet; locked while it starts.
-type Slot = Arc<tokio::sync::Mutex<Option<Arc<Session>>>>;
+type Slot = SessionSlot<Session>;
 
 /// One entry: where it is, its sessions, and its tools.
 struct Pool {
     entry: McpServerEntry,
     endpoint: Endpoint,
-    slots: Mutex<HashMap<Key, Slot>>,
-    /// The server's tools by their MCP names, as last listed.
-    definitions: RwLock<BTreeMap<String, ToolDefinition>>,
+    slots: Mutex<HashMap<SessionKey, Slot>>,
+    /// The server's tools, as last listed.
+    tools: ListedTools,
 }
 
 /// One MCP session with the server.
@@ -206,7 +205,9 @@ impl Session {
     fn id(&self) -> Value {
         json!(self.next_id.fetch_add(1, Ordering::Relaxed))
     }
+}
 
+impl IdleSince for Session {
     fn idle_since(&self) -> Option<Instant> {
         let (since, running) = *lock(&self.usage);
         (running == 0).then_some(since)
@@ -224,7 +225,7 @@ impl Pool {
             },
             entry: server.entry,
             slots: Mutex::new(HashMap::new()),
-            definitions: RwLock::new(BTreeMap::new()),
+            tools: ListedTools::default(),
         });
         let session = pool
             .open_session()
@@ -243,11 +244,11 @@ impl Pool {
     }
 
     fn tool_names(&self) -> Vec<String> {
-        read(&self.definitions).keys().cloned().collect()
+        self.tools.names()
     }
 
     fn definition(&self, mcp_name: &str) -> Option<ToolDefinition> {
-        read(&self.definitions).get(mcp_name).cloned()
+        self.tools.definition(mcp_name)
     }
 
     /// `initialize`, `notifications/initialized` and `tools/list`, within
@@ -353,30 +354,9 @@ impl Pool {
         ))
     }
 
-    /// Takes in a `tools/list`: a tool already known gets its new definition (which the
-    /// orchestrator compares with the one it pinned); a tool that cannot be served is
-    /// logged and left out. New tools are served after a restart of the worker.
+    /// Takes in a `tools/list` (see [`ListedTools::learn`]).
     fn learn(&self, tools: &[Value]) {
-        let mut definitions = write(&self.definitions);
-        let first = definitions.is_empty();
-        for tool in tools {
-            let mcp_name = tool
-                .get("name")
-                .and_then(Value::as_str)
-                .unwrap_or_default()
-                .to_owned();
-            match self.entry.definition(tool) {
-                Ok(definition) if first || definitions.contains_key(&mcp_name) => {
-                    definitions.insert(mcp_name, definition);
-                }
-                Ok(_) => {
-                    tracing::warn!(server = %self.entry.name, tool = %mcp_name, "the MCP server lists a new tool; it is served after the http worker restarts");
-                }
-                Err(reason) => {
-                    tracing::warn!(server = %self.entry.name, tool = %mcp_name, %reason, "not serving an MCP tool");
-                }
-            }
-        }
+        self.tools.learn(&self.entry, tools, "http");
     }
 
     /// Ends a session the pool no longer uses: `DELETE` with its id, in the background.
@@ -399,15 +379,15 @@ impl Pool {
 
     /// The call's session, opened when it has none.
     async fn session(&self, ctx: &CallContext) -> Result<(Slot, Arc<Session>), String> {
-        let key: Key = self
-            .entry
-            .per_session
-            .then(|| (ctx.principal.clone(), ctx.session_id.as_str().to_owned()));
+        let key = session_key(&self.entry, ctx);
         let slot = {
             let mut slots = lock(&self.slots);
             self.reap_idle(&mut slots);
-            if !slots.contains_key(&key) && slots.len() >= self.entry.max_sessions {
-                self.evict_idle(&mut slots)?;
+            if !slots.contains_key(&key)
+                && slots.len() >= self.entry.max_sessions
+                && let Some(session) = evict_idle(&mut slots, &self.entry)?
+            {
+                self.close(session);
             }
             slots.entry(key).or_default().clone()
         };
@@ -422,7 +402,7 @@ impl Pool {
     }
 
     /// Closes the sessions (of a key of their own) idle longer than `idle_seconds`.
-    fn reap_idle(&self, slots: &mut HashMap<Key, Slot>) {
+    fn reap_idle(&self, slots: &mut HashMap<SessionKey, Slot>) {
         let limit = Duration::from_secs(self.entry.idle_seconds);
         slots.retain(|key, slot| {
             let Ok(mut held) = slot.try_lock() else {
@@ -440,35 +420,6 @@ impl Pool {
             }
             true
         });
-    }
-
-    /// Makes room for one more session: closes the one idle the longest.
-    fn evict_idle(&self, slots: &mut HashMap<Key, Slot>) -> Result<(), String> {
-        let oldest = slots
-            .iter()
-            .filter_map(|(key, slot)| {
-                let held = slot.try_lock().ok()?;
-                let idle = held
-                    .as_ref()
-                    .map_or(Some(Instant::now()), |s| s.idle_since())?;
-                Some((idle, key.clone()))
-            })
-            .min_by_key(|(idle, _)| *idle);
-        match oldest {
-            Some((_, key)) => {
-                if let Some(slot) = slots.remove(&key)
-                    && let Ok(mut held) = slot.try_lock()
-                    && let Some(session) = held.take()
-                {
-                    self.close(session);
-                }
-                Ok(())
-            }
-            None => Err(format!(
-                "the MCP server {} already has {} sessions, all busy (max_sessions); try again when one of their calls ends",
-                self.entry.name, self.entry.max_sessions
-            )),
-        }
     }
 
     /// Forgets `session` if it is still the slot's: the next call opens a new one.
@@ -661,22 +612,12 @@ impl Tool for McpHttpTool {
     }
 }
 
-// A panic while holding one of these locks leaves the data as it was (each holder
+// A panic while holding one of the pool's locks leaves the data as it was (each holder
 // only inserts, removes or replaces whole values), so a poisoned lock is used as is.
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex
         .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
-fn read<T>(lock: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
-    lock.read()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
-fn write<T>(lock: &RwLock<T>) -> std::sync::RwLockWriteGuard<'_, T> {
-    lock.write()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 

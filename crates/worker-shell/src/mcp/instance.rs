@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use airlock_policy::ToolOutcome;
 use airlock_sandbox::{AttachedStdio, Cancel, CommandSpec, Sandbox, Stream};
 use airlock_worker::CallContext;
-use airlock_worker::mcp::McpServerEntry;
+use airlock_worker::mcp::{IdleSince, McpServerEntry};
 use rmcp::model::{
     CallToolRequest, CallToolRequestParams, CancelledNotificationParam, ClientCapabilities,
     ClientConfig, ClientRequest, Implementation, ProgressNotificationParam, ProgressToken,
@@ -235,12 +235,6 @@ impl Instance {
         self.exited.borrow().is_none()
     }
 
-    /// Since when it has had no call, or `None` while a call runs.
-    pub(super) fn idle_since(&self) -> Option<Instant> {
-        let (since, running) = *lock(&self.usage);
-        (running == 0).then_some(since)
-    }
-
     /// Resolves when the server says its tool list changed.
     pub(super) async fn tools_changed(&self) {
         self.bridge.tools_changed.notified().await;
@@ -374,5 +368,13 @@ fn keep_tail(tail: &mut Vec<u8>, data: &[u8]) {
     if tail.len() > STDERR_TAIL_BYTES {
         let cut = tail.len() - STDERR_TAIL_BYTES;
         tail.drain(..cut);
+    }
+}
+
+impl IdleSince for Instance {
+    /// Since when it has had no call, or `None` while a call runs.
+    fn idle_since(&self) -> Option<Instant> {
+        let (since, running) = *lock(&self.usage);
+        (running == 0).then_some(since)
     }
 }

@@ -52,21 +52,11 @@ pub async fn start(
     Ok(tools)
 }
 
-// A panic while holding one of these locks leaves the data as it was (each holder
+// A panic while holding one of the pool's locks leaves the data as it was (each holder
 // only inserts, removes or replaces whole values), so a poisoned lock is used as is.
 
 fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex
         .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
-fn read<T>(lock: &std::sync::RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
-    lock.read()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
-fn write<T>(lock: &std::sync::RwLock<T>) -> std::sync::RwLockWriteGuard<'_, T> {
-    lock.write()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
 }

@@ -2,29 +2,28 @@
 //! all, `per_session = false`), started on a session's first call, started again after
 //! a crash, stopped when idle, and at most `max_sessions` at once.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, RwLock};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use airlock_policy::ToolDefinition;
 use airlock_sandbox::Sandbox;
 use airlock_worker::CallContext;
-use airlock_worker::mcp::McpServerEntry;
+use airlock_worker::mcp::{
+    IdleSince, ListedTools, McpServerEntry, SessionKey, SessionSlot, evict_idle, session_key,
+};
 use serde_json::Value;
 
 use super::instance::{Instance, InstanceError, Launch};
-use super::{lock, read, write};
+use super::lock;
 use crate::config::ShellConfig;
 
 /// How often idle instances are looked for.
 const REAP_INTERVAL: Duration = Duration::from_secs(5);
 
-/// Which instance a call uses: its session's, or the shared one.
-type Key = Option<(String, String)>;
-
 /// One key's instance, or none yet; locked while it starts.
-type Slot = Arc<tokio::sync::Mutex<Option<Arc<Instance>>>>;
+type Slot = SessionSlot<Instance>;
 
 /// One entry's instances and the definitions of its tools.
 pub struct McpPool {
@@ -36,9 +35,9 @@ pub struct McpPool {
     private_workspace: PathBuf,
     /// Each key's slot; a slot's lock is held while its instance starts, so one
     /// session's slow start does not hold up another's.
-    slots: Mutex<HashMap<Key, Slot>>,
-    /// The server's tools by their MCP names, as last listed.
-    definitions: RwLock<BTreeMap<String, ToolDefinition>>,
+    slots: Mutex<HashMap<SessionKey, Slot>>,
+    /// The server's tools, as last listed.
+    tools: ListedTools,
 }
 
 impl McpPool {
@@ -62,7 +61,7 @@ impl McpPool {
             sandbox,
             private_workspace,
             slots: Mutex::new(HashMap::new()),
-            definitions: RwLock::new(BTreeMap::new()),
+            tools: ListedTools::default(),
         });
         pool.learn(&tools);
         if !pool.entry.per_session {
@@ -80,38 +79,17 @@ impl McpPool {
 
     /// The MCP names of the tools, as first listed.
     pub(super) fn tool_names(&self) -> Vec<String> {
-        read(&self.definitions).keys().cloned().collect()
+        self.tools.names()
     }
 
     /// A tool's definition as the server last listed it.
     pub(super) fn definition(&self, mcp_name: &str) -> Option<ToolDefinition> {
-        read(&self.definitions).get(mcp_name).cloned()
+        self.tools.definition(mcp_name)
     }
 
-    /// Takes in a `tools/list`: a tool already known gets its new definition (which the
-    /// orchestrator compares with the one it pinned); a tool that cannot be served is
-    /// logged and left out. New tools are served after a restart of the worker.
+    /// Takes in a `tools/list` (see [`ListedTools::learn`]).
     fn learn(&self, tools: &[Value]) {
-        let mut definitions = write(&self.definitions);
-        let first = definitions.is_empty();
-        for tool in tools {
-            let mcp_name = tool
-                .get("name")
-                .and_then(Value::as_str)
-                .unwrap_or_default()
-                .to_owned();
-            match self.entry.definition(tool) {
-                Ok(definition) if first || definitions.contains_key(&mcp_name) => {
-                    definitions.insert(mcp_name, definition);
-                }
-                Ok(_) => {
-                    tracing::warn!(server = %self.entry.name, tool = %mcp_name, "the MCP server lists a new tool; it is served after the shell worker restarts");
-                }
-                Err(reason) => {
-                    tracing::warn!(server = %self.entry.name, tool = %mcp_name, %reason, "not serving an MCP tool");
-                }
-            }
-        }
+        self.tools.learn(&self.entry, tools, "shell");
     }
 
     /// Re-lists the tools whenever the instance says they changed.
@@ -150,14 +128,12 @@ impl McpPool {
 
     /// The call's instance, started when it has none (or its last one died).
     async fn instance(self: &Arc<Self>, ctx: &CallContext) -> Result<Arc<Instance>, String> {
-        let key: Key = self
-            .entry
-            .per_session
-            .then(|| (ctx.principal.clone(), ctx.session_id.as_str().to_owned()));
+        let key = session_key(&self.entry, ctx);
         let slot = {
             let mut slots = lock(&self.slots);
             if !slots.contains_key(&key) && slots.len() >= self.entry.max_sessions {
-                self.evict_idle(&mut slots)?;
+                // The evicted instance stops when its last reference goes.
+                evict_idle(&mut slots, &self.entry)?;
             }
             slots.entry(key.clone()).or_default().clone()
         };
@@ -183,30 +159,6 @@ impl McpPool {
         self.watch_tools(&instance);
         *held = Some(instance.clone());
         Ok(instance)
-    }
-
-    /// Makes room for one more session: stops the instance idle the longest.
-    fn evict_idle(&self, slots: &mut HashMap<Key, Slot>) -> Result<(), String> {
-        let oldest = slots
-            .iter()
-            .filter_map(|(key, slot)| {
-                let held = slot.try_lock().ok()?;
-                let idle = held
-                    .as_ref()
-                    .map_or(Some(Instant::now()), |i| i.idle_since())?;
-                Some((idle, key.clone()))
-            })
-            .min_by_key(|(idle, _)| *idle);
-        match oldest {
-            Some((_, key)) => {
-                slots.remove(&key);
-                Ok(())
-            }
-            None => Err(format!(
-                "the MCP server {} already runs for {} sessions, all busy (max_sessions); try again when one of their calls ends",
-                self.entry.name, self.entry.max_sessions
-            )),
-        }
     }
 
     /// Stops the session instances idle longer than `idle_seconds`, and forgets dead ones.
