@@ -6,33 +6,18 @@ use serde_json::{Value, json};
 
 use std::time::{Duration, Instant};
 
-use crate::support::{AIRLOCK, Airlock, send_as as send, token_digest};
+use crate::support::{AIRLOCK, Airlock, principals_config, send_as as send, token_digest};
 
 /// An agent, two approvers and an admin with known tokens; `extra` is appended.
 fn principals(extra: &str) -> String {
-    format!(
-        r#"
-[[principals]]
-name = "alice"
-token_sha256 = "{}"
-roles = ["agent"]
-[[principals]]
-name = "bob"
-token_sha256 = "{}"
-roles = ["approver"]
-[[principals]]
-name = "dave"
-token_sha256 = "{}"
-roles = ["approver"]
-[[principals]]
-name = "root"
-token_sha256 = "{}"
-roles = ["admin"]
-{extra}"#,
-        token_digest("alice-token"),
-        token_digest("bob-token"),
-        token_digest("dave-token"),
-        token_digest("root-token"),
+    principals_config(
+        &[
+            ("alice", &["agent"]),
+            ("bob", &["approver"]),
+            ("dave", &["approver"]),
+            ("root", &["admin"]),
+        ],
+        extra,
     )
 }
 

@@ -6,34 +6,19 @@ use std::time::Duration;
 use serde_json::{Value, json};
 
 use crate::support::{
-    AIRLOCK, Airlock, cmdline, descendants, send_as as send, signal, token_digest,
+    AIRLOCK, Airlock, cmdline, descendants, principals_config, send_as as send, signal,
 };
 
-/// Three principals with known tokens; `extra` is appended.
+/// An agent, an approver, one who is both and an admin with known tokens; `extra` is appended.
 fn principals(extra: &str) -> String {
-    format!(
-        r#"
-[[principals]]
-name = "alice"
-token_sha256 = "{}"
-roles = ["agent"]
-[[principals]]
-name = "bob"
-token_sha256 = "{}"
-roles = ["approver"]
-[[principals]]
-name = "carol"
-token_sha256 = "{}"
-roles = ["agent", "approver"]
-[[principals]]
-name = "root"
-token_sha256 = "{}"
-roles = ["admin"]
-{extra}"#,
-        token_digest("alice-token"),
-        token_digest("bob-token"),
-        token_digest("carol-token"),
-        token_digest("root-token"),
+    principals_config(
+        &[
+            ("alice", &["agent"]),
+            ("bob", &["approver"]),
+            ("carol", &["agent", "approver"]),
+            ("root", &["admin"]),
+        ],
+        extra,
     )
 }
 

@@ -548,6 +548,22 @@ pub fn token_digest(token: &str) -> String {
         .collect()
 }
 
+/// `[[principals]]` entries, each with its roles and the token `<name>-token`, then
+/// `extra` (more configuration).
+pub fn principals_config(principals: &[(&str, &[&str])], extra: &str) -> String {
+    let mut config = String::new();
+    for (name, roles) in principals {
+        let roles: Vec<String> = roles.iter().map(|r| format!("{r:?}")).collect();
+        config.push_str(&format!(
+            "\n[[principals]]\nname = {name:?}\ntoken_sha256 = \"{}\"\nroles = [{}]\n",
+            token_digest(&format!("{name}-token")),
+            roles.join(", ")
+        ));
+    }
+    config.push_str(extra);
+    config
+}
+
 /// One HTTP request to `airlock` with `token`: status, JSON body (`null` when none) and
 /// headers.
 pub async fn send_as(

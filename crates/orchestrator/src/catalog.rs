@@ -289,7 +289,7 @@ impl Catalog {
                     if !was_live {
                         tracing::info!(group = %group.name, endpoint = %replica.endpoint, "worker group is live");
                     }
-                    let tools = response.into_inner().tools;
+                    let tools = parse_listing(&group.name, response.into_inner().tools);
                     let hidden = self.check_pins(&group.name, &tools).await;
                     self.install(&group.name, tools, &hidden);
                     return;
@@ -319,25 +319,21 @@ impl Catalog {
     async fn check_pins(
         &self,
         group: &str,
-        definitions: &[pb::ToolDefinition],
+        definitions: &[ToolDefinition],
     ) -> std::collections::HashSet<String> {
         let mut hidden = std::collections::HashSet::new();
         let Some(store) = &self.pins else {
             return hidden;
         };
-        for wire in definitions {
-            if !self.is_discovered(group, &wire.name) {
+        for tool in definitions {
+            if !self.is_discovered(group, &tool.name) {
                 continue;
             }
-            // A malformed definition is skipped (and logged) by `install`.
-            let Ok(definition) = ToolDefinition::try_from(wire.clone()) else {
-                continue;
-            };
-            let Ok(definition) = serde_json::to_value(&definition) else {
+            let Ok(definition) = serde_json::to_value(tool) else {
                 continue;
             };
             let digest = crate::audit::value_sha256(&definition);
-            let name = wire.name.clone();
+            let name = tool.name.clone();
             if lock(&self.pinned).get(&name) == Some(&digest) {
                 continue;
             }
@@ -371,25 +367,19 @@ impl Catalog {
         hidden
     }
 
-    /// Replaces the tools of `group` with `definitions`, skipping any that are malformed,
-    /// claimed by another group or `hidden` (their definition is not the pinned one).
+    /// Replaces the tools of `group` with `definitions`, skipping any that are badly
+    /// named, claimed by another group or `hidden` (their definition is not the pinned
+    /// one).
     fn install(
         &self,
         group: &str,
-        definitions: Vec<pb::ToolDefinition>,
+        definitions: Vec<ToolDefinition>,
         hidden: &std::collections::HashSet<String>,
     ) {
         let mut listed = BTreeMap::new();
         let mut fresh = Vec::new();
-        for wire in definitions {
-            let name = wire.name.clone();
-            let definition = match ToolDefinition::try_from(wire) {
-                Ok(d) => d,
-                Err(e) => {
-                    tracing::error!(group, tool = %name, error = %e, "skipping tool");
-                    continue;
-                }
-            };
+        for definition in definitions {
+            let name = definition.name.clone();
             if let Err(e) = airlock_policy::validate_tool_name(&definition.name) {
                 tracing::error!(group, tool = %name, error = %e, "skipping tool");
                 continue;
@@ -540,6 +530,20 @@ fn write<T>(lock: &RwLock<T>) -> std::sync::RwLockWriteGuard<'_, T> {
         Ok(guard) => guard,
         Err(poisoned) => poisoned.into_inner(),
     }
+}
+
+/// A worker's `ListTools` as definitions, parsed once for the pin check and the
+/// install; a malformed one is logged and skipped.
+fn parse_listing(group: &str, listing: Vec<pb::ToolDefinition>) -> Vec<ToolDefinition> {
+    listing
+        .into_iter()
+        .filter_map(|wire| {
+            let name = wire.name.clone();
+            ToolDefinition::try_from(wire)
+                .map_err(|e| tracing::error!(group, tool = %name, error = %e, "skipping tool"))
+                .ok()
+        })
+        .collect()
 }
 
 fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
