@@ -184,6 +184,8 @@ pub fn router(state: HttpState) -> Router {
         .route("/metrics", get(metrics))
         .merge(authenticated)
         .merge(crate::mcp::router(state.clone()))
+        // The approvals console: its own sign-in (a cookie, not a bearer header).
+        .merge(crate::ui::router())
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         // Bodies are read with an explicit cap in the handlers, answering 413 as JSON.
