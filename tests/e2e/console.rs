@@ -479,6 +479,120 @@ async fn console_headers_sign_in_csrf_and_roles() {
     );
 }
 
+/// The item of `approval_id` in a console page.
+fn item<'a>(body: &'a str, approval_id: &str) -> &'a str {
+    let start = body
+        .find(&format!(r#"data-approval-id="{approval_id}""#))
+        .unwrap_or_else(|| panic!("no item {approval_id} in {body}"));
+    let end = body[start..].find("</article>").expect("the item's end") + start;
+    &body[start..end]
+}
+
+/// What the approver is shown beside the arguments: an edit_file's diff from its dry
+/// run against the file as it is (which the dry run leaves as it is), a dry run that
+/// fails saying so, a secret in a file or the arguments redacted in the diff too, and an
+/// execute_shell's argv quoted for the shell.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn console_shows_diffs_from_dry_runs_with_secrets_redacted() {
+    let airlock = start().await;
+    let workspace = airlock
+        .data_dir()
+        .join("workspaces")
+        .join("alice")
+        .join("s1");
+    std::fs::create_dir_all(&workspace).unwrap();
+    std::fs::write(workspace.join("edit.txt"), "alpha\nbeta\ngamma\n").unwrap();
+    std::fs::write(
+        workspace.join(".env"),
+        "MODE=dev\nAPI_KEY=sk-live-old-4242\n",
+    )
+    .unwrap();
+
+    let edit = propose(
+        &airlock,
+        "alice",
+        "s1",
+        "edit_file",
+        json!({"path": "edit.txt", "edits": [{"old_text": "beta", "new_text": "BETA"}]}),
+    )
+    .await;
+    let failing = propose(
+        &airlock,
+        "alice",
+        "s1",
+        "edit_file",
+        json!({"path": "edit.txt", "edits": [{"old_text": "no such text", "new_text": "x"}]}),
+    )
+    .await;
+    let secret = propose(
+        &airlock,
+        "alice",
+        "s1",
+        "write_file",
+        json!({"path": ".env", "content": "MODE=prod\nAPI_KEY=sk-live-new-9999\n"}),
+    )
+    .await;
+    let shell = propose(
+        &airlock,
+        "alice",
+        "s1",
+        "execute_shell",
+        json!({"argv": ["printf", "%s\\n", "it's here"], "cwd": "sub"}),
+    )
+    .await;
+
+    let bob = sign_in(&airlock, token("bob")).await;
+    let (status, body, _) = page(&airlock, "/ui", Some(&bob)).await;
+    assert_eq!(status, 200);
+
+    let shown = item(&body, edit["approval_id"].as_str().unwrap());
+    assert!(
+        shown.contains("dry run: 1 edit (1 replacement) would change edit.txt"),
+        "{shown}"
+    );
+    for line in [
+        r#"<span class="file">--- a/edit.txt</span>"#,
+        r#"<span class="ctx"> alpha</span>"#,
+        r#"<span class="del">-beta</span>"#,
+        r#"<span class="add">+BETA</span>"#,
+    ] {
+        assert!(shown.contains(line), "{line} in {shown}");
+    }
+    assert_eq!(
+        std::fs::read_to_string(workspace.join("edit.txt")).unwrap(),
+        "alpha\nbeta\ngamma\n"
+    );
+
+    let shown = item(&body, failing["approval_id"].as_str().unwrap());
+    assert!(
+        shown.contains("the dry run fails, so the call would fail too"),
+        "{shown}"
+    );
+    assert!(!shown.contains(r#"class="diff""#), "{shown}");
+
+    let shown = item(&body, secret["approval_id"].as_str().unwrap());
+    assert!(
+        shown.contains(r#"<span class="del">-MODE=dev</span>"#),
+        "{shown}"
+    );
+    assert!(
+        shown.contains(r#"<span class="add">+MODE=prod</span>"#),
+        "{shown}"
+    );
+    assert!(shown.contains("API_KEY=[redacted]"), "{shown}");
+    assert!(
+        !body.contains("sk-live-old-4242") && !body.contains("sk-live-new-9999"),
+        "a secret is in the page"
+    );
+
+    let shown = item(&body, shell["approval_id"].as_str().unwrap());
+    assert!(
+        shown.contains(r#"<pre class="command">printf '%s\n' 'it'\''s here'</pre>"#),
+        "{shown}"
+    );
+    assert!(shown.contains("<code>sub</code>"), "{shown}");
+}
+
 /// Fails, naming the fix, when the browser, its driver or Selenium is missing.
 async fn require_browser() {
     for path in [CHROMIUM, CHROMEDRIVER] {
