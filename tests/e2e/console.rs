@@ -33,6 +33,11 @@ fn token(name: &str) -> &'static str {
 /// An agent (alice), an approver (bob), carol who is both, an admin (root); a requester
 /// may not approve their own call.
 async fn start() -> Airlock {
+    start_with("").await
+}
+
+/// [`start`], with `extra` added to `[approvals]`.
+async fn start_with(extra: &str) -> Airlock {
     let config = format!(
         r#"
 [[principals]]
@@ -53,6 +58,7 @@ token_sha256 = "{}"
 roles = ["admin"]
 [approvals]
 distinct_approver = true
+{extra}
 "#,
         token_digest(token("alice")),
         token_digest(token("bob")),
@@ -591,6 +597,87 @@ async fn console_shows_diffs_from_dry_runs_with_secrets_redacted() {
         "{shown}"
     );
     assert!(shown.contains("<code>sub</code>"), "{shown}");
+}
+
+/// Under a quorum the console lists the approvers so far, and tells an approver who
+/// already approved why approving again is disabled; a second approver completes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn console_explains_a_quorum_where_it_blocks() {
+    let airlock = start_with("quorum = { write_file = 2 }").await;
+    let held = propose(
+        &airlock,
+        "alice",
+        "s1",
+        "write_file",
+        json!({"path": "q.txt", "content": "q\n"}),
+    )
+    .await;
+    let approval_id = held["approval_id"].as_str().unwrap();
+    let bob = sign_in(&airlock, token("bob")).await;
+    let (_, body, _) = page(&airlock, "/ui", Some(&bob)).await;
+    let shown = item(&body, approval_id);
+    assert!(shown.contains("0 of 2 distinct approvers"), "{shown}");
+    let response = post_form(
+        &airlock,
+        &format!("/ui/approvals/{approval_id}/decide"),
+        Some(&bob),
+        form(&[
+            ("csrf", &csrf(&body)),
+            ("decision", "approve"),
+            ("reason", "one of two"),
+        ]),
+        None,
+    )
+    .await;
+    assert_eq!(response.status(), 303);
+
+    let (_, body, _) = page(&airlock, &format!("/ui?decided={approval_id}"), Some(&bob)).await;
+    assert!(body.contains("it needs more distinct approvers"), "{body}");
+    let shown = item(&body, approval_id);
+    assert!(shown.contains("1 of 2 distinct approvers: bob"), "{shown}");
+    assert!(
+        shown.contains(r#"data-action="approve" disabled"#),
+        "{shown}"
+    );
+    assert!(!shown.contains(r#"data-action="deny" disabled"#), "{shown}");
+    assert!(
+        shown.contains("you approved this call already; it needs 2 distinct approvers (1 so far)"),
+        "{shown}"
+    );
+    // Forced anyway: 409, and the approval still waits for a second approver.
+    let response = post_form(
+        &airlock,
+        &format!("/ui/approvals/{approval_id}/decide"),
+        Some(&bob),
+        form(&[("csrf", &csrf(&body)), ("decision", "approve")]),
+        None,
+    )
+    .await;
+    assert_eq!(response.status(), 409);
+    assert!(
+        response
+            .text()
+            .await
+            .unwrap()
+            .contains("you approved this call already")
+    );
+    assert_eq!(approval(&airlock, approval_id).await["status"], "pending");
+
+    let carol = sign_in(&airlock, token("carol")).await;
+    let (_, body, _) = page(&airlock, "/ui", Some(&carol)).await;
+    assert!(!item(&body, approval_id).contains("disabled"), "{body}");
+    let response = post_form(
+        &airlock,
+        &format!("/ui/approvals/{approval_id}/decide"),
+        Some(&carol),
+        form(&[("csrf", &csrf(&body)), ("decision", "approve")]),
+        None,
+    )
+    .await;
+    assert_eq!(response.status(), 303);
+    let decided = approval(&airlock, approval_id).await;
+    assert_eq!(decided["status"], "approved", "{decided}");
+    assert_eq!(decided["approved_by"], json!(["bob", "carol"]));
 }
 
 /// Fails, naming the fix, when the browser, its driver or Selenium is missing.
