@@ -617,6 +617,10 @@ async fn console_explains_a_quorum_where_it_blocks() {
     let (_, body, _) = page(&airlock, "/ui", Some(&bob)).await;
     let shown = item(&body, approval_id);
     assert!(shown.contains("0 of 2 distinct approvers"), "{shown}");
+    assert!(
+        !shown.contains(r#"name="remember""#),
+        "no remembering under a quorum: {shown}"
+    );
     let response = post_form(
         &airlock,
         &format!("/ui/approvals/{approval_id}/decide"),
@@ -678,6 +682,61 @@ async fn console_explains_a_quorum_where_it_blocks() {
     let decided = approval(&airlock, approval_id).await;
     assert_eq!(decided["status"], "approved", "{decided}");
     assert_eq!(decided["approved_by"], json!(["bob", "carol"]));
+}
+
+/// "Remember for the session" in the console approves like `{"remember": "session"}`:
+/// the identical call later in the session runs without a new approval.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn console_remembers_an_approval_for_the_session() {
+    let airlock = start().await;
+    let input = json!({"path": "r.txt", "content": "r\n"});
+    let held = propose(&airlock, "alice", "s1", "write_file", input.clone()).await;
+    let approval_id = held["approval_id"].as_str().unwrap();
+    let bob = sign_in(&airlock, token("bob")).await;
+    let (_, body, _) = page(&airlock, "/ui", Some(&bob)).await;
+    assert!(
+        item(&body, approval_id).contains(r#"name="remember" value="session""#),
+        "{body}"
+    );
+    let response = post_form(
+        &airlock,
+        &format!("/ui/approvals/{approval_id}/decide"),
+        Some(&bob),
+        form(&[
+            ("csrf", &csrf(&body)),
+            ("decision", "approve"),
+            ("remember", "session"),
+        ]),
+        None,
+    )
+    .await;
+    assert_eq!(response.status(), 303);
+    let (_, detail, _) = send(
+        &airlock,
+        token("alice"),
+        reqwest::Method::GET,
+        &format!(
+            "/v1/calls/{}?wait_ms=30000",
+            held["call_id"].as_str().unwrap()
+        ),
+        None,
+    )
+    .await;
+    assert_eq!(detail["status"], "ok", "{detail}");
+
+    let body = json!({"session_id": "s1", "wait_ms": 30000,
+        "tool_uses": [{"type": "tool_use", "id": "t2", "name": "write_file", "input": input}]});
+    let (status, again, _) = send(
+        &airlock,
+        token("alice"),
+        reqwest::Method::POST,
+        "/v1/tool_calls",
+        Some(body),
+    )
+    .await;
+    assert_eq!(status, 200, "{again}");
+    assert_eq!(again["calls"][0]["status"], "ok", "{again}");
+    assert!(again["calls"][0].get("approval_id").is_none(), "{again}");
 }
 
 /// Fails, naming the fix, when the browser, its driver or Selenium is missing.

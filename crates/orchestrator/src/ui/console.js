@@ -91,7 +91,11 @@
       window.location.assign('/ui');
     });
     source.addEventListener('error', function () {
-      if (state) state.textContent = 'Connection lost; reconnecting…';
+      if (!state) return;
+      // EventSource retries a dropped stream itself, but not a refused one.
+      state.textContent = source.readyState === EventSource.CLOSED
+        ? 'Live updates stopped; reload the page.'
+        : 'Connection lost; reconnecting…';
     });
   }
 

@@ -260,7 +260,9 @@ async fn read_form<T: serde::de::DeserializeOwned>(
     let bytes = crate::body::read_capped(headers, body, MAX_FORM_BYTES, "send a shorter form")
         .await
         .map_err(|_| {
-            UiError::BadRequest(format!("the form is larger than {MAX_FORM_BYTES} bytes"))
+            UiError::BadRequest(format!(
+                "the form could not be read, or is larger than {MAX_FORM_BYTES} bytes"
+            ))
         })?;
     serde_urlencoded::from_bytes(&bytes)
         .map_err(|e| UiError::BadRequest(format!("the form is malformed: {e}")))
@@ -462,6 +464,10 @@ struct DecideForm {
     reason: String,
     #[serde(default)]
     input_sha256: String,
+    /// `session` (a checkbox): later identical calls in the session run without a new
+    /// approval. It applies to an approval; a denial ignores it.
+    #[serde(default)]
+    remember: String,
 }
 
 /// `POST /ui/approvals/{id}/decide`: approve or deny, as `POST
@@ -513,7 +519,7 @@ async fn decide(
         approve,
         (!reason.is_empty()).then_some(reason),
         (!digest.is_empty()).then_some(digest),
-        false,
+        approve && form.remember == "session",
     )
     .await
     .map_err(|e| {

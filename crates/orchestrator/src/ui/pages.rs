@@ -286,6 +286,12 @@ fn pending_item(viewer: &Viewer, item: &Pending) -> Markup {
                 input type="hidden" name="csrf" value=(viewer.csrf);
                 input type="hidden" name="input_sha256" value=(a.input_sha256);
                 label { "Reason " input type="text" name="reason" maxlength="4096" placeholder="why (recorded in the audit)"; }
+                @if item.hold.quorum <= 1 && approve_block.is_none() {
+                    label.remember title="later calls of this tool with these same arguments in this session run without asking again, until this approval's expiry or the session's end" {
+                        input type="checkbox" name="remember" value="session";
+                        " remember for the session"
+                    }
+                }
                 button.approve type="submit" name="decision" value="approve" data-action="approve" disabled[approve_block.is_some()] { "Approve" }
                 button.deny type="submit" name="decision" value="deny" data-action="deny" disabled[deny_block.is_some()] { "Deny" }
                 @if let Some(why) = approve_block.as_ref().or(deny_block.as_ref()) {
