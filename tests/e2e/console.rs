@@ -222,7 +222,7 @@ async fn approval(airlock: &Airlock, approval_id: &str) -> Value {
 /// over plain HTTP.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn console_headers_sign_in_csrf_and_roles() {
-    let airlock = start().await;
+    let mut airlock = start().await;
 
     // Signed out: the sign-in page, with the console's headers; the script too.
     let (status, body, headers) = page(&airlock, "/ui", None).await;
@@ -483,6 +483,26 @@ async fn console_headers_sign_in_csrf_and_roles() {
             .unwrap()
             .contains("Max-Age=0")
     );
+
+    // A console left open does not hold up a stop: its live stream ends with it.
+    let mut stream = client()
+        .get(format!("{}/ui/events", airlock.url))
+        .header("cookie", &bob)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(stream.status(), 200);
+    let first = stream.chunk().await.unwrap().expect("the first event");
+    assert!(first.starts_with(b"event: pending\n"));
+    let status = tokio::task::block_in_place(|| airlock.stop());
+    assert!(status.success(), "airlock up exited with {status}");
+    loop {
+        match tokio::time::timeout(Duration::from_secs(30), stream.chunk()).await {
+            Ok(Ok(Some(_))) => continue,
+            Ok(Ok(None) | Err(_)) => break,
+            Err(_) => panic!("the live stream outlived the orchestrator"),
+        }
+    }
 }
 
 /// The item of `approval_id` in a console page.

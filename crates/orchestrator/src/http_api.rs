@@ -34,6 +34,8 @@ pub struct HttpState {
     pub principals: Arc<Principals>,
     /// `[agent]`, for `POST /v1/agent/runs`.
     pub agent: Arc<crate::agent::AgentConfig>,
+    /// Fires when the front door stops serving.
+    pub stopping: tokio_util::sync::CancellationToken,
 }
 
 /// An error response.

@@ -580,6 +580,9 @@ async fn events(State(state): State<HttpState>, headers: HeaderMap) -> Result<Re
             }
             tokio::select! {
                 _ = tx.closed() => return,
+                // The stream ends; the browser reconnects to another replica, or to this
+                // one once it is back.
+                _ = state.stopping.cancelled() => return,
                 _ = state.gate.decided_notified() => {}
                 _ = tokio::time::sleep(LIVE_POLL) => {}
             }
