@@ -17,6 +17,7 @@ mod as_user;
 mod bound_approvals;
 mod claims;
 mod cli;
+mod console;
 mod declared_tools;
 mod egress;
 mod external_workers;

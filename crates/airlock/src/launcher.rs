@@ -504,6 +504,7 @@ fn announce(
     let http = endpoints["http"].as_str().unwrap_or_default();
     println!("Airlock is up.");
     println!("  HTTP:  {http}   (OpenAPI: {http}/openapi.json)");
+    println!("  Approvals console: {http}/ui   (sign in with the token)");
     println!(
         "  gRPC:  {}",
         endpoints["grpc"].as_str().unwrap_or_default()

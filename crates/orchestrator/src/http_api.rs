@@ -34,6 +34,8 @@ pub struct HttpState {
     pub principals: Arc<Principals>,
     /// `[agent]`, for `POST /v1/agent/runs`.
     pub agent: Arc<crate::agent::AgentConfig>,
+    /// Fires when the front door stops serving.
+    pub stopping: tokio_util::sync::CancellationToken,
 }
 
 /// An error response.
@@ -184,6 +186,8 @@ pub fn router(state: HttpState) -> Router {
         .route("/metrics", get(metrics))
         .merge(authenticated)
         .merge(crate::mcp::router(state.clone()))
+        // The approvals console: its own sign-in (a cookie, not a bearer header).
+        .merge(crate::ui::router())
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         // Bodies are read with an explicit cap in the handlers, answering 413 as JSON.

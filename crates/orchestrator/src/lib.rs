@@ -31,6 +31,7 @@ mod service;
 pub mod store;
 mod streaming;
 mod strict;
+mod ui;
 mod wire;
 pub mod worker_check;
 

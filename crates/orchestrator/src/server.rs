@@ -279,11 +279,15 @@ impl Orchestrator {
                         .max_encoding_message_size(MAX_GRPC_MESSAGE_BYTES),
                 ),
             );
+        // Fires when the front doors stop; endless responses (the console's live list)
+        // end with it, so that a graceful stop does not wait for their browsers.
+        let shutting_down = CancellationToken::new();
         let http_router = http_api::router(HttpState {
             gate: gate.clone(),
             calls: CallService::new(gate.clone()),
             principals: prepared.principals,
             agent,
+            stopping: shutting_down.clone(),
         });
 
         let endpoints = listeners.endpoints(config.grpc_tls.is_some());
@@ -311,7 +315,6 @@ impl Orchestrator {
             "orchestrator listening"
         );
 
-        let shutting_down = CancellationToken::new();
         let trigger = shutting_down.clone();
         tokio::spawn(async move {
             shutdown.await;

@@ -16,8 +16,8 @@ use std::time::Duration;
 use airlock_orchestrator::audit::{AuditKind, GENESIS_HASH, chain_hash};
 use airlock_orchestrator::store::{
     self, ApprovalId, ApprovalPage, ApprovalQuery, ApprovalStatus, AuditQuery, CallChange, CallId,
-    CallOutcome, CallState, CallWrite, NewApproval, NewAuditEvent, NewCall, PinCheck,
-    PinnedDefinition, RememberedApproval, Store, StoreError, Timestamp, now_millis,
+    CallListFilter, CallOutcome, CallState, CallWrite, NewApproval, NewAuditEvent, NewCall,
+    PinCheck, PinnedDefinition, RememberedApproval, Store, StoreError, Timestamp, now_millis,
 };
 use airlock_policy::CallStatus;
 use serde_json::json;
@@ -142,6 +142,7 @@ both_backends!(
     claim_for_dispatch_exactly_once_under_concurrency,
     resumable_calls_after_restart,
     calls_and_session_usage,
+    recent_calls_filter_by_principal_tool_and_status_newest_first,
     results_are_pruned_after_retention_and_the_chain_still_verifies,
     approval_pages_walk_every_approval_once_in_order,
     approval_pages_stop_at_their_byte_budget,
@@ -1149,6 +1150,92 @@ async fn calls_and_session_usage(backend: Backend) {
         store.finish_call(&cid("missing"), &outcome("ok")).await,
         Err(StoreError::NotFound { .. })
     ));
+}
+
+/// The console's list of calls: newest first, each filter narrowing it, the status of
+/// a call that has none yet read from its state.
+async fn recent_calls_filter_by_principal_tool_and_status_newest_first(backend: Backend) {
+    let store = backend.open().await;
+    // Distinct creation times, so that "newest first" has one answer.
+    let at = now_millis();
+    let mut finished = new_call("c-finished", CallState::Approved);
+    finished.created_at = at - 3000;
+    store.insert_call(finished).await.unwrap();
+    assert!(
+        store
+            .claim_for_dispatch(
+                &cid("c-finished"),
+                "r1",
+                now_millis(),
+                now_millis() + 60_000
+            )
+            .await
+            .unwrap()
+    );
+    assert!(
+        store
+            .finish_call(&cid("c-finished"), &outcome("error"))
+            .await
+            .unwrap()
+    );
+    let mut running = new_call("c-running", CallState::Approved);
+    running.created_at = at - 2000;
+    running.tool = "read_file".into();
+    store.insert_call(running).await.unwrap();
+    let mut held = new_approval("a-held", "c-held", 60_000);
+    held.call.created_at = at - 1000;
+    held.call.principal = "bob".into();
+    store.create_approval(held).await.unwrap();
+
+    let list = |filter: CallListFilter| {
+        let store = store.clone();
+        async move {
+            store
+                .recent_calls(&CallListFilter {
+                    limit: 10,
+                    ..filter
+                })
+                .await
+                .unwrap()
+                .into_iter()
+                .map(|c| c.call_id.to_string())
+                .collect::<Vec<_>>()
+        }
+    };
+    assert_eq!(
+        list(CallListFilter::default()).await,
+        ["c-held", "c-running", "c-finished"]
+    );
+    let alice = |status: Option<&str>| CallListFilter {
+        principal: Some("alice".into()),
+        status: status.map(str::to_owned),
+        ..CallListFilter::default()
+    };
+    assert_eq!(list(alice(None)).await, ["c-running", "c-finished"]);
+    assert_eq!(list(alice(Some("error"))).await, ["c-finished"]);
+    assert_eq!(list(alice(Some("running"))).await, ["c-running"]);
+    assert!(list(alice(Some("pending_approval"))).await.is_empty());
+    let held = CallListFilter {
+        status: Some("pending_approval".into()),
+        tool: Some("write_file".into()),
+        ..CallListFilter::default()
+    };
+    assert_eq!(list(held).await, ["c-held"]);
+    let reads = CallListFilter {
+        tool: Some("read_file".into()),
+        ..CallListFilter::default()
+    };
+    assert_eq!(list(reads).await, ["c-running"]);
+    // The limit holds, newest kept.
+    let one = store
+        .recent_calls(&CallListFilter {
+            limit: 1,
+            ..CallListFilter::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(one.len(), 1);
+    assert_eq!(one[0].call_id.to_string(), "c-held");
 }
 
 /// `[store] retention_days` (DESIGN §15): results of calls finished before the cut are

@@ -30,6 +30,7 @@ mod approval;
 mod budget;
 mod cache;
 mod claim;
+mod console;
 mod ctx;
 pub(crate) mod decisions;
 mod dispatch;
@@ -50,6 +51,7 @@ use serde_json::Value;
 use tokio::sync::{Notify, mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
+pub use console::HoldReasons;
 pub use ctx::ToolUse;
 
 use crate::audit::{AuditQuery, AuditRecord, NewAuditEvent, VerifyReport, redact};

@@ -117,6 +117,7 @@ CREATE INDEX IF NOT EXISTS approvals_status ON approvals (status, created_at);
 pub(super) const PAGING_INDEXES: &str = "
 CREATE INDEX IF NOT EXISTS approvals_page ON approvals (created_at, approval_id);
 CREATE INDEX IF NOT EXISTS approvals_status_page ON approvals (status, created_at, approval_id);
+CREATE INDEX IF NOT EXISTS calls_created ON calls (created_at);
 ";
 
 /// Tables added after schema version 1 was pinned, created (if missing) at every open
@@ -184,6 +185,27 @@ pub(super) const CALL_COLUMNS: &str = "call_id, tool_use_id, tool, input, princi
 pub(super) const APPROVAL_SELECT: &str = "SELECT a.approval_id, a.call_id, c.tool, c.input, c.principal, \
      c.session_id, a.status, a.created_at, a.expires_at, a.decided_by, a.reason, a.decided_at \
      FROM approvals a JOIN calls c ON c.call_id = a.call_id";
+
+/// The console's list of calls ([`Store::recent_calls`]): the newest first, each filter
+/// applied when set.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CallListFilter {
+    pub principal: Option<String>,
+    pub tool: Option<String>,
+    /// A final status (`ok`, `error`, `denied`, `timeout`, `cancelled`), or
+    /// `pending_approval`, or `running` (approved or on a worker).
+    pub status: Option<String>,
+    /// At most this many; capped at [`MAX_CALL_LIST`].
+    pub limit: usize,
+}
+
+/// Most calls [`Store::recent_calls`] lists at once.
+pub const MAX_CALL_LIST: usize = 500;
+
+/// The status a listed call is filtered by: its final status once it has one, else what
+/// its state means to a reader (`pending_approval`, `running`, `rejected`).
+pub(super) const CALL_LIST_STATUS: &str = "COALESCE(status, CASE state WHEN 'approved' THEN 'running' \
+     WHEN 'dispatched' THEN 'running' ELSE state END)";
 
 /// Approvals in one page when the caller does not say.
 pub const DEFAULT_APPROVAL_PAGE: usize = 100;
@@ -898,6 +920,8 @@ pub trait Store: Send + Sync {
     /// How many approvals wait for a decision (`airlock_pending_approvals`): counted
     /// over the status index, without reading any row's input.
     async fn pending_approvals(&self) -> Result<u64, StoreError>;
+    /// The latest calls that match `filter`, newest first (the approvals console).
+    async fn recent_calls(&self, filter: &CallListFilter) -> Result<Vec<StoredCall>, StoreError>;
 
     /// Calls recorded for `(principal, session_id)` and the time of the first.
     async fn session_usage(

@@ -27,11 +27,12 @@ use super::machine::{
 use super::sql::{Placeholders, filter_sql, move_call_sql, prune_results_sql};
 use super::{
     APPROVAL_SELECT, AUDIT_COLUMNS, Approval, ApprovalId, ApprovalPage, ApprovalQuery,
-    ApprovalStatus, AuditQuery, AuditRecord, CALL_COLUMNS, CallId, CallOutcome, CallState,
-    CallWrite, ExpiredApproval, NewApproval, NewAuditEvent, NewCall, PAGING_INDEXES, PIN_COLUMNS,
-    PinCheck, PinRow, PinnedDefinition, RememberedApproval, SCHEMA_VERSION, SessionUsage, Store,
-    StoreError, StoredCall, Timestamp, ToolPin, VerifyReport, added_tables, decode_call_status,
-    fill_page, from_json_text, schema_v1, to_i64, to_json_text, to_u64,
+    ApprovalStatus, AuditQuery, AuditRecord, CALL_COLUMNS, CALL_LIST_STATUS, CallId,
+    CallListFilter, CallOutcome, CallState, CallWrite, ExpiredApproval, MAX_CALL_LIST, NewApproval,
+    NewAuditEvent, NewCall, PAGING_INDEXES, PIN_COLUMNS, PinCheck, PinRow, PinnedDefinition,
+    RememberedApproval, SCHEMA_VERSION, SessionUsage, Store, StoreError, StoredCall, Timestamp,
+    ToolPin, VerifyReport, added_tables, decode_call_status, fill_page, from_json_text, schema_v1,
+    to_i64, to_json_text, to_u64,
 };
 use crate::audit::{ChainVerifier, GENESIS_HASH};
 
@@ -830,6 +831,23 @@ impl Store for PostgresStore {
             .await?;
         let count: i64 = row.try_get(0)?;
         Ok(u64::try_from(count).unwrap_or(0))
+    }
+
+    async fn recent_calls(&self, filter: &CallListFilter) -> Result<Vec<StoredCall>, StoreError> {
+        let client = self.client().await?;
+        let limit = i64::try_from(filter.limit.clamp(1, MAX_CALL_LIST)).unwrap_or(1);
+        let rows = client
+            .query(
+                &format!(
+                    "SELECT {CALL_COLUMNS} FROM calls WHERE ($1::text IS NULL OR principal = $1::text) \
+                     AND ($2::text IS NULL OR tool = $2::text) \
+                     AND ($3::text IS NULL OR {CALL_LIST_STATUS} = $3::text) \
+                     ORDER BY created_at DESC, call_id DESC LIMIT $4"
+                ),
+                &[&filter.principal, &filter.tool, &filter.status, &limit],
+            )
+            .await?;
+        rows.iter().map(call_from_row).collect()
     }
 
     async fn tool_pins(&self) -> Result<Vec<ToolPin>, StoreError> {

@@ -24,11 +24,12 @@ use super::machine::{
 use super::sql::{Placeholders, filter_sql, move_call_sql, prune_results_sql};
 use super::{
     APPROVAL_SELECT, AUDIT_COLUMNS, Approval, ApprovalId, ApprovalPage, ApprovalQuery,
-    ApprovalStatus, AuditQuery, AuditRecord, CALL_COLUMNS, CallId, CallOutcome, CallState,
-    CallWrite, ExpiredApproval, NewApproval, NewAuditEvent, NewCall, PAGING_INDEXES, PIN_COLUMNS,
-    PinCheck, PinRow, PinnedDefinition, RememberedApproval, SCHEMA_VERSION, SessionUsage, Store,
-    StoreError, StoredCall, Timestamp, ToolPin, VerifyReport, added_tables, decode_call_status,
-    fill_page, from_json_text, schema_v1, to_i64, to_json_text, to_u64,
+    ApprovalStatus, AuditQuery, AuditRecord, CALL_COLUMNS, CALL_LIST_STATUS, CallId,
+    CallListFilter, CallOutcome, CallState, CallWrite, ExpiredApproval, MAX_CALL_LIST, NewApproval,
+    NewAuditEvent, NewCall, PAGING_INDEXES, PIN_COLUMNS, PinCheck, PinRow, PinnedDefinition,
+    RememberedApproval, SCHEMA_VERSION, SessionUsage, Store, StoreError, StoredCall, Timestamp,
+    ToolPin, VerifyReport, added_tables, decode_call_status, fill_page, from_json_text, schema_v1,
+    to_i64, to_json_text, to_u64,
 };
 use crate::audit::{ChainVerifier, GENESIS_HASH};
 
@@ -1118,6 +1119,26 @@ impl Store for SqliteStore {
                 |row| row.get(0),
             )?;
             Ok(u64::try_from(count).unwrap_or(0))
+        })
+        .await
+    }
+
+    async fn recent_calls(&self, filter: &CallListFilter) -> Result<Vec<StoredCall>, StoreError> {
+        let filter = filter.clone();
+        self.run(move |conn| {
+            let limit = i64::try_from(filter.limit.clamp(1, MAX_CALL_LIST)).unwrap_or(1);
+            let mut stmt = conn.prepare_cached(&format!(
+                "SELECT {CALL_COLUMNS} FROM calls WHERE (?1 IS NULL OR principal = ?1) \
+                 AND (?2 IS NULL OR tool = ?2) AND (?3 IS NULL OR {CALL_LIST_STATUS} = ?3) \
+                 ORDER BY created_at DESC, call_id DESC LIMIT ?4"
+            ))?;
+            let mut rows =
+                stmt.query(params![filter.principal, filter.tool, filter.status, limit])?;
+            let mut out = Vec::new();
+            while let Some(row) = rows.next()? {
+                out.push(call_from_row(row)?);
+            }
+            Ok(out)
         })
         .await
     }
