@@ -474,11 +474,12 @@ fn processes_with(needle: &str) -> Vec<(u32, String)> {
         .collect()
 }
 
-/// Per-call cgroups (`call-<worker pid>-<n>`) of one shell worker, in every hierarchy.
 /// The shell worker's pre-built sandboxes waiting for a call (`[sandbox] prebuilt`):
-/// its own children named `airlock-ready`. They come and go with the calls (each serves
-/// one call, then the worker builds another), so the checks below leave them out;
-/// anything else — a used one that survived its call included — still counts.
+/// its own children named `airlock-ready`, or still being built by its
+/// `airlock-prebuild` thread (whose name they carry until then). They come and go with
+/// the calls (each serves one call, then the worker builds another), so the checks
+/// below leave them out; anything else — a used one that survived its call (named
+/// `airlock-init` by then) included — still counts.
 fn waiting_sandboxes(shell_worker: u32) -> BTreeSet<u32> {
     let mut children = BTreeSet::new();
     let Ok(tasks) = std::fs::read_dir(format!("/proc/{shell_worker}/task")) else {
@@ -493,7 +494,7 @@ fn waiting_sandboxes(shell_worker: u32) -> BTreeSet<u32> {
     }
     children.retain(|pid| {
         std::fs::read_to_string(format!("/proc/{pid}/comm"))
-            .is_ok_and(|c| c.trim() == "airlock-ready")
+            .is_ok_and(|c| matches!(c.trim(), "airlock-ready" | "airlock-prebuil"))
     });
     children
 }
@@ -523,6 +524,7 @@ fn call_cgroups(worker: u32) -> Vec<PathBuf> {
     found
 }
 
+/// Per-call cgroups (`call-<worker pid>-<n>`) of one shell worker, in every hierarchy.
 fn all_call_cgroups(worker: u32) -> Vec<PathBuf> {
     let prefix = format!("call-{worker}-");
     let mut found = Vec::new();
