@@ -118,7 +118,7 @@ fn sub_cgroups(dir: &Path) -> Vec<String> {
 /// the pools of live sandbox factories (`pool-<pid>-<n>`, removed when the factory is
 /// dropped), each of them empty. Removes what is left of the test's parents.
 fn assert_no_cgroup_left(test: &str) {
-    if PREBUILT > 0 {
+    if PREBUILT != 0 {
         wait_for_only_waiting_entries(test);
         return;
     }
