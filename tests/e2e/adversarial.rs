@@ -287,7 +287,7 @@ impl Lab {
         // can change the host.
         OrdinaryUser::get();
         let baseline = HostState::capture(&canary_roots);
-        let tree = descendants(launcher).into_iter().collect();
+        let tree = lasting_tree(launcher, shell_worker);
         Lab {
             airlock,
             _delegation: delegation,
@@ -402,7 +402,7 @@ impl Lab {
                     "processes carrying the marker survive on the host: {marked:?}"
                 ));
             }
-            let tree: BTreeSet<u32> = descendants(self.launcher).into_iter().collect();
+            let tree = lasting_tree(self.launcher, self.shell_worker);
             if tree != self.tree {
                 let extra: Vec<(u32, String)> = tree
                     .difference(&self.tree)
@@ -474,8 +474,58 @@ fn processes_with(needle: &str) -> Vec<(u32, String)> {
         .collect()
 }
 
-/// Per-call cgroups (`call-<worker pid>-<n>`) of one shell worker, in every hierarchy.
+/// The shell worker's pre-built sandboxes waiting for a call (`[sandbox] prebuilt`):
+/// its own children named `airlock-ready`, or still being built by its
+/// `airlock-prebuild` thread (whose name they carry until then). They come and go with
+/// the calls (each serves one call, then the worker builds another), so the checks
+/// below leave them out; anything else — a used one that survived its call (named
+/// `airlock-init` by then) included — still counts.
+fn waiting_sandboxes(shell_worker: u32) -> BTreeSet<u32> {
+    let mut children = BTreeSet::new();
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{shell_worker}/task")) else {
+        return children;
+    };
+    for task in tasks.flatten() {
+        let list = std::fs::read_to_string(task.path().join("children")).unwrap_or_default();
+        children.extend(
+            list.split_whitespace()
+                .filter_map(|c| c.parse::<u32>().ok()),
+        );
+    }
+    children.retain(|pid| {
+        std::fs::read_to_string(format!("/proc/{pid}/comm"))
+            .is_ok_and(|c| matches!(c.trim(), "airlock-ready" | "airlock-prebuil"))
+    });
+    children
+}
+
+/// The launcher's descendants but the shell worker's waiting pre-built sandboxes.
+fn lasting_tree(launcher: u32, shell_worker: u32) -> BTreeSet<u32> {
+    let waiting = waiting_sandboxes(shell_worker);
+    descendants(launcher)
+        .into_iter()
+        .filter(|p| !waiting.contains(p))
+        .collect()
+}
+
+/// Per-call cgroups of the shell worker, but those holding exactly one of its waiting
+/// pre-built sandboxes.
 fn call_cgroups(worker: u32) -> Vec<PathBuf> {
+    let waiting = waiting_sandboxes(worker);
+    let mut found = all_call_cgroups(worker);
+    found.retain(|dir| {
+        let procs: Vec<u32> = std::fs::read_to_string(dir.join("cgroup.procs"))
+            .unwrap_or_default()
+            .split_whitespace()
+            .filter_map(|p| p.parse().ok())
+            .collect();
+        !(procs.len() == 1 && waiting.contains(&procs[0]))
+    });
+    found
+}
+
+/// Per-call cgroups (`call-<worker pid>-<n>`) of one shell worker, in every hierarchy.
+fn all_call_cgroups(worker: u32) -> Vec<PathBuf> {
     let prefix = format!("call-{worker}-");
     let mut found = Vec::new();
     let mut stack = vec![(PathBuf::from("/sys/fs/cgroup"), 0)];
@@ -1582,7 +1632,7 @@ async fn sessions_cannot_reach_each_other() {
             "alice's call has no cgroup named after the shell worker"
         );
         assert!(
-            descendants(lab.launcher).len() > lab.tree.len(),
+            lasting_tree(lab.launcher, lab.shell_worker).len() > lab.tree.len(),
             "alice's sandbox is not below the launcher"
         );
         // The split needle keeps the marker out of bob's own command line.

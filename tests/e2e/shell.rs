@@ -4,7 +4,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
-use crate::support::{Airlock, cmdline, descendants, sse_events};
+use crate::support::{Airlock, alive, cmdline, descendants, sse_events};
 
 fn parse(text: &str) -> Value {
     serde_json::from_str(text).unwrap_or_else(|e| panic!("result is not JSON ({e}): {text}"))
@@ -480,4 +480,109 @@ async fn renames_across_directories_work_in_the_sandbox() {
         .await;
     assert!(err, "{text}");
     assert!(!std::path::Path::new("/etc/x").exists());
+}
+
+/// The pid namespace links (`pid:[…]`) of the shell worker's waiting pre-built
+/// sandboxes (its children named `airlock-ready`), by pid.
+fn waiting_sandboxes(airlock: &Airlock) -> Vec<(u32, String)> {
+    descendants(airlock.pid())
+        .into_iter()
+        .filter(|p| {
+            std::fs::read_to_string(format!("/proc/{p}/comm"))
+                .is_ok_and(|c| c.trim() == "airlock-ready")
+        })
+        .filter_map(|p| {
+            let ns = std::fs::read_link(format!("/proc/{p}/ns/pid")).ok()?;
+            Some((p, ns.to_string_lossy().into_owned()))
+        })
+        .collect()
+}
+
+/// Waits until the shell worker has `n` pre-built sandboxes waiting.
+async fn wait_for_waiting(airlock: &Airlock, n: usize) -> Vec<(u32, String)> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let waiting = waiting_sandboxes(airlock);
+        if waiting.len() == n {
+            return waiting;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{} pre-built sandboxes waiting, not {n}: {waiting:?}",
+            waiting.len()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// `[sandbox] prebuilt` (default 2): the shell worker keeps sandboxes pre-built, a call
+/// runs in one of them — its namespaces are that waiting process's — and the next call
+/// in another; nothing of one call (its /tmp) is seen by the next; none is left when
+/// Airlock stops. (No per-workspace volume here: a volume mounted after an entry was
+/// built sends the call to a fresh sandbox, see the sandbox crate's tests.)
+#[tokio::test]
+async fn each_call_runs_in_a_pre_built_sandbox_of_its_own() {
+    let mut airlock =
+        Airlock::start_with("[sandbox]\nworkspace_bytes = 0\nworkspace_inodes = 0\n").await;
+    let script = "readlink /proc/self/ns/pid /proc/self/ns/net /proc/self/ns/mnt; ls /tmp; \
+                  echo secret > /tmp/left-behind";
+    let mut seen = Vec::new();
+    // The first call starts the pool; the next two must each take a waiting entry.
+    for round in 0..3 {
+        let waiting = if round > 0 {
+            wait_for_waiting(&airlock, 2).await
+        } else {
+            Vec::new()
+        };
+        let (err, text, _) = airlock
+            .call_in("pool", "execute_shell", json!({"command": script}))
+            .await;
+        assert!(!err, "{text}");
+        let result = parse(&text);
+        let stdout = result["stdout"].as_str().expect("stdout").to_owned();
+        let lines: Vec<&str> = stdout.lines().collect();
+        // Three namespace links, and an empty /tmp: no earlier call's file in it.
+        assert_eq!(lines.len(), 3, "{stdout}");
+        assert_eq!(result["isolation"]["level"], "strict");
+        if round > 0 {
+            assert!(
+                waiting.iter().any(|(_, ns)| ns == lines[0]),
+                "call {round} ran in {} and not in a waiting sandbox: {waiting:?}",
+                lines[0]
+            );
+            // That entry is gone: used once, then destroyed with the call.
+            let used: Vec<u32> = waiting
+                .iter()
+                .filter(|(_, ns)| ns == lines[0])
+                .map(|(p, _)| *p)
+                .collect();
+            for pid in used {
+                assert!(!alive(pid), "the entry {pid} outlived its call");
+            }
+        }
+        seen.push(lines.iter().map(|l| l.to_string()).collect::<Vec<_>>());
+    }
+    for kind in 0..3 {
+        let mut links: Vec<&String> = seen.iter().map(|s| &s[kind]).collect();
+        links.sort();
+        links.dedup();
+        assert_eq!(links.len(), 3, "calls shared a namespace: {seen:?}");
+    }
+    let waiting = wait_for_waiting(&airlock, 2).await;
+    airlock.stop();
+    for (pid, _) in waiting {
+        assert!(!alive(pid), "the pre-built sandbox {pid} outlived Airlock");
+    }
+}
+
+/// `[sandbox] prebuilt = 0`: every sandbox is built for its call, none waits.
+#[tokio::test]
+async fn prebuilt_zero_keeps_no_sandbox_waiting() {
+    let airlock = Airlock::start_with("[sandbox]\nprebuilt = 0\n").await;
+    let (err, text, _) = airlock
+        .call_in("nopool", "execute_shell", json!({"command": "true"}))
+        .await;
+    assert!(!err, "{text}");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(waiting_sandboxes(&airlock), Vec::new());
 }

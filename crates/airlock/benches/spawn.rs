@@ -1,7 +1,9 @@
 //! Spawn-to-exit latency of `/bin/true`, side by side in one run: bare fork+exec,
 //! `bwrap --unshare-all`, `airlock sandbox run -- true` as a whole process (the binary
 //! this bench was built with: start-up, configuration, host probe, one sandbox, clean-up)
-//! and Airlock's sandbox in process at the strict and standard levels.
+//! and Airlock's sandbox in process at the strict and standard levels, and strict from a
+//! pool of pre-built sandboxes (`prebuilt = 2`; each used once, the pool refilling in
+//! the background between two runs of the row).
 //!
 //! `cargo bench -p airlock --bench spawn` (as root; needs bubblewrap: `apt-get install
 //! bubblewrap`). Prints a Markdown table of medians, p99 and ratios, and writes it to
@@ -56,11 +58,18 @@ impl Row {
     }
 }
 
-fn sandbox(level: IsolationLevel, workspace: PathBuf) -> Result<impl FnMut() -> Result<()>> {
+/// The in-process sandbox at `level`; with `prebuilt`, every run must come from the
+/// pool (rows take turns, so it refills between two runs of its row).
+fn sandbox(
+    level: IsolationLevel,
+    prebuilt: usize,
+    workspace: PathBuf,
+) -> Result<impl FnMut() -> Result<()>> {
     let config = SandboxConfig {
         min_isolation: IsolationLevel::Standard,
         force_level: Some(level),
-        cgroup_parent: format!("airlock-bench-{}", level.as_str()),
+        cgroup_parent: format!("airlock-bench-{}-{prebuilt}", level.as_str()),
+        prebuilt,
         ..SandboxConfig::default()
     };
     let sandbox = Sandbox::new(config)?;
@@ -70,6 +79,13 @@ fn sandbox(level: IsolationLevel, workspace: PathBuf) -> Result<impl FnMut() -> 
         let outcome = sandbox.run(&spec, &mut NoSink, &cancel)?;
         if outcome.exit_code != Some(0) {
             return Err(format!("sandboxed true exited {:?}", outcome.exit_code).into());
+        }
+        if outcome.prebuilt != (prebuilt > 0) {
+            return Err(format!(
+                "the run was not from the pool: {}",
+                outcome.fallback.unwrap_or_default()
+            )
+            .into());
         }
         Ok(())
     })
@@ -161,11 +177,15 @@ fn main() -> Result<()> {
     }
     rows.push(Row::new(
         "Airlock sandbox in process, strict (every layer)",
-        sandbox(IsolationLevel::Strict, workspace.path().to_path_buf())?,
+        sandbox(IsolationLevel::Strict, 0, workspace.path().to_path_buf())?,
+    ));
+    rows.push(Row::new(
+        "Airlock sandbox in process, strict, from the pool",
+        sandbox(IsolationLevel::Strict, 2, workspace.path().to_path_buf())?,
     ));
     rows.push(Row::new(
         "Airlock sandbox in process, standard",
-        sandbox(IsolationLevel::Standard, workspace.path().to_path_buf())?,
+        sandbox(IsolationLevel::Standard, 0, workspace.path().to_path_buf())?,
     ));
 
     for row in &mut rows {

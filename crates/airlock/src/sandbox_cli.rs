@@ -71,6 +71,9 @@ fn run_in(
     if let Some(level) = shell.force_level {
         shell.min_isolation = shell.min_isolation.min(level);
     }
+    // One call: a pre-built sandbox would only be built, handed that one call, and
+    // its spare destroyed on the way out.
+    shell.prebuilt = 0;
     std::fs::create_dir_all(&shell.workspaces_root)
         .with_context(|| format!("cannot create {}", shell.workspaces_root.display()))?;
     let timeout = Duration::from_secs(shell.max_timeout_seconds);

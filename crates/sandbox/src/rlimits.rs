@@ -45,9 +45,63 @@ pub(crate) struct Rlimits {
     pub timeout: Duration,
 }
 
+/// The resources a sandbox limits, in the order of [`RlimitValues`].
+const RESOURCES: [libc::__rlimit_resource_t; 5] = [
+    libc::RLIMIT_NOFILE,
+    libc::RLIMIT_FSIZE,
+    libc::RLIMIT_CORE,
+    libc::RLIMIT_CPU,
+    libc::RLIMIT_DATA,
+];
+
+/// The (soft, hard) values of [`RESOURCES`], in that order: what the child sets. Plain
+/// integers, so that a pre-built sandbox receives them as bytes (`encode`/`decode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct RlimitValues([(u64, u64); 5]);
+
+impl RlimitValues {
+    /// Bytes of [`RlimitValues::encode`].
+    pub(crate) const ENCODED_LEN: usize = 80;
+
+    pub(crate) fn encode(&self, out: &mut Vec<u8>) {
+        for (soft, hard) in self.0 {
+            out.extend_from_slice(&soft.to_ne_bytes());
+            out.extend_from_slice(&hard.to_ne_bytes());
+        }
+    }
+
+    /// The inverse of [`RlimitValues::encode`] (async-signal-safe: no allocation).
+    pub(crate) fn decode(bytes: &[u8]) -> Option<Self> {
+        let bytes = bytes.get(..Self::ENCODED_LEN)?;
+        let mut values = [(0u64, 0u64); 5];
+        for (i, value) in values.iter_mut().enumerate() {
+            let word = |at: usize| {
+                let mut b = [0u8; 8];
+                b.copy_from_slice(&bytes[at..at + 8]);
+                u64::from_ne_bytes(b)
+            };
+            *value = (word(i * 16), word(i * 16 + 8));
+        }
+        Some(RlimitValues(values))
+    }
+
+    /// Child side (async-signal-safe).
+    pub(crate) fn apply(&self) -> Result<(), Failure> {
+        for (resource, (soft, hard)) in RESOURCES.iter().zip(self.0) {
+            let limit = libc::rlimit {
+                rlim_cur: soft,
+                rlim_max: hard,
+            };
+            // SAFETY: `limit` is a valid rlimit value.
+            sys::check_int(unsafe { libc::setrlimit(*resource, &limit) }).at(Step::Rlimits)?;
+        }
+        Ok(())
+    }
+}
+
 /// Prepared `setrlimit` calls (built before `clone`).
 pub(crate) struct RlimitPlan {
-    limits: [(libc::__rlimit_resource_t, libc::rlimit); 5],
+    values: RlimitValues,
     report: RlimitReport,
 }
 
@@ -65,14 +119,15 @@ impl RlimitPlan {
         // Soft limit: SIGXCPU; one second later the hard limit SIGKILLs.
         let cpu_limit = clamp(libc::RLIMIT_CPU, "cpu", cpu, cpu + 1)?;
         let data = clamp(libc::RLIMIT_DATA, "data", u64::MAX, u64::MAX)?;
+        let pair = |l: libc::rlimit| (l.rlim_cur, l.rlim_max);
         Ok(RlimitPlan {
-            limits: [
-                (libc::RLIMIT_NOFILE, nofile),
-                (libc::RLIMIT_FSIZE, fsize),
-                (libc::RLIMIT_CORE, core),
-                (libc::RLIMIT_CPU, cpu_limit),
-                (libc::RLIMIT_DATA, data),
-            ],
+            values: RlimitValues([
+                pair(nofile),
+                pair(fsize),
+                pair(core),
+                pair(cpu_limit),
+                pair(data),
+            ]),
             report: RlimitReport {
                 nofile: nofile.rlim_cur,
                 fsize_bytes: fsize.rlim_cur,
@@ -86,13 +141,9 @@ impl RlimitPlan {
         self.report
     }
 
-    /// Child side (async-signal-safe).
-    pub(crate) fn apply(&self) -> Result<(), Failure> {
-        for (resource, limit) in &self.limits {
-            // SAFETY: `limit` is a valid rlimit value.
-            sys::check_int(unsafe { libc::setrlimit(*resource, limit) }).at(Step::Rlimits)?;
-        }
-        Ok(())
+    /// What the child sets.
+    pub(crate) fn values(&self) -> RlimitValues {
+        self.values
     }
 }
 
@@ -124,4 +175,19 @@ fn clamp(
         rlim_cur: soft.min(hard),
         rlim_max: hard,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn values_round_trip_through_bytes() {
+        let values = RlimitValues([(1, 2), (3, 4), (0, 0), (u64::MAX, u64::MAX), (7, 8)]);
+        let mut bytes = Vec::new();
+        values.encode(&mut bytes);
+        assert_eq!(bytes.len(), RlimitValues::ENCODED_LEN);
+        assert_eq!(RlimitValues::decode(&bytes), Some(values));
+        assert_eq!(RlimitValues::decode(&bytes[..79]), None);
+    }
 }

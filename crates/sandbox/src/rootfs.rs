@@ -123,12 +123,12 @@ pub(crate) struct RootfsTemplate {
     devices: Vec<(CString, CString)>,
 }
 
-/// Everything the child needs to build the new root, prepared before `clone`: the
-/// factory's template and the call's workspace and working directory.
-pub(crate) struct RootfsPlan<'a> {
-    template: &'a RootfsTemplate,
-    workspace_source: CString,
-    cwd: CString,
+/// The call's part of the new root, prepared before `clone` (or before a pre-built
+/// sandbox is handed its call): where the workspace is seen from inside the new
+/// mount namespace before the old root is detached, and the working directory.
+pub(crate) struct RootfsPlan {
+    pub(crate) workspace_source: CString,
+    pub(crate) cwd: CString,
 }
 
 fn cstring(p: &Path) -> Result<CString, RootfsError> {
@@ -138,20 +138,15 @@ fn cstring(p: &Path) -> Result<CString, RootfsError> {
     })
 }
 
-impl<'a> RootfsPlan<'a> {
-    /// Plans the new root for `workspace` (a host directory), starting in
-    /// `/workspace/<cwd>`.
-    pub(crate) fn prepare(
-        template: &'a RootfsTemplate,
-        workspace: &Path,
-        cwd: &Path,
-    ) -> Result<Self, RootfsError> {
+impl RootfsPlan {
+    /// Plans the call's part of the new root for `workspace` (a host directory),
+    /// starting in `/workspace/<cwd>`.
+    pub(crate) fn prepare(workspace: &Path, cwd: &Path) -> Result<Self, RootfsError> {
         if !workspace.is_absolute() || !workspace.is_dir() {
             return Err(RootfsError::Workspace(workspace.to_path_buf()));
         }
         let workspace_rel = workspace.strip_prefix("/").unwrap_or(workspace);
         Ok(RootfsPlan {
-            template,
             workspace_source: cstring(&Path::new("/oldroot").join(workspace_rel))?,
             cwd: cstring(&Path::new("/workspace").join(cwd))?,
         })
@@ -250,11 +245,15 @@ impl RootfsTemplate {
     }
 }
 
-impl RootfsPlan<'_> {
-    /// Child side: builds the new root and pivots into it, as one straight sequence
-    /// (async-signal-safe: only system calls on prepared strings).
-    pub(crate) fn enter(&self) -> Result<(), Failure> {
-        let template = self.template;
+impl RootfsTemplate {
+    /// Child side, the part of the new root that is the same for every call: pivots
+    /// into a fresh root with the system directories, `/etc`, `/tmp`, `/proc` and
+    /// `/dev`, the host's root still at `/oldroot` (async-signal-safe: only system
+    /// calls on prepared strings). [`finish_root`] follows, with the call's workspace;
+    /// a fresh sandbox runs the two back to back, a pre-built one (`spawn::pool`) runs
+    /// this before its call and [`finish_root`] once the call is known.
+    pub(crate) fn build_root(&self) -> Result<(), Failure> {
+        let template = self;
         // 1. Nothing we mount may propagate back to the host's mount namespace.
         sys::mount(None, c"/", None, libc::MS_REC | libc::MS_PRIVATE, None)
             .at(Step::MakeMountsPrivate)?;
@@ -322,19 +321,7 @@ impl RootfsPlan<'_> {
             }
         }
 
-        // 5. The workspace, read-write, without setuid or devices.
-        mkdir(c"/workspace", 0o755).at(Step::BindWorkspace)?;
-        sys::mount(
-            Some(&self.workspace_source),
-            c"/workspace",
-            None,
-            libc::MS_BIND,
-            None,
-        )
-        .at(Step::BindWorkspace)?;
-        remount_bind(c"/workspace", libc::MS_NOSUID | libc::MS_NODEV).at(Step::BindWorkspace)?;
-
-        // 6. /tmp: a tmpfs with a size limit (its pages are also charged to the cgroup).
+        // 5. /tmp: a tmpfs with a size limit (its pages are also charged to the cgroup).
         mkdir(c"/tmp", 0o1777).at(Step::MountTmp)?;
         sys::mount(
             Some(c"tmpfs"),
@@ -345,7 +332,7 @@ impl RootfsPlan<'_> {
         )
         .at(Step::MountTmp)?;
 
-        // 7. A fresh /proc of the new pid namespace; kernel knobs read-only.
+        // 6. A fresh /proc of the new pid namespace; kernel knobs read-only.
         mkdir(c"/proc", 0o555).at(Step::MountProc)?;
         sys::mount(
             Some(c"proc"),
@@ -366,7 +353,7 @@ impl RootfsPlan<'_> {
             }
         }
 
-        // 8. A minimal /dev: a few host device nodes, /dev/shm, and /proc symlinks.
+        // 7. A minimal /dev: a few host device nodes, /dev/shm, and /proc symlinks.
         mkdir(c"/dev", 0o755).at(Step::MinimalDev)?;
         sys::mount(
             Some(c"tmpfs"),
@@ -394,21 +381,39 @@ impl RootfsPlan<'_> {
         .at(Step::MinimalDev)?;
         remount_bind(c"/dev", libc::MS_RDONLY | libc::MS_NOSUID | libc::MS_NOEXEC)
             .at(Step::MinimalDev)?;
-
-        // 9. Detach the host's root: from here on, nothing of it is reachable.
-        // SAFETY: the argument is a NUL-terminated string.
-        sys::check_int(unsafe { libc::umount2(OLD_ROOT_ABS.as_ptr(), libc::MNT_DETACH) })
-            .at(Step::DetachOldRoot)?;
-        // SAFETY: the argument is a NUL-terminated string.
-        sys::check_int(unsafe { libc::rmdir(OLD_ROOT_ABS.as_ptr()) }).at(Step::DetachOldRoot)?;
-
-        // 10. The root tmpfs itself becomes read-only.
-        remount_bind(c"/", libc::MS_RDONLY | libc::MS_NOSUID | libc::MS_NODEV)
-            .at(Step::RootReadOnly)?;
-
-        // 11. Start in the requested directory under /workspace.
-        chdir(&self.cwd).at(Step::ChangeDirectory)
+        Ok(())
     }
+}
+
+/// Child side, the call's part of the new root after [`RootfsTemplate::build_root`]:
+/// the workspace bound from the host's root, that root detached, the new root made
+/// read-only, and the working directory (async-signal-safe).
+pub(crate) fn finish_root(workspace_source: &CStr, cwd: &CStr) -> Result<(), Failure> {
+    // 8. The workspace, read-write, without setuid or devices.
+    mkdir(c"/workspace", 0o755).at(Step::BindWorkspace)?;
+    sys::mount(
+        Some(workspace_source),
+        c"/workspace",
+        None,
+        libc::MS_BIND,
+        None,
+    )
+    .at(Step::BindWorkspace)?;
+    remount_bind(c"/workspace", libc::MS_NOSUID | libc::MS_NODEV).at(Step::BindWorkspace)?;
+
+    // 9. Detach the host's root: from here on, nothing of it is reachable.
+    // SAFETY: the argument is a NUL-terminated string.
+    sys::check_int(unsafe { libc::umount2(OLD_ROOT_ABS.as_ptr(), libc::MNT_DETACH) })
+        .at(Step::DetachOldRoot)?;
+    // SAFETY: the argument is a NUL-terminated string.
+    sys::check_int(unsafe { libc::rmdir(OLD_ROOT_ABS.as_ptr()) }).at(Step::DetachOldRoot)?;
+
+    // 10. The root tmpfs itself becomes read-only.
+    remount_bind(c"/", libc::MS_RDONLY | libc::MS_NOSUID | libc::MS_NODEV)
+        .at(Step::RootReadOnly)?;
+
+    // 11. Start in the requested directory under /workspace.
+    chdir(cwd).at(Step::ChangeDirectory)
 }
 
 fn mkdir(path: &CStr, mode: libc::mode_t) -> Result<(), i32> {

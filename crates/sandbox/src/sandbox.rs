@@ -127,6 +127,11 @@ pub struct SandboxConfig {
     pub cgroup_parent: String,
     /// Sandboxes that run at once; more wait inside their deadline.
     pub max_concurrent: usize,
+    /// Strict sandboxes kept pre-built (namespaces made, id maps written, the shared
+    /// part of the root mounted), each used by one call and then destroyed; `0` (the
+    /// library's default) builds every sandbox when its call comes. Ignored at the
+    /// standard level, which creates no namespace. See `spawn::pool`.
+    pub prebuilt: usize,
 }
 
 impl Default for SandboxConfig {
@@ -144,6 +149,7 @@ impl Default for SandboxConfig {
             network: Network::None,
             cgroup_parent: "airlock".to_owned(),
             max_concurrent: crate::slots::default_max_concurrent(),
+            prebuilt: 0,
         }
     }
 }
@@ -308,6 +314,14 @@ pub struct RunOutcome {
     /// the child's confinement): what a sandbox costs before the command runs.
     #[serde(skip)]
     pub spawn: Duration,
+    /// Whether the command ran in a pre-built sandbox ([`SandboxConfig::prebuilt`])
+    /// rather than one built for it; the confinement is the same either way.
+    #[serde(skip)]
+    pub prebuilt: bool,
+    /// Why a factory with pre-built sandboxes ran this call in a fresh one (none was
+    /// ready, the call did not fit one, ...); `None` otherwise.
+    #[serde(skip)]
+    pub fallback: Option<String>,
     pub usage: Usage,
     pub isolation: IsolationReport,
 }
@@ -320,6 +334,17 @@ fn duration_ms<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Err
 /// commands (concurrently from several threads, too).
 #[derive(Debug)]
 pub struct Sandbox {
+    factory: Arc<Factory>,
+    slots: crate::slots::Slots,
+    /// Pre-built strict sandboxes, started by the first [`Sandbox::run`] (so that a
+    /// worker confines itself first, and every entry inherits that confinement).
+    pool: std::sync::OnceLock<Option<spawn::Pool>>,
+}
+
+/// What every sandbox of a factory shares, prepared once: shared with the thread that
+/// keeps pre-built sandboxes ready.
+#[derive(Debug)]
+pub(crate) struct Factory {
     config: SandboxConfig,
     level: IsolationLevel,
     landlock_abi: u32,
@@ -328,7 +353,6 @@ pub struct Sandbox {
     /// The host's side of a strict sandbox's new root, found once.
     rootfs: Option<RootfsTemplate>,
     report: IsolationReport,
-    slots: crate::slots::Slots,
 }
 
 impl Sandbox {
@@ -435,29 +459,52 @@ impl Sandbox {
             network: config.network.as_str(),
         };
         Ok(Sandbox {
-            config,
-            level,
-            landlock_abi,
-            cgroup,
-            seccomp,
-            rootfs,
-            report,
+            factory: Arc::new(Factory {
+                config,
+                level,
+                landlock_abi,
+                cgroup,
+                seccomp,
+                rootfs,
+                report,
+            }),
             slots: crate::slots::Slots::new(max_concurrent),
+            pool: std::sync::OnceLock::new(),
         })
     }
 
     /// The layers every run of this sandbox gets (per-call values such as the timeout
     /// are filled in each [`RunOutcome::isolation`]).
     pub fn report(&self) -> &IsolationReport {
-        &self.report
+        &self.factory.report
     }
 
     pub fn level(&self) -> IsolationLevel {
-        self.level
+        self.factory.level
     }
 
     pub fn config(&self) -> &SandboxConfig {
-        &self.config
+        &self.factory.config
+    }
+
+    /// Pre-built sandboxes ready for a call right now (`0` without a pool, or before
+    /// the first [`Sandbox::run`] started it).
+    pub fn prebuilt_ready(&self) -> usize {
+        self.pool
+            .get()
+            .and_then(Option::as_ref)
+            .map_or(0, spawn::Pool::ready)
+    }
+
+    /// The pool, started by the first call: strict factories with `prebuilt > 0` only.
+    fn pool(&self) -> Option<&spawn::Pool> {
+        self.pool
+            .get_or_init(|| {
+                let size = self.factory.config.prebuilt;
+                (size > 0 && self.factory.is_strict())
+                    .then(|| spawn::Pool::start(self.factory.clone(), size))
+            })
+            .as_ref()
     }
 
     /// Runs one command to completion (or timeout, or cancellation). Blocking: call it
@@ -476,14 +523,14 @@ impl Sandbox {
         let waited = accepted.elapsed();
         // Taking a free slot costs microseconds; only a real wait shortens the timeout.
         if waited < Duration::from_millis(1) {
-            return spawn::run(self, spec, None, sink, cancel);
+            return spawn::run(&self.factory, self.pool(), spec, None, sink, cancel);
         }
         let mut spec = spec.clone();
         spec.timeout = spec
             .timeout
             .saturating_sub(waited)
             .max(Duration::from_millis(1));
-        spawn::run(self, &spec, None, sink, cancel)
+        spawn::run(&self.factory, self.pool(), &spec, None, sink, cancel)
     }
 
     /// Runs a long-lived command that talks over its stdin and stdout (a stdio MCP
@@ -502,12 +549,24 @@ impl Sandbox {
         stderr_sink: &mut dyn OutputSink,
         cancel: &Cancel,
     ) -> Result<RunOutcome, SandboxError> {
-        spawn::run(self, spec, Some(stdio), stderr_sink, cancel)
+        // A long-lived command with the caller's descriptors: never from the pool,
+        // whose entries hold pipes of their own.
+        spawn::run(&self.factory, None, spec, Some(stdio), stderr_sink, cancel)
     }
 
     /// Sandboxes that may run at once.
     pub fn max_concurrent(&self) -> usize {
         self.slots.max()
+    }
+}
+
+impl Factory {
+    pub(crate) fn config(&self) -> &SandboxConfig {
+        &self.config
+    }
+
+    pub(crate) fn report(&self) -> &IsolationReport {
+        &self.report
     }
 
     pub(crate) fn is_strict(&self) -> bool {

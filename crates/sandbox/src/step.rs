@@ -43,9 +43,10 @@ pub enum Step {
     NotDumpable,
     LoopbackUp,
     ProxyListener,
+    ReceiveCall,
 }
 
-const ALL: [Step; 31] = [
+const ALL: [Step; 32] = [
     Step::WaitForParent,
     Step::JoinCgroup,
     Step::ParentDeathSignal,
@@ -77,6 +78,7 @@ const ALL: [Step; 31] = [
     Step::NotDumpable,
     Step::LoopbackUp,
     Step::ProxyListener,
+    Step::ReceiveCall,
 ];
 
 impl Step {
@@ -114,6 +116,7 @@ impl Step {
             Step::NotDumpable => "make the sandbox's first process non-dumpable",
             Step::LoopbackUp => "bring up the sandbox's loopback interface",
             Step::ProxyListener => "open the egress proxy's listener and hand it to the worker",
+            Step::ReceiveCall => "receive the call in a pre-built sandbox",
         }
     }
 

@@ -46,7 +46,7 @@ pub(crate) fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
 }
 
 /// Moves a descriptor numbered 0–2 (possible when the caller closed its stdio) above 2.
-fn above_stdio(fd: OwnedFd) -> io::Result<OwnedFd> {
+pub(crate) fn above_stdio(fd: OwnedFd) -> io::Result<OwnedFd> {
     if fd.as_raw_fd() > 2 {
         return Ok(fd);
     }

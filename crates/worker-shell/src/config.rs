@@ -44,6 +44,10 @@ pub struct ShellConfig {
     /// Sandboxes that run at once (default: twice the CPUs); more wait inside their
     /// deadline.
     pub max_concurrent: usize,
+    /// Strict sandboxes kept pre-built, each used by one call and then destroyed (their
+    /// namespaces, id maps and shared root made before the call); `0` builds each
+    /// sandbox when its call comes.
+    pub prebuilt: usize,
     /// The kernel-enforced size of each workspace (DESIGN §16): bytes and inodes of the
     /// file system mounted for it. Both `0`: no per-workspace quota.
     pub workspace_bytes: u64,
@@ -82,6 +86,7 @@ impl Default for ShellConfig {
                 .to_vec(),
             cgroup_parent: "airlock".to_owned(),
             max_concurrent: airlock_sandbox::default_max_concurrent(),
+            prebuilt: 2,
             workspace_bytes: 1 << 30,
             workspace_inodes: 100_000,
             volumes: None,
@@ -128,6 +133,7 @@ impl ShellConfig {
             network: self.network,
             cgroup_parent: self.cgroup_parent.clone(),
             max_concurrent: self.max_concurrent,
+            prebuilt: self.prebuilt,
         }
     }
 }

@@ -9,20 +9,41 @@ use std::ffi::CStr;
 use std::os::fd::RawFd;
 
 use super::handshake;
-use super::plan::ChildPlan;
+use super::plan::{CallView, ChildPlan, ExecView};
+use super::pool::EntrySide;
 use crate::fds::{self, ERROR_FD};
 use crate::loopback;
 use crate::namespaces;
+use crate::rootfs;
 use crate::step::{AtStep, Failure, Step};
 use crate::sys;
 
-/// The child: one straight sequence of confinement steps, then `execve`.
+/// A fresh sandbox's child: one straight sequence of confinement steps, then `execve`.
 ///
 /// Never returns. Any failing step is reported through the error pipe and ends the
 /// child with status 127: the command never runs with a layer missing.
-pub(super) fn child_main(plan: &ChildPlan<'_>) -> ! {
+pub(super) fn child_main(plan: &ChildPlan<'_>, call: &CallView<'_>) -> ! {
     let mut report_fd = plan.fds.error;
-    let failure = match confine_and_exec(plan, &mut report_fd) {
+    let result = before_call(plan).and_then(|()| after_call(plan, call, &mut report_fd));
+    fail(report_fd, result)
+}
+
+/// A pre-built sandbox's child (`spawn::pool`): the same sequence as [`child_main`],
+/// waiting between [`before_call`] and [`after_call`] until its call arrives.
+pub(super) fn prebuilt_main(plan: &ChildPlan<'_>, entry: &mut EntrySide) -> ! {
+    let mut report_fd = plan.fds.error;
+    let result = match before_call(plan) {
+        Err(failure) => Err(failure),
+        Ok(()) => match entry.wait_for_call(plan) {
+            Err(failure) => Err(failure),
+            Ok(call) => after_call(plan, &call, &mut report_fd),
+        },
+    };
+    fail(report_fd, result)
+}
+
+fn fail(report_fd: RawFd, result: Result<Infallible, Failure>) -> ! {
+    let failure = match result {
         Err(failure) => failure,
         Ok(never) => match never {},
     };
@@ -31,7 +52,10 @@ pub(super) fn child_main(plan: &ChildPlan<'_>) -> ! {
     unsafe { libc::_exit(127) }
 }
 
-fn confine_and_exec(plan: &ChildPlan<'_>, report_fd: &mut RawFd) -> Result<Infallible, Failure> {
+/// The steps that do not depend on the call: parent-death signal, the handshake, the
+/// cgroup, and in strict mode the cgroup namespace, the hostname, the proxy's listener
+/// and the part of the new root every call shares.
+fn before_call(plan: &ChildPlan<'_>) -> Result<(), Failure> {
     // 1. Die with the worker: a sandbox must never outlive the process that enforces
     //    its wall clock (in strict mode, pid 1 dying takes the whole namespace along).
     // SAFETY: prctl with integer arguments only.
@@ -73,22 +97,41 @@ fn confine_and_exec(plan: &ChildPlan<'_>, report_fd: &mut RawFd) -> Result<Infal
             loopback::bring_up()?;
             loopback::hand_over_listener(channel)?;
         }
-        // 4s. The new root: system dirs read-only, minimal /etc and /dev, workspace,
-        //     /tmp, fresh /proc; pivot_root; old root detached; cwd under /workspace.
-        if let Some(rootfs) = &plan.rootfs {
-            rootfs.enter()?;
+        // 4s. The new root, the part every call shares: system dirs read-only,
+        //     minimal /etc, /tmp, fresh /proc, minimal /dev; pivot_root, with the
+        //     host's root still at /oldroot.
+        if let Some(template) = plan.rootfs {
+            template.build_root()?;
+        }
+    }
+    Ok(())
+}
+
+/// The steps that depend on the call, then `execve`: the rest of the new root (the
+/// workspace, the old root detached, the working directory), rlimits, descriptors,
+/// `no_new_privs`, capabilities, Landlock, seccomp.
+fn after_call(
+    plan: &ChildPlan<'_>,
+    call: &CallView<'_>,
+    report_fd: &mut RawFd,
+) -> Result<Infallible, Failure> {
+    if plan.strict {
+        // 4w. The workspace at /workspace, the host's root detached, the new root
+        //     read-only, the working directory under /workspace.
+        if plan.rootfs.is_some() {
+            rootfs::finish_root(call.workspace_source, call.cwd)?;
         }
     } else {
         // 3n. Standard mode: a session and process group of our own (the parent kills
         //     the group), and the workspace as working directory.
         // SAFETY: setsid takes no arguments.
         sys::check_int(unsafe { libc::setsid() }).at(Step::NewSession)?;
-        // SAFETY: `host_cwd` is NUL-terminated.
-        sys::check_int(unsafe { libc::chdir(plan.host_cwd.as_ptr()) }).at(Step::ChangeDirectory)?;
+        // SAFETY: `cwd` is NUL-terminated.
+        sys::check_int(unsafe { libc::chdir(call.cwd.as_ptr()) }).at(Step::ChangeDirectory)?;
     }
 
     // 5. rlimits: open files, file size, no core dumps, CPU seconds.
-    plan.rlimits.apply()?;
+    call.rlimits.apply()?;
 
     // 6. Only stdin/stdout/stderr stay open across exec (plus our two close-on-exec
     //    pipes: errors on 3, the command's status on 4).
@@ -122,11 +165,11 @@ fn confine_and_exec(plan: &ChildPlan<'_>, report_fd: &mut RawFd) -> Result<Infal
 
     // 11. Strict mode: stay as a minimal init and run the command as pid 2.
     if plan.strict {
-        run_as_init(plan);
+        run_as_init(&call.exec);
     }
 
     // 12. execve the command (searching PATH ourselves: execvp may allocate).
-    Err(plan.exec.exec())
+    Err(call.exec.exec())
 }
 
 /// Moves the calling (single-threaded) process into the cgroup of a v1 `tasks` file
@@ -143,7 +186,7 @@ fn join_own_cgroup(tasks: &CStr) -> Result<(), i32> {
 
 /// pid 1 of the sandbox's pid namespace: forks the command, reaps every orphan, and
 /// when the command exits reports its wait status and exits (async-signal-safe).
-fn run_as_init(plan: &ChildPlan<'_>) {
+fn run_as_init(exec: &ExecView<'_>) {
     // SAFETY: a raw clone without CLONE_VM behaves like fork; both sides only make
     // async-signal-safe calls afterwards. (libc's fork would run atfork handlers that
     // take malloc locks possibly held by threads of the original parent.)
@@ -159,7 +202,7 @@ fn run_as_init(plan: &ChildPlan<'_>) {
     };
     if pid == 0 {
         // The command: exec, or report the failure on the error pipe.
-        handshake::report_failure(ERROR_FD, plan.exec.exec());
+        handshake::report_failure(ERROR_FD, exec.exec());
         // SAFETY: _exit ends this process only.
         unsafe { libc::_exit(127) };
     }

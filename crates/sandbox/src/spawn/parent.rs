@@ -9,7 +9,7 @@ use super::handshake;
 use super::plan::CallTmp;
 use crate::Cancel;
 use crate::cgroup::CallCgroup;
-use crate::sandbox::{CommandSpec, OutputSink, RunOutcome, Sandbox, SandboxError, Stream, Usage};
+use crate::sandbox::{CommandSpec, Factory, OutputSink, RunOutcome, SandboxError, Stream, Usage};
 use crate::sys;
 
 /// How long output is still drained after the command exited, for descendants that
@@ -133,7 +133,7 @@ impl Capture {
 /// What the parent holds once the child runs: its handle, the parent's ends of the
 /// pipes, and what the outcome reports.
 pub(super) struct Supervision<'a> {
-    pub(super) sandbox: &'a Sandbox,
+    pub(super) sandbox: &'a Factory,
     pub(super) spec: &'a CommandSpec,
     pub(super) cancel: &'a Cancel,
     pub(super) child: Child,
@@ -149,6 +149,10 @@ pub(super) struct Supervision<'a> {
     pub(super) status_r: OwnedFd,
     /// Standard mode's per-call `/tmp`, removed when the run ends.
     pub(super) call_tmp: Option<CallTmp>,
+    /// Whether the sandbox was pre-built (see `spawn::pool`).
+    pub(super) prebuilt: bool,
+    /// Why a factory with a pool ran this call in a fresh sandbox.
+    pub(super) fallback: Option<String>,
 }
 
 /// The parent's loop: feeds stdin, captures output, enforces the wall clock and
@@ -172,6 +176,8 @@ pub(super) fn supervise(
         stderr_r,
         status_r,
         call_tmp,
+        prebuilt,
+        fallback,
     } = run;
     let cap = sandbox.config().output_cap_bytes;
     let deadline = started + spec.timeout;
@@ -357,6 +363,8 @@ pub(super) fn supervise(
         cancelled,
         duration,
         spawn,
+        prebuilt,
+        fallback,
         usage,
         isolation: report,
     })

@@ -3,27 +3,39 @@
 //! Landlock rules of each level, the per-call temporary directory of standard mode.
 //! Allocation happens here and never after `clone`.
 
-use std::ffi::CString;
+use std::ffi::{CStr, CString};
 use std::os::fd::RawFd;
 use std::path::{Component, Path, PathBuf};
 
 use super::DEFAULT_PATH;
 use crate::fds::ChildFds;
 use crate::landlock_rules::{LandlockPlan, access};
-use crate::rlimits::RlimitPlan;
-use crate::rootfs::{DEVICES, RootfsPlan, SYSTEM_DIRS};
-use crate::sandbox::{Sandbox, SandboxError};
+use crate::rlimits::RlimitValues;
+use crate::rootfs::{DEVICES, RootfsTemplate, SYSTEM_DIRS};
+use crate::sandbox::{Factory, SandboxError};
 use crate::seccomp::SeccompPlan;
 use crate::step::{Failure, Step};
 use crate::sys;
 
 /// The prepared `execve`: candidate paths (from `PATH`), argv and envp.
 pub(super) struct ExecPlan {
-    candidates: Vec<CString>,
-    _argv: Vec<CString>,
-    _envp: Vec<CString>,
+    pub(super) candidates: Vec<CString>,
+    pub(super) argv: Vec<CString>,
+    pub(super) envp: Vec<CString>,
+    candidate_ptrs: Vec<*const libc::c_char>,
     argv_ptrs: Vec<*const libc::c_char>,
     envp_ptrs: Vec<*const libc::c_char>,
+}
+
+/// The `execve` as the child runs it: raw pointers to NUL-terminated strings, from an
+/// [`ExecPlan`] (a fresh sandbox) or from the call a pre-built sandbox received.
+#[derive(Clone, Copy)]
+pub(super) struct ExecView<'a> {
+    pub(super) candidates: &'a [*const libc::c_char],
+    /// NULL-terminated.
+    pub(super) argv: *const *const libc::c_char,
+    /// NULL-terminated.
+    pub(super) envp: *const *const libc::c_char,
 }
 
 impl ExecPlan {
@@ -71,27 +83,32 @@ impl ExecPlan {
                 .collect()
         };
         Ok(ExecPlan {
+            candidate_ptrs: candidates.iter().map(|c| c.as_ptr()).collect(),
             argv_ptrs: nul_terminated(&argv_c),
             envp_ptrs: nul_terminated(&envp_c),
             candidates,
-            _argv: argv_c,
-            _envp: envp_c,
+            argv: argv_c,
+            envp: envp_c,
         })
     }
 
+    pub(super) fn view(&self) -> ExecView<'_> {
+        ExecView {
+            candidates: &self.candidate_ptrs,
+            argv: self.argv_ptrs.as_ptr(),
+            envp: self.envp_ptrs.as_ptr(),
+        }
+    }
+}
+
+impl ExecView<'_> {
     /// Tries every candidate; returns only on failure (async-signal-safe).
     pub(super) fn exec(&self) -> Failure {
         let mut error = libc::ENOENT;
-        for path in &self.candidates {
-            // SAFETY: path, argv and envp are NUL-terminated strings/arrays kept alive
-            // by `self`.
-            unsafe {
-                libc::execve(
-                    path.as_ptr(),
-                    self.argv_ptrs.as_ptr(),
-                    self.envp_ptrs.as_ptr(),
-                )
-            };
+        for &path in self.candidates {
+            // SAFETY: path, argv and envp are NUL-terminated strings and NULL-terminated
+            // arrays that outlive the view.
+            unsafe { libc::execve(path, self.argv, self.envp) };
             let e = sys::errno();
             // Keep searching past missing entries, but remember a more telling error
             // (EACCES: found but not executable), like execvp does.
@@ -103,7 +120,20 @@ impl ExecPlan {
     }
 }
 
-/// Everything the child needs, prepared before `clone`.
+/// What the child needs of its call, after the part that every call shares: the
+/// workspace and working directory (a strict root's, or the host's in standard mode),
+/// the rlimits (the CPU limit follows the call's timeout), and the `execve`.
+#[derive(Clone, Copy)]
+pub(super) struct CallView<'a> {
+    /// Strict: the workspace seen under `/oldroot`, bound at `/workspace`.
+    pub(super) workspace_source: &'a CStr,
+    /// Strict: under `/workspace`; standard: the host directory.
+    pub(super) cwd: &'a CStr,
+    pub(super) rlimits: RlimitValues,
+    pub(super) exec: ExecView<'a>,
+}
+
+/// Everything the child needs besides its call, prepared before `clone`.
 pub(super) struct ChildPlan<'a> {
     pub(super) strict: bool,
     /// The isolation report promised an empty bounding set: failing to empty it is a
@@ -116,12 +146,10 @@ pub(super) struct ChildPlan<'a> {
     /// `network = "proxy"`: the child's end of the socket pair over which it hands the
     /// egress proxy's listener to the worker (see `crate::loopback`).
     pub(super) proxy_channel: Option<RawFd>,
-    pub(super) rootfs: Option<RootfsPlan<'a>>,
-    pub(super) host_cwd: CString,
-    pub(super) rlimits: RlimitPlan,
+    /// Strict: the part of the new root every call shares.
+    pub(super) rootfs: Option<&'a RootfsTemplate>,
     pub(super) landlock: LandlockPlan,
     pub(super) seccomp: &'a SeccompPlan,
-    pub(super) exec: ExecPlan,
     /// The worker's own argument and environment strings, which the child inherits in
     /// its copy of the memory and which `/proc/<pid>/{cmdline,environ}` would show.
     pub(super) inherited_strings: [(usize, usize); 2],
@@ -176,7 +204,7 @@ pub(super) fn relative_cwd(cwd: Option<&str>) -> Result<PathBuf, SandboxError> {
 }
 
 /// Landlock rules of a strict sandbox (paths of the new root).
-pub(super) fn strict_landlock(sandbox: &Sandbox) -> Result<LandlockPlan, SandboxError> {
+pub(super) fn strict_landlock(sandbox: &Factory) -> Result<LandlockPlan, SandboxError> {
     let mut plan = LandlockPlan::new(sandbox.landlock_abi(), sandbox.config().network);
     plan.allow(Path::new("/"), access::READ)?;
     allow_system(&mut plan)?;
@@ -188,7 +216,7 @@ pub(super) fn strict_landlock(sandbox: &Sandbox) -> Result<LandlockPlan, Sandbox
 
 /// Landlock rules of a standard sandbox (host paths: no private root to hide the rest).
 pub(super) fn standard_landlock(
-    sandbox: &Sandbox,
+    sandbox: &Factory,
     workspace: &Path,
     tmp: &Path,
 ) -> Result<LandlockPlan, SandboxError> {
