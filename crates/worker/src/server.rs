@@ -824,21 +824,6 @@ impl<S: Stream + Unpin> Stream for CancelOnDrop<S> {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn grpc_timeout_units() {
-        assert_eq!(parse_grpc_timeout("5S"), Some(Duration::from_secs(5)));
-        assert_eq!(parse_grpc_timeout("250m"), Some(Duration::from_millis(250)));
-        assert_eq!(parse_grpc_timeout("1H"), Some(Duration::from_secs(3600)));
-        assert_eq!(parse_grpc_timeout("S"), None);
-        assert_eq!(parse_grpc_timeout("123456789S"), None);
-        assert_eq!(parse_grpc_timeout("5x"), None);
-    }
-}
-
 /// The worker's span of one call (service `airlock-worker-<group>`), a child of the
 /// orchestrator's dispatch span through the W3C trace context in the request's metadata.
 /// The tool's name and the call's ids only: never its arguments.
@@ -858,4 +843,19 @@ fn execute_span(request: &Request<pb::ExecuteRequest>) -> tracing::Span {
     );
     airlock_telemetry::propagate::parent_from_metadata(&span, request.metadata());
     span
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grpc_timeout_units() {
+        assert_eq!(parse_grpc_timeout("5S"), Some(Duration::from_secs(5)));
+        assert_eq!(parse_grpc_timeout("250m"), Some(Duration::from_millis(250)));
+        assert_eq!(parse_grpc_timeout("1H"), Some(Duration::from_secs(3600)));
+        assert_eq!(parse_grpc_timeout("S"), None);
+        assert_eq!(parse_grpc_timeout("123456789S"), None);
+        assert_eq!(parse_grpc_timeout("5x"), None);
+    }
 }
