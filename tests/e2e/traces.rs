@@ -38,9 +38,9 @@ struct Received {
 }
 
 /// An OTLP receiver on loopback: gRPC on one port, `http/protobuf` on another.
-struct Receiver {
-    grpc: String,
-    http: String,
+pub(crate) struct Receiver {
+    pub(crate) grpc: String,
+    pub(crate) http: String,
     received: Arc<Mutex<Received>>,
     stop: tokio_util::sync::CancellationToken,
 }
@@ -114,7 +114,7 @@ async fn http_logs(
 }
 
 impl Receiver {
-    async fn start() -> Self {
+    pub(crate) async fn start() -> Self {
         let received = Arc::new(Mutex::new(Received::default()));
         let collector = Collector(received.clone());
         let stop = tokio_util::sync::CancellationToken::new();
@@ -190,7 +190,7 @@ impl Receiver {
     }
 
     /// Everything received, as bytes, for a search for what must not be there.
-    fn raw(&self) -> Vec<u8> {
+    pub(crate) fn raw(&self) -> Vec<u8> {
         let received = self.received.lock().unwrap();
         let mut raw = Vec::new();
         for request in &received.traces {
@@ -200,7 +200,7 @@ impl Receiver {
     }
 
     /// Waits (bounded) until `done` holds for the spans of `trace_id`.
-    async fn wait_for_trace(
+    pub(crate) async fn wait_for_trace(
         &self,
         trace_id: &str,
         what: &str,
@@ -229,9 +229,9 @@ impl Receiver {
     }
 }
 
-type Span = opentelemetry_proto::tonic::trace::v1::Span;
+pub(crate) type Span = opentelemetry_proto::tonic::trace::v1::Span;
 
-fn hex(bytes: &[u8]) -> String {
+pub(crate) fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
@@ -243,14 +243,14 @@ fn attribute<'a>(attributes: &'a [KeyValue], key: &str) -> Option<&'a any_value:
         .and_then(|v: &AnyValue| v.value.as_ref())
 }
 
-fn text_attribute(attributes: &[KeyValue], key: &str) -> Option<String> {
+pub(crate) fn text_attribute(attributes: &[KeyValue], key: &str) -> Option<String> {
     match attribute(attributes, key)? {
         any_value::Value::StringValue(s) => Some(s.clone()),
         _ => None,
     }
 }
 
-fn int_attribute(attributes: &[KeyValue], key: &str) -> Option<i64> {
+pub(crate) fn int_attribute(attributes: &[KeyValue], key: &str) -> Option<i64> {
     match attribute(attributes, key)? {
         any_value::Value::IntValue(i) => Some(*i),
         _ => None,
@@ -258,7 +258,7 @@ fn int_attribute(attributes: &[KeyValue], key: &str) -> Option<i64> {
 }
 
 /// The one span of `service` named `name`.
-fn find<'a>(spans: &'a [(String, Span)], service: &str, name: &str) -> &'a Span {
+pub(crate) fn find<'a>(spans: &'a [(String, Span)], service: &str, name: &str) -> &'a Span {
     let found: Vec<&Span> = spans
         .iter()
         .filter(|(s, span)| s == service && span.name == name)
@@ -276,14 +276,14 @@ fn find<'a>(spans: &'a [(String, Span)], service: &str, name: &str) -> &'a Span 
     found[0]
 }
 
-fn has(spans: &[(String, Span)], service: &str, name: &str) -> bool {
+pub(crate) fn has(spans: &[(String, Span)], service: &str, name: &str) -> bool {
     spans
         .iter()
         .any(|(s, span)| s == service && span.name == name)
 }
 
 /// A fresh W3C trace context: (trace id, parent span id, `traceparent`).
-fn traceparent() -> (String, String, String) {
+pub(crate) fn traceparent() -> (String, String, String) {
     let trace = uuid_hex(32);
     let parent = uuid_hex(16);
     let header = format!("00-{trace}-{parent}-01");
