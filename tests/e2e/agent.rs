@@ -1032,3 +1032,93 @@ async fn runs_fail_cleanly_without_a_key_and_bad_requests_are_400() {
     assert!(doc["paths"]["/v1/agent/runs"]["post"].is_object());
     assert!(doc["components"]["schemas"]["AgentRunRequest"].is_object());
 }
+
+/// An agent run is one trace (exported over OTLP to the test's receiver): the front
+/// door, the run's `invoke_agent` span, a `chat` span per model request with the
+/// provider, the model and the token counts, and the run's tool calls, down to the fs
+/// worker; neither the prompt nor the API key is in any exported byte.
+#[tokio::test]
+async fn a_run_is_one_trace_with_a_chat_span_per_model_request() {
+    use crate::traces::{Receiver, find, has, hex, int_attribute, text_attribute, traceparent};
+    let receiver = Receiver::start().await;
+    let provider = ScriptedProvider::start(vec![
+        anthropic_message(
+            json!([{"type": "tool_use", "id": "toolu_traced", "name": "list_directory", "input": {"path": "."}}]),
+            "tool_use",
+        ),
+        anthropic_message(json!([{"type": "text", "text": "Done."}]), "end_turn"),
+    ])
+    .await;
+    let airlock = Airlock::start_with_env(
+        &agent_config(&provider, "stream = false"),
+        &[
+            (KEY_VAR, KEY),
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.http.as_str()),
+            ("OTEL_BSP_SCHEDULE_DELAY", "100"),
+        ],
+    )
+    .await;
+    let (trace_id, parent_id, header) = traceparent();
+    let prompt = "prompt-text-that-stays-out-of-traces";
+    let response = airlock
+        .request(reqwest::Method::POST, "/v1/agent/runs")
+        .header("traceparent", &header)
+        .json(&json!({"prompt": prompt, "session_id": "traced"}))
+        .timeout(Duration::from_secs(120))
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(response.status(), 200);
+    let text = response.text().await.expect("body");
+    assert!(text.contains("run.completed"), "{text}");
+
+    let orchestrator = "airlock-orchestrator";
+    let spans = receiver
+        .wait_for_trace(&trace_id, "the run's spans", |spans| {
+            spans
+                .iter()
+                .filter(|(_, s)| s.name == "chat claude-test")
+                .count()
+                == 2
+                && has(spans, orchestrator, "invoke_agent airlock")
+                && has(spans, orchestrator, "execute_tool list_directory")
+                && has(spans, "airlock-worker-fs", "execute_tool list_directory")
+        })
+        .await;
+    let door = find(&spans, orchestrator, "POST /v1/agent/runs");
+    assert_eq!(hex(&door.parent_span_id), parent_id);
+    let run = find(&spans, orchestrator, "invoke_agent airlock");
+    assert_eq!(run.parent_span_id, door.span_id);
+    for (_, chat) in spans.iter().filter(|(_, s)| s.name == "chat claude-test") {
+        assert_eq!(chat.parent_span_id, run.span_id);
+        assert_eq!(
+            text_attribute(&chat.attributes, "gen_ai.provider.name").as_deref(),
+            Some("anthropic")
+        );
+        assert_eq!(
+            text_attribute(&chat.attributes, "gen_ai.request.model").as_deref(),
+            Some("claude-test")
+        );
+        assert_eq!(
+            int_attribute(&chat.attributes, "gen_ai.usage.input_tokens"),
+            Some(5)
+        );
+        assert_eq!(
+            int_attribute(&chat.attributes, "gen_ai.usage.output_tokens"),
+            Some(7)
+        );
+    }
+    let call = find(&spans, orchestrator, "execute_tool list_directory");
+    assert_eq!(call.parent_span_id, run.span_id);
+    assert_eq!(
+        text_attribute(&call.attributes, "gen_ai.tool.call.id").as_deref(),
+        Some("toolu_traced")
+    );
+    let raw = receiver.raw();
+    for secret in [prompt, KEY] {
+        assert!(
+            !raw.windows(secret.len()).any(|w| w == secret.as_bytes()),
+            "{secret} was exported in a span"
+        );
+    }
+}

@@ -40,5 +40,6 @@ mod shell;
 mod spread;
 mod supervision;
 mod support;
+mod traces;
 mod traversal;
 mod workspace_quota;

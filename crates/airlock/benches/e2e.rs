@@ -40,6 +40,8 @@ use serde_json::{Value, json};
 
 #[path = "e2e/cluster.rs"]
 mod cluster;
+#[path = "e2e/observe.rs"]
+mod observe;
 #[path = "e2e/soak.rs"]
 mod soak;
 
@@ -85,19 +87,26 @@ async fn run() -> Result<()> {
         .prefix("airlock-bench-e2e-")
         .tempdir()
         .context("cannot create a temp dir")?;
-    let peer_dir = peer_dir()?;
-    check_python()?;
 
+    let filters: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with("--"))
+        .collect();
+    if filters.iter().any(|f| f == "observe") {
+        let table = observe::run(scratch.path()).await?;
+        println!("\n{table}");
+        let out = target_dir().join("bench-observe.md");
+        std::fs::write(&out, &table).with_context(|| format!("cannot write {}", out.display()))?;
+        eprintln!("written to {}", out.display());
+        return Ok(());
+    }
     eprintln!("starting airlock ({AIRLOCK_BIN})");
     let airlock = Airlock::start(scratch.path(), Path::new(AIRLOCK_BIN), "airlock").await?;
     let small = airlock.write_file("small.txt", &text_file(SMALL_BYTES))?;
     let large = airlock.write_file("large.txt", &text_file(LARGE_BYTES))?;
     // Positional arguments select rows by substring, e.g. `-- "1 MiB"`; cargo's own
-    // flags (`--bench`) are ignored. `soak` runs the soak alone.
-    let filters: Vec<String> = std::env::args()
-        .skip(1)
-        .filter(|a| !a.starts_with("--"))
-        .collect();
+    // flags (`--bench`) are ignored. `soak` runs the soak alone, `observe` the rows with
+    // tracing and metrics on and off.
     if filters.iter().any(|f| f == "soak") {
         let shell = BenchFile::shell("echo ok", "ok\n");
         let table = soak::run(&airlock, [&small, &large, &shell]).await?;
@@ -107,6 +116,8 @@ async fn run() -> Result<()> {
         eprintln!("written to {}", out.display());
         return Ok(());
     }
+    let peer_dir = peer_dir()?;
+    check_python()?;
     let baseline = match std::env::var_os("AIRLOCK_BENCH_BASELINE") {
         Some(bin) => {
             let bin = PathBuf::from(bin);
@@ -343,6 +354,15 @@ impl Drop for ChildGuard {
     }
 }
 
+/// What a started Airlock gets beside the bench's own configuration.
+#[derive(Default)]
+struct Extra {
+    /// Appended to the config file.
+    config: String,
+    /// Environment of `airlock up` (which passes `OTEL_*` to every component).
+    env: Vec<(String, String)>,
+}
+
 struct Airlock {
     name: &'static str,
     process: ChildGuard,
@@ -354,6 +374,16 @@ struct Airlock {
 
 impl Airlock {
     async fn start(scratch: &Path, bin: &Path, name: &'static str) -> Result<Self> {
+        Self::start_with(scratch, bin, name, &Extra::default()).await
+    }
+
+    /// [`Airlock::start`] with more configuration and environment.
+    async fn start_with(
+        scratch: &Path,
+        bin: &Path,
+        name: &'static str,
+        extra: &Extra,
+    ) -> Result<Self> {
         let data_dir = scratch.join("data");
         let config = scratch.join("airlock.toml");
         // Ephemeral ports; a read cap that lets the 1 MiB file through whole; and no
@@ -370,11 +400,13 @@ impl Airlock {
                 "[orchestrator]\nhttp_listen = \"127.0.0.1:0\"\ngrpc_listen = \"127.0.0.1:0\"\n\n\
                  [fs]\nmax_read_bytes = {MAX_READ_BYTES}\n\n\
                  [budgets]\nrate_per_minute = 0\n\n\
-                 {limits}[approvals]\ntools = []\n"
+                 {limits}[approvals]\ntools = []\n\n{}",
+                extra.config
             ),
         )?;
         let mut command = Command::new(bin);
         command
+            .envs(extra.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .arg("up")
             .arg("--data-dir")
             .arg(&data_dir)

@@ -46,6 +46,9 @@ const WORKER_ENV_ALLOWLIST: &[&str] = &[
     "LANG",
 ];
 
+/// Variables a worker inherits by prefix: `OTEL_EXPORTER_OTLP_ENDPOINT`, `OTEL_TRACES_SAMPLER`…
+const WORKER_ENV_PREFIX: &str = "OTEL_";
+
 /// One supervised component.
 struct Component {
     name: String,
@@ -345,6 +348,16 @@ fn spawn(exe: &Path, component: &mut Component) -> anyhow::Result<()> {
             .chain(component.extra_env.iter().map(String::as_str))
         {
             if let Some(value) = std::env::var_os(key) {
+                command.env(key, value);
+            }
+        }
+        // The standard OpenTelemetry variables: each worker exports its spans to the
+        // same collector as the orchestrator (DESIGN §13).
+        for (key, value) in std::env::vars_os() {
+            if key
+                .to_str()
+                .is_some_and(|k| k.starts_with(WORKER_ENV_PREFIX))
+            {
                 command.env(key, value);
             }
         }

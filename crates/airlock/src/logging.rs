@@ -7,9 +7,16 @@
 use std::ffi::OsString;
 use std::io::IsTerminal;
 
+use airlock_telemetry::Service;
 use tracing_subscriber::EnvFilter;
+use tracing_subscriber::Layer as _;
+use tracing_subscriber::layer::SubscriberExt as _;
+use tracing_subscriber::util::SubscriberInitExt as _;
 
-pub fn init() {
+/// Logs, and for a component (`service`), its OpenTelemetry layer when `OTEL_*` turn
+/// tracing on. The exporter itself starts later, once the component is confined
+/// ([`airlock_telemetry::start`]).
+pub fn init(service: Option<&Service>) -> Result<(), airlock_telemetry::TelemetryError> {
     let mut filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     // The MCP library logs each session's start at info, with what the (untrusted)
     // server says about itself; the workers log what matters of it. RUST_LOG that
@@ -23,15 +30,28 @@ pub fn init() {
         std::io::stderr().is_terminal(),
         std::env::var_os("NO_COLOR"),
     );
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
+    // RUST_LOG filters the log lines only: the exported spans have their own filter, so
+    // that `RUST_LOG=warn` does not turn tracing off.
+    let logs = tracing_subscriber::fmt::layer()
         .with_ansi(ansi)
         .with_writer(std::io::stderr);
-    if json {
-        builder.json().init();
+    let logs = if json {
+        logs.json()
+            .event_format(airlock_telemetry::json::JsonWithTrace::new(
+                tracing_subscriber::fmt::format().json(),
+            ))
+            .with_filter(filter)
+            .boxed()
     } else {
-        builder.init();
-    }
+        logs.with_filter(filter).boxed()
+    };
+    let registry = tracing_subscriber::registry().with(logs);
+    let traces = match service {
+        Some(service) => airlock_telemetry::layer(service)?,
+        None => None,
+    };
+    registry.with(traces).init();
+    Ok(())
 }
 
 /// Whether log lines get ANSI colour codes.

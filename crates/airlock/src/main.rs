@@ -281,7 +281,10 @@ enum SandboxAction {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    logging::init();
+    if let Err(e) = logging::init(serve::service(&cli.command).as_ref()) {
+        eprintln!("airlock: {e}");
+        return ExitCode::FAILURE;
+    }
     let result = match cli.command {
         Command::Up {
             location,

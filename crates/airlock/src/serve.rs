@@ -82,6 +82,36 @@ pub enum WorkerGroup {
     },
 }
 
+/// The service a command runs as, for its traces: only the components export any.
+pub fn service(command: &crate::Command) -> Option<airlock_telemetry::Service> {
+    use airlock_telemetry::Service;
+    let crate::Command::Serve { component, .. } = command else {
+        return None;
+    };
+    Some(match component {
+        Component::Orchestrator { .. } => Service::Orchestrator,
+        Component::Worker { group } => Service::Worker(
+            match group {
+                WorkerGroup::Fs { .. } => "fs",
+                WorkerGroup::Shell { .. } => "shell",
+                WorkerGroup::Http { .. } => "http",
+                WorkerGroup::Db { .. } => "db",
+            }
+            .to_owned(),
+        ),
+    })
+}
+
+/// Starts exporting traces (when `OTEL_*` ask for it) and runs `serve`, then exports
+/// the spans still waiting. Called once the component is confined, inside its runtime:
+/// the exporter's thread and connections are the confined process's.
+async fn traced<T>(serve: impl Future<Output = anyhow::Result<T>>) -> anyhow::Result<T> {
+    airlock_telemetry::start().context("cannot export traces; refusing to start")?;
+    let served = serve.await;
+    airlock_telemetry::shutdown().await;
+    served
+}
+
 pub fn run(component: Component, location: &Location) -> anyhow::Result<ExitCode> {
     signals::follow_launcher()?;
     let loaded = Loaded::load(location.config.as_deref(), location.data_dir.as_deref())?;
@@ -260,10 +290,10 @@ fn orchestrator(loaded: &Loaded) -> anyhow::Result<ExitCode> {
             allow_namespaces: false,
         },
     )?;
-    runtime()?.block_on(async {
+    runtime()?.block_on(traced(async {
         let reload = config_reloads(loaded);
-        Orchestrator::serve(config, prepared, listeners, signals::shutdown(), reload).await
-    })?;
+        Ok(Orchestrator::serve(config, prepared, listeners, signals::shutdown(), reload).await?)
+    }))?;
     Ok(ExitCode::SUCCESS)
 }
 
@@ -430,7 +460,7 @@ fn serve_on(
 ) -> anyhow::Result<ExitCode> {
     let counted = WorkerMetrics::register(&mut registry);
     let server = WorkerServer::new(tools, worker_settings(loaded)).with_metrics(counted);
-    runtime.block_on(async {
+    runtime.block_on(traced(async {
         if let Some(metrics) = metrics {
             let registry = Arc::new(registry);
             tokio::spawn(async move {
@@ -439,8 +469,8 @@ fn serve_on(
                 }
             });
         }
-        server.serve(listener, signals::shutdown()).await
-    })?;
+        Ok(server.serve(listener, signals::shutdown()).await?)
+    }))?;
     Ok(ExitCode::SUCCESS)
 }
 

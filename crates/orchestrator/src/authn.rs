@@ -129,7 +129,13 @@ where
     }
 
     fn call(&mut self, mut request: axum::http::Request<ReqBody>) -> Self::Future {
-        match authenticate(&self.principals, request.headers()) {
+        let span = crate::traces::stage!("gate.auth");
+        let authenticated = span.in_scope(|| authenticate(&self.principals, request.headers()));
+        if authenticated.is_err() {
+            span.record("otel.status_code", "ERROR");
+        }
+        drop(span);
+        match authenticated {
             Ok(principal) => {
                 request.extensions_mut().insert(principal);
                 Either::Left(self.inner.call(request))

@@ -210,6 +210,10 @@ pub struct AuditConfig {
     /// `airlock_audit_verify_ok` series an alert watches; 0: only when asked
     /// (`GET /v1/audit/verify`, `airlock audit verify`).
     pub verify_interval_seconds: u64,
+    /// `[audit] export = { endpoint = "http://127.0.0.1:4318" }`: every record appended
+    /// to the log, also sent to an OTLP logs endpoint (a collector that forwards to the
+    /// SIEM). Off when absent.
+    pub export: Option<AuditExportConfig>,
 }
 
 impl Default for AuditConfig {
@@ -219,8 +223,41 @@ impl Default for AuditConfig {
                 .map(String::from)
                 .to_vec(),
             verify_interval_seconds: 3600,
+            export: None,
         }
     }
+}
+
+/// `[audit] export`: where and how the audit records are sent (see
+/// `crate::audit_export`).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AuditExportConfig {
+    /// The collector's base URL, `http://host:port` (`/v1/logs` is added for
+    /// `http/protobuf`).
+    pub endpoint: String,
+    /// `"http/protobuf"` (default) or `"grpc"`.
+    #[serde(default = "default_export_protocol")]
+    pub protocol: String,
+    /// Records read from the log and not yet accepted by the collector, at most; past
+    /// it the oldest are dropped and counted (`airlock_audit_export_dropped_total`).
+    #[serde(default = "default_export_queue")]
+    pub max_queue: usize,
+    /// How long one send may take.
+    #[serde(default = "default_export_timeout_ms")]
+    pub timeout_ms: u64,
+}
+
+fn default_export_protocol() -> String {
+    "http/protobuf".to_owned()
+}
+
+fn default_export_queue() -> usize {
+    10_000
+}
+
+fn default_export_timeout_ms() -> u64 {
+    10_000
 }
 
 /// `[cache]`: result cache, off by default. `ttl_seconds = { list_tables = 60 }`; only

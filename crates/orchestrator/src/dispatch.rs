@@ -126,6 +126,8 @@ pub async fn execute(
         let _load = replica.start_call();
         let mut wire_request = tonic::Request::new(request.clone());
         wire_request.set_timeout(overall);
+        // The worker's spans join the call's trace (W3C trace context in metadata).
+        airlock_telemetry::propagate::inject_metadata(wire_request.metadata_mut());
         let mut client = replica.client();
         // Not raced against `cancel`: once the request is out the worker may be running
         // the call (a detached one even if this side goes away), so a cancel is dealt

@@ -176,7 +176,9 @@ pub fn router(state: HttpState) -> Router {
         .fold(Router::new(), |router, (path, handler)| {
             router.route(path, handler)
         })
-        .route_layer(AuthLayer::new(state.principals.clone(), JsonRefusal));
+        .route_layer(AuthLayer::new(state.principals.clone(), JsonRefusal))
+        // Outside authentication, so that its span covers it.
+        .route_layer(crate::traces::FrontDoorLayer(crate::traces::Door::Http));
     Router::new()
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))

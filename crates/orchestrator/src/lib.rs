@@ -7,6 +7,7 @@
 
 pub mod agent;
 pub mod audit;
+mod audit_export;
 pub mod auth;
 mod authn;
 pub(crate) mod body;
@@ -31,6 +32,7 @@ mod service;
 pub mod store;
 mod streaming;
 mod strict;
+mod traces;
 mod ui;
 mod wire;
 pub mod worker_check;
@@ -38,8 +40,8 @@ pub mod worker_check;
 pub use agent::{AgentConfig, ProviderKind};
 pub use auth::{AuthError, Principal, Principals, Role};
 pub use config::{
-    ApprovalsConfig, AuditConfig, BudgetConfig, CacheConfig, DispatchConfig, OrchestratorConfig,
-    PrincipalConfig, StoreRetention, WorkerGroupConfig, WorkerTls,
+    ApprovalsConfig, AuditConfig, AuditExportConfig, BudgetConfig, CacheConfig, DispatchConfig,
+    OrchestratorConfig, PrincipalConfig, StoreRetention, WorkerGroupConfig, WorkerTls,
 };
 /// The (method, path) of every authenticated HTTP route, as the router serves them.
 pub use http_api::route_table as http_route_table;

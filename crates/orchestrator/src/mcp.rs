@@ -121,13 +121,14 @@ where
     };
     let principals = guard.state.principals.clone();
     let origins = guard.origins.clone();
-    // Outermost first: the origin check, authentication, then the session and
-    // `notifications/cancelled`.
+    // Outermost first: the front-door span, the origin check, authentication, then the
+    // session and `notifications/cancelled`.
     Router::new()
         .route_service(PATH, service)
         .layer(middleware::from_fn_with_state(guard, check_request))
         .layer(AuthLayer::new(principals, JsonRefusal))
         .layer(middleware::from_fn_with_state(origins, check_origin))
+        .layer(crate::traces::FrontDoorLayer(crate::traces::Door::Http))
 }
 
 /// Refuses a browser request from an origin that is not allowed, before anything else.
@@ -460,7 +461,15 @@ impl AirlockMcp {
             // goes on, and only the client's `notifications/cancelled` stops it.
             on_drop: OnDrop::KeepRunning,
         };
-        let mut handle = match self.state.calls.admit(&principal, batch) {
+        // rmcp runs this handler in a task of its own: the call's span is opened in the
+        // front door's explicitly.
+        let front_door = context
+            .extensions
+            .get::<axum::http::request::Parts>()
+            .and_then(|p| p.extensions.get::<crate::traces::FrontDoorSpan>())
+            .map_or_else(tracing::Span::none, |s| s.0.clone());
+        let admitted = front_door.in_scope(|| self.state.calls.admit(&principal, batch));
+        let mut handle = match admitted {
             Ok(mut handles) => match handles.pop() {
                 Some(handle) => handle,
                 None => return error_result("the call was not admitted"),

@@ -95,6 +95,21 @@ pub struct Metrics {
     audit_ok: Gauge,
     audit_records: Gauge,
     audit_verified_at: Gauge,
+    /// `[audit] export`: the OTLP logs stream of the audit log.
+    pub audit_export: AuditExportMetrics,
+}
+
+/// The series of `[audit] export`; all zero when it is off.
+#[derive(Clone, Debug, Default)]
+pub struct AuditExportMetrics {
+    /// Records the collector accepted.
+    pub exported: Counter,
+    /// Export attempts that failed (each is retried until its records are dropped).
+    pub failures: Counter,
+    /// Records dropped unsent because the queue was full (`[audit] export.max_queue`).
+    pub dropped: Counter,
+    /// Records read from the log and not yet accepted.
+    pub queued: Gauge,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -196,7 +211,29 @@ impl Metrics {
             "When the audit log's hash chain was last checked (Unix time)",
             audit_verified_at.clone(),
         );
+        let audit_export = AuditExportMetrics::default();
+        registry.register(
+            "airlock_audit_exported",
+            "Audit records the [audit] export collector accepted",
+            audit_export.exported.clone(),
+        );
+        registry.register(
+            "airlock_audit_export_failures",
+            "Attempts to send audit records to the [audit] export collector that failed",
+            audit_export.failures.clone(),
+        );
+        registry.register(
+            "airlock_audit_export_dropped",
+            "Audit records dropped unsent because the [audit] export queue was full",
+            audit_export.dropped.clone(),
+        );
+        registry.register(
+            "airlock_audit_export_queue",
+            "Audit records waiting to be sent to the [audit] export collector",
+            audit_export.queued.clone(),
+        );
         Self {
+            audit_export,
             registry,
             calls,
             call_duration,

@@ -71,6 +71,8 @@ pub enum ServeError {
     Reflection(#[from] tonic_reflection::server::Error),
     #[error("grpc server failed: {0}")]
     Grpc(#[from] tonic::transport::Error),
+    #[error(transparent)]
+    AuditExport(#[from] crate::audit_export::AuditExportError),
 }
 
 /// The orchestrator's sockets, bound before the process confines itself.
@@ -185,6 +187,16 @@ impl Orchestrator {
         for tool in config.cache.ttl_seconds.keys() {
             metrics.cached_tool(tool);
         }
+        // A bad `[audit] export` stops the start; a collector that is down does not.
+        let audit_export = config
+            .audit
+            .export
+            .as_ref()
+            .map(|export| {
+                crate::audit_export::AuditExporter::new(export, metrics.audit_export.clone())
+            })
+            .transpose()?
+            .map(|exporter| (exporter, store.clone()));
         let gate = Arc::new(Gate::new(GateParts {
             catalog: catalog.clone(),
             limits: config.limits.clone(),
@@ -239,6 +251,9 @@ impl Orchestrator {
         tokio::spawn(gate.clone().resume_forever(stop.clone()));
         tokio::spawn(gate.clone().prune_forever(stop.clone()));
         tokio::spawn(gate.clone().verify_forever(stop.clone()));
+        if let Some((exporter, store)) = audit_export {
+            tokio::spawn(exporter.run(store, stop.clone()));
+        }
         {
             let gate = gate.clone();
             let config = config.clone();
@@ -273,10 +288,12 @@ impl Orchestrator {
             .add_service(reflection_v1)
             .add_service(reflection_v1alpha)
             .add_service(
-                AuthLayer::new(prepared.principals.clone(), GrpcRefusal).layer(
-                    OrchestratorServer::new(front_door)
-                        .max_decoding_message_size(max_request)
-                        .max_encoding_message_size(MAX_GRPC_MESSAGE_BYTES),
+                crate::traces::FrontDoorLayer(crate::traces::Door::Grpc).layer(
+                    AuthLayer::new(prepared.principals.clone(), GrpcRefusal).layer(
+                        OrchestratorServer::new(front_door)
+                            .max_decoding_message_size(max_request)
+                            .max_encoding_message_size(MAX_GRPC_MESSAGE_BYTES),
+                    ),
                 ),
             );
         // Fires when the front doors stop; endless responses (the console's live list)

@@ -10,6 +10,7 @@ use airlock_worker::{CallContext, OutputStream, Tool};
 use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument as _;
 
 use crate::config::ShellConfig;
 use crate::egress::{self, EgressLog, EgressRules};
@@ -263,7 +264,33 @@ pub(crate) async fn run(
         ctx: ctx.clone(),
         proxy: proxy_tx,
     };
-    let run = tokio::task::spawn_blocking(move || sandbox.run(&spec, &mut sink, &cancel)).await;
+    // The sandbox's span, a child of the worker's execute span: its isolation level and
+    // how the command ended; never the command.
+    let span = tracing::span!(
+        target: airlock_telemetry::TARGET,
+        tracing::Level::TRACE,
+        "sandbox.run",
+        otel.status_code = tracing::field::Empty,
+        airlock.isolation = sandbox.report().level.as_str(),
+        airlock.sandbox.network = sandbox.report().network,
+        process.exit.code = tracing::field::Empty,
+        airlock.sandbox.timed_out = tracing::field::Empty,
+    );
+    let run = tokio::task::spawn_blocking(move || sandbox.run(&spec, &mut sink, &cancel))
+        .instrument(span.clone())
+        .await;
+    if let Ok(Ok(outcome)) = &run {
+        if let Some(code) = outcome.exit_code {
+            span.record("process.exit.code", code);
+        }
+        span.record("airlock.sandbox.timed_out", outcome.timed_out);
+        if outcome.exit_code != Some(0) {
+            span.record("otel.status_code", "ERROR");
+        }
+    } else {
+        span.record("otel.status_code", "ERROR");
+    }
+    drop(span);
     watcher.abort();
     drop(guard);
     let egress = match proxy {

@@ -24,6 +24,7 @@ use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream, UnixListenerStre
 use tokio_util::sync::{CancellationToken, DropGuard};
 use tokio_util::task::TaskTracker;
 use tonic::{Request, Response, Status};
+use tracing::Instrument as _;
 
 use crate::metrics::{CallMeter, WorkerMetrics};
 use crate::{CallContext, ListenAddr, OutputStream, ToolEvent, ToolSet};
@@ -402,6 +403,7 @@ impl ToolWorker for WorkerService {
             .metadata()
             .get("grpc-timeout")
             .and_then(|v| v.to_str().ok().and_then(parse_grpc_timeout));
+        let span = execute_span(&request);
         let request = request.into_inner();
         let tool = self.tools.get(&request.tool).ok_or_else(|| {
             Status::not_found(format!("tool {:?} is not served here", request.tool))
@@ -467,17 +469,20 @@ impl ToolWorker for WorkerService {
         tracing::debug!(call_id = %request.call_id, tool = %request.tool, "execute");
         let meter = self.metrics.start(&request.tool);
         let call = async move { tool.execute(arguments, ctx).await };
-        self.in_flight.spawn(run_call(
-            call,
-            event_rx,
-            out_tx,
-            cancel.clone(),
-            timeout,
-            detached,
-            ledger,
-            registered,
-            meter,
-        ));
+        self.in_flight.spawn(
+            run_call(
+                call,
+                event_rx,
+                out_tx,
+                cancel.clone(),
+                timeout,
+                detached,
+                ledger,
+                registered,
+                meter,
+            )
+            .instrument(span),
+        );
         let stream = ReceiverStream::new(out_rx);
         if detached {
             return Ok(Response::new(Box::pin(stream)));
@@ -582,13 +587,19 @@ async fn run_call(
             }
         }
     };
-    meter.ended(match &answer {
+    let status = match &answer {
         Ok(result) if result.is_error => "error",
         Ok(_) => "ok",
         Err(status) if status.code() == tonic::Code::DeadlineExceeded => "timeout",
         Err(status) if status.code() == tonic::Code::Cancelled => "cancelled",
         Err(_) => "error",
-    });
+    };
+    meter.ended(status);
+    let span = tracing::Span::current();
+    span.record("airlock.status", status);
+    if status != "ok" {
+        span.record("otel.status_code", "ERROR");
+    }
     ledger.send_replace(Some(answer.clone()));
     let _ = out.send(answer.map(result_event)).await;
 }
@@ -811,6 +822,27 @@ impl<S: Stream + Unpin> Stream for CancelOnDrop<S> {
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
         Pin::new(&mut self.inner).poll_next(cx)
     }
+}
+
+/// The worker's span of one call (service `airlock-worker-<group>`), a child of the
+/// orchestrator's dispatch span through the W3C trace context in the request's metadata.
+/// The tool's name and the call's ids only: never its arguments.
+fn execute_span(request: &Request<pb::ExecuteRequest>) -> tracing::Span {
+    let call = request.get_ref();
+    let span = tracing::span!(
+        target: airlock_telemetry::TARGET,
+        tracing::Level::TRACE,
+        "execute_tool",
+        otel.name = %format_args!("execute_tool {}", call.tool),
+        otel.kind = "server",
+        otel.status_code = tracing::field::Empty,
+        gen_ai.operation.name = "execute_tool",
+        gen_ai.tool.name = %call.tool,
+        airlock.call_id = %call.call_id,
+        airlock.status = tracing::field::Empty,
+    );
+    airlock_telemetry::propagate::parent_from_metadata(&span, request.metadata());
+    span
 }
 
 #[cfg(test)]

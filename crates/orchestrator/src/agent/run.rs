@@ -29,6 +29,7 @@ use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
+use tracing::Instrument as _;
 
 use super::client::{ClientError, HttpClient};
 use super::sse::SseParser;
@@ -99,7 +100,19 @@ pub fn start(
         tool_calls: 0,
         usage: Usage::default(),
     };
-    tokio::spawn(run.drive(request.prompt));
+    // The run's span, a child of the front door's, with each model request and each
+    // tool call in it.
+    let span = tracing::span!(
+        target: airlock_telemetry::TARGET,
+        tracing::Level::TRACE,
+        "invoke_agent",
+        otel.name = "invoke_agent airlock",
+        gen_ai.operation.name = "invoke_agent",
+        gen_ai.provider.name = run.resolved.kind.as_str(),
+        gen_ai.request.model = %run.resolved.model,
+        airlock.run_id = %run.run_id,
+    );
+    tokio::spawn(run.drive(request.prompt).instrument(span));
     Ok(rx)
 }
 
@@ -365,9 +378,45 @@ impl Run {
         headers
     }
 
+    /// One model request in its span (OpenTelemetry's GenAI `chat`: provider, model and
+    /// token counts; never the prompt or the answer).
+    async fn model_turn(&self, body: &Value) -> Result<Turn, String> {
+        let span = tracing::span!(
+            target: airlock_telemetry::TARGET,
+            tracing::Level::TRACE,
+            "chat",
+            otel.name = %format_args!("chat {}", self.resolved.model),
+            otel.kind = "client",
+            otel.status_code = tracing::field::Empty,
+            gen_ai.operation.name = "chat",
+            gen_ai.provider.name = self.resolved.kind.as_str(),
+            gen_ai.request.model = %self.resolved.model,
+            gen_ai.usage.input_tokens = tracing::field::Empty,
+            gen_ai.usage.output_tokens = tracing::field::Empty,
+            gen_ai.response.finish_reasons = tracing::field::Empty,
+        );
+        let turn = self.request_turn(body).instrument(span.clone()).await;
+        match &turn {
+            Ok(turn) => {
+                // As integers: tracing-opentelemetry records unsigned values as text.
+                let tokens = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+                span.record("gen_ai.usage.input_tokens", tokens(turn.usage.input_tokens));
+                span.record(
+                    "gen_ai.usage.output_tokens",
+                    tokens(turn.usage.output_tokens),
+                );
+                span.record("gen_ai.response.finish_reasons", turn.stop_reason.as_str());
+            }
+            Err(_) => {
+                span.record("otel.status_code", "ERROR");
+            }
+        }
+        turn
+    }
+
     /// One model request, retried while the provider is overloaded; the error is a
     /// message fit for an event (the key scrubbed out).
-    async fn model_turn(&self, body: &Value) -> Result<Turn, String> {
+    async fn request_turn(&self, body: &Value) -> Result<Turn, String> {
         let url = match self.resolved.kind {
             ProviderKind::Anthropic => anthropic::endpoint(&self.resolved.base_url),
             ProviderKind::OpenAi => openai::endpoint(&self.resolved.base_url),

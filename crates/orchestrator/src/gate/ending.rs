@@ -215,6 +215,7 @@ impl Gate {
         if !ending.owned {
             // The replica that won the claim records the outcome and its audit event;
             // what this one noted (a resumption) still goes in.
+            record_on_span(&ending);
             self.flush(ctx).await;
             self.remember(&call_id, ending, duration_ms, approval_wait_ms);
             return;
@@ -282,6 +283,7 @@ impl Gate {
         // The store counts the call now (or it ends without a row).
         drop(row);
         self.count_ending(ctx, ending.status, local_wait, duration_ms);
+        record_on_span(&ending);
         tracing::info!(
             call_id,
             principal = %ctx.principal.name,
@@ -352,5 +354,26 @@ impl Gate {
             completed["approval_wait_ms"] = json!(ms);
         }
         ctx.event(AuditKind::Completed, completed)
+    }
+}
+
+/// The call's status and the sandbox's isolation level on the call's span.
+fn record_on_span(ending: &Ending) {
+    if !airlock_telemetry::enabled() {
+        return;
+    }
+    let span = tracing::Span::current();
+    span.record("airlock.status", ending.status.as_str());
+    if ending.outcome.is_error {
+        span.record("otel.status_code", "ERROR");
+    }
+    let level = ending
+        .outcome
+        .isolation
+        .as_ref()
+        .and_then(|i| i.get("level"))
+        .and_then(serde_json::Value::as_str);
+    if let Some(level) = level {
+        span.record("airlock.isolation", level);
     }
 }

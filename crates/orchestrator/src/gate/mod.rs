@@ -50,6 +50,7 @@ use airlock_policy::{CallStatus, Limits, SessionId, ToolOutcome};
 use serde_json::Value;
 use tokio::sync::{Notify, mpsc, watch};
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument as _;
 
 pub use console::HoldReasons;
 pub use ctx::ToolUse;
@@ -65,6 +66,7 @@ use crate::config::{ApprovalsConfig, AuditConfig};
 use crate::dispatch::WorkerEvent;
 use crate::metrics::{Metrics, Refusal};
 use crate::store::{CallChange, CallWrite, Store, StoreError};
+use crate::traces::stage;
 use ctx::CallCtx;
 use ending::{Ending, Rejection};
 
@@ -274,7 +276,7 @@ impl Gate {
     /// A store write on a call's path, timed for `airlock_store_operation_duration_seconds`.
     async fn write_call(&self, write: CallWrite) -> Result<bool, StoreError> {
         let started = Instant::now();
-        let written = self.store.write_call(write).await;
+        let written = failed_async(self.store.write_call(write), stage!("gate.store")).await;
         self.metrics.store("write_call", started.elapsed());
         written
     }
@@ -484,11 +486,16 @@ impl Gate {
         };
         let gate = self.clone();
         let in_flight = self.metrics.in_flight();
-        tokio::spawn(async move {
-            let result = gate.pipeline(&mut ctx).await;
-            gate.conclude(&mut ctx, result).await;
-            drop(in_flight);
-        });
+        // A child of the front door's span (the caller's), carried into the task.
+        let span = call_span(&ctx);
+        tokio::spawn(
+            async move {
+                let result = gate.pipeline(&mut ctx).await;
+                gate.conclude(&mut ctx, result).await;
+                drop(in_flight);
+            }
+            .instrument(span),
+        );
         rx
     }
 
@@ -510,26 +517,33 @@ impl Gate {
         self.calls.insert(record, CancellationToken::new())
     }
 
-    /// The stages of a fresh call, in order.
+    /// The stages of a fresh call, in order, each in its own span.
     async fn pipeline(&self, ctx: &mut CallCtx) -> Result<Ending, Rejection> {
         let mut laps = Laps::new(&self.metrics);
-        let tool = self.admit(ctx)?;
+        let tool = in_stage(stage!("gate.admission"), || self.admit(ctx))?;
         laps.lap("admission");
-        validate::validate(&tool, &ctx.tool_use.input)?;
+        in_stage(stage!("gate.schema"), || {
+            validate::validate(&tool, &ctx.tool_use.input)
+        })?;
         laps.lap("validate");
-        let repeat = self.check_budget(ctx).await?;
+        let repeat = failed_async(self.check_budget(ctx), stage!("gate.budget")).await?;
         laps.lap("budget");
-        let verdict = self.authorize(ctx, &tool)?;
+        let verdict = in_stage(stage!("gate.policy"), || self.authorize(ctx, &tool))?;
         laps.lap("policy");
         let cache_key = self.cache_key(ctx, &tool);
-        if let Some(hit) = self.cached(ctx, &tool, cache_key.as_ref()) {
+        let hit = stage!("gate.cache").in_scope(|| self.cached(ctx, &tool, cache_key.as_ref()));
+        if let Some(hit) = hit {
             laps.lap("cache");
             self.metrics.cache_hit(&tool.definition.name);
             return Ok(hit);
         }
         laps.lap("cache");
         // The wait for a human is `airlock_approval_wait_seconds`, not a stage's time.
-        self.approve(ctx, &verdict).await?;
+        if verdict.needs_approval() {
+            failed_async(self.approve(ctx, &verdict), stage!("gate.approval_wait")).await?;
+        } else {
+            self.approve(ctx, &verdict).await?;
+        }
         laps.restart();
         self.calls.update(&ctx.call_id, |r| r.checked = true);
         // Held and approved: the store has the call. One covered by a remembered
@@ -548,7 +562,11 @@ impl Gate {
             durable: approved,
             recheck: approved.then_some("dispatch"),
         };
-        let result = self.claim_and_dispatch(ctx, &tool, how).await;
+        let result = failed_async(
+            self.claim_and_dispatch(ctx, &tool, how),
+            stage!("gate.dispatch"),
+        )
+        .await;
         laps.lap("dispatch");
         let failed = result.as_ref().map_or(true, |e| e.outcome.is_error);
         self.record_repeat(&repeat, failed);
@@ -621,6 +639,47 @@ impl Gate {
     pub fn mcp_wait(&self) -> Duration {
         Duration::from_millis(self.limits.mcp_wait_ms.min(crate::wire::MAX_WAIT_MS))
     }
+}
+
+/// The call's span: one per call, named as OpenTelemetry's GenAI conventions name a
+/// tool's execution, with the tool, the model's id for the call and Airlock's; never
+/// its arguments. Status and isolation level are recorded when it ends.
+fn call_span(ctx: &CallCtx) -> tracing::Span {
+    tracing::span!(
+        target: airlock_telemetry::TARGET,
+        tracing::Level::TRACE,
+        "execute_tool",
+        otel.name = %format_args!("execute_tool {}", ctx.tool_use.name),
+        otel.kind = "internal",
+        otel.status_code = tracing::field::Empty,
+        gen_ai.operation.name = "execute_tool",
+        gen_ai.tool.name = %ctx.tool_use.name,
+        gen_ai.tool.call.id = %ctx.tool_use.id,
+        airlock.call_id = %ctx.call_id,
+        airlock.status = tracing::field::Empty,
+        airlock.isolation = tracing::field::Empty,
+    )
+}
+
+/// Runs a synchronous stage in `span`, marking it failed when it refused the call.
+fn in_stage<T, E>(span: tracing::Span, stage: impl FnOnce() -> Result<T, E>) -> Result<T, E> {
+    let result = span.in_scope(stage);
+    if result.is_err() {
+        span.record("otel.status_code", "ERROR");
+    }
+    result
+}
+
+/// Runs an async stage in `span`, marking it failed when it refused the call.
+async fn failed_async<T, E>(
+    stage: impl std::future::Future<Output = Result<T, E>>,
+    span: tracing::Span,
+) -> Result<T, E> {
+    let result = stage.instrument(span.clone()).await;
+    if result.is_err() {
+        span.record("otel.status_code", "ERROR");
+    }
+    result
 }
 
 /// Times the gate's stages one after the other, for

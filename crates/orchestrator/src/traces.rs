@@ -1,0 +1,145 @@
+//! The front-door span of every authenticated request (HTTP `/v1`, `/mcp`, gRPC), with
+//! the caller's W3C `traceparent` as its parent (DESIGN §13). The gate's spans open
+//! inside it; see `airlock_telemetry` for what is exported and when.
+//!
+//! With tracing off the layer passes requests through untouched.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use airlock_telemetry::TARGET;
+use axum::extract::MatchedPath;
+use futures::future::Either;
+use tower::{Layer, Service};
+use tracing::Instrument as _;
+
+/// The front-door span, in the request's extensions for handlers that run the call in
+/// another task (rmcp's).
+#[derive(Clone, Debug)]
+pub struct FrontDoorSpan(pub tracing::Span);
+
+/// Which front door a request came through.
+#[derive(Clone, Copy, Debug)]
+pub enum Door {
+    /// `/v1` and `/mcp`: the span is named after the matched route.
+    Http,
+    /// The gRPC `Orchestrator` service: named after the RPC.
+    Grpc,
+}
+
+/// Opens the front-door span around each request.
+#[derive(Clone, Copy, Debug)]
+pub struct FrontDoorLayer(pub Door);
+
+impl<S> Layer<S> for FrontDoorLayer {
+    type Service = FrontDoor<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        FrontDoor {
+            inner,
+            door: self.0,
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct FrontDoor<S> {
+    inner: S,
+    door: Door,
+}
+
+type Traced<F> = Pin<Box<dyn Future<Output = F> + Send>>;
+
+impl<S, ReqBody, ResBody> Service<http::Request<ReqBody>> for FrontDoor<S>
+where
+    S: Service<http::Request<ReqBody>, Response = http::Response<ResBody>>,
+    S::Future: Send + 'static,
+    S::Error: 'static,
+    ResBody: 'static,
+{
+    type Response = http::Response<ResBody>;
+    type Error = S::Error;
+    type Future = Either<S::Future, Traced<Result<Self::Response, S::Error>>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut request: http::Request<ReqBody>) -> Self::Future {
+        if !airlock_telemetry::enabled() {
+            return Either::Left(self.inner.call(request));
+        }
+        let span = match self.door {
+            Door::Http => {
+                // The route's pattern, never the path itself: ids in a path would make
+                // every span name unique.
+                let route = request
+                    .extensions()
+                    .get::<MatchedPath>()
+                    .map_or("unmatched", MatchedPath::as_str)
+                    .to_owned();
+                tracing::span!(
+                    target: TARGET,
+                    tracing::Level::TRACE,
+                    "front_door",
+                    otel.name = %format_args!("{} {route}", request.method()),
+                    otel.kind = "server",
+                    http.request.method = %request.method(),
+                    http.route = %route,
+                    http.response.status_code = tracing::field::Empty,
+                    otel.status_code = tracing::field::Empty,
+                )
+            }
+            Door::Grpc => {
+                let path = request.uri().path().trim_start_matches('/');
+                let (service, method) = path.split_once('/').unwrap_or((path, ""));
+                tracing::span!(
+                    target: TARGET,
+                    tracing::Level::TRACE,
+                    "front_door",
+                    otel.name = %path,
+                    otel.kind = "server",
+                    rpc.system = "grpc",
+                    rpc.service = %service,
+                    rpc.method = %method,
+                    http.response.status_code = tracing::field::Empty,
+                    otel.status_code = tracing::field::Empty,
+                )
+            }
+        };
+        airlock_telemetry::propagate::parent_from_headers(&span, request.headers());
+        request.extensions_mut().insert(FrontDoorSpan(span.clone()));
+        let answered = self.inner.call(request).instrument(span.clone());
+        Either::Right(Box::pin(async move {
+            let response = answered.await;
+            if let Ok(response) = &response {
+                let status = response.status();
+                // As an integer: tracing-opentelemetry records unsigned values as text.
+                span.record("http.response.status_code", i64::from(status.as_u16()));
+                if status.is_server_error() {
+                    span.record("otel.status_code", "ERROR");
+                }
+            }
+            response
+        }))
+    }
+}
+
+/// tonic routes by the wrapped service's name.
+impl<S: tonic::server::NamedService> tonic::server::NamedService for FrontDoor<S> {
+    const NAME: &'static str = S::NAME;
+}
+
+/// A gate stage's span, a child of the call's.
+macro_rules! stage {
+    ($name:literal) => {
+        tracing::span!(
+            target: airlock_telemetry::TARGET,
+            tracing::Level::TRACE,
+            $name,
+            otel.status_code = tracing::field::Empty,
+        )
+    };
+}
+pub(crate) use stage;

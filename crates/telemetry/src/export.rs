@@ -1,0 +1,266 @@
+//! The OTLP span exporter and the batch processor that feeds it, started late.
+
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use bytes::Bytes;
+use opentelemetry::Context;
+use opentelemetry_http::{HttpClient, HttpError, Request, Response};
+use opentelemetry_otlp::{WithExportConfig as _, WithHttpConfig as _};
+use opentelemetry_sdk::Resource;
+use opentelemetry_sdk::error::{OTelSdkError, OTelSdkResult};
+use opentelemetry_sdk::trace::{BatchSpanProcessor, Span, SpanData, SpanExporter, SpanProcessor};
+
+use crate::{Settings, TelemetryError};
+
+/// `OTEL_EXPORTER_OTLP_PROTOCOL`: the two Airlock speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Protocol {
+    /// `http/protobuf` (the specification's default): `POST <endpoint>/v1/traces`.
+    HttpProtobuf,
+    /// `grpc`: the collector's `TraceService/Export`.
+    Grpc,
+}
+
+impl Protocol {
+    /// `value` of the setting `variable` (named in the error).
+    pub fn parse(variable: &'static str, value: &str) -> Result<Self, TelemetryError> {
+        match value.trim() {
+            "http/protobuf" => Ok(Self::HttpProtobuf),
+            "grpc" => Ok(Self::Grpc),
+            _ => Err(TelemetryError::Protocol {
+                variable,
+                value: value.to_owned(),
+            }),
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::HttpProtobuf => "http/protobuf",
+            Self::Grpc => "grpc",
+        }
+    }
+}
+
+/// An endpoint must be an `http://` URL: the exporter has no TLS client (a collector
+/// runs beside Airlock, on loopback or in the pod, and forwards over TLS itself).
+pub(crate) fn check_endpoint(variable: &'static str, value: &str) -> Result<(), TelemetryError> {
+    let refuse = |reason: &str| TelemetryError::Variable {
+        variable,
+        value: value.to_owned(),
+        reason: reason.to_owned(),
+    };
+    let uri: http::Uri = value
+        .trim()
+        .parse()
+        .map_err(|_| refuse("not a URL; give e.g. http://127.0.0.1:4318"))?;
+    match uri.scheme_str() {
+        Some("http") if uri.host().is_some() => Ok(()),
+        Some("https") => Err(refuse(
+            "https is not supported: point it at an OpenTelemetry collector beside Airlock (http://127.0.0.1:4318 or the pod's sidecar), which forwards over TLS",
+        )),
+        _ => Err(refuse(
+            "not an http:// URL; give e.g. http://127.0.0.1:4318",
+        )),
+    }
+}
+
+/// The batch processor, created by [`Deferred::start`]: until then (the process is not
+/// confined yet, or tracing never started) ended spans are dropped.
+#[derive(Debug, Clone)]
+pub(crate) struct Deferred {
+    inner: Arc<DeferredInner>,
+}
+
+#[derive(Debug)]
+struct DeferredInner {
+    processor: OnceLock<BatchSpanProcessor>,
+    resource: Mutex<Resource>,
+}
+
+impl Deferred {
+    pub(crate) fn new(resource: Resource) -> Self {
+        Self {
+            inner: Arc::new(DeferredInner {
+                processor: OnceLock::new(),
+                resource: Mutex::new(resource),
+            }),
+        }
+    }
+
+    /// Builds the exporter on the current runtime and the batch processor's thread.
+    pub(crate) fn start(&self, settings: &Settings) -> Result<(), TelemetryError> {
+        let runtime = tokio::runtime::Handle::try_current().map_err(|_| {
+            TelemetryError::Exporter("tracing must start inside the async runtime".into())
+        })?;
+        let exporter = match settings.protocol {
+            Protocol::Grpc => opentelemetry_otlp::SpanExporter::builder()
+                .with_tonic()
+                .with_timeout(crate::export_timeout())
+                .build(),
+            Protocol::HttpProtobuf => opentelemetry_otlp::SpanExporter::builder()
+                .with_http()
+                .with_protocol(opentelemetry_otlp::Protocol::HttpBinary)
+                .with_timeout(crate::export_timeout())
+                .with_http_client(Reqwest::new(crate::export_timeout())?)
+                .build(),
+        }
+        .map_err(|e| TelemetryError::Exporter(e.to_string()))?;
+        let mut exporter = OnRuntime {
+            inner: Arc::new(tokio::sync::Mutex::new(exporter)),
+            runtime,
+        };
+        let resource = match self.inner.resource.lock() {
+            Ok(r) => r.clone(),
+            Err(poisoned) => poisoned.into_inner().clone(),
+        };
+        exporter.set_resource(&resource);
+        // OTEL_BSP_* (schedule delay, queue and batch sizes, export timeout) are read by
+        // the SDK's default batch configuration.
+        let processor = BatchSpanProcessor::builder(exporter).build();
+        self.inner
+            .processor
+            .set(processor)
+            .map_err(|_| TelemetryError::AlreadyStarted)
+    }
+}
+
+impl SpanProcessor for Deferred {
+    fn on_start(&self, span: &mut Span, cx: &Context) {
+        if let Some(p) = self.inner.processor.get() {
+            p.on_start(span, cx);
+        }
+    }
+
+    fn on_end(&self, span: SpanData) {
+        if let Some(p) = self.inner.processor.get() {
+            p.on_end(span);
+        }
+    }
+
+    fn force_flush(&self) -> OTelSdkResult {
+        self.inner
+            .processor
+            .get()
+            .map_or(Ok(()), SpanProcessor::force_flush)
+    }
+
+    fn shutdown_with_timeout(&self, timeout: Duration) -> OTelSdkResult {
+        self.inner
+            .processor
+            .get()
+            .map_or(Ok(()), |p| p.shutdown_with_timeout(timeout))
+    }
+
+    fn set_resource(&mut self, resource: &Resource) {
+        match self.inner.resource.lock() {
+            Ok(mut r) => *r = resource.clone(),
+            Err(poisoned) => *poisoned.into_inner() = resource.clone(),
+        }
+    }
+}
+
+/// Runs each export on the async runtime: the batch processor's own thread has none,
+/// and the gRPC and HTTP clients need one.
+#[derive(Debug)]
+struct OnRuntime {
+    inner: Arc<tokio::sync::Mutex<opentelemetry_otlp::SpanExporter>>,
+    runtime: tokio::runtime::Handle,
+}
+
+impl SpanExporter for OnRuntime {
+    async fn export(&self, batch: Vec<SpanData>) -> OTelSdkResult {
+        let inner = self.inner.clone();
+        let exported = self
+            .runtime
+            .spawn(async move { inner.lock().await.export(batch).await });
+        match exported.await {
+            Ok(result) => result,
+            Err(e) => Err(OTelSdkError::InternalFailure(format!(
+                "the export task failed: {e}"
+            ))),
+        }
+    }
+
+    fn shutdown_with_timeout(&mut self, timeout: Duration) -> OTelSdkResult {
+        match self.inner.try_lock() {
+            Ok(mut inner) => inner.shutdown_with_timeout(timeout),
+            // An export still running ends with the runtime.
+            Err(_) => Ok(()),
+        }
+    }
+
+    fn set_resource(&mut self, resource: &Resource) {
+        if let Ok(mut inner) = self.inner.try_lock() {
+            inner.set_resource(resource);
+        }
+    }
+}
+
+/// `http/protobuf` over the workspace's HTTP client.
+#[derive(Debug)]
+struct Reqwest {
+    client: reqwest::Client,
+}
+
+impl Reqwest {
+    fn new(timeout: Duration) -> Result<Self, TelemetryError> {
+        let client = reqwest::Client::builder()
+            .timeout(timeout)
+            // The collector is named by the operator; a proxy variable meant for the
+            // agents' traffic must not reroute the spans.
+            .no_proxy()
+            .build()
+            .map_err(|e| TelemetryError::Exporter(e.to_string()))?;
+        Ok(Self { client })
+    }
+}
+
+#[async_trait::async_trait]
+impl HttpClient for Reqwest {
+    async fn send_bytes(&self, request: Request<Bytes>) -> Result<Response<Bytes>, HttpError> {
+        let (parts, body) = request.into_parts();
+        let response = self
+            .client
+            .request(parts.method, parts.uri.to_string())
+            .headers(parts.headers)
+            .body(body)
+            .send()
+            .await?;
+        let status = response.status();
+        let headers = response.headers().clone();
+        let body = response.bytes().await?;
+        if !status.is_success() {
+            return Err(format!(
+                "the collector answered {status}: {}",
+                String::from_utf8_lossy(&body[..body.len().min(512)])
+            )
+            .into());
+        }
+        let mut answer = Response::builder().status(status);
+        if let Some(h) = answer.headers_mut() {
+            *h = headers;
+        }
+        Ok(answer.body(body)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoints_must_be_plain_http_urls() {
+        check_endpoint("V", "http://127.0.0.1:4318").unwrap();
+        check_endpoint("V", "http://collector.observability:4317/").unwrap();
+        let e = check_endpoint("V", "https://collector:4318")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("https is not supported"), "{e}");
+        let e = check_endpoint("V", "127.0.0.1:4318")
+            .unwrap_err()
+            .to_string();
+        assert!(e.starts_with("V=\"127.0.0.1:4318\""), "{e}");
+    }
+}

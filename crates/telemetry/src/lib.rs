@@ -1,0 +1,398 @@
+//! Airlock's OpenTelemetry traces (DESIGN §13): one place that reads the standard
+//! `OTEL_*` variables, builds the OTLP exporter, composes the `tracing` subscriber (logs
+//! to stderr, and the spans Airlock exports), carries W3C trace context over HTTP and
+//! gRPC, and flushes on shutdown.
+//!
+//! Tracing is on when `OTEL_EXPORTER_OTLP_ENDPOINT` or
+//! `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` is set (and `OTEL_SDK_DISABLED` is not `true`).
+//! Off, no OpenTelemetry layer is installed at all: the call spans (level TRACE, target
+//! [`TARGET`]) are disabled at their call sites and cost a cached interest check.
+//!
+//! Only spans under [`TARGET`] are exported, and never log events: what a span carries
+//! is what the code that opens it writes into it (tool names and ids, never argument
+//! values), whatever some library logs inside it. Log lines are tied to a trace by the
+//! `trace_id` and `span_id` that JSON logs carry instead ([`json`]).
+//!
+//! Processes that confine themselves must not start threads before they do: the batch
+//! processor's thread and the exporter start in [`start`], called after confinement
+//! inside the async runtime; spans that end before it are dropped.
+
+mod export;
+pub mod json;
+pub mod logs;
+pub mod propagate;
+
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use opentelemetry::trace::TracerProvider as _;
+use opentelemetry_sdk::Resource;
+use opentelemetry_sdk::trace::{SdkTracerProvider, SpanProcessor};
+use tracing_subscriber::Layer;
+use tracing_subscriber::registry::LookupSpan;
+
+pub use export::Protocol;
+
+/// The `tracing` target of every span Airlock exports. Spans under it are opened at
+/// level TRACE, so that with tracing off (and `RUST_LOG` at its usual levels) they are
+/// disabled where they are written.
+pub const TARGET: &str = "airlock::trace";
+
+/// What can stop tracing from starting. Each names the variable to fix.
+#[derive(Debug, thiserror::Error)]
+pub enum TelemetryError {
+    #[error(
+        "{variable}={value:?} is not supported: use \"http/protobuf\" (the default) or \"grpc\""
+    )]
+    Protocol {
+        variable: &'static str,
+        value: String,
+    },
+    #[error(
+        "{variable}={value:?} is not a sampler Airlock knows: use always_on, always_off, traceidratio, parentbased_always_on, parentbased_always_off or parentbased_traceidratio"
+    )]
+    Sampler {
+        variable: &'static str,
+        value: String,
+    },
+    #[error("{variable}={value:?}: {reason}")]
+    Variable {
+        variable: &'static str,
+        value: String,
+        reason: String,
+    },
+    #[error("cannot build the OTLP trace exporter (check OTEL_EXPORTER_OTLP_*): {0}")]
+    Exporter(String),
+    #[error("tracing was started twice in one process")]
+    AlreadyStarted,
+}
+
+/// Which process this is, for the `service.name` resource attribute.
+#[derive(Debug, Clone)]
+pub enum Service {
+    /// `OTEL_SERVICE_NAME` when set, else `airlock-orchestrator`.
+    Orchestrator,
+    /// Always `airlock-worker-<group>` (DESIGN §13): under `airlock up` every worker
+    /// inherits the launcher's environment, and one `OTEL_SERVICE_NAME` would merge them.
+    Worker(String),
+}
+
+impl Service {
+    /// The `service.name` this process reports, `OTEL_SERVICE_NAME` being `env`.
+    pub fn name(&self, env: Option<&str>) -> String {
+        match self {
+            Self::Orchestrator => env
+                .filter(|v| !v.trim().is_empty())
+                .unwrap_or("airlock-orchestrator")
+                .to_owned(),
+            Self::Worker(group) => format!("airlock-worker-{group}"),
+        }
+    }
+}
+
+/// The exporter's settings, read from the environment.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub protocol: Protocol,
+    pub service_name: String,
+}
+
+impl Settings {
+    /// `None` when tracing is off (no endpoint, or `OTEL_SDK_DISABLED=true`); an error
+    /// for a variable Airlock cannot honour, so that a typo does not silently turn
+    /// tracing into something else.
+    pub fn from_env(service: &Service) -> Result<Option<Self>, TelemetryError> {
+        Self::from_lookup(service, |name| std::env::var(name).ok())
+    }
+
+    fn from_lookup(
+        service: &Service,
+        var: impl Fn(&str) -> Option<String>,
+    ) -> Result<Option<Self>, TelemetryError> {
+        let set = |name: &str| var(name).filter(|v| !v.trim().is_empty());
+        if set("OTEL_SDK_DISABLED").is_some_and(|v| v.trim().eq_ignore_ascii_case("true")) {
+            return Ok(None);
+        }
+        if set("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT").is_none()
+            && set("OTEL_EXPORTER_OTLP_ENDPOINT").is_none()
+        {
+            return Ok(None);
+        }
+        if set("OTEL_TRACES_EXPORTER").is_some_and(|v| v.trim() == "none") {
+            return Ok(None);
+        }
+        let protocol = match (
+            set("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"),
+            set("OTEL_EXPORTER_OTLP_PROTOCOL"),
+        ) {
+            (Some(value), _) => Protocol::parse("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", &value)?,
+            (None, Some(value)) => Protocol::parse("OTEL_EXPORTER_OTLP_PROTOCOL", &value)?,
+            (None, None) => Protocol::HttpProtobuf,
+        };
+        if let Some(value) = set("OTEL_TRACES_SAMPLER") {
+            const KNOWN: [&str; 6] = [
+                "always_on",
+                "always_off",
+                "traceidratio",
+                "parentbased_always_on",
+                "parentbased_always_off",
+                "parentbased_traceidratio",
+            ];
+            if !KNOWN.contains(&value.trim()) {
+                return Err(TelemetryError::Sampler {
+                    variable: "OTEL_TRACES_SAMPLER",
+                    value,
+                });
+            }
+        }
+        for variable in [
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+        ] {
+            if let Some(value) = set(variable) {
+                export::check_endpoint(variable, &value)?;
+            }
+        }
+        Ok(Some(Self {
+            protocol,
+            service_name: service.name(set("OTEL_SERVICE_NAME").as_deref()),
+        }))
+    }
+}
+
+/// The tracer provider of this process, set once by [`layer`].
+struct Pipeline {
+    provider: SdkTracerProvider,
+    processor: export::Deferred,
+    settings: Settings,
+}
+
+static PIPELINE: OnceLock<Pipeline> = OnceLock::new();
+static ENABLED: AtomicBool = AtomicBool::new(false);
+
+/// Whether spans are being exported (checked before any work on trace context).
+pub fn enabled() -> bool {
+    ENABLED.load(Ordering::Relaxed)
+}
+
+/// The OpenTelemetry layer for this process's subscriber, or `None` when tracing is
+/// off. It exports the spans under [`TARGET`] and nothing else; the exporter starts in
+/// [`start`].
+pub fn layer<S>(service: &Service) -> Result<Option<impl Layer<S> + use<S>>, TelemetryError>
+where
+    S: tracing::Subscriber + for<'a> LookupSpan<'a>,
+{
+    let Some(settings) = Settings::from_env(service)? else {
+        return Ok(None);
+    };
+    let resource = Resource::builder()
+        .with_service_name(settings.service_name.clone())
+        .build();
+    let processor = export::Deferred::new(resource.clone());
+    // The sampler comes from OTEL_TRACES_SAMPLER and OTEL_TRACES_SAMPLER_ARG, read by
+    // the SDK's default configuration.
+    let provider = SdkTracerProvider::builder()
+        .with_resource(resource)
+        .with_span_processor(processor.clone())
+        .build();
+    let tracer = provider.tracer("airlock");
+    PIPELINE
+        .set(Pipeline {
+            provider,
+            processor,
+            settings,
+        })
+        .map_err(|_| TelemetryError::AlreadyStarted)?;
+    ENABLED.store(true, Ordering::Relaxed);
+    let layer = tracing_opentelemetry::layer()
+        .with_tracer(tracer)
+        // What each span costs is paid per call: no busy/idle timing (two clock reads
+        // per enter and exit), no thread and source-location attributes (five more
+        // attributes per span to build, encode and send, saying nothing a span name
+        // does not).
+        .with_tracked_inactivity(false)
+        .with_threads(false)
+        .with_location(false)
+        // Spans only: an event inside a call span is a log line, which may quote what
+        // a library saw; it goes to the log (with the trace id), never to the trace.
+        .with_filter(tracing_subscriber::filter::filter_fn(|meta| {
+            meta.is_span() && meta.target() == TARGET
+        }));
+    Ok(Some(layer))
+}
+
+/// Starts exporting: builds the exporter (which needs the async runtime) and the batch
+/// processor's thread. A no-op when tracing is off. Call it once the process is
+/// confined, from inside the runtime.
+pub fn start() -> Result<(), TelemetryError> {
+    let Some(pipeline) = PIPELINE.get() else {
+        return Ok(());
+    };
+    pipeline.processor.start(&pipeline.settings)?;
+    tracing::info!(
+        service = %pipeline.settings.service_name,
+        protocol = pipeline.settings.protocol.as_str(),
+        "exporting traces over OTLP"
+    );
+    Ok(())
+}
+
+/// Exports what is left and stops the exporter; waits at most `OTEL_BSP_EXPORT_TIMEOUT`
+/// (30 s by default). Call it from inside the runtime before it stops: the export runs on
+/// it.
+pub async fn shutdown() {
+    let Some(pipeline) = PIPELINE.get() else {
+        return;
+    };
+    ENABLED.store(false, Ordering::Relaxed);
+    let provider = pipeline.provider.clone();
+    let done = tokio::task::spawn_blocking(move || provider.shutdown()).await;
+    match done {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::warn!(error = %e, "the last spans could not be exported"),
+        Err(e) => tracing::warn!(error = %e, "the trace exporter did not shut down"),
+    }
+}
+
+/// Spans ended but not exported yet are sent now (tests and the bench wait on this
+/// rather than on the batch delay).
+pub fn flush() {
+    if let Some(pipeline) = PIPELINE.get()
+        && let Err(e) = pipeline.processor.force_flush()
+    {
+        tracing::warn!(error = %e, "cannot flush the trace exporter");
+    }
+}
+
+/// How long an export may take, from `OTEL_EXPORTER_OTLP_TRACES_TIMEOUT` or
+/// `OTEL_EXPORTER_OTLP_TIMEOUT` (milliseconds), 10 s by default.
+fn export_timeout() -> Duration {
+    [
+        "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT",
+        "OTEL_EXPORTER_OTLP_TIMEOUT",
+    ]
+    .iter()
+    .find_map(|name| std::env::var(name).ok()?.trim().parse::<u64>().ok())
+    .map_or(Duration::from_secs(10), Duration::from_millis)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn settings(
+        vars: &[(&str, &str)],
+        service: Service,
+    ) -> Result<Option<Settings>, TelemetryError> {
+        let vars: HashMap<String, String> = vars
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect();
+        Settings::from_lookup(&service, |name| vars.get(name).cloned())
+    }
+
+    #[test]
+    fn off_without_an_endpoint_or_when_disabled() {
+        assert!(settings(&[], Service::Orchestrator).unwrap().is_none());
+        assert!(
+            settings(
+                &[
+                    ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4318"),
+                    ("OTEL_SDK_DISABLED", "true")
+                ],
+                Service::Orchestrator
+            )
+            .unwrap()
+            .is_none()
+        );
+        assert!(
+            settings(
+                &[
+                    ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4318"),
+                    ("OTEL_TRACES_EXPORTER", "none")
+                ],
+                Service::Orchestrator
+            )
+            .unwrap()
+            .is_none()
+        );
+    }
+
+    #[test]
+    fn protocol_and_names_follow_the_variables() {
+        let s = settings(
+            &[(
+                "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+                "http://127.0.0.1:4318/v1/traces",
+            )],
+            Service::Orchestrator,
+        )
+        .unwrap()
+        .unwrap();
+        assert_eq!(s.protocol, Protocol::HttpProtobuf);
+        assert_eq!(s.service_name, "airlock-orchestrator");
+        let s = settings(
+            &[
+                ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4317"),
+                ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
+                ("OTEL_SERVICE_NAME", "gate-eu"),
+            ],
+            Service::Orchestrator,
+        )
+        .unwrap()
+        .unwrap();
+        assert_eq!(s.protocol, Protocol::Grpc);
+        assert_eq!(s.service_name, "gate-eu");
+        let s = settings(
+            &[
+                ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4317"),
+                ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
+                ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf"),
+                ("OTEL_SERVICE_NAME", "gate-eu"),
+            ],
+            Service::Worker("shell".into()),
+        )
+        .unwrap()
+        .unwrap();
+        assert_eq!(
+            s.protocol,
+            Protocol::HttpProtobuf,
+            "the traces variable wins"
+        );
+        assert_eq!(s.service_name, "airlock-worker-shell");
+    }
+
+    #[test]
+    fn values_it_cannot_honour_are_refused_by_name() {
+        let endpoint = ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4318");
+        let e = settings(
+            &[endpoint, ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json")],
+            Service::Orchestrator,
+        )
+        .err()
+        .unwrap()
+        .to_string();
+        assert!(
+            e.contains("OTEL_EXPORTER_OTLP_PROTOCOL=\"http/json\""),
+            "{e}"
+        );
+        let e = settings(
+            &[endpoint, ("OTEL_TRACES_SAMPLER", "sometimes")],
+            Service::Orchestrator,
+        )
+        .err()
+        .unwrap()
+        .to_string();
+        assert!(e.contains("OTEL_TRACES_SAMPLER=\"sometimes\""), "{e}");
+        let e = settings(
+            &[("OTEL_EXPORTER_OTLP_ENDPOINT", "collector:4318")],
+            Service::Orchestrator,
+        )
+        .err()
+        .unwrap()
+        .to_string();
+        assert!(e.contains("OTEL_EXPORTER_OTLP_ENDPOINT"), "{e}");
+    }
+}

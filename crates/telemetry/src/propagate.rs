@@ -1,0 +1,134 @@
+//! W3C trace context (`traceparent`, `tracestate`) in and out: HTTP headers at the front
+//! doors, gRPC metadata between the orchestrator and its workers. With tracing off each
+//! of these returns at once.
+
+use opentelemetry::propagation::{Extractor, Injector, TextMapPropagator as _};
+use opentelemetry_sdk::propagation::TraceContextPropagator;
+use tonic::metadata::{MetadataKey, MetadataMap, MetadataValue};
+use tracing_opentelemetry::OpenTelemetrySpanExt as _;
+
+/// Makes the caller's `traceparent` (if any, and well-formed) the parent of `span`,
+/// which must not have been entered yet. A malformed one is ignored, as the W3C
+/// specification asks: the call gets a trace of its own.
+pub fn parent_from_headers(span: &tracing::Span, headers: &http::HeaderMap) {
+    if !crate::enabled() || !headers.contains_key("traceparent") {
+        return;
+    }
+    let cx = TraceContextPropagator::new().extract(&HeaderExtractor(headers));
+    // Only fails without the OpenTelemetry layer or on a span already started.
+    let _ = span.set_parent(cx);
+}
+
+/// As [`parent_from_headers`], from a gRPC request's metadata.
+pub fn parent_from_metadata(span: &tracing::Span, metadata: &MetadataMap) {
+    if !crate::enabled() || !metadata.contains_key("traceparent") {
+        return;
+    }
+    let cx = TraceContextPropagator::new().extract(&MetadataExtractor(metadata));
+    let _ = span.set_parent(cx);
+}
+
+/// Writes the current span's context into an outgoing gRPC request's metadata, so that
+/// the worker's spans join the call's trace.
+pub fn inject_metadata(metadata: &mut MetadataMap) {
+    if !crate::enabled() {
+        return;
+    }
+    let cx = tracing::Span::current().context();
+    TraceContextPropagator::new().inject_context(&cx, &mut MetadataInjector(metadata));
+}
+
+struct HeaderExtractor<'a>(&'a http::HeaderMap);
+
+impl Extractor for HeaderExtractor<'_> {
+    fn get(&self, key: &str) -> Option<&str> {
+        // One value only: a repeated traceparent is ambiguous, and is ignored.
+        let mut values = self.0.get_all(key).iter();
+        let first = values.next()?;
+        if values.next().is_some() {
+            return None;
+        }
+        first.to_str().ok()
+    }
+
+    fn keys(&self) -> Vec<&str> {
+        self.0.keys().map(http::HeaderName::as_str).collect()
+    }
+}
+
+struct MetadataExtractor<'a>(&'a MetadataMap);
+
+impl Extractor for MetadataExtractor<'_> {
+    fn get(&self, key: &str) -> Option<&str> {
+        self.0.get(key).and_then(|v| v.to_str().ok())
+    }
+
+    fn keys(&self) -> Vec<&str> {
+        self.0
+            .keys()
+            .filter_map(|k| match k {
+                tonic::metadata::KeyRef::Ascii(k) => Some(k.as_str()),
+                tonic::metadata::KeyRef::Binary(_) => None,
+            })
+            .collect()
+    }
+}
+
+struct MetadataInjector<'a>(&'a mut MetadataMap);
+
+impl Injector for MetadataInjector<'_> {
+    fn set(&mut self, key: &str, value: String) {
+        if let (Ok(key), Ok(value)) = (
+            MetadataKey::from_bytes(key.as_bytes()),
+            MetadataValue::try_from(value.as_str()),
+        ) {
+            self.0.insert(key, value);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_repeated_traceparent_is_not_read() {
+        let mut headers = http::HeaderMap::new();
+        headers.append(
+            "traceparent",
+            http::HeaderValue::from_static(
+                "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+            ),
+        );
+        assert_eq!(
+            HeaderExtractor(&headers).get("traceparent"),
+            Some("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01")
+        );
+        headers.append(
+            "traceparent",
+            http::HeaderValue::from_static(
+                "00-1af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+            ),
+        );
+        assert_eq!(HeaderExtractor(&headers).get("traceparent"), None);
+    }
+
+    #[test]
+    fn metadata_round_trips_the_context() {
+        let mut metadata = MetadataMap::new();
+        MetadataInjector(&mut metadata).set(
+            "traceparent",
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into(),
+        );
+        let cx = TraceContextPropagator::new().extract(&MetadataExtractor(&metadata));
+        use opentelemetry::trace::TraceContextExt as _;
+        let span = cx.span();
+        let remote = span.span_context();
+        assert_eq!(
+            remote.trace_id().to_string(),
+            "0af7651916cd43dd8448eb211c80319c"
+        );
+        assert_eq!(remote.span_id().to_string(), "b7ad6b7169203331");
+        assert!(remote.is_remote());
+    }
+}
