@@ -6,7 +6,9 @@ use serde_json::{Value, json};
 
 use std::time::{Duration, Instant};
 
-use crate::support::{AIRLOCK, Airlock, principals_config, send_as as send, token_digest};
+use crate::support::{
+    AIRLOCK, Airlock, listed_approval, principals_config, send_as as send, token_digest,
+};
 
 /// An agent, two approvers and an admin with known tokens; `extra` is appended.
 fn principals(extra: &str) -> String {
@@ -60,22 +62,7 @@ async fn decide(
 }
 
 async fn approval(airlock: &Airlock, approval_id: &str) -> Value {
-    let (status, list, _) = send(
-        airlock,
-        "bob-token",
-        reqwest::Method::GET,
-        "/v1/approvals?limit=100",
-        None,
-    )
-    .await;
-    assert_eq!(status, 200, "{list}");
-    list["approvals"]
-        .as_array()
-        .expect("approvals")
-        .iter()
-        .find(|a| a["approval_id"] == approval_id)
-        .cloned()
-        .expect("the approval is listed")
+    listed_approval(airlock, "bob-token", approval_id).await
 }
 
 async fn call_detail(airlock: &Airlock, call_id: &str, wait_ms: u64) -> Value {

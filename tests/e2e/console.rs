@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 
-use crate::support::{Airlock, send_as as send, token_digest};
+use crate::support::{Airlock, listed_approval, send_as as send, token_digest};
 
 const SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/e2e/console.py");
 const SCREENSHOT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/console.png");
@@ -200,22 +200,7 @@ async fn propose(airlock: &Airlock, who: &str, session: &str, tool: &str, input:
 }
 
 async fn approval(airlock: &Airlock, approval_id: &str) -> Value {
-    let (status, list, _) = send(
-        airlock,
-        token("root"),
-        reqwest::Method::GET,
-        "/v1/approvals?limit=1000",
-        None,
-    )
-    .await;
-    assert_eq!(status, 200, "{list}");
-    list["approvals"]
-        .as_array()
-        .expect("approvals")
-        .iter()
-        .find(|a| a["approval_id"] == approval_id)
-        .cloned()
-        .unwrap_or_else(|| panic!("no approval {approval_id}: {list}"))
+    listed_approval(airlock, token("root"), approval_id).await
 }
 
 /// Headers, sign-in, the cookie, CSRF, origin and role checks, and the live stream,

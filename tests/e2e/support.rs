@@ -564,6 +564,27 @@ pub fn principals_config(principals: &[(&str, &[&str])], extra: &str) -> String 
     config
 }
 
+/// The approval `approval_id`, whatever its status, as `GET /v1/approvals` lists it to
+/// `token` (an approver's or an admin's).
+pub async fn listed_approval(airlock: &Airlock, token: &str, approval_id: &str) -> Value {
+    let (status, list, _) = send_as(
+        airlock,
+        token,
+        reqwest::Method::GET,
+        "/v1/approvals?limit=1000",
+        None,
+    )
+    .await;
+    assert_eq!(status, 200, "{list}");
+    list["approvals"]
+        .as_array()
+        .expect("approvals")
+        .iter()
+        .find(|a| a["approval_id"] == approval_id)
+        .cloned()
+        .unwrap_or_else(|| panic!("no approval {approval_id}: {list}"))
+}
+
 /// One HTTP request to `airlock` with `token`: status, JSON body (`null` when none) and
 /// headers.
 pub async fn send_as(

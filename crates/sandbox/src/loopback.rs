@@ -23,21 +23,7 @@ use crate::sys;
 /// A socket pair for the hand-over: the worker's end and the child's, both
 /// close-on-exec (the child's closes with the command's `execve` at the latest).
 pub(crate) fn channel() -> Result<(OwnedFd, OwnedFd), SandboxError> {
-    let mut fds = [0 as RawFd; 2];
-    // SAFETY: `fds` is a valid array of two ints for socketpair to fill.
-    let ret = unsafe {
-        libc::socketpair(
-            libc::AF_UNIX,
-            libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC,
-            0,
-            fds.as_mut_ptr(),
-        )
-    };
-    if ret == -1 {
-        return Err(SandboxError::Io(io::Error::last_os_error()));
-    }
-    // SAFETY: socketpair succeeded: both descriptors are open and owned by nobody else.
-    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+    sys::seqpacket_pair().map_err(SandboxError::Io)
 }
 
 /// Child: brings `lo` up (the namespace's only interface; it starts down).

@@ -45,6 +45,28 @@ pub(crate) fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
     Ok((above_stdio(r)?, above_stdio(w)?))
 }
 
+/// A pair of connected `SOCK_SEQPACKET` Unix sockets (one message per send, so a
+/// message is never split or merged), both close-on-exec and numbered 3 or higher like
+/// [`pipe`]'s ends.
+pub(crate) fn seqpacket_pair() -> io::Result<(OwnedFd, OwnedFd)> {
+    let mut fds = [0 as RawFd; 2];
+    // SAFETY: `fds` is a valid array of two ints for socketpair to fill.
+    let ret = unsafe {
+        libc::socketpair(
+            libc::AF_UNIX,
+            libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC,
+            0,
+            fds.as_mut_ptr(),
+        )
+    };
+    if ret == -1 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: socketpair succeeded: both descriptors are open and owned by nobody else.
+    let (a, b) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    Ok((above_stdio(a)?, above_stdio(b)?))
+}
+
 /// Moves a descriptor numbered 0–2 (possible when the caller closed its stdio) above 2.
 pub(crate) fn above_stdio(fd: OwnedFd) -> io::Result<OwnedFd> {
     if fd.as_raw_fd() > 2 {

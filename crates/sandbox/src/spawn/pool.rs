@@ -32,7 +32,7 @@
 use std::collections::VecDeque;
 use std::io;
 use std::net::TcpListener;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
@@ -387,25 +387,10 @@ fn build(sandbox: &Factory) -> Result<Entry, SandboxError> {
     })
 }
 
-/// The socket pair a call is sent on, one message each way (ready, then the call).
+/// The socket pair a call is sent on, one message each way (ready, then the call);
+/// the child's end is above 0–2, which it overwrites with its pipes.
 fn call_channel() -> Result<(OwnedFd, OwnedFd), SandboxError> {
-    let mut fds = [0 as RawFd; 2];
-    // SAFETY: `fds` is a valid array of two ints for socketpair to fill.
-    let ret = unsafe {
-        libc::socketpair(
-            libc::AF_UNIX,
-            libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC,
-            0,
-            fds.as_mut_ptr(),
-        )
-    };
-    if ret == -1 {
-        return Err(SandboxError::Io(io::Error::last_os_error()));
-    }
-    // SAFETY: socketpair succeeded: both descriptors are open and owned by nobody else.
-    let (ours, theirs) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
-    // The child's end must not land on 0–2, which it overwrites with its pipes.
-    Ok((ours, sys::above_stdio(theirs).map_err(SandboxError::Io)?))
+    sys::seqpacket_pair().map_err(SandboxError::Io)
 }
 
 /// Waits for the entry's ready message: `true` when it came, `false` when the child
