@@ -166,10 +166,10 @@ impl Airlock {
         env: &[(&str, &str)],
         user: Option<(&OrdinaryUser, Option<&Delegation>)>,
     ) -> Self {
-        // `airlock up` settles port 0 to a free port and starts the orchestrator on it; in
-        // between, one of the many connections of the tests running beside this one may
-        // take that port as its local port. Such a start is tried once more, and only
-        // such a start.
+        // `airlock up` settles port 0 to a free port (outside the ephemeral range, which
+        // outgoing connections use) and starts the orchestrator on it; in between,
+        // another test's start may still settle on the same port. Such a start is tried
+        // once more, and only such a start.
         let mut attempt = 0;
         let (mut airlock, endpoints) = loop {
             attempt += 1;

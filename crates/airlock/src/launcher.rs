@@ -322,6 +322,10 @@ fn remove_sockets(data_dir: &Path) {
 }
 
 /// `host:0` becomes `host:<a free port>`; anything else stays as it is.
+///
+/// The port is announced now and bound later by the component, so it is chosen outside
+/// the kernel's ephemeral range when it can be: inside it, any outgoing connection of
+/// the host may take the port as its local port in between (seen under parallel tests).
 fn settle_port(addr: &str) -> anyhow::Result<String> {
     let Ok(parsed) = addr.parse::<std::net::SocketAddr>() else {
         return Ok(addr.to_owned());
@@ -329,9 +333,54 @@ fn settle_port(addr: &str) -> anyhow::Result<String> {
     if parsed.port() != 0 {
         return Ok(addr.to_owned());
     }
+    let (ephemeral_low, _) = ephemeral_ports();
+    if ephemeral_low > FIRST_SETTLED_PORT {
+        for _ in 0..SETTLE_TRIES {
+            let port = FIRST_SETTLED_PORT + random_below(ephemeral_low - FIRST_SETTLED_PORT);
+            let candidate = std::net::SocketAddr::new(parsed.ip(), port);
+            if let Ok(probe) = std::net::TcpListener::bind(candidate) {
+                return Ok(probe.local_addr()?.to_string());
+            }
+        }
+    }
     let probe =
         std::net::TcpListener::bind(parsed).with_context(|| format!("cannot bind {addr}"))?;
     Ok(probe.local_addr()?.to_string())
+}
+
+/// Where [`settle_port`] starts looking: above the ports services are usually given.
+const FIRST_SETTLED_PORT: u16 = 10_000;
+
+/// How many ports outside the ephemeral range [`settle_port`] tries before it takes one
+/// the kernel picks.
+const SETTLE_TRIES: usize = 32;
+
+/// The kernel's ephemeral port range (`net.ipv4.ip_local_port_range`), or Linux's
+/// default when it cannot be read.
+fn ephemeral_ports() -> (u16, u16) {
+    let range = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").ok();
+    let mut bounds = range
+        .as_deref()
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|n| n.parse::<u16>().ok());
+    match (bounds.next(), bounds.next()) {
+        (Some(low), Some(high)) if low <= high => (low, high),
+        _ => (32_768, 60_999),
+    }
+}
+
+/// A number below `bound` (> 0), from the standard library's per-process random keys:
+/// spreading the choice is all that is needed, not unpredictability.
+fn random_below(bound: u16) -> u16 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    u16::try_from(hasher.finish() % u64::from(bound)).unwrap_or(0)
 }
 
 fn spawn(exe: &Path, component: &mut Component) -> anyhow::Result<()> {
@@ -556,4 +605,38 @@ async fn stop_all(components: &mut [Component], drain: Duration) {
         }
     }
     tracing::info!("all components stopped");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_settled_port_is_outside_the_ephemeral_range_and_free() {
+        let (low, high) = ephemeral_ports();
+        assert!(
+            low > FIRST_SETTLED_PORT,
+            "this host's ephemeral range starts at {low}: nothing to choose below it"
+        );
+        for _ in 0..20 {
+            let settled = settle_port("127.0.0.1:0").expect("a port");
+            let port = settled
+                .parse::<std::net::SocketAddr>()
+                .expect("host:port")
+                .port();
+            assert!(
+                (FIRST_SETTLED_PORT..low).contains(&port),
+                "{port} is not below the ephemeral range {low}-{high}"
+            );
+            std::net::TcpListener::bind(&settled).expect("the settled port is free");
+        }
+        assert_eq!(
+            settle_port("127.0.0.1:7070").expect("kept"),
+            "127.0.0.1:7070"
+        );
+        assert_eq!(
+            settle_port("unix:/run/a.sock").expect("kept"),
+            "unix:/run/a.sock"
+        );
+    }
 }
