@@ -54,7 +54,7 @@ mod wire;
 
 pub(crate) use pool::Pool;
 
-use parent::{Child, Supervision};
+use parent::{Child, Origin, Request, Supervision, Timing};
 use plan::{
     CallTmp, CallView, ChildPlan, ExecPlan, inherited_string_regions, relative_cwd,
     standard_landlock, strict_landlock,
@@ -234,7 +234,7 @@ fn fresh(
     let proxy_channel = proxy_channel.map(|(ours, _child)| ours);
 
     // Setup result: end-of-file = exec succeeded; 8 bytes = the failed step.
-    setup_result(&mut child, ours.error_r)?;
+    setup_result(&mut child, &ours.error_r)?;
     let spawn = requested.elapsed();
     if let Some(channel) = &proxy_channel {
         match loopback::receive_listener(channel) {
@@ -247,25 +247,18 @@ fn fresh(
         }
     }
 
-    parent::supervise(
-        Supervision {
-            sandbox,
-            spec,
-            cancel,
-            child,
-            started,
-            spawn,
-            report: call.report.clone(),
-            stdin_w: ours.stdin_w,
-            stdout_r: ours.stdout_r,
-            stderr_r: ours.stderr_r,
-            status_r: ours.status_r,
-            call_tmp: call.call_tmp.take(),
-            prebuilt: false,
-            fallback,
-        },
-        sink,
-    )
+    let timing = Timing { started, spawn };
+    let origin = Origin::Fresh {
+        call_tmp: call.call_tmp.take(),
+        fallback,
+    };
+    let request = Request {
+        sandbox,
+        spec,
+        cancel,
+    };
+    let run = Supervision::new(request, child, ours, call.report.clone(), timing, origin);
+    parent::supervise(run, sink)
 }
 
 /// The parent's ends of a sandbox's pipes (the sync pipe's apart: [`start`] uses it).
@@ -441,8 +434,8 @@ fn start(
 
 /// Reads the error pipe to its end: end-of-file means the command's `execve`
 /// succeeded; a failure kills the sandbox and names the step.
-fn setup_result(child: &mut Child, error_r: OwnedFd) -> Result<(), SandboxError> {
-    if let Some(failure) = handshake::read_failure(&error_r)? {
+fn setup_result(child: &mut Child, error_r: &OwnedFd) -> Result<(), SandboxError> {
+    if let Some(failure) = handshake::read_failure(error_r)? {
         child.kill();
         let _ = child.reap();
         return Err(SandboxError::Setup {

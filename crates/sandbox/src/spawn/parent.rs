@@ -5,6 +5,7 @@ use std::io;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::time::{Duration, Instant};
 
+use super::ParentEnds;
 use super::handshake;
 use super::plan::CallTmp;
 use crate::Cancel;
@@ -153,6 +154,79 @@ pub(super) struct Supervision<'a> {
     pub(super) prebuilt: bool,
     /// Why a factory with a pool ran this call in a fresh sandbox.
     pub(super) fallback: Option<String>,
+}
+
+/// The call a sandbox runs, as its supervision sees it.
+pub(super) struct Request<'a> {
+    pub(super) sandbox: &'a Factory,
+    pub(super) spec: &'a CommandSpec,
+    pub(super) cancel: &'a Cancel,
+}
+
+/// Where a sandbox came from, and what that leaves the parent to report or clean up.
+pub(super) enum Origin {
+    /// Cloned for this call.
+    Fresh {
+        /// Standard mode's per-call `/tmp`, removed when the run ends.
+        call_tmp: Option<CallTmp>,
+        /// Why a factory with a pool ran this call in a fresh sandbox.
+        fallback: Option<String>,
+    },
+    /// Taken from the pool (strict mode: no per-call `/tmp`).
+    Prebuilt,
+}
+
+/// When a sandbox's command started: the wall clock's start, and how long the sandbox
+/// took to reach the command's `exec`.
+pub(super) struct Timing {
+    pub(super) started: Instant,
+    pub(super) spawn: Duration,
+}
+
+impl<'a> Supervision<'a> {
+    /// The supervision of a sandbox whose setup succeeded (its error pipe has told all
+    /// it will, and is closed here).
+    pub(super) fn new(
+        request: Request<'a>,
+        child: Child,
+        ours: ParentEnds,
+        report: crate::IsolationReport,
+        timing: Timing,
+        origin: Origin,
+    ) -> Self {
+        let Request {
+            sandbox,
+            spec,
+            cancel,
+        } = request;
+        let ParentEnds {
+            stdin_w,
+            stdout_r,
+            stderr_r,
+            error_r: _,
+            status_r,
+        } = ours;
+        let (call_tmp, prebuilt, fallback) = match origin {
+            Origin::Fresh { call_tmp, fallback } => (call_tmp, false, fallback),
+            Origin::Prebuilt => (None, true, None),
+        };
+        Supervision {
+            sandbox,
+            spec,
+            cancel,
+            child,
+            started: timing.started,
+            spawn: timing.spawn,
+            report,
+            stdin_w,
+            stdout_r,
+            stderr_r,
+            status_r,
+            call_tmp,
+            prebuilt,
+            fallback,
+        }
+    }
 }
 
 /// The parent's loop: feeds stdin, captures output, enforces the wall clock and

@@ -40,7 +40,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::child;
-use super::parent::{self, Child, Supervision};
+use super::parent::{self, Child, Origin, Request, Supervision, Timing};
 use super::plan::{CallView, ChildPlan, strict_landlock};
 use super::wire::{self, CALL_BYTES, CALL_POINTERS};
 use super::{
@@ -195,30 +195,26 @@ impl Pool {
         drop(channel);
         let started = Instant::now();
         Ok((|| {
-            setup_result(&mut child, ours.error_r)?;
+            setup_result(&mut child, &ours.error_r)?;
             let spawn = requested.elapsed();
             if let Some(listener) = listener {
                 sink.proxy_listener(listener);
             }
-            parent::supervise(
-                Supervision {
-                    sandbox,
-                    spec,
-                    cancel,
-                    child,
-                    started,
-                    spawn,
-                    report: call.report.clone(),
-                    stdin_w: ours.stdin_w,
-                    stdout_r: ours.stdout_r,
-                    stderr_r: ours.stderr_r,
-                    status_r: ours.status_r,
-                    call_tmp: None,
-                    prebuilt: true,
-                    fallback: None,
-                },
-                sink,
-            )
+            let timing = Timing { started, spawn };
+            let request = Request {
+                sandbox,
+                spec,
+                cancel,
+            };
+            let run = Supervision::new(
+                request,
+                child,
+                ours,
+                call.report.clone(),
+                timing,
+                Origin::Prebuilt,
+            );
+            parent::supervise(run, sink)
         })())
     }
 
@@ -369,7 +365,7 @@ fn build(sandbox: &Factory) -> Result<Entry, SandboxError> {
 
     if !wait_ready(&channel)? {
         // The child stopped at a step before its call: the error pipe names it.
-        setup_result(&mut child, ours.error_r)?;
+        setup_result(&mut child, &ours.error_r)?;
         return Err(SandboxError::Io(io::Error::other(
             "the pre-built sandbox exited before it was ready",
         )));
