@@ -158,20 +158,7 @@ async fn run() -> Result<()> {
                 continue;
             }
             eprintln!("row {label}: {budget} requests per server in {ROUNDS} alternating rounds");
-            let mut stats: Vec<Stats> = targets.iter().map(|_| Stats::default()).collect();
-            for round in 0..ROUNDS {
-                let quota = budget.div_ceil(ROUNDS);
-                let cap = ROW_TIME_CAP / ROUNDS as u32;
-                // Alternate who goes first, so no one always runs on a "warmer" machine.
-                let mut order: Vec<usize> = (0..targets.len()).collect();
-                if round % 2 == 1 {
-                    order.reverse();
-                }
-                for index in order {
-                    let run = run_requests(&targets[index], file, quota, concurrency, cap).await?;
-                    stats[index].add(run);
-                }
-            }
+            let stats = alternate_rounds(&targets, file, budget, concurrency).await?;
             rows.push(Row { label, stats });
         }
     }
@@ -192,6 +179,31 @@ async fn run() -> Result<()> {
     drop(airlock);
     drop(scratch);
     Ok(())
+}
+
+/// Runs `budget` requests of `file` against each target in [`ROUNDS`] rounds: one
+/// `Stats` per target, in `targets`' order.
+async fn alternate_rounds(
+    targets: &[Target],
+    file: &BenchFile,
+    budget: usize,
+    concurrency: usize,
+) -> Result<Vec<Stats>> {
+    let mut stats: Vec<Stats> = targets.iter().map(|_| Stats::default()).collect();
+    let quota = budget.div_ceil(ROUNDS);
+    let cap = ROW_TIME_CAP / ROUNDS as u32;
+    for round in 0..ROUNDS {
+        // Alternate who goes first, so no one always runs on a "warmer" machine.
+        let mut order: Vec<usize> = (0..targets.len()).collect();
+        if round % 2 == 1 {
+            order.reverse();
+        }
+        for index in order {
+            let run = run_requests(&targets[index], file, quota, concurrency, cap).await?;
+            stats[index].add(run);
+        }
+    }
+    Ok(stats)
 }
 
 /// `target/` of this build: the airlock binary is `target/<profile>/airlock`.

@@ -280,24 +280,7 @@ async fn measure(
         for target in targets {
             run_requests(target, file, 20, 1, ROW_TIME_CAP).await?;
         }
-        let mut stats: Vec<Stats> = targets.iter().map(|_| Stats::default()).collect();
-        for round in 0..ROUNDS {
-            let mut order: Vec<usize> = (0..targets.len()).collect();
-            if round % 2 == 1 {
-                order.reverse();
-            }
-            for index in order {
-                let run = run_requests(
-                    &targets[index],
-                    file,
-                    budget.div_ceil(ROUNDS),
-                    *concurrency,
-                    ROW_TIME_CAP / ROUNDS as u32,
-                )
-                .await?;
-                stats[index].add(run);
-            }
-        }
+        let stats = alternate_rounds(targets, file, *budget, *concurrency).await?;
         out.push(Row { label, stats });
     }
     Ok(out)

@@ -76,19 +76,7 @@ pub async fn run(scratch: &Path) -> Result<String> {
         };
         let label = format!("{} c={concurrency}", file.label);
         eprintln!("row {label}: {budget} requests per server in {ROUNDS} alternating rounds");
-        let mut stats: Vec<Stats> = targets.iter().map(|_| Stats::default()).collect();
-        for round in 0..ROUNDS {
-            let quota = budget.div_ceil(ROUNDS);
-            let cap = ROW_TIME_CAP / ROUNDS as u32;
-            let mut order: Vec<usize> = (0..targets.len()).collect();
-            if round % 2 == 1 {
-                order.reverse();
-            }
-            for index in order {
-                let run = run_requests(&targets[index], file, quota, concurrency, cap).await?;
-                stats[index].add(run);
-            }
-        }
+        let stats = alternate_rounds(&targets, file, budget, concurrency).await?;
         rows.push(Row { label, stats });
     }
     scraper.abort();
