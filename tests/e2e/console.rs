@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 
-use crate::support::{Airlock, listed_approval, send_as as send, token_digest};
+use crate::support::{Airlock, listed_approval, principals_config_with_tokens, send_as as send};
 
 const SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/e2e/console.py");
 const SCREENSHOT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/console.png");
@@ -15,6 +15,7 @@ const CHROMIUM: &str = "/usr/bin/chromium";
 const CHROMEDRIVER: &str = "/usr/bin/chromedriver";
 const CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'self'";
 
+/// Each principal's token, `<name>-console-token` as [`start_with`] configures it.
 const TOKENS: [(&str, &str); 4] = [
     ("alice", "alice-console-token"),
     ("bob", "bob-console-token"),
@@ -38,32 +39,15 @@ async fn start() -> Airlock {
 
 /// [`start`], with `extra` added to `[approvals]`.
 async fn start_with(extra: &str) -> Airlock {
-    let config = format!(
-        r#"
-[[principals]]
-name = "alice"
-token_sha256 = "{}"
-roles = ["agent"]
-[[principals]]
-name = "bob"
-token_sha256 = "{}"
-roles = ["approver"]
-[[principals]]
-name = "carol"
-token_sha256 = "{}"
-roles = ["agent", "approver"]
-[[principals]]
-name = "root"
-token_sha256 = "{}"
-roles = ["admin"]
-[approvals]
-distinct_approver = true
-{extra}
-"#,
-        token_digest(token("alice")),
-        token_digest(token("bob")),
-        token_digest(token("carol")),
-        token_digest(token("root")),
+    let config = principals_config_with_tokens(
+        &[
+            ("alice", &["agent"]),
+            ("bob", &["approver"]),
+            ("carol", &["agent", "approver"]),
+            ("root", &["admin"]),
+        ],
+        "console-token",
+        &format!("[approvals]\ndistinct_approver = true\n{extra}\n"),
     );
     Airlock::start_with(&config).await
 }

@@ -551,12 +551,22 @@ pub fn token_digest(token: &str) -> String {
 /// `[[principals]]` entries, each with its roles and the token `<name>-token`, then
 /// `extra` (more configuration).
 pub fn principals_config(principals: &[(&str, &[&str])], extra: &str) -> String {
+    principals_config_with_tokens(principals, "token", extra)
+}
+
+/// [`principals_config`] with the token `<name>-<token_suffix>`: a test whose tokens
+/// must not be anyone else's (the console's, which its script signs in with).
+pub fn principals_config_with_tokens(
+    principals: &[(&str, &[&str])],
+    token_suffix: &str,
+    extra: &str,
+) -> String {
     let mut config = String::new();
     for (name, roles) in principals {
         let roles: Vec<String> = roles.iter().map(|r| format!("{r:?}")).collect();
         config.push_str(&format!(
             "\n[[principals]]\nname = {name:?}\ntoken_sha256 = \"{}\"\nroles = [{}]\n",
-            token_digest(&format!("{name}-token")),
+            token_digest(&format!("{name}-{token_suffix}")),
             roles.join(", ")
         ));
     }
