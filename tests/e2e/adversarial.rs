@@ -18,6 +18,9 @@ use std::time::{Duration, Instant, SystemTime};
 
 use serde_json::{Value, json};
 
+#[path = "../support/cgroups.rs"]
+mod cgroups;
+
 use crate::ordinary_user::{Delegation, OrdinaryUser};
 use crate::support::{Airlock, alive, cmdline, descendants, snapshot};
 
@@ -527,26 +530,7 @@ fn call_cgroups(worker: u32) -> Vec<PathBuf> {
 /// Per-call cgroups (`call-<worker pid>-<n>`) of one shell worker, in every hierarchy.
 fn all_call_cgroups(worker: u32) -> Vec<PathBuf> {
     let prefix = format!("call-{worker}-");
-    let mut found = Vec::new();
-    let mut stack = vec![(PathBuf::from("/sys/fs/cgroup"), 0)];
-    while let Some((dir, depth)) = stack.pop() {
-        let Ok(entries) = std::fs::read_dir(&dir) else {
-            continue;
-        };
-        for entry in entries.flatten() {
-            if !entry.file_type().is_ok_and(|t| t.is_dir()) {
-                continue;
-            }
-            let path = entry.path();
-            if entry.file_name().to_string_lossy().starts_with(&prefix) {
-                found.push(path.clone());
-            }
-            if depth < 10 {
-                stack.push((path, depth + 1));
-            }
-        }
-    }
-    found
+    cgroups::cgroup_dirs(|dir| dir.starts_with(&prefix))
 }
 
 /// The entries of the sandbox's root as listed by `ls`: none of the host's own.

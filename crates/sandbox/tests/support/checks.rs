@@ -6,6 +6,10 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+// Relative to this file, which both test binaries include.
+#[path = "../../../../tests/support/cgroups.rs"]
+mod cgroups;
+
 use airlock_sandbox::{
     Cancel, CommandSpec, IsolationLevel, NoSink, RunOutcome, Sandbox, SandboxConfig, SandboxError,
     SelfConfinement, Stream, confine_self,
@@ -83,25 +87,7 @@ fn workspace() -> tempfile::TempDir {
 /// Every directory named `airlock-test-<test>` under /sys/fs/cgroup (any hierarchy).
 fn test_cgroup_parents(test: &str) -> Vec<PathBuf> {
     let name = format!("airlock-test-{test}");
-    let mut found = Vec::new();
-    let mut stack = vec![(PathBuf::from("/sys/fs/cgroup"), 0)];
-    while let Some((dir, depth)) = stack.pop() {
-        let Ok(entries) = std::fs::read_dir(&dir) else {
-            continue;
-        };
-        for entry in entries.flatten() {
-            let path = entry.path();
-            if !entry.file_type().map(|t| t.is_dir()).unwrap_or(false) {
-                continue;
-            }
-            if entry.file_name().to_string_lossy() == name {
-                found.push(path);
-            } else if depth < 4 {
-                stack.push((path, depth + 1));
-            }
-        }
-    }
-    found
+    cgroups::cgroup_dirs(|dir| dir == name)
 }
 
 /// The directory entries (sub-cgroups) of a cgroup directory.
