@@ -1,5 +1,6 @@
 //! The launcher: restarts a crashed worker, and stops everything on SIGTERM.
 
+use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use rustix::process::Signal;
@@ -125,5 +126,123 @@ async fn children_die_with_a_killed_launcher() {
             "children outlived a killed launcher"
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The socket descriptors (`socket:[<inode>]`) process `pid` holds.
+fn sockets(pid: u32) -> BTreeSet<String> {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .expect("the process's descriptors")
+        .flatten()
+        .filter_map(|fd| std::fs::read_link(fd.path()).ok())
+        .map(|target| target.to_string_lossy().into_owned())
+        .filter(|target| target.starts_with("socket:["))
+        .collect()
+}
+
+/// The socket (`socket:[<inode>]`) listening on local TCP port `port`, from the
+/// kernel's TCP tables.
+fn listening_socket(port: u16) -> String {
+    let port_hex = format!(":{port:04X}");
+    ["/proc/net/tcp", "/proc/net/tcp6"]
+        .iter()
+        .filter_map(|table| std::fs::read_to_string(table).ok())
+        .flat_map(|text| text.lines().skip(1).map(str::to_owned).collect::<Vec<_>>())
+        .find_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            (fields.len() > 9 && fields[1].ends_with(&port_hex) && fields[3] == "0A")
+                .then(|| format!("socket:[{}]", fields[9]))
+        })
+        .unwrap_or_else(|| panic!("nothing listens on port {port}"))
+}
+
+fn port(url: &str) -> u16 {
+    url.trim_end_matches('/')
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("no port in {url}"))
+}
+
+fn orchestrator_pid(airlock: &Airlock) -> u32 {
+    descendants(airlock.pid())
+        .into_iter()
+        .find(|p| cmdline(*p).contains("serve orchestrator"))
+        .expect("orchestrator process")
+}
+
+/// The launcher binds the orchestrator's front doors (port 0 here) and holds them; the
+/// orchestrator serves on those very sockets, so no other process can take a port
+/// between the launcher's choice and the orchestrator's start, nor while a killed
+/// orchestrator is restarted.
+#[tokio::test]
+async fn the_orchestrator_serves_on_the_sockets_the_launcher_bound() {
+    let airlock = Airlock::start().await;
+    let listeners = [
+        listening_socket(port(&airlock.url)),
+        listening_socket(port(&airlock.grpc)),
+    ];
+    let launcher = sockets(airlock.pid());
+    let first = orchestrator_pid(&airlock);
+    let orchestrator = sockets(first);
+    for listener in &listeners {
+        assert!(
+            launcher.contains(listener),
+            "the launcher does not hold the front door {listener}: {launcher:?}"
+        );
+        assert!(
+            orchestrator.contains(listener),
+            "the orchestrator does not serve on {listener}: {orchestrator:?}"
+        );
+    }
+
+    signal(first, Signal::KILL);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while alive(first) {
+        assert!(
+            Instant::now() < deadline,
+            "the orchestrator outlived SIGKILL"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Its successor inherits the same sockets; a connection made meanwhile waits in the
+    // launcher-held listener's backlog instead of finding the port closed (or taken).
+    let body = json!({"tool_uses": [{"type": "tool_use", "id": "t", "name": "write_file",
+        "input": {"path": "a.txt", "content": "x"}}]});
+    // A client of its own: the shared one may hold a kept-alive connection to the
+    // killed process.
+    let client = reqwest::Client::new();
+    loop {
+        let sent = client
+            .post(format!("{}/v1/tool_calls", airlock.url))
+            .bearer_auth(&airlock.token)
+            .json(&body)
+            .send()
+            .await;
+        let answer = match sent {
+            Ok(response) => (response.status().as_u16(), response.text().await),
+            Err(e) => (0, Err(e)),
+        };
+        if let (200, Ok(text)) = &answer
+            && serde_json::from_str::<serde_json::Value>(text)
+                .is_ok_and(|v| v["tool_results"][0]["is_error"] == false)
+        {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the orchestrator did not come back: {answer:?}\n{}",
+            airlock.log()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let second = orchestrator_pid(&airlock);
+    assert_ne!(second, first);
+    let restarted = sockets(second);
+    for listener in &listeners {
+        assert!(
+            restarted.contains(listener),
+            "the restarted orchestrator does not serve on {listener}: {restarted:?}"
+        );
     }
 }

@@ -166,10 +166,11 @@ impl Airlock {
         env: &[(&str, &str)],
         user: Option<(&OrdinaryUser, Option<&Delegation>)>,
     ) -> Self {
-        // `airlock up` settles port 0 to a free port (outside the ephemeral range, which
-        // outgoing connections use) and starts the orchestrator on it; in between,
-        // another test's start may still settle on the same port. Such a start is tried
-        // once more, and only such a start.
+        // `airlock up` binds the orchestrator's ports itself, but a worker's metrics port 0
+        // is settled to a free port (outside the ephemeral range, which outgoing
+        // connections use) and bound by the worker; in between, another test's start may
+        // still settle on the same port. Such a start is tried once more, and only such a
+        // start.
         let mut attempt = 0;
         let (mut airlock, endpoints) = loop {
             attempt += 1;

@@ -20,6 +20,7 @@ use tokio::process::{Child, Command};
 
 use crate::Location;
 use crate::config::{LOCAL_GROUPS, Loaded};
+use crate::listen_fds::FrontDoors;
 use crate::signals;
 use crate::volumes::Volumes;
 
@@ -59,6 +60,8 @@ struct Component {
     /// Variables passed beside the allowlist: those the http worker's declared tools
     /// name in `${env:NAME}` (and no other worker gets them).
     extra_env: Vec<String>,
+    /// The orchestrator's listeners, which its process inherits (no other's does).
+    front_doors: Option<FrontDoors>,
     child: Option<Child>,
     started: Instant,
     restarts: u32,
@@ -231,16 +234,22 @@ async fn supervise(loaded: Loaded) -> anyhow::Result<ExitCode> {
             } else {
                 Vec::new()
             },
+            front_doors: None,
             child: None,
             started: Instant::now(),
             restarts: 0,
         })
         .collect();
     let drain = Duration::from_secs(loaded.config.worker.drain_seconds);
-    // A restarted orchestrator must come back on the same ports, so port 0 ("any free
-    // port") is settled here, once.
-    let http = settle_port(&loaded.config.orchestrator.http_listen)?;
-    let grpc = settle_port(&loaded.config.orchestrator.grpc_listen)?;
+    // Bound here, once, and inherited by every orchestrator process: a port 0 ("any
+    // free port") is held from the moment it is chosen, so no other process can take
+    // it before the orchestrator serves on it, and a restarted orchestrator comes back
+    // on the same sockets.
+    let front_doors = FrontDoors::bind(
+        &loaded.config.orchestrator.http_listen,
+        &loaded.config.orchestrator.grpc_listen,
+    )?;
+    let (http, grpc) = front_doors.addrs()?;
     let mut orchestrator_args = component_args(&loaded, &["orchestrator"]);
     orchestrator_args.extend([
         "--http-listen".to_owned(),
@@ -253,6 +262,7 @@ async fn supervise(loaded: Loaded) -> anyhow::Result<ExitCode> {
         args: orchestrator_args,
         full_env: true,
         extra_env: Vec::new(),
+        front_doors: Some(front_doors),
         child: None,
         started: Instant::now(),
         restarts: 0,
@@ -321,7 +331,8 @@ fn remove_sockets(data_dir: &Path) {
     }
 }
 
-/// `host:0` becomes `host:<a free port>`; anything else stays as it is.
+/// `host:0` becomes `host:<a free port>`; anything else stays as it is. For the workers'
+/// metrics listeners; the orchestrator's are bound here and inherited ([`FrontDoors`]).
 ///
 /// The port is announced now and bound later by the component, so it is chosen outside
 /// the kernel's ephemeral range when it can be: inside it, any outgoing connection of
@@ -412,6 +423,9 @@ fn spawn(exe: &Path, component: &mut Component) -> anyhow::Result<()> {
         }
     }
     command.env(signals::LAUNCHER_PID_ENV, std::process::id().to_string());
+    if let Some(front_doors) = &component.front_doors {
+        front_doors.pass_to(&mut command);
+    }
     let child = command
         .spawn()
         .with_context(|| format!("cannot start the {}", component.name))?;

@@ -5,6 +5,7 @@ mod client;
 mod config;
 mod demo;
 mod launcher;
+mod listen_fds;
 mod logging;
 mod sandbox_cli;
 mod serve;

@@ -22,6 +22,7 @@ use anyhow::Context;
 
 use crate::Location;
 use crate::config::Loaded;
+use crate::listen_fds;
 use crate::signals;
 
 #[derive(Debug, clap::Subcommand)]
@@ -265,7 +266,11 @@ fn orchestrator(loaded: &Loaded) -> anyhow::Result<ExitCode> {
     fit_descriptors(&mut config.limits);
     std::fs::create_dir_all(&config.data_dir)
         .with_context(|| format!("cannot create data dir {}", config.data_dir.display()))?;
-    let listeners = BoundListeners::bind(&config)?;
+    // Under `airlock up`, the launcher's listeners; started alone, its own.
+    let listeners = match listen_fds::inherited(&config.http_listen, &config.grpc_listen)? {
+        Some(inherited) => inherited,
+        None => BoundListeners::bind(&config)?,
+    };
     let prepared = Orchestrator::prepare(&config)?;
     confine(
         "orchestrator",

@@ -35,6 +35,7 @@
 mod caps;
 pub mod cgroup;
 mod fds;
+mod inherit;
 mod landlock_rules;
 mod loopback;
 mod namespaces;
@@ -53,6 +54,7 @@ pub use airlock_policy::IsolationLevel;
 pub use caps::CapsError;
 pub use cgroup::{CgroupBackend, CgroupError, CgroupLimits, CgroupVersion};
 pub use fds::FdError;
+pub use inherit::{InheritError, LISTEN_FDS_ENV, inherited_listeners, pass_listeners};
 pub use landlock_rules::{LandlockError, abi_version as landlock_abi_version};
 pub use namespaces::NamespaceError;
 pub use probe::{HostProbe, IsolationReport, LimitsReport, Missing, probe};
