@@ -296,6 +296,108 @@ fn uuid_hex(len: usize) -> String {
     hex(&bytes)[..len].to_owned()
 }
 
+/// The stage that refuses is the span marked failed: a wrong token fails `gate.auth`
+/// under the front door (and no call span follows); arguments the schema refuses fail
+/// `gate.schema`, the checks before it end ok, and nothing is dispatched. The stages are
+/// timed by the gate and handed to the exporter without `tracing`, so this checks the
+/// status they carry and that their timestamps nest inside their parent's.
+#[tokio::test]
+async fn the_stage_that_refuses_a_call_is_its_failed_span() {
+    use opentelemetry_proto::tonic::trace::v1::status::StatusCode;
+    let receiver = Receiver::start().await;
+    let airlock = Airlock::start_with_env(
+        "",
+        &[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.http.as_str()),
+            ("OTEL_BSP_SCHEDULE_DELAY", "100"),
+        ],
+    )
+    .await;
+    let orchestrator = "airlock-orchestrator";
+    let status = |span: &Span| span.status.as_ref().map_or(0, |s| s.code);
+    let error = StatusCode::Error as i32;
+
+    // A token nobody holds.
+    let (auth_trace, _, header) = traceparent();
+    let refused = reqwest::Client::new()
+        .post(format!("{}/v1/tool_calls", airlock.url))
+        .bearer_auth("not-a-token-anyone-holds")
+        .header("traceparent", &header)
+        .json(
+            &json!({"tool_uses": [{"type": "tool_use", "id": "t1", "name": "read_file",
+            "input": {"path": "a.txt"}}]}),
+        )
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(refused.status(), 401);
+    let spans = receiver
+        .wait_for_trace(&auth_trace, "the refused request", |spans| {
+            has(spans, orchestrator, "POST /v1/tool_calls") && has(spans, orchestrator, "gate.auth")
+        })
+        .await;
+    let door = find(&spans, orchestrator, "POST /v1/tool_calls");
+    let auth = find(&spans, orchestrator, "gate.auth");
+    assert_eq!(auth.parent_span_id, door.span_id);
+    assert_eq!(status(auth), error, "gate.auth refused the token");
+    assert!(
+        auth.start_time_unix_nano >= door.start_time_unix_nano
+            && auth.end_time_unix_nano <= door.end_time_unix_nano
+            && auth.start_time_unix_nano <= auth.end_time_unix_nano,
+        "the stage's time lies within the door's"
+    );
+    assert!(
+        !spans
+            .iter()
+            .any(|(_, s)| s.name.starts_with("execute_tool")),
+        "no call after a refused token"
+    );
+
+    // Arguments of the wrong type.
+    let (schema_trace, _, header) = traceparent();
+    let response = airlock
+        .request(reqwest::Method::POST, "/v1/tool_calls")
+        .header("traceparent", &header)
+        .json(
+            &json!({"tool_uses": [{"type": "tool_use", "id": "t2", "name": "read_file",
+            "input": {"path": 5}}]}),
+        )
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(response.status(), 200);
+    let body: Value = response.json().await.expect("JSON");
+    assert_eq!(body["tool_results"][0]["is_error"], true, "{body}");
+    let spans = receiver
+        .wait_for_trace(&schema_trace, "the refused call", |spans| {
+            has(spans, orchestrator, "execute_tool read_file")
+                && has(spans, orchestrator, "gate.schema")
+                && has(spans, orchestrator, "gate.store")
+        })
+        .await;
+    let call = find(&spans, orchestrator, "execute_tool read_file");
+    let admission = find(&spans, orchestrator, "gate.admission");
+    let schema = find(&spans, orchestrator, "gate.schema");
+    for stage in [admission, schema] {
+        assert_eq!(stage.parent_span_id, call.span_id, "{}", stage.name);
+        assert!(
+            stage.start_time_unix_nano >= call.start_time_unix_nano
+                && stage.end_time_unix_nano <= call.end_time_unix_nano,
+            "{} lies within the call's span",
+            stage.name
+        );
+    }
+    assert_ne!(status(admission), error, "admission let the call in");
+    assert_eq!(status(schema), error, "the schema refused the call");
+    assert!(schema.start_time_unix_nano >= admission.end_time_unix_nano);
+    for later in ["gate.budget", "gate.policy", "gate.dispatch"] {
+        assert!(
+            !has(&spans, orchestrator, later),
+            "{later} after the schema refused the call"
+        );
+    }
+}
+
 /// A `/v1` call of execute_shell under the caller's trace, exported over
 /// `http/protobuf`: the front door's span is the child of the caller's span; the
 /// gate's stages, the worker's execute span (service `airlock-worker-shell`, through

@@ -129,12 +129,9 @@ where
     }
 
     fn call(&mut self, mut request: axum::http::Request<ReqBody>) -> Self::Future {
-        let span = crate::traces::stage!("gate.auth");
-        let authenticated = span.in_scope(|| authenticate(&self.principals, request.headers()));
-        if authenticated.is_err() {
-            span.record("otel.status_code", "ERROR");
-        }
-        drop(span);
+        let stage = airlock_telemetry::Stage::current("gate.auth");
+        let authenticated = authenticate(&self.principals, request.headers());
+        stage.end(authenticated.is_err());
         match authenticated {
             Ok(principal) => {
                 request.extensions_mut().insert(principal);

@@ -131,7 +131,8 @@ impl<S: tonic::server::NamedService> tonic::server::NamedService for FrontDoor<S
     const NAME: &'static str = S::NAME;
 }
 
-/// A gate stage's span, a child of the call's.
+/// A gate stage that others nest in (the dispatch, the approval wait), as a `tracing`
+/// span under the call's. The other stages are `airlock_telemetry::Stage`s.
 macro_rules! stage {
     ($name:literal) => {
         tracing::span!(

@@ -76,6 +76,9 @@ pub(crate) struct Deferred {
 #[derive(Debug)]
 struct DeferredInner {
     processor: OnceLock<BatchSpanProcessor>,
+    /// Kept for the life of the process (the pipeline is a static): dropping a runtime
+    /// from inside another would panic.
+    runtime: OnceLock<tokio::runtime::Runtime>,
     resource: Mutex<Resource>,
 }
 
@@ -84,16 +87,18 @@ impl Deferred {
         Self {
             inner: Arc::new(DeferredInner {
                 processor: OnceLock::new(),
+                runtime: OnceLock::new(),
                 resource: Mutex::new(resource),
             }),
         }
     }
 
-    /// Builds the exporter on the current runtime and the batch processor's thread.
+    /// Builds the exporter on a runtime of its own and the batch processor's thread.
     pub(crate) fn start(&self, settings: &Settings) -> Result<(), TelemetryError> {
-        let runtime = tokio::runtime::Handle::try_current().map_err(|_| {
-            TelemetryError::Exporter("tracing must start inside the async runtime".into())
-        })?;
+        let runtime = export_runtime()?;
+        // The gRPC channel spawns its connection task where it is built: on the export
+        // runtime, not on the one serving calls.
+        let _entered = runtime.enter();
         let exporter = match settings.protocol {
             Protocol::Grpc => opentelemetry_otlp::SpanExporter::builder()
                 .with_tonic()
@@ -109,7 +114,7 @@ impl Deferred {
         .map_err(|e| TelemetryError::Exporter(e.to_string()))?;
         let mut exporter = OnRuntime {
             inner: Arc::new(tokio::sync::Mutex::new(exporter)),
-            runtime,
+            runtime: runtime.handle().clone(),
         };
         let resource = match self.inner.resource.lock() {
             Ok(r) => r.clone(),
@@ -122,8 +127,37 @@ impl Deferred {
         self.inner
             .processor
             .set(processor)
+            .map_err(|_| TelemetryError::AlreadyStarted)?;
+        self.inner
+            .runtime
+            .set(runtime)
             .map_err(|_| TelemetryError::AlreadyStarted)
     }
+}
+
+/// The niceness of the export thread: spans yield the CPU to calls.
+const EXPORT_NICENESS: i32 = 10;
+
+/// One thread that converts, encodes and sends batches of spans, at a lower priority
+/// than the threads that serve calls. On the calls' own runtime an export (a batch of
+/// 512 spans is milliseconds of CPU) would hold one of its few worker threads while
+/// calls wait behind it; on its own lowered thread it takes the CPU calls leave idle,
+/// and under full load a share small enough not to delay them (a batch that cannot
+/// keep up is dropped by the SDK's bounded queue, never waited for).
+fn export_runtime() -> Result<tokio::runtime::Runtime, TelemetryError> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .max_blocking_threads(1)
+        .thread_name("airlock-otlp")
+        .enable_all()
+        .on_thread_start(|| {
+            // On Linux a nice value belongs to a thread: `who` = 0 is the calling
+            // thread, not the whole process. Failing to lower it costs calls some
+            // latency, never correctness, so it is not an error.
+            let _ = rustix::process::setpriority_process(None, EXPORT_NICENESS);
+        })
+        .build()
+        .map_err(|e| TelemetryError::Exporter(format!("cannot start the export thread: {e}")))
 }
 
 impl SpanProcessor for Deferred {
@@ -161,7 +195,7 @@ impl SpanProcessor for Deferred {
     }
 }
 
-/// Runs each export on the async runtime: the batch processor's own thread has none,
+/// Runs each export on the export runtime: the batch processor's own thread has none,
 /// and the gRPC and HTTP clients need one.
 #[derive(Debug)]
 struct OnRuntime {

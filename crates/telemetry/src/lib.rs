@@ -14,13 +14,15 @@
 //! `trace_id` and `span_id` that JSON logs carry instead ([`json`]).
 //!
 //! Processes that confine themselves must not start threads before they do: the batch
-//! processor's thread and the exporter start in [`start`], called after confinement
-//! inside the async runtime; spans that end before it are dropped.
+//! processor's thread and the exporter's own runtime (one thread at a lowered priority,
+//! so that encoding and sending spans yields to calls) start in [`start`], called after
+//! confinement; spans that end before it are dropped.
 
 mod export;
 pub mod json;
 pub mod logs;
 pub mod propagate;
+mod stage;
 
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -33,6 +35,7 @@ use tracing_subscriber::Layer;
 use tracing_subscriber::registry::LookupSpan;
 
 pub use export::Protocol;
+pub use stage::{Stage, StageParent};
 
 /// The `tracing` target of every span Airlock exports. Spans under it are opened at
 /// level TRACE, so that with tracing off (and `RUST_LOG` at its usual levels) they are
@@ -164,6 +167,8 @@ impl Settings {
 /// The tracer provider of this process, set once by [`layer`].
 struct Pipeline {
     provider: SdkTracerProvider,
+    /// The tracer of [`Stage`]s, which do not go through `tracing`.
+    tracer: opentelemetry_sdk::trace::SdkTracer,
     processor: export::Deferred,
     settings: Settings,
 }
@@ -200,6 +205,7 @@ where
     PIPELINE
         .set(Pipeline {
             provider,
+            tracer: tracer.clone(),
             processor,
             settings,
         })
@@ -214,6 +220,13 @@ where
         .with_tracked_inactivity(false)
         .with_threads(false)
         .with_location(false)
+        // Every exported span has the same target; saying so on each is bytes per span.
+        .with_target(false)
+        // Nothing in Airlock reads OpenTelemetry's thread-local current context: trace
+        // context is taken from the `tracing` span (`OpenTelemetrySpanExt::context`).
+        // Activating it would attach and detach a context on every poll of every
+        // instrumented future.
+        .with_context_activation(false)
         // Spans only: an event inside a call span is a log line, which may quote what
         // a library saw; it goes to the log (with the trace id), never to the trace.
         .with_filter(tracing_subscriber::filter::filter_fn(|meta| {
@@ -222,9 +235,9 @@ where
     Ok(Some(layer))
 }
 
-/// Starts exporting: builds the exporter (which needs the async runtime) and the batch
+/// Starts exporting: builds the exporter on a runtime of its own and the batch
 /// processor's thread. A no-op when tracing is off. Call it once the process is
-/// confined, from inside the runtime.
+/// confined.
 pub fn start() -> Result<(), TelemetryError> {
     let Some(pipeline) = PIPELINE.get() else {
         return Ok(());
@@ -239,8 +252,7 @@ pub fn start() -> Result<(), TelemetryError> {
 }
 
 /// Exports what is left and stops the exporter; waits at most `OTEL_BSP_EXPORT_TIMEOUT`
-/// (30 s by default). Call it from inside the runtime before it stops: the export runs on
-/// it.
+/// (30 s by default). Call it from inside the runtime, before the process exits.
 pub async fn shutdown() {
     let Some(pipeline) = PIPELINE.get() else {
         return;

@@ -34,10 +34,7 @@ pub async fn run(scratch: &Path) -> Result<String> {
         "traces + metrics on",
         &Extra {
             config: "[metrics]\nlisten = \"127.0.0.1:0\"\n".to_owned(),
-            env: vec![(
-                "OTEL_EXPORTER_OTLP_ENDPOINT".to_owned(),
-                receiver.url.clone(),
-            )],
+            env: traced_env(&receiver.url),
         },
     )
     .await?;
@@ -84,6 +81,23 @@ pub async fn run(scratch: &Path) -> Result<String> {
     tokio::time::sleep(Duration::from_secs(6)).await;
     let load = format!("{load_before} before the rows, {} after", load_average());
     Ok(render_observe(&rows, &load, &receiver))
+}
+
+/// The traced server's variables: the receiver, then `AIRLOCK_BENCH_OBSERVE_ENV`
+/// (`NAME=value` pairs separated by spaces), e.g. `OTEL_TRACES_SAMPLER=always_off` to
+/// build every span but export none, or a sampler ratio.
+fn traced_env(receiver: &str) -> Vec<(String, String)> {
+    let mut env = vec![(
+        "OTEL_EXPORTER_OTLP_ENDPOINT".to_owned(),
+        receiver.to_owned(),
+    )];
+    let extra = std::env::var("AIRLOCK_BENCH_OBSERVE_ENV").unwrap_or_default();
+    for pair in extra.split_whitespace() {
+        if let Some((name, value)) = pair.split_once('=') {
+            env.push((name.to_owned(), value.to_owned()));
+        }
+    }
+    env
 }
 
 fn render_observe(rows: &[Row], load: &str, receiver: &Receiver) -> String {

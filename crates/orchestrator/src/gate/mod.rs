@@ -47,6 +47,7 @@ use std::time::{Duration, Instant};
 
 use airlock_policy::authz::{Authorizer, PrincipalRef};
 use airlock_policy::{CallStatus, Limits, SessionId, ToolOutcome};
+use airlock_telemetry::{Stage, StageParent};
 use serde_json::Value;
 use tokio::sync::{Notify, mpsc, watch};
 use tokio_util::sync::CancellationToken;
@@ -276,7 +277,7 @@ impl Gate {
     /// A store write on a call's path, timed for `airlock_store_operation_duration_seconds`.
     async fn write_call(&self, write: CallWrite) -> Result<bool, StoreError> {
         let started = Instant::now();
-        let written = failed_async(self.store.write_call(write), stage!("gate.store")).await;
+        let written = timed(self.store.write_call(write), Stage::current("gate.store")).await;
         self.metrics.store("write_call", started.elapsed());
         written
     }
@@ -520,18 +521,23 @@ impl Gate {
     /// The stages of a fresh call, in order, each in its own span.
     async fn pipeline(&self, ctx: &mut CallCtx) -> Result<Ending, Rejection> {
         let mut laps = Laps::new(&self.metrics);
-        let tool = in_stage(stage!("gate.admission"), || self.admit(ctx))?;
+        // The checks' spans are stages (see `airlock_telemetry::Stage`): many, short,
+        // and each a leaf under the call's span.
+        let stages = StageParent::current();
+        let tool = in_stage(stages.stage("gate.admission"), || self.admit(ctx))?;
         laps.lap("admission");
-        in_stage(stage!("gate.schema"), || {
+        in_stage(stages.stage("gate.schema"), || {
             validate::validate(&tool, &ctx.tool_use.input)
         })?;
         laps.lap("validate");
-        let repeat = failed_async(self.check_budget(ctx), stage!("gate.budget")).await?;
+        let repeat = timed(self.check_budget(ctx), stages.stage("gate.budget")).await?;
         laps.lap("budget");
-        let verdict = in_stage(stage!("gate.policy"), || self.authorize(ctx, &tool))?;
+        let verdict = in_stage(stages.stage("gate.policy"), || self.authorize(ctx, &tool))?;
         laps.lap("policy");
         let cache_key = self.cache_key(ctx, &tool);
-        let hit = stage!("gate.cache").in_scope(|| self.cached(ctx, &tool, cache_key.as_ref()));
+        let cache = stages.stage("gate.cache");
+        let hit = self.cached(ctx, &tool, cache_key.as_ref());
+        cache.end(false);
         if let Some(hit) = hit {
             laps.lap("cache");
             self.metrics.cache_hit(&tool.definition.name);
@@ -661,16 +667,26 @@ fn call_span(ctx: &CallCtx) -> tracing::Span {
     )
 }
 
-/// Runs a synchronous stage in `span`, marking it failed when it refused the call.
-fn in_stage<T, E>(span: tracing::Span, stage: impl FnOnce() -> Result<T, E>) -> Result<T, E> {
-    let result = span.in_scope(stage);
-    if result.is_err() {
-        span.record("otel.status_code", "ERROR");
-    }
+/// Runs a synchronous check as `stage`, marking it failed when it refused the call.
+fn in_stage<T, E>(stage: Stage, check: impl FnOnce() -> Result<T, E>) -> Result<T, E> {
+    let result = check();
+    stage.end(result.is_err());
     result
 }
 
-/// Runs an async stage in `span`, marking it failed when it refused the call.
+/// Runs an asynchronous check or store write as `stage`, marking it failed when it
+/// refused the call or failed.
+async fn timed<T, E>(
+    work: impl std::future::Future<Output = Result<T, E>>,
+    stage: Stage,
+) -> Result<T, E> {
+    let result = work.await;
+    stage.end(result.is_err());
+    result
+}
+
+/// Runs a stage that others nest in (the dispatch, whose context goes to the worker;
+/// the approval wait) in a `tracing` span, marking it failed when it refused the call.
 async fn failed_async<T, E>(
     stage: impl std::future::Future<Output = Result<T, E>>,
     span: tracing::Span,
