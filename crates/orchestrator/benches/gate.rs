@@ -7,6 +7,10 @@
 //! - `gate/cpu_per_call`: the process's CPU time (every thread's, from `schedstat`) per call,
 //!   the gate's and the in-process worker's together;
 //! - `gate/wall_per_call`: the same calls by the clock, which adds the store's `fsync`s.
+//!
+//! With `AIRLOCK_GATE_BENCH_CALLS=<n>` it makes `n` calls after the warm-up and exits, with
+//! no criterion around them: a bounded run for an instruction profiler, e.g.
+//! `valgrind --tool=callgrind target/release/deps/gate-<hash> --bench`.
 
 use std::time::{Duration, Instant};
 
@@ -58,6 +62,15 @@ fn cpu_time() -> Duration {
 fn fail(what: &str, error: impl std::fmt::Display) -> ! {
     eprintln!("gate bench: {what}: {error}");
     std::process::exit(1)
+}
+
+/// `AIRLOCK_GATE_BENCH_CALLS`: how many calls a profiling run makes, when set.
+fn profiled_calls() -> Option<u64> {
+    let text = std::env::var("AIRLOCK_GATE_BENCH_CALLS").ok()?;
+    match text.parse() {
+        Ok(calls) => Some(calls),
+        Err(e) => fail("AIRLOCK_GATE_BENCH_CALLS is not a number of calls", e),
+    }
 }
 
 struct Setup {
@@ -121,6 +134,13 @@ fn bench_gate(c: &mut Criterion) {
     // Warm the store, the channel and Cedar's caches.
     for _ in 0..200 {
         call();
+    }
+    if let Some(calls) = profiled_calls() {
+        for _ in 0..calls {
+            call();
+        }
+        stop.cancel();
+        std::process::exit(0);
     }
 
     let mut group = c.benchmark_group("gate");

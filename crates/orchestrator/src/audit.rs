@@ -31,8 +31,6 @@
 //! needs the head hash kept somewhere the attacker cannot write (export
 //! [`VerifyReport`]'s head periodically, or a keyed MAC).
 
-use std::fmt::Write as _;
-
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
@@ -364,68 +362,92 @@ pub fn chain_hash(
     session_id: Option<&str>,
     data: &Value,
 ) -> String {
-    let opt = |v: Option<&str>| v.map_or(Value::Null, |s| Value::String(s.to_owned()));
-    let mut body = serde_json::Map::new();
-    body.insert("seq".into(), Value::from(seq));
-    body.insert("ts".into(), Value::String(ts.to_owned()));
-    body.insert("kind".into(), Value::String(kind.to_owned()));
-    body.insert("call_id".into(), opt(call_id));
-    body.insert("principal".into(), opt(principal));
-    body.insert("session_id".into(), opt(session_id));
-    body.insert("data".into(), data.clone());
+    // The canonical JSON of the body `{seq, ts, kind, call_id, principal, session_id,
+    // data}`, written field by field in its keys' sorted order rather than built as a map
+    // and sorted: the same bytes, without copying `data` (every event is hashed once as
+    // it is appended, and again by every verification).
+    let mut body = Vec::with_capacity(256);
+    body.extend_from_slice(b"{\"call_id\":");
+    write_optional_str(call_id, &mut body);
+    body.extend_from_slice(b",\"data\":");
+    write_canonical(data, &mut body);
+    body.extend_from_slice(b",\"kind\":");
+    write_scalar(kind, &mut body);
+    body.extend_from_slice(b",\"principal\":");
+    write_optional_str(principal, &mut body);
+    body.extend_from_slice(b",\"seq\":");
+    write_scalar(&seq, &mut body);
+    body.extend_from_slice(b",\"session_id\":");
+    write_optional_str(session_id, &mut body);
+    body.extend_from_slice(b",\"ts\":");
+    write_scalar(ts, &mut body);
+    body.push(b'}');
     let mut hasher = Sha256::new();
     hasher.update(prev_hash.as_bytes());
-    hasher.update(canonical_json(&Value::Object(body)).as_bytes());
+    hasher.update(&body);
     hex::encode(hasher.finalize())
+}
+
+/// A JSON string, or `null` for `None`.
+fn write_optional_str(value: Option<&str>, out: &mut Vec<u8>) {
+    match value {
+        Some(text) => write_scalar(text, out),
+        None => out.extend_from_slice(b"null"),
+    }
 }
 
 /// SHA-256 (hex) of the canonical JSON of `value`: equal for equal values, however their
 /// keys were ordered.
 pub fn value_sha256(value: &Value) -> String {
-    hex::encode(Sha256::digest(canonical_json(value).as_bytes()))
+    let mut text = Vec::new();
+    write_canonical(value, &mut text);
+    hex::encode(Sha256::digest(&text))
 }
 
 /// JSON text with object keys sorted (by UTF-8 bytes) at every depth and no
 /// whitespace; strings and numbers as serde_json writes them.
 pub fn canonical_json(value: &Value) -> String {
-    let mut out = String::new();
+    let mut out = Vec::new();
     write_canonical(value, &mut out);
-    out
+    // serde_json writes valid UTF-8: the lossy fallback is never taken.
+    String::from_utf8(out).unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned())
 }
 
-fn write_canonical(value: &Value, out: &mut String) {
+fn write_canonical(value: &Value, out: &mut Vec<u8>) {
     match value {
         Value::Object(map) => {
             let mut entries: Vec<(&String, &Value)> = map.iter().collect();
-            entries.sort_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
-            out.push('{');
+            entries.sort_unstable_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
+            out.push(b'{');
             for (i, (key, val)) in entries.into_iter().enumerate() {
                 if i > 0 {
-                    out.push(',');
+                    out.push(b',');
                 }
-                write_scalar(&Value::String(key.clone()), out);
-                out.push(':');
+                write_scalar(key.as_str(), out);
+                out.push(b':');
                 write_canonical(val, out);
             }
-            out.push('}');
+            out.push(b'}');
         }
         Value::Array(items) => {
-            out.push('[');
+            out.push(b'[');
             for (i, item) in items.iter().enumerate() {
                 if i > 0 {
-                    out.push(',');
+                    out.push(b',');
                 }
                 write_canonical(item, out);
             }
-            out.push(']');
+            out.push(b']');
         }
         scalar => write_scalar(scalar, out),
     }
 }
 
-fn write_scalar(value: &Value, out: &mut String) {
-    // Display of a scalar Value is its compact JSON text and cannot fail.
-    let _ = write!(out, "{value}");
+/// A string, number, boolean or null as serde_json's compact writer spells it (the same
+/// text as its `Display`). Writing into a `Vec` cannot fail, and neither can serializing
+/// these.
+fn write_scalar(value: &(impl Serialize + ?Sized), out: &mut Vec<u8>) {
+    let _ = serde_json::to_writer(&mut *out, value);
 }
 
 /// Walks records in `seq` order and remembers the first break in the chain.
@@ -1026,6 +1048,54 @@ mod tests {
                 &data
             )
         );
+    }
+
+    /// The chain hash is written field by field; it must stay the hash of the canonical
+    /// JSON of the body as a map, which every existing chain was built with.
+    #[test]
+    fn chain_hash_is_the_hash_of_the_canonical_body() {
+        let data =
+            json!({"tool": "read_file", "arguments": {"path": "a\"\\b\u{1}é", "n": [1, 2.5, -3]}});
+        let fields = [
+            (
+                1,
+                "2026-01-01T00:00:00Z",
+                "requested",
+                Some("call_1"),
+                Some("bob"),
+                None,
+            ),
+            (u64::MAX, "t", "k\n", None, None, Some("s\u{2028}")),
+            (7, "", "", Some(""), Some("p"), Some("q")),
+        ];
+        for (seq, ts, kind, call_id, principal, session_id) in fields {
+            let opt = |v: Option<&str>| v.map_or(Value::Null, Value::from);
+            let body = json!({
+                "seq": seq,
+                "ts": ts,
+                "kind": kind,
+                "call_id": opt(call_id),
+                "principal": opt(principal),
+                "session_id": opt(session_id),
+                "data": data,
+            });
+            let mut hasher = Sha256::new();
+            hasher.update(GENESIS_HASH.as_bytes());
+            hasher.update(canonical_json(&body).as_bytes());
+            assert_eq!(
+                chain_hash(
+                    GENESIS_HASH,
+                    seq,
+                    ts,
+                    kind,
+                    call_id,
+                    principal,
+                    session_id,
+                    &data
+                ),
+                hex::encode(hasher.finalize())
+            );
+        }
     }
 
     fn record(seq: u64, prev: &str) -> AuditRecord {

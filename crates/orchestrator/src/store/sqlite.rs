@@ -102,6 +102,9 @@ fn open_blocking(path: &PathBuf) -> Result<Connection, StoreError> {
     let mut conn = Connection::open(path).map_err(|e| open_err(e.to_string()))?;
     conn.busy_timeout(Duration::from_secs(15))
         .map_err(|e| open_err(e.to_string()))?;
+    // Room for every statement a call's transaction runs (the call moves alone come in
+    // several shapes), so that the cache never evicts one between calls.
+    conn.set_prepared_statement_cache_capacity(64);
     let mode: String = conn
         .query_row("PRAGMA journal_mode = WAL", [], |row| row.get(0))
         .map_err(|e| open_err(e.to_string()))?;
@@ -414,6 +417,27 @@ impl Placeholders for Binds {
     }
 }
 
+/// Runs one statement through the connection's cache of prepared statements: the gate
+/// writes the same few statements in every call's transaction, and parsing and planning
+/// them again each time cost more than executing them.
+fn execute_cached(
+    conn: &Connection,
+    sql: &str,
+    params: impl rusqlite::Params,
+) -> rusqlite::Result<usize> {
+    conn.prepare_cached(sql)?.execute(params)
+}
+
+/// [`execute_cached`] for a statement that answers one row.
+fn query_row_cached<T>(
+    conn: &Connection,
+    sql: &str,
+    params: impl rusqlite::Params,
+    row: impl FnOnce(&Row<'_>) -> rusqlite::Result<T>,
+) -> rusqlite::Result<T> {
+    conn.prepare_cached(sql)?.query_row(params, row)
+}
+
 /// The [`Tx`] primitives on one connection: inside a transaction (a [`Transaction`]
 /// derefs to its connection) or, for a single statement, on its own. Every method does
 /// its work synchronously, so the state machine's futures complete on their first poll
@@ -430,19 +454,23 @@ fn drive<T>(work: impl Future<Output = T>) -> T {
 impl Tx for SqliteTx<'_> {
     async fn chain_head(&mut self) -> Result<Option<ChainHead>, StoreError> {
         // The write lock `BEGIN IMMEDIATE` took holds the head until commit.
-        Ok(self
-            .conn
-            .query_row("SELECT seq, hash FROM audit_head WHERE id = 1", [], |row| {
+        Ok(query_row_cached(
+            self.conn,
+            "SELECT seq, hash FROM audit_head WHERE id = 1",
+            [],
+            |row| {
                 Ok(ChainHead {
                     seq: row.get("seq")?,
                     hash: row.get("hash")?,
                 })
-            })
-            .optional()?)
+            },
+        )
+        .optional()?)
     }
 
     async fn insert_audit(&mut self, record: &AuditRecord) -> Result<(), StoreError> {
-        self.conn.execute(
+        execute_cached(
+            self.conn,
             &format!(
                 "INSERT INTO audit_events ({AUDIT_COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)"
             ),
@@ -462,7 +490,8 @@ impl Tx for SqliteTx<'_> {
     }
 
     async fn move_chain_head(&mut self, seq: u64, hash: &str) -> Result<(), StoreError> {
-        self.conn.execute(
+        execute_cached(
+            self.conn,
             "UPDATE audit_head SET seq = ?1, hash = ?2 WHERE id = 1",
             params![to_i64(seq), hash],
         )?;
@@ -474,7 +503,8 @@ impl Tx for SqliteTx<'_> {
         call: &NewCall,
         approval_id: Option<&ApprovalId>,
     ) -> Result<bool, StoreError> {
-        let inserted = self.conn.execute(
+        let inserted = execute_cached(
+            self.conn,
             "INSERT INTO calls (call_id, tool_use_id, tool, input, principal, session_id, state, \
              approval_id, created_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
             params![
@@ -505,25 +535,24 @@ impl Tx for SqliteTx<'_> {
     }
 
     async fn call_owner(&mut self, call_id: &CallId) -> Result<Option<CallOwner>, StoreError> {
-        Ok(self
-            .conn
-            .query_row(
-                "SELECT principal, session_id FROM calls WHERE call_id = ?1",
-                [call_id.as_str()],
-                |row| {
-                    Ok(CallOwner {
-                        principal: row.get("principal")?,
-                        session_id: row.get("session_id")?,
-                    })
-                },
-            )
-            .optional()?)
+        Ok(query_row_cached(
+            self.conn,
+            "SELECT principal, session_id FROM calls WHERE call_id = ?1",
+            [call_id.as_str()],
+            |row| {
+                Ok(CallOwner {
+                    principal: row.get("principal")?,
+                    session_id: row.get("session_id")?,
+                })
+            },
+        )
+        .optional()?)
     }
 
     async fn move_call(&mut self, mv: &CallMove<'_>) -> Result<bool, StoreError> {
         let mut binds = Binds::default();
         let sql = move_call_sql(mv, &mut binds);
-        let changed = self.conn.execute(&sql, params_from_iter(binds.0))?;
+        let changed = execute_cached(self.conn, &sql, params_from_iter(binds.0))?;
         Ok(changed == 1)
     }
 
@@ -550,7 +579,8 @@ impl Tx for SqliteTx<'_> {
         approval: &NewApproval,
         status: ApprovalStatus,
     ) -> Result<bool, StoreError> {
-        let inserted = self.conn.execute(
+        let inserted = execute_cached(
+            self.conn,
             "INSERT INTO approvals (approval_id, call_id, status, created_at, expires_at) \
              VALUES (?1, ?2, ?3, ?4, ?5)",
             params![
@@ -573,20 +603,19 @@ impl Tx for SqliteTx<'_> {
         approval_id: &ApprovalId,
     ) -> Result<Option<ApprovalState>, StoreError> {
         // The write lock `BEGIN IMMEDIATE` took keeps other deciders out until commit.
-        let found: Option<(String, String, Timestamp)> = self
-            .conn
-            .query_row(
-                "SELECT call_id, status, expires_at FROM approvals WHERE approval_id = ?1",
-                [approval_id.as_str()],
-                |row| {
-                    Ok((
-                        row.get("call_id")?,
-                        row.get("status")?,
-                        row.get("expires_at")?,
-                    ))
-                },
-            )
-            .optional()?;
+        let found: Option<(String, String, Timestamp)> = query_row_cached(
+            self.conn,
+            "SELECT call_id, status, expires_at FROM approvals WHERE approval_id = ?1",
+            [approval_id.as_str()],
+            |row| {
+                Ok((
+                    row.get("call_id")?,
+                    row.get("status")?,
+                    row.get("expires_at")?,
+                ))
+            },
+        )
+        .optional()?;
         found
             .map(|(call_id, status, expires_at)| {
                 Ok(ApprovalState {
@@ -616,7 +645,8 @@ impl Tx for SqliteTx<'_> {
         input_sha256: &str,
         at: Timestamp,
     ) -> Result<(), StoreError> {
-        self.conn.execute(
+        execute_cached(
+            self.conn,
             "INSERT INTO approval_votes (approval_id, approver, decided_at, input_sha256) \
              VALUES (?1, ?2, ?3, ?4)",
             params![approval_id.as_str(), approver, at, input_sha256],
@@ -626,7 +656,8 @@ impl Tx for SqliteTx<'_> {
 
     async fn move_approval(&mut self, mv: &ApprovalMove<'_>) -> Result<bool, StoreError> {
         let changed = match mv.verdict {
-            Some(verdict) => self.conn.execute(
+            Some(verdict) => execute_cached(
+                self.conn,
                 "UPDATE approvals SET status = ?2, decided_by = ?3, reason = ?4, decided_at = ?5 \
                  WHERE approval_id = ?1 AND status = ?6",
                 params![
@@ -638,7 +669,8 @@ impl Tx for SqliteTx<'_> {
                     mv.from.as_str(),
                 ],
             )?,
-            None => self.conn.execute(
+            None => execute_cached(
+                self.conn,
                 "UPDATE approvals SET status = ?2, decided_at = ?3 \
                  WHERE approval_id = ?1 AND status = ?4",
                 params![
@@ -655,7 +687,7 @@ impl Tx for SqliteTx<'_> {
     async fn prune_results(&mut self, before: Timestamp) -> Result<u64, StoreError> {
         let mut binds = Binds::default();
         let sql = prune_results_sql(before, &mut binds);
-        let changed = self.conn.execute(&sql, params_from_iter(binds.0))?;
+        let changed = execute_cached(self.conn, &sql, params_from_iter(binds.0))?;
         Ok(u64::try_from(changed).unwrap_or(u64::MAX))
     }
 
@@ -696,20 +728,21 @@ impl Tx for SqliteTx<'_> {
     }
 
     async fn tool_pin(&mut self, tool: &str) -> Result<Option<ToolPin>, StoreError> {
-        self.conn
-            .query_row(
-                &format!("SELECT {PIN_COLUMNS} FROM tool_pins WHERE tool = ?1"),
-                [tool],
-                pin_from_row,
-            )
-            .optional()?
-            .map(PinRow::into_pin)
-            .transpose()
+        query_row_cached(
+            self.conn,
+            &format!("SELECT {PIN_COLUMNS} FROM tool_pins WHERE tool = ?1"),
+            [tool],
+            pin_from_row,
+        )
+        .optional()?
+        .map(PinRow::into_pin)
+        .transpose()
     }
 
     async fn put_tool_pin(&mut self, pin: &ToolPin) -> Result<(), StoreError> {
         let row = PinRow::from_pin(pin);
-        self.conn.execute(
+        execute_cached(
+            self.conn,
             &format!(
                 "INSERT OR REPLACE INTO tool_pins ({PIN_COLUMNS}) \
                  VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)"

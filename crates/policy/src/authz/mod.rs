@@ -246,7 +246,16 @@ pub struct Authorizer {
     approvals: ApprovalKnob,
     extensions: Arc<ToolExtensions>,
     warnings: Vec<String>,
+    /// The entities of calls decided so far (see [`Authorizer::call_entities`]).
+    entities_memo: std::sync::Mutex<HashMap<EntitiesKey, Arc<cedar::Entities>>>,
 }
+
+/// What a call's entities are built from: the principal and its roles, and the tool and
+/// its annotations (the tool's group comes from the policy's own tables).
+type EntitiesKey = (String, Vec<String>, String, crate::tool::ToolAnnotations);
+
+/// Remembered entity sets before the memo starts over.
+const ENTITIES_MEMO: usize = 10_000;
 
 /// What a policy is validated and decided against besides its own text: the approval
 /// knob and the tools that are not built in.
@@ -371,6 +380,7 @@ impl Authorizer {
             approvals,
             extensions,
             warnings,
+            entities_memo: std::sync::Mutex::default(),
         })
     }
 
@@ -469,8 +479,11 @@ impl Authorizer {
         let principal = Types::uid(&self.types.principal, request.principal);
         let action = Types::uid(&self.types.action, tool);
         let resource = Types::uid(&self.types.tool, tool);
-        let context = match cedar::Context::from_json_value(context, Some((&self.schema, &action)))
-        {
+        // Built directly rather than parsed from JSON against the schema: the parse tries
+        // every value as an extension value first and builds an error each time, which
+        // cost more than the rest of the decision. The schema still has its say:
+        // `Request::new` below checks the context against the action's context type.
+        let context = match cedar_context(context) {
             Ok(context) => context,
             Err(error) => {
                 return Decision::deny(format!(
@@ -487,7 +500,7 @@ impl Authorizer {
                     ));
                 }
             };
-        let entities = match self.entities(&request.principal_ref(), request.tool) {
+        let entities = match self.call_entities(&request.principal_ref(), request.tool) {
             Ok(entities) => entities,
             Err(error) => return Decision::deny(error),
         };
@@ -604,6 +617,43 @@ impl Authorizer {
         }
     }
 
+    /// [`Authorizer::entities`], remembered: they depend only on the key's parts and on
+    /// this authorizer (a reloaded policy is a new authorizer with an empty memo), and
+    /// building and validating them against the schema is a good part of a decision.
+    fn call_entities(
+        &self,
+        principal: &PrincipalRef<'_>,
+        tool: &ToolDefinition,
+    ) -> Result<Arc<cedar::Entities>, String> {
+        let key: EntitiesKey = (
+            principal.name.to_owned(),
+            principal.roles.to_vec(),
+            tool.name.clone(),
+            tool.annotations,
+        );
+        if let Some(known) = self.remembered_entities().get(&key) {
+            return Ok(Arc::clone(known));
+        }
+        let entities = Arc::new(self.entities(principal, tool)?);
+        let mut remembered = self.remembered_entities();
+        if remembered.len() >= ENTITIES_MEMO {
+            remembered.clear();
+        }
+        remembered.insert(key, Arc::clone(&entities));
+        Ok(entities)
+    }
+
+    /// The memo of [`Authorizer::call_entities`]; a panic while it was held left it whole
+    /// (each change is one insert or one clear).
+    fn remembered_entities(
+        &self,
+    ) -> std::sync::MutexGuard<'_, HashMap<EntitiesKey, Arc<cedar::Entities>>> {
+        match self.entities_memo.lock() {
+            Ok(guard) => guard,
+            Err(poisoned) => poisoned.into_inner(),
+        }
+    }
+
     /// The principal, its roles and the tool as Cedar entities (the schema adds the
     /// action entities and their groups).
     fn entities(
@@ -658,6 +708,45 @@ impl Authorizer {
         cedar::Entities::from_entities(entities, Some(&self.schema))
             .map_err(|error| format!("the call cannot be checked by policy: {error}"))
     }
+}
+
+/// A call's context (as [`catalog::context_json`] builds it: strings, integers, booleans,
+/// and sets and records of them) as a Cedar context. Anything else is refused, so the
+/// call is denied.
+fn cedar_context(context: Value) -> Result<cedar::Context, String> {
+    let Value::Object(attributes) = context else {
+        return Err("the context is not a record".to_owned());
+    };
+    let pairs = attributes
+        .into_iter()
+        .map(|(name, value)| Ok((name, restricted_expression(value)?)))
+        .collect::<Result<Vec<_>, String>>()?;
+    cedar::Context::from_pairs(pairs).map_err(|error| error.to_string())
+}
+
+fn restricted_expression(value: Value) -> Result<cedar::RestrictedExpression, String> {
+    Ok(match value {
+        Value::Bool(flag) => cedar::RestrictedExpression::new_bool(flag),
+        Value::String(text) => cedar::RestrictedExpression::new_string(text),
+        Value::Number(number) => match number.as_i64() {
+            Some(long) => cedar::RestrictedExpression::new_long(long),
+            None => return Err(format!("{number} is not a Cedar integer")),
+        },
+        Value::Array(items) => cedar::RestrictedExpression::new_set(
+            items
+                .into_iter()
+                .map(restricted_expression)
+                .collect::<Result<Vec<_>, _>>()?,
+        ),
+        Value::Object(fields) => cedar::RestrictedExpression::new_record(
+            fields
+                .into_iter()
+                .map(|(name, value)| Ok((name, restricted_expression(value)?)))
+                .collect::<Result<Vec<_>, String>>()?,
+        )
+        .map_err(|error| error.to_string())?,
+        Value::Null => return Err("null has no Cedar value".to_owned()),
+    })
 }
 
 /// The embedded schema, plus a fragment declaring the extension tools when there are
@@ -835,6 +924,34 @@ mod tests {
         assert_send_sync::<Authorizer>();
     }
 
+    /// `decide` builds the context without the schema, so the request's own check must
+    /// still refuse one that does not fit the action's context type.
+    #[test]
+    fn a_context_that_does_not_fit_the_schema_is_refused() {
+        let schema = schema(&ToolExtensions::default()).unwrap();
+        let types = Types::new().unwrap();
+        let request = |context: Value| {
+            cedar::Request::new(
+                Types::uid(&types.principal, "p"),
+                Types::uid(&types.action, "read_file"),
+                Types::uid(&types.tool, "read_file"),
+                cedar_context(context).unwrap(),
+                Some(&schema),
+            )
+            .map(drop)
+            .map_err(|error| error.to_string())
+        };
+        let fits =
+            serde_json::json!({"session_id": "s", "paths": ["a"], "arguments": {"path": "a"}});
+        request(fits).unwrap();
+        let wrong_type =
+            serde_json::json!({"session_id": 5, "paths": ["a"], "arguments": {"path": "a"}});
+        assert!(request(wrong_type).is_err());
+        let extra = serde_json::json!({"session_id": "s", "paths": ["a"], "arguments": {"path": "a"}, "more": true});
+        assert!(request(extra).is_err());
+        assert!(cedar_context(serde_json::json!({"session_id": null})).is_err());
+    }
+
     #[test]
     fn the_schema_accepts_every_tool_s_maximal_and_minimal_context() {
         let schema = schema(&ToolExtensions::default()).unwrap();
@@ -855,8 +972,14 @@ mod tests {
             let action = Types::uid(&types.action, &spec.name);
             let network = (spec.extra == catalog::Extra::Shell).then_some("proxy");
             let context = catalog::context_json(spec, &fields, &full, "s", None, network).unwrap();
-            cedar::Context::from_json_value(context, Some((&schema, &action)))
+            cedar::Context::from_json_value(context.clone(), Some((&schema, &action)))
                 .unwrap_or_else(|error| panic!("{}: {error}", spec.name));
+            // Built directly, as `decide` builds it, it passes the request's schema check.
+            let principal = Types::uid(&types.principal, "p");
+            let resource = Types::uid(&types.tool, &spec.name);
+            let direct = cedar_context(context.clone()).unwrap();
+            cedar::Request::new(principal, action.clone(), resource, direct, Some(&schema))
+                .unwrap_or_else(|error| panic!("{} (direct): {error}", spec.name));
             // The required fields alone are enough too.
             let mut minimal = serde_json::Map::new();
             for field in fields.iter().filter(|field| field.required) {
