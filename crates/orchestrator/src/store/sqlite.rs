@@ -788,12 +788,47 @@ impl SqliteStore {
         F: FnOnce(&mut SqliteTx<'_>) -> Result<T, StoreError> + Send + 'static,
     {
         self.run(move |conn| {
-            let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
-            let answer = work(&mut SqliteTx { conn: &tx })?;
+            let tx = ImmediateTx::begin(conn)?;
+            let answer = work(&mut SqliteTx { conn: tx.conn })?;
             tx.commit()?;
             Ok(answer)
         })
         .await
+    }
+}
+
+/// A `BEGIN IMMEDIATE` transaction like rusqlite's, with its `BEGIN` and `COMMIT` taken
+/// from the statement cache (rusqlite parses them anew for every transaction, a good
+/// part of a call's store work). Dropped without a commit (an error, a failed commit or
+/// a panic in between), it rolls back, as rusqlite's does.
+struct ImmediateTx<'c> {
+    conn: &'c Connection,
+    committed: bool,
+}
+
+impl<'c> ImmediateTx<'c> {
+    fn begin(conn: &'c Connection) -> rusqlite::Result<Self> {
+        execute_cached(conn, "BEGIN IMMEDIATE", [])?;
+        Ok(Self {
+            conn,
+            committed: false,
+        })
+    }
+
+    fn commit(mut self) -> rusqlite::Result<()> {
+        execute_cached(self.conn, "COMMIT", [])?;
+        self.committed = true;
+        Ok(())
+    }
+}
+
+impl Drop for ImmediateTx<'_> {
+    fn drop(&mut self) {
+        // After a failed statement SQLite may have rolled back already; then there is
+        // nothing left to undo and the error says so.
+        if !self.committed && !self.conn.is_autocommit() {
+            let _ = self.conn.execute_batch("ROLLBACK");
+        }
     }
 }
 
@@ -1215,5 +1250,47 @@ impl Store for SqliteStore {
             })
         })
         .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rows(conn: &Connection) -> i64 {
+        conn.query_row("SELECT COUNT(*) FROM t", [], |row| row.get(0))
+            .unwrap()
+    }
+
+    /// The cached `BEGIN IMMEDIATE … COMMIT` keeps rusqlite's promise: what is not
+    /// committed is rolled back, whether the work failed or panicked.
+    #[test]
+    fn an_uncommitted_transaction_is_rolled_back() {
+        let conn = Connection::open_in_memory().unwrap();
+        conn.execute_batch("CREATE TABLE t (x INTEGER)").unwrap();
+
+        let tx = ImmediateTx::begin(&conn).unwrap();
+        execute_cached(tx.conn, "INSERT INTO t VALUES (1)", []).unwrap();
+        drop(tx);
+        assert_eq!(rows(&conn), 0);
+        assert!(conn.is_autocommit());
+
+        let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let tx = ImmediateTx::begin(&conn).unwrap();
+            execute_cached(tx.conn, "INSERT INTO t VALUES (2)", []).unwrap();
+            panic!("the work failed half-way");
+        }));
+        assert!(panicked.is_err());
+        assert_eq!(rows(&conn), 0);
+        assert!(conn.is_autocommit());
+
+        // The same cached statements begin and commit the next transaction.
+        for x in 3..5 {
+            let tx = ImmediateTx::begin(&conn).unwrap();
+            execute_cached(tx.conn, "INSERT INTO t VALUES (?1)", [x]).unwrap();
+            tx.commit().unwrap();
+        }
+        assert_eq!(rows(&conn), 2);
+        assert!(conn.is_autocommit());
     }
 }
