@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
-use crate::support::{AIRLOCK, Airlock, cmdline, descendants, send_as, signal, token_digest};
+use crate::support::{AIRLOCK, Airlock, send_as, signal, token_digest};
 
 fn principal_block(name: &str, token: &str, roles: &str) -> String {
     format!(
@@ -130,13 +130,6 @@ async fn wait_audit(
     }
 }
 
-fn orchestrator_pid(airlock: &Airlock) -> u32 {
-    descendants(airlock.pid())
-        .into_iter()
-        .find(|p| cmdline(*p).contains("serve orchestrator"))
-        .expect("orchestrator process")
-}
-
 /// Sends SIGHUP to the orchestrator and waits for the reload's audit event `kind`
 /// (`policy_reloaded`, `principals_reloaded`) that satisfies `matches`.
 async fn reload(
@@ -145,7 +138,10 @@ async fn reload(
     kind: &str,
     matches: impl Fn(&Value) -> bool,
 ) {
-    signal(orchestrator_pid(airlock), rustix::process::Signal::HUP);
+    signal(
+        airlock.process("serve orchestrator"),
+        rustix::process::Signal::HUP,
+    );
     wait_audit(airlock, admin_token, kind, matches).await;
 }
 
@@ -462,7 +458,10 @@ async fn a_replica_resuming_an_approved_call_checks_the_principal_again() {
     let path = config_path(&airlock);
     let text = std::fs::read_to_string(&path).expect("config");
     std::fs::write(&path, text.replace(&alice, "")).expect("new config");
-    signal(orchestrator_pid(&airlock), rustix::process::Signal::KILL);
+    signal(
+        airlock.process("serve orchestrator"),
+        rustix::process::Signal::KILL,
+    );
     airlock.wait_ready().await;
     approve_behind_the_gate(&airlock, &approval_id, &call_id);
 
@@ -574,7 +573,10 @@ async fn cancelling_an_approved_running_call_kills_its_sandbox() {
         .post(&format!("/v1/approvals/{approval_id}/approve"), &json!({}))
         .await;
     airlock.wait_started(&marker, "the approved command").await;
-    signal(orchestrator_pid(&airlock), rustix::process::Signal::KILL);
+    signal(
+        airlock.process("serve orchestrator"),
+        rustix::process::Signal::KILL,
+    );
     airlock.wait_ready().await;
     assert!(
         airlock.runs(&marker),

@@ -565,14 +565,6 @@ async fn a_lowered_request_cap_holds_on_grpc_as_on_http() {
 // 7. Connection exhaustion
 // ---------------------------------------------------------------------------------
 
-/// The orchestrator process below the launcher.
-fn orchestrator_pid(airlock: &Airlock) -> u32 {
-    descendants(airlock.pid())
-        .into_iter()
-        .find(|p| cmdline(*p).contains("serve orchestrator"))
-        .expect("the orchestrator process")
-}
-
 /// Connections on local `port` that process `pid` holds (its socket descriptors matched
 /// against the kernel's TCP table), the listening socket not counted.
 fn held_connections(pid: u32, port: u16) -> usize {
@@ -681,7 +673,7 @@ async fn idle_and_half_sent_connections_are_closed_and_real_requests_still_serve
         "[limits]\nmax_connections = {CAP}\nheader_read_timeout_ms = 1000\n"
     ))
     .await;
-    let orchestrator = orchestrator_pid(&airlock);
+    let orchestrator = airlock.process("serve orchestrator");
     // The soft limit was raised to the hard one before the orchestrator confined itself.
     let (soft, hard) = nofile(orchestrator);
     assert_eq!(
@@ -789,7 +781,7 @@ async fn a_flood_of_connections_beyond_the_cap_waits_instead_of_exhausting_descr
         "[limits]\nmax_connections = {CAP}\nheader_read_timeout_ms = 600000\n"
     ))
     .await;
-    let orchestrator = orchestrator_pid(&airlock);
+    let orchestrator = airlock.process("serve orchestrator");
     let baseline = open_descriptors(orchestrator);
     let http = host_port(&airlock.url);
     // Connections the kernel completes for the listen backlog, beyond the cap.

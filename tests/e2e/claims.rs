@@ -14,13 +14,6 @@ use crate::support::{Airlock, alive, cmdline, descendants, signal};
 /// How long any awaited event may take on a loaded machine.
 const BOUND: Duration = Duration::from_secs(60);
 
-fn orchestrator(airlock: &Airlock) -> u32 {
-    descendants(airlock.pid())
-        .into_iter()
-        .find(|p| cmdline(*p).contains("serve orchestrator"))
-        .expect("the orchestrator process")
-}
-
 async fn audit_events(airlock: &Airlock) -> Vec<Value> {
     let (status, audit) = airlock.get("/v1/audit?limit=10000").await;
     assert_eq!(status, 200, "{audit}");
@@ -175,7 +168,7 @@ async fn approvals_expire_after_timeout_seconds_and_can_no_longer_be_decided() {
     for attempt in 0..3 {
         let (call_id, approval_id) =
             held_write(&airlock, &format!("forgotten-{attempt}.txt")).await;
-        let pid = orchestrator(&airlock);
+        let pid = airlock.process("serve orchestrator");
         signal(pid, Signal::STOP);
         let (status, _, _) = stored_approval(&airlock, &approval_id);
         signal(pid, Signal::KILL);
@@ -262,7 +255,7 @@ async fn a_sighup_reload_puts_a_changed_policy_in_force() {
 
     // The new policy forbids the other directory instead.
     std::fs::write(&policy, policy_forbidding("open")).expect("new policy");
-    signal(orchestrator(&airlock), Signal::HUP);
+    signal(airlock.process("serve orchestrator"), Signal::HUP);
     let reloaded = wait_for_audit(&airlock, "the reload was never audited", 1, |e| {
         e["kind"] == "policy_reloaded" || e["kind"] == "policy_reload_failed"
     })

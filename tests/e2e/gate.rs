@@ -5,9 +5,7 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 
-use crate::support::{
-    AIRLOCK, Airlock, cmdline, descendants, principals_config, send_as as send, signal,
-};
+use crate::support::{AIRLOCK, Airlock, principals_config, send_as as send, signal};
 
 /// An agent, an approver, one who is both and an admin with known tokens; `extra` is appended.
 fn principals(extra: &str) -> String {
@@ -420,10 +418,7 @@ async fn policy_hides_and_denies_and_a_broken_policy_is_refused() {
 
     // A broken policy keeps the old one in force on SIGHUP.
     std::fs::write(&policy, "permit(principal, action, resource) when { oops ").expect("break it");
-    let orchestrator = descendants(airlock.pid())
-        .into_iter()
-        .find(|p| cmdline(*p).contains("serve orchestrator"))
-        .expect("orchestrator");
+    let orchestrator = airlock.process("serve orchestrator");
     signal(orchestrator, rustix::process::Signal::HUP);
     // The reload has been tried (and failed) once its audit event is there.
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
@@ -501,12 +496,7 @@ fn airlock_policy_default() -> &'static str {
 #[tokio::test]
 async fn an_approved_call_survives_an_orchestrator_crash_and_runs_once() {
     let airlock = Airlock::start_with("[approvals]\ntools = [\"execute_shell\"]\n").await;
-    let orchestrator = || {
-        descendants(airlock.pid())
-            .into_iter()
-            .find(|p| cmdline(*p).contains("serve orchestrator"))
-            .expect("orchestrator")
-    };
+    let orchestrator = || airlock.process("serve orchestrator");
     let ws = airlock.workspace("crash");
     let marker = format!("airlock-crash-{}", std::process::id());
 

@@ -8,13 +8,6 @@ use serde_json::json;
 
 use crate::support::{Airlock, alive, cmdline, descendants, signal};
 
-fn worker_pid(airlock: &Airlock) -> u32 {
-    descendants(airlock.pid())
-        .into_iter()
-        .find(|p| cmdline(*p).contains("serve worker fs"))
-        .expect("fs worker process")
-}
-
 #[tokio::test]
 async fn a_worker_killed_mid_call_gives_a_clear_error_and_comes_back() {
     let airlock = Airlock::start().await;
@@ -24,7 +17,7 @@ async fn a_worker_killed_mid_call_gives_a_clear_error_and_comes_back() {
     assert!(!err);
 
     // Freeze the worker so the next call is stuck inside it, then kill it mid-call.
-    let pid = worker_pid(&airlock);
+    let pid = airlock.process("serve worker fs");
     signal(pid, Signal::STOP);
     let call = {
         let body = json!({"tool_uses": [{"type": "tool_use", "id": "t", "name": "read_file", "input": {"path": "a.txt"}}]});
@@ -90,7 +83,7 @@ async fn a_worker_killed_mid_call_gives_a_clear_error_and_comes_back() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert!(!alive(pid));
-    assert_ne!(worker_pid(&airlock), pid);
+    assert_ne!(airlock.process("serve worker fs"), pid);
 }
 
 #[tokio::test]
@@ -164,13 +157,6 @@ fn port(url: &str) -> u16 {
         .unwrap_or_else(|| panic!("no port in {url}"))
 }
 
-fn orchestrator_pid(airlock: &Airlock) -> u32 {
-    descendants(airlock.pid())
-        .into_iter()
-        .find(|p| cmdline(*p).contains("serve orchestrator"))
-        .expect("orchestrator process")
-}
-
 /// The launcher binds the orchestrator's front doors (port 0 here) and holds them; the
 /// orchestrator serves on those very sockets, so no other process can take a port
 /// between the launcher's choice and the orchestrator's start, nor while a killed
@@ -183,7 +169,7 @@ async fn the_orchestrator_serves_on_the_sockets_the_launcher_bound() {
         listening_socket(port(&airlock.grpc)),
     ];
     let launcher = sockets(airlock.pid());
-    let first = orchestrator_pid(&airlock);
+    let first = airlock.process("serve orchestrator");
     let orchestrator = sockets(first);
     for listener in &listeners {
         assert!(
@@ -236,7 +222,7 @@ async fn the_orchestrator_serves_on_the_sockets_the_launcher_bound() {
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let second = orchestrator_pid(&airlock);
+    let second = airlock.process("serve orchestrator");
     assert_ne!(second, first);
     let restarted = sockets(second);
     for listener in &listeners {

@@ -229,6 +229,15 @@ impl Airlock {
         self.child.as_ref().expect("running").id()
     }
 
+    /// The process below the launcher whose command line contains `command`
+    /// (`"serve orchestrator"`, `"serve worker fs"`).
+    pub fn process(&self, command: &str) -> u32 {
+        descendants(self.pid())
+            .into_iter()
+            .find(|p| cmdline(*p).contains(command))
+            .unwrap_or_else(|| panic!("no `{command}` process below the launcher\n{}", self.log()))
+    }
+
     /// `endpoints.json` once `airlock up` wrote it, or its log when it exited first.
     async fn try_endpoints(&mut self) -> Result<Value, String> {
         let path = self.data_dir().join("endpoints.json");

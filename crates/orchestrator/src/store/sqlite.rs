@@ -7,7 +7,7 @@ use std::fs::OpenOptions;
 use std::os::unix::fs::OpenOptionsExt as _;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, LazyLock, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -417,6 +417,14 @@ impl Placeholders for Binds {
     }
 }
 
+/// The audit event's insert, three times in every call's transaction: its text is
+/// built once, not formatted for each event.
+static INSERT_AUDIT: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "INSERT INTO audit_events ({AUDIT_COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)"
+    )
+});
+
 /// Runs one statement through the connection's cache of prepared statements: the gate
 /// writes the same few statements in every call's transaction, and parsing and planning
 /// them again each time cost more than executing them.
@@ -471,9 +479,7 @@ impl Tx for SqliteTx<'_> {
     async fn insert_audit(&mut self, record: &AuditRecord) -> Result<(), StoreError> {
         execute_cached(
             self.conn,
-            &format!(
-                "INSERT INTO audit_events ({AUDIT_COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)"
-            ),
+            &INSERT_AUDIT,
             params![
                 to_i64(record.seq),
                 record.ts,
