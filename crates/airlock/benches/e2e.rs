@@ -158,7 +158,7 @@ async fn run() -> Result<()> {
                 continue;
             }
             eprintln!("row {label}: {budget} requests per server in {ROUNDS} alternating rounds");
-            let stats = alternate_rounds(&targets, file, budget, concurrency).await?;
+            let stats = alternate_rounds(&targets, file, budget, concurrency, ROUNDS).await?;
             rows.push(Row { label, stats });
         }
     }
@@ -181,23 +181,23 @@ async fn run() -> Result<()> {
     Ok(())
 }
 
-/// Runs `budget` requests of `file` against each target in [`ROUNDS`] rounds: one
+/// Runs `budget` requests of `file` against each target in `rounds` rounds: one
 /// `Stats` per target, in `targets`' order.
 async fn alternate_rounds(
     targets: &[Target],
     file: &BenchFile,
     budget: usize,
     concurrency: usize,
+    rounds: usize,
 ) -> Result<Vec<Stats>> {
+    let rounds = rounds.max(1);
     let mut stats: Vec<Stats> = targets.iter().map(|_| Stats::default()).collect();
-    let quota = budget.div_ceil(ROUNDS);
-    let cap = ROW_TIME_CAP / ROUNDS as u32;
-    for round in 0..ROUNDS {
-        // Alternate who goes first, so no one always runs on a "warmer" machine.
+    let quota = budget.div_ceil(rounds);
+    let cap = ROW_TIME_CAP / u32::try_from(rounds).unwrap_or(u32::MAX);
+    for round in 0..rounds {
+        // Rotate who goes first, so no one always runs on a "warmer" machine.
         let mut order: Vec<usize> = (0..targets.len()).collect();
-        if round % 2 == 1 {
-            order.reverse();
-        }
+        order.rotate_left(round % targets.len().max(1));
         for index in order {
             let run = run_requests(&targets[index], file, quota, concurrency, cap).await?;
             stats[index].add(run);

@@ -10,6 +10,7 @@ use std::io::IsTerminal;
 use airlock_telemetry::Service;
 use tracing_subscriber::EnvFilter;
 use tracing_subscriber::Layer as _;
+use tracing_subscriber::filter::LevelFilter;
 use tracing_subscriber::layer::SubscriberExt as _;
 use tracing_subscriber::util::SubscriberInitExt as _;
 
@@ -25,6 +26,7 @@ pub fn init(service: Option<&Service>) -> Result<(), airlock_telemetry::Telemetr
     if !names_rmcp && let Ok(quiet) = "rmcp=warn".parse() {
         filter = filter.add_directive(quiet);
     }
+    let log_level = log_crate_level(filter.max_level_hint());
     let json = std::env::var("AIRLOCK_LOG_FORMAT").is_ok_and(|v| v == "json");
     let ansi = colour(
         std::io::stderr().is_terminal(),
@@ -51,7 +53,34 @@ pub fn init(service: Option<&Service>) -> Result<(), airlock_telemetry::Telemetr
         None => None,
     };
     registry.with(traces).init();
+    // `init` also routes the `log` crate's records into `tracing`, and lets through
+    // every level the subscriber might want — TRACE as soon as the OpenTelemetry layer
+    // is in, for its spans. But records from `log` are events, which only the log lines
+    // take: left at TRACE, every `log::trace!` in the dependencies on a call's path
+    // (HTTP clients, pools, TLS) would build its record and ask the filters, per call,
+    // for nothing. They get the log lines' own level.
+    if let Some(level) = log_level {
+        log::set_max_level(level);
+    }
     Ok(())
+}
+
+/// The `log` crate's level for the log lines' filter level.
+fn log_crate_level(hint: Option<LevelFilter>) -> Option<log::LevelFilter> {
+    let level = hint?;
+    Some(if level == LevelFilter::OFF {
+        log::LevelFilter::Off
+    } else if level == LevelFilter::ERROR {
+        log::LevelFilter::Error
+    } else if level == LevelFilter::WARN {
+        log::LevelFilter::Warn
+    } else if level == LevelFilter::INFO {
+        log::LevelFilter::Info
+    } else if level == LevelFilter::DEBUG {
+        log::LevelFilter::Debug
+    } else {
+        log::LevelFilter::Trace
+    })
 }
 
 /// Whether log lines get ANSI colour codes.
@@ -61,7 +90,24 @@ fn colour(stderr_is_terminal: bool, no_color: Option<OsString>) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::colour;
+    use super::{LevelFilter, colour, log_crate_level};
+
+    #[test]
+    fn the_log_crate_gets_the_log_lines_level() {
+        assert_eq!(
+            log_crate_level(Some(LevelFilter::INFO)),
+            Some(log::LevelFilter::Info)
+        );
+        assert_eq!(
+            log_crate_level(Some(LevelFilter::OFF)),
+            Some(log::LevelFilter::Off)
+        );
+        assert_eq!(
+            log_crate_level(Some(LevelFilter::TRACE)),
+            Some(log::LevelFilter::Trace)
+        );
+        assert_eq!(log_crate_level(None), None);
+    }
 
     #[test]
     fn colour_only_on_a_terminal_without_no_color() {

@@ -11,6 +11,12 @@
 //! With `AIRLOCK_GATE_BENCH_CALLS=<n>` it makes `n` calls after the warm-up and exits, with
 //! no criterion around them: a bounded run for an instruction profiler, e.g.
 //! `valgrind --tool=callgrind target/release/deps/gate-<hash> --bench`.
+//!
+//! With `AIRLOCK_GATE_BENCH_TRACE=1` every call is traced as in production: the
+//! OpenTelemetry layer installed, every span (the call's, the gate's stages, the
+//! dispatch, the worker's) exported over OTLP/HTTP to a receiver in this process. The
+//! difference against a run without it is what tracing costs the gate per call, counted
+//! in instructions when run under callgrind.
 
 use std::time::{Duration, Instant};
 
@@ -21,6 +27,9 @@ use airlock_worker::{
 };
 use criterion::{Criterion, criterion_group, criterion_main};
 use serde_json::{Value, json};
+
+#[path = "support/otlp_sink.rs"]
+mod otlp_sink;
 
 const TOKEN: &str = "gate-bench-token-0c9e";
 
@@ -73,6 +82,32 @@ fn profiled_calls() -> Option<u64> {
     }
 }
 
+/// `AIRLOCK_GATE_BENCH_TRACE=1`: trace every call.
+fn traced() -> bool {
+    std::env::var("AIRLOCK_GATE_BENCH_TRACE").is_ok_and(|v| v == "1")
+}
+
+/// Installs the OpenTelemetry layer, exporting to `OTEL_EXPORTER_OTLP_ENDPOINT`. Without
+/// one this process starts a receiver and runs itself again with the variable set (the
+/// environment is read by the exporter, and is not this process's to change once it
+/// runs), then exits as that run did: under callgrind, give `--trace-children=yes`.
+fn install_tracing() -> Result<(), Box<dyn std::error::Error>> {
+    use tracing_subscriber::layer::SubscriberExt as _;
+    use tracing_subscriber::util::SubscriberInitExt as _;
+    if std::env::var_os("OTEL_EXPORTER_OTLP_ENDPOINT").is_none() {
+        let sink = otlp_sink::OtlpSink::start()?;
+        let status = std::process::Command::new(std::env::current_exe()?)
+            .args(std::env::args_os().skip(1))
+            .env("OTEL_EXPORTER_OTLP_ENDPOINT", &sink.url)
+            .status()?;
+        std::process::exit(status.code().unwrap_or(1));
+    }
+    let layer = airlock_telemetry::layer(&airlock_telemetry::Service::Orchestrator)?
+        .ok_or("the OpenTelemetry layer is off although an endpoint is set")?;
+    tracing_subscriber::registry().with(layer).try_init()?;
+    Ok(())
+}
+
 struct Setup {
     runtime: tokio::runtime::Runtime,
     harness: GateHarness,
@@ -81,6 +116,9 @@ struct Setup {
 }
 
 fn setup() -> Result<Setup, Box<dyn std::error::Error>> {
+    if traced() {
+        install_tracing()?;
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -110,6 +148,7 @@ fn setup() -> Result<Setup, Box<dyn std::error::Error>> {
     let data = dir.path().join("data");
     std::fs::create_dir_all(&data)?;
     let harness = runtime.block_on(GateHarness::start(&data, "fs", &socket, TOKEN))?;
+    airlock_telemetry::start()?;
     Ok(Setup {
         runtime,
         harness,
@@ -139,6 +178,7 @@ fn bench_gate(c: &mut Criterion) {
         for _ in 0..calls {
             call();
         }
+        airlock_telemetry::flush();
         stop.cancel();
         std::process::exit(0);
     }

@@ -1,16 +1,19 @@
 //! The OTLP span exporter and the batch processor that feeds it, started late.
+//!
+//! `http/protobuf` (the default) is Airlock's own: requests encoded by [`crate::encode`]
+//! and posted with the workspace's HTTP client. `grpc` is the OpenTelemetry crates'
+//! exporter.
 
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
-use bytes::Bytes;
 use opentelemetry::Context;
-use opentelemetry_http::{HttpClient, HttpError, Request, Response};
-use opentelemetry_otlp::{WithExportConfig as _, WithHttpConfig as _};
+use opentelemetry_otlp::WithExportConfig as _;
 use opentelemetry_sdk::Resource;
 use opentelemetry_sdk::error::{OTelSdkError, OTelSdkResult};
 use opentelemetry_sdk::trace::{BatchSpanProcessor, Span, SpanData, SpanExporter, SpanProcessor};
 
+use crate::encode::TraceEncoder;
 use crate::{Settings, TelemetryError};
 
 /// `OTEL_EXPORTER_OTLP_PROTOCOL`: the two Airlock speaks.
@@ -100,18 +103,15 @@ impl Deferred {
         // runtime, not on the one serving calls.
         let _entered = runtime.enter();
         let exporter = match settings.protocol {
-            Protocol::Grpc => opentelemetry_otlp::SpanExporter::builder()
-                .with_tonic()
-                .with_timeout(crate::export_timeout())
-                .build(),
-            Protocol::HttpProtobuf => opentelemetry_otlp::SpanExporter::builder()
-                .with_http()
-                .with_protocol(opentelemetry_otlp::Protocol::HttpBinary)
-                .with_timeout(crate::export_timeout())
-                .with_http_client(Reqwest::new(crate::export_timeout())?)
-                .build(),
-        }
-        .map_err(|e| TelemetryError::Exporter(e.to_string()))?;
+            Protocol::Grpc => Exporter::Grpc(
+                opentelemetry_otlp::SpanExporter::builder()
+                    .with_tonic()
+                    .with_timeout(crate::export_timeout())
+                    .build()
+                    .map_err(|e| TelemetryError::Exporter(e.to_string()))?,
+            ),
+            Protocol::HttpProtobuf => Exporter::Http(HttpExporter::from_env()?),
+        };
         let mut exporter = OnRuntime {
             inner: Arc::new(tokio::sync::Mutex::new(exporter)),
             runtime: runtime.handle().clone(),
@@ -199,7 +199,7 @@ impl SpanProcessor for Deferred {
 /// and the gRPC and HTTP clients need one.
 #[derive(Debug)]
 struct OnRuntime {
-    inner: Arc<tokio::sync::Mutex<opentelemetry_otlp::SpanExporter>>,
+    inner: Arc<tokio::sync::Mutex<Exporter>>,
     runtime: tokio::runtime::Handle,
 }
 
@@ -232,57 +232,190 @@ impl SpanExporter for OnRuntime {
     }
 }
 
-/// `http/protobuf` over the workspace's HTTP client.
+/// The exporter of the configured protocol.
 #[derive(Debug)]
-struct Reqwest {
-    client: reqwest::Client,
+enum Exporter {
+    Grpc(opentelemetry_otlp::SpanExporter),
+    Http(HttpExporter),
 }
 
-impl Reqwest {
-    fn new(timeout: Duration) -> Result<Self, TelemetryError> {
+impl SpanExporter for Exporter {
+    async fn export(&self, batch: Vec<SpanData>) -> OTelSdkResult {
+        match self {
+            Self::Grpc(e) => e.export(batch).await,
+            Self::Http(e) => e.export(batch).await,
+        }
+    }
+
+    fn shutdown_with_timeout(&mut self, timeout: Duration) -> OTelSdkResult {
+        match self {
+            Self::Grpc(e) => e.shutdown_with_timeout(timeout),
+            Self::Http(_) => Ok(()),
+        }
+    }
+
+    fn set_resource(&mut self, resource: &Resource) {
+        match self {
+            Self::Grpc(e) => e.set_resource(resource),
+            Self::Http(e) => e.encoder = TraceEncoder::new(resource),
+        }
+    }
+}
+
+/// `http/protobuf`: `POST <endpoint>/v1/traces` of requests Airlock encodes itself.
+#[derive(Debug)]
+struct HttpExporter {
+    client: reqwest::Client,
+    url: String,
+    headers: http::HeaderMap,
+    encoder: TraceEncoder,
+}
+
+impl HttpExporter {
+    /// The URL, headers and timeout from the `OTEL_EXPORTER_OTLP_*` variables.
+    fn from_env() -> Result<Self, TelemetryError> {
+        let var = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
+        let url = match (
+            var("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"),
+            var("OTEL_EXPORTER_OTLP_ENDPOINT"),
+        ) {
+            // The signal's own variable is the whole URL, as the specification says.
+            (Some(url), _) => url.trim().to_owned(),
+            (None, Some(base)) => format!("{}/v1/traces", base.trim().trim_end_matches('/')),
+            (None, None) => {
+                return Err(TelemetryError::Exporter(
+                    "no OTLP endpoint is set".to_owned(),
+                ));
+            }
+        };
+        let headers = match var("OTEL_EXPORTER_OTLP_TRACES_HEADERS") {
+            Some(value) => parse_headers("OTEL_EXPORTER_OTLP_TRACES_HEADERS", &value)?,
+            None => match var("OTEL_EXPORTER_OTLP_HEADERS") {
+                Some(value) => parse_headers("OTEL_EXPORTER_OTLP_HEADERS", &value)?,
+                None => http::HeaderMap::new(),
+            },
+        };
         let client = reqwest::Client::builder()
-            .timeout(timeout)
+            .timeout(crate::export_timeout())
             // The collector is named by the operator; a proxy variable meant for the
             // agents' traffic must not reroute the spans.
             .no_proxy()
             .build()
             .map_err(|e| TelemetryError::Exporter(e.to_string()))?;
-        Ok(Self { client })
+        Ok(Self {
+            client,
+            url,
+            headers,
+            encoder: TraceEncoder::default(),
+        })
+    }
+
+    async fn export(&self, batch: Vec<SpanData>) -> OTelSdkResult {
+        // About 150 bytes a span; one allocation for most batches.
+        let mut body = Vec::with_capacity(batch.len() * 192 + 256);
+        self.encoder.request(&batch, &mut body);
+        drop(batch);
+        let response = self
+            .client
+            .post(&self.url)
+            .headers(self.headers.clone())
+            .header(http::header::CONTENT_TYPE, "application/x-protobuf")
+            .body(body)
+            .send()
+            .await
+            .map_err(|e| {
+                OTelSdkError::InternalFailure(format!("cannot reach {}: {e}", self.url))
+            })?;
+        let status = response.status();
+        if status.is_success() {
+            return Ok(());
+        }
+        let body = response.bytes().await.unwrap_or_default();
+        Err(OTelSdkError::InternalFailure(format!(
+            "the collector at {} answered {status}: {}",
+            self.url,
+            String::from_utf8_lossy(&body[..body.len().min(512)])
+        )))
     }
 }
 
-#[async_trait::async_trait]
-impl HttpClient for Reqwest {
-    async fn send_bytes(&self, request: Request<Bytes>) -> Result<Response<Bytes>, HttpError> {
-        let (parts, body) = request.into_parts();
-        let response = self
-            .client
-            .request(parts.method, parts.uri.to_string())
-            .headers(parts.headers)
-            .body(body)
-            .send()
-            .await?;
-        let status = response.status();
-        let headers = response.headers().clone();
-        let body = response.bytes().await?;
-        if !status.is_success() {
-            return Err(format!(
-                "the collector answered {status}: {}",
-                String::from_utf8_lossy(&body[..body.len().min(512)])
-            )
-            .into());
-        }
-        let mut answer = Response::builder().status(status);
-        if let Some(h) = answer.headers_mut() {
-            *h = headers;
-        }
-        Ok(answer.body(body)?)
+/// Compression of the request bodies: none. The collector beside Airlock compresses what
+/// it forwards; on loopback or in the pod gzip would cost CPU on every call's process.
+pub(crate) fn check_compression(variable: &'static str, value: &str) -> Result<(), TelemetryError> {
+    if value.trim() == "none" {
+        return Ok(());
     }
+    Err(TelemetryError::Variable {
+        variable,
+        value: value.to_owned(),
+        reason: "compression is not supported: leave it unset or \"none\" (the collector beside Airlock compresses what it forwards)".to_owned(),
+    })
+}
+
+/// `key1=value1,key2=value2`, values percent-encoded (the specification's format).
+pub(crate) fn parse_headers(
+    variable: &'static str,
+    value: &str,
+) -> Result<http::HeaderMap, TelemetryError> {
+    // The value may hold a credential: an error names the variable and the position,
+    // never the text.
+    let refuse = |reason: String| TelemetryError::Variable {
+        variable,
+        value: "(not shown)".to_owned(),
+        reason,
+    };
+    let mut headers = http::HeaderMap::new();
+    for (index, pair) in value.split(',').enumerate() {
+        if pair.trim().is_empty() {
+            continue;
+        }
+        let (name, raw) = pair
+            .split_once('=')
+            .ok_or_else(|| refuse(format!("entry {} is not key=value", index + 1)))?;
+        let name = http::HeaderName::from_bytes(name.trim().as_bytes())
+            .map_err(|_| refuse(format!("entry {} has no valid header name", index + 1)))?;
+        let decoded = percent_decode(raw.trim())
+            .ok_or_else(|| refuse(format!("entry {} has a bad %-escape", index + 1)))?;
+        let mut header = http::HeaderValue::from_bytes(&decoded)
+            .map_err(|_| refuse(format!("entry {} has no valid header value", index + 1)))?;
+        header.set_sensitive(true);
+        headers.append(name, header);
+    }
+    Ok(headers)
+}
+
+fn percent_decode(text: &str) -> Option<Vec<u8>> {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let hex = std::str::from_utf8(bytes.get(i + 1..i + 3)?).ok()?;
+            out.push(u8::from_str_radix(hex, 16).ok()?);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    Some(out)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn headers_are_key_value_pairs_with_percent_escapes() {
+        let headers = parse_headers("V", "api-key=s%3Dcret , x-tenant=acme,").unwrap();
+        assert_eq!(headers["api-key"], "s=cret");
+        assert_eq!(headers["x-tenant"], "acme");
+        for bad in ["novalue", "bad name=x", "k=%zz", "k=%4"] {
+            let e = parse_headers("V", bad).unwrap_err().to_string();
+            assert!(e.starts_with("V=\"(not shown)\""), "{e}");
+            assert!(!e.contains(bad), "the value is not echoed: {e}");
+        }
+    }
 
     #[test]
     fn endpoints_must_be_plain_http_urls() {

@@ -18,6 +18,7 @@
 //! so that encoding and sending spans yields to calls) start in [`start`], called after
 //! confinement; spans that end before it are dropped.
 
+mod encode;
 mod export;
 pub mod json;
 pub mod logs;
@@ -155,6 +156,22 @@ impl Settings {
         ] {
             if let Some(value) = set(variable) {
                 export::check_endpoint(variable, &value)?;
+            }
+        }
+        for variable in [
+            "OTEL_EXPORTER_OTLP_TRACES_COMPRESSION",
+            "OTEL_EXPORTER_OTLP_COMPRESSION",
+        ] {
+            if let Some(value) = set(variable) {
+                export::check_compression(variable, &value)?;
+            }
+        }
+        for variable in [
+            "OTEL_EXPORTER_OTLP_TRACES_HEADERS",
+            "OTEL_EXPORTER_OTLP_HEADERS",
+        ] {
+            if let Some(value) = set(variable) {
+                export::parse_headers(variable, &value)?;
             }
         }
         Ok(Some(Self {
@@ -406,5 +423,29 @@ mod tests {
         .unwrap()
         .to_string();
         assert!(e.contains("OTEL_EXPORTER_OTLP_ENDPOINT"), "{e}");
+        let e = settings(
+            &[endpoint, ("OTEL_EXPORTER_OTLP_COMPRESSION", "gzip")],
+            Service::Orchestrator,
+        )
+        .err()
+        .unwrap()
+        .to_string();
+        assert!(e.contains("OTEL_EXPORTER_OTLP_COMPRESSION=\"gzip\""), "{e}");
+        let e = settings(
+            &[endpoint, ("OTEL_EXPORTER_OTLP_HEADERS", "api-key")],
+            Service::Orchestrator,
+        )
+        .err()
+        .unwrap()
+        .to_string();
+        assert!(e.contains("OTEL_EXPORTER_OTLP_HEADERS"), "{e}");
+        assert!(
+            settings(
+                &[endpoint, ("OTEL_EXPORTER_OTLP_COMPRESSION", "none")],
+                Service::Orchestrator,
+            )
+            .unwrap()
+            .is_some()
+        );
     }
 }

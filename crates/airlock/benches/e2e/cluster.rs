@@ -280,7 +280,7 @@ async fn measure(
         for target in targets {
             run_requests(target, file, 20, 1, ROW_TIME_CAP).await?;
         }
-        let stats = alternate_rounds(targets, file, *budget, *concurrency).await?;
+        let stats = alternate_rounds(targets, file, *budget, *concurrency, ROUNDS).await?;
         out.push(Row { label, stats });
     }
     Ok(out)

@@ -1,28 +1,36 @@
-//! `-- observe`: what observability costs a call. Two `airlock up` take turns in the same
-//! rounds: one without any `OTEL_*` variable (no tracing layer at all), and one that
+//! `-- observe`: what observability costs a call. Three `airlock up` take turns in the
+//! same rounds: one without any `OTEL_*` variable (no tracing layer at all), one that
 //! exports every span over OTLP/HTTP (`http/protobuf`) to a receiver in this process,
 //! with the workers' metrics listeners on and the orchestrator's `/metrics` scraped every
-//! second, as Prometheus would. Same rows, same checks as the main bench.
-
-use std::io::{BufRead as _, BufReader, Read as _, Write as _};
-use std::sync::atomic::AtomicU64;
+//! second, as Prometheus would, and a second one without tracing, the control: how far
+//! two identical servers differ in the same run is the noise floor an on/off ratio is
+//! read against. Same rows, same checks as the main bench.
 
 use super::*;
 
-/// The rows: (file, requests per server, concurrency).
-const ROWS: [(&str, usize, usize); 5] = [
-    ("small", SMALL_REQUESTS, 1),
-    ("small", SMALL_REQUESTS, 8),
-    ("large", LARGE_REQUESTS, 1),
-    ("shell", SHELL_REQUESTS, 1),
-    ("shell", SHELL_REQUESTS, 8),
+#[path = "../../../orchestrator/benches/support/otlp_sink.rs"]
+mod otlp_sink;
+use otlp_sink::OtlpSink;
+
+/// The rows: (file, requests per server, concurrency, rounds). Many short rounds: a
+/// machine whose speed drifts (other tenants, frequency) then drifts under all three
+/// servers alike, where four long rounds left ratios off by up to 10 % between two
+/// identical servers. A concurrent row keeps rounds of at least 60 requests, so that
+/// the ramp at each round's ends stays small beside its steady part.
+const ROWS: [(&str, usize, usize, usize); 5] = [
+    ("small", SMALL_REQUESTS, 1, 20),
+    ("small", SMALL_REQUESTS, 8, 10),
+    ("large", LARGE_REQUESTS, 1, 10),
+    ("shell", SHELL_REQUESTS, 1, 10),
+    ("shell", SHELL_REQUESTS, 8, 5),
 ];
 
 pub async fn run(scratch: &Path) -> Result<String> {
-    let receiver = Receiver::start()?;
+    let receiver = OtlpSink::start().context("cannot start the OTLP receiver")?;
     let off_dir = scratch.join("off");
     let on_dir = scratch.join("on");
-    for dir in [&off_dir, &on_dir] {
+    let control_dir = scratch.join("control");
+    for dir in [&off_dir, &on_dir, &control_dir] {
         std::fs::create_dir(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     }
     eprintln!("starting airlock without tracing");
@@ -38,8 +46,10 @@ pub async fn run(scratch: &Path) -> Result<String> {
         },
     )
     .await?;
+    eprintln!("starting a second airlock without tracing (the control)");
+    let control = Airlock::start(&control_dir, Path::new(AIRLOCK_BIN), "control (off)").await?;
     let mut files = Vec::new();
-    for airlock in [&off, &on] {
+    for airlock in [&off, &on, &control] {
         files.push((
             airlock.write_file("small.txt", &text_file(SMALL_BYTES))?,
             airlock.write_file("large.txt", &text_file(LARGE_BYTES))?,
@@ -57,7 +67,7 @@ pub async fn run(scratch: &Path) -> Result<String> {
             }
         })
     };
-    let targets = [off.target(), on.target()];
+    let targets = [off.target(), on.target(), control.target()];
     for target in &targets {
         eprintln!("warming up {}", target.name);
         run_requests(target, &small, WARMUP_SMALL, 1, ROW_TIME_CAP).await?;
@@ -65,15 +75,15 @@ pub async fn run(scratch: &Path) -> Result<String> {
     }
     let load_before = load_average();
     let mut rows = Vec::new();
-    for (which, budget, concurrency) in ROWS {
+    for (which, budget, concurrency, rounds) in ROWS {
         let file = match which {
             "small" => &small,
             "large" => &large,
             _ => &shell,
         };
         let label = format!("{} c={concurrency}", file.label);
-        eprintln!("row {label}: {budget} requests per server in {ROUNDS} alternating rounds");
-        let stats = alternate_rounds(&targets, file, budget, concurrency).await?;
+        eprintln!("row {label}: {budget} requests per server in {rounds} rotating rounds");
+        let stats = alternate_rounds(&targets, file, budget, concurrency, rounds).await?;
         rows.push(Row { label, stats });
     }
     scraper.abort();
@@ -100,106 +110,52 @@ fn traced_env(receiver: &str) -> Vec<(String, String)> {
     env
 }
 
-fn render_observe(rows: &[Row], load: &str, receiver: &Receiver) -> String {
+fn render_observe(rows: &[Row], load: &str, receiver: &OtlpSink) -> String {
     let cores = std::thread::available_parallelism().map_or(0, usize::from);
     let mut out = String::new();
     let _ = writeln!(
         out,
         "## Tracing and metrics on vs off (same run)\n\n\
          {cores} CPUs, loopback; per server and row up to the main bench's request counts \
-         in {ROUNDS} alternating rounds, every response verified. *On*: every span exported \
+         in 5–20 rotating rounds, every response verified. *On*: every span exported \
          over OTLP/HTTP to a receiver in the bench process ({} export requests, {} bytes \
          received), the workers' metrics listeners on and `/metrics` scraped every second. \
-         *Off*: no `OTEL_*` variable. Load average (1/5/15 min): {load}.\n",
-        receiver.requests.load(Ordering::Relaxed),
-        receiver.bytes.load(Ordering::Relaxed),
+         *Off* and *control*: no `OTEL_*` variable, two identical servers; control/off is \
+         the run's noise floor. Load average (1/5/15 min): {load}.\n",
+        receiver.requests(),
+        receiver.bytes(),
     );
     let _ = writeln!(
         out,
-        "| row | p50 ms off | p50 ms on | p50 on/off | p99 ms off | p99 ms on | \
-         req/s off | req/s on | server CPU ms/req off | on |"
+        "| row | p50 ms off | p50 ms on | p50 ms control | p50 on/off | p50 control/off | \
+         p99 ms off | p99 ms on | req/s off | req/s on | server CPU ms/req off | on | control |"
     );
-    let _ = writeln!(out, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let _ = writeln!(
+        out,
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    );
     for row in rows {
         let off = row.stats[0].summary();
         let on = row.stats[1].summary();
+        let control = row.stats[2].summary();
         let _ = writeln!(
             out,
-            "| {} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {:.0} | {:.0} | {:.2} | {:.2} |",
+            "| {} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {:.0} | {:.0} | \
+             {:.2} | {:.2} | {:.2} |",
             row.label,
             off.p50,
             on.p50,
+            control.p50,
             on.p50 / off.p50,
+            control.p50 / off.p50,
             off.p99,
             on.p99,
             off.throughput,
             on.throughput,
             off.cpu_ms,
-            on.cpu_ms
+            on.cpu_ms,
+            control.cpu_ms
         );
     }
     out
-}
-
-/// A minimal OTLP/HTTP receiver: answers 200 to every request and counts what it got.
-struct Receiver {
-    url: String,
-    requests: Arc<AtomicU64>,
-    bytes: Arc<AtomicU64>,
-}
-
-impl Receiver {
-    fn start() -> Result<Self> {
-        let listener = TcpListener::bind("127.0.0.1:0").context("cannot bind the receiver")?;
-        let url = format!("http://{}", listener.local_addr()?);
-        let requests = Arc::new(AtomicU64::new(0));
-        let bytes = Arc::new(AtomicU64::new(0));
-        let (r, b) = (requests.clone(), bytes.clone());
-        std::thread::spawn(move || {
-            for stream in listener.incoming().flatten() {
-                let (r, b) = (r.clone(), b.clone());
-                std::thread::spawn(move || {
-                    let _ = serve(stream, &r, &b);
-                });
-            }
-        });
-        Ok(Self {
-            url,
-            requests,
-            bytes,
-        })
-    }
-}
-
-/// HTTP/1.1 requests on one connection, until the client closes it.
-fn serve(stream: std::net::TcpStream, requests: &AtomicU64, bytes: &AtomicU64) -> Result<()> {
-    let mut writer = stream.try_clone()?;
-    let mut reader = BufReader::new(stream);
-    loop {
-        let mut length = 0usize;
-        let mut line = String::new();
-        if reader.read_line(&mut line)? == 0 {
-            return Ok(());
-        }
-        loop {
-            line.clear();
-            reader.read_line(&mut line)?;
-            let header = line.trim_end();
-            if header.is_empty() {
-                break;
-            }
-            if let Some((name, value)) = header.split_once(':')
-                && name.eq_ignore_ascii_case("content-length")
-            {
-                length = value.trim().parse().unwrap_or(0);
-            }
-        }
-        let mut body = vec![0u8; length];
-        reader.read_exact(&mut body)?;
-        requests.fetch_add(1, Ordering::Relaxed);
-        bytes.fetch_add(length as u64, Ordering::Relaxed);
-        writer.write_all(
-            b"HTTP/1.1 200 OK\r\ncontent-type: application/x-protobuf\r\ncontent-length: 0\r\n\r\n",
-        )?;
-    }
 }
