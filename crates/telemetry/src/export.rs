@@ -110,7 +110,7 @@ impl Deferred {
                     .build()
                     .map_err(|e| TelemetryError::Exporter(e.to_string()))?,
             ),
-            Protocol::HttpProtobuf => Exporter::Http(HttpExporter::from_env()?),
+            Protocol::HttpProtobuf => Exporter::Http(HttpExporter::new(settings)?),
         };
         let mut exporter = OnRuntime {
             inner: Arc::new(tokio::sync::Mutex::new(exporter)),
@@ -272,29 +272,9 @@ struct HttpExporter {
 }
 
 impl HttpExporter {
-    /// The URL, headers and timeout from the `OTEL_EXPORTER_OTLP_*` variables.
-    fn from_env() -> Result<Self, TelemetryError> {
-        let var = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
-        let url = match (
-            var("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"),
-            var("OTEL_EXPORTER_OTLP_ENDPOINT"),
-        ) {
-            // The signal's own variable is the whole URL, as the specification says.
-            (Some(url), _) => url.trim().to_owned(),
-            (None, Some(base)) => format!("{}/v1/traces", base.trim().trim_end_matches('/')),
-            (None, None) => {
-                return Err(TelemetryError::Exporter(
-                    "no OTLP endpoint is set".to_owned(),
-                ));
-            }
-        };
-        let headers = match var("OTEL_EXPORTER_OTLP_TRACES_HEADERS") {
-            Some(value) => parse_headers("OTEL_EXPORTER_OTLP_TRACES_HEADERS", &value)?,
-            None => match var("OTEL_EXPORTER_OTLP_HEADERS") {
-                Some(value) => parse_headers("OTEL_EXPORTER_OTLP_HEADERS", &value)?,
-                None => http::HeaderMap::new(),
-            },
-        };
+    /// Posts to the URL with the headers the settings resolved, within
+    /// `OTEL_EXPORTER_OTLP_TIMEOUT`.
+    fn new(settings: &Settings) -> Result<Self, TelemetryError> {
         let client = reqwest::Client::builder()
             .timeout(crate::export_timeout())
             // The collector is named by the operator; a proxy variable meant for the
@@ -304,8 +284,8 @@ impl HttpExporter {
             .map_err(|e| TelemetryError::Exporter(e.to_string()))?;
         Ok(Self {
             client,
-            url,
-            headers,
+            url: settings.traces_url.clone(),
+            headers: settings.headers.clone(),
             encoder: TraceEncoder::default(),
         })
     }

@@ -100,6 +100,12 @@ impl Service {
 pub struct Settings {
     pub protocol: Protocol,
     pub service_name: String,
+    /// Where `http/protobuf` posts: `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` as is, else
+    /// `OTEL_EXPORTER_OTLP_ENDPOINT` with `/v1/traces` (gRPC's exporter reads its own).
+    pub traces_url: String,
+    /// `OTEL_EXPORTER_OTLP_TRACES_HEADERS`, else `OTEL_EXPORTER_OTLP_HEADERS`, parsed
+    /// (values marked sensitive).
+    pub headers: http::HeaderMap,
 }
 
 impl Settings {
@@ -166,17 +172,26 @@ impl Settings {
                 export::check_compression(variable, &value)?;
             }
         }
-        for variable in [
-            "OTEL_EXPORTER_OTLP_TRACES_HEADERS",
-            "OTEL_EXPORTER_OTLP_HEADERS",
-        ] {
-            if let Some(value) = set(variable) {
-                export::parse_headers(variable, &value)?;
-            }
-        }
+        // The signal's own variable is the whole URL, as the specification says.
+        let traces_url = match set("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") {
+            Some(url) => url.trim().to_owned(),
+            None => set("OTEL_EXPORTER_OTLP_ENDPOINT").map_or_else(String::new, |base| {
+                format!("{}/v1/traces", base.trim().trim_end_matches('/'))
+            }),
+        };
+        let headers = match (
+            set("OTEL_EXPORTER_OTLP_TRACES_HEADERS"),
+            set("OTEL_EXPORTER_OTLP_HEADERS"),
+        ) {
+            (Some(value), _) => export::parse_headers("OTEL_EXPORTER_OTLP_TRACES_HEADERS", &value)?,
+            (None, Some(value)) => export::parse_headers("OTEL_EXPORTER_OTLP_HEADERS", &value)?,
+            (None, None) => http::HeaderMap::new(),
+        };
         Ok(Some(Self {
             protocol,
             service_name: service.name(set("OTEL_SERVICE_NAME").as_deref()),
+            traces_url,
+            headers,
         }))
     }
 }
@@ -362,6 +377,20 @@ mod tests {
         .unwrap();
         assert_eq!(s.protocol, Protocol::HttpProtobuf);
         assert_eq!(s.service_name, "airlock-orchestrator");
+        assert_eq!(s.traces_url, "http://127.0.0.1:4318/v1/traces");
+        let s = settings(
+            &[
+                ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318/"),
+                ("OTEL_EXPORTER_OTLP_HEADERS", "x-tenant=acme"),
+                ("OTEL_EXPORTER_OTLP_TRACES_HEADERS", "api-key=k%2C1"),
+            ],
+            Service::Orchestrator,
+        )
+        .unwrap()
+        .unwrap();
+        assert_eq!(s.traces_url, "http://collector:4318/v1/traces");
+        assert_eq!(s.headers["api-key"], "k,1", "the traces variable wins");
+        assert!(s.headers.get("x-tenant").is_none());
         let s = settings(
             &[
                 ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4317"),
