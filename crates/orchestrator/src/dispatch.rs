@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use airlock_policy::ToolOutcome;
 use airlock_proto::v1 as pb;
+use airlock_telemetry::StageParent;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
@@ -74,6 +75,8 @@ pub struct WorkerCall<'a> {
     /// The tool is read-only and idempotent: a call whose replica failed before
     /// answering may run on another replica (each at most once).
     pub retryable: bool,
+    /// What the worker's spans are children of.
+    pub trace: &'a StageParent,
 }
 
 impl WorkerCall<'_> {
@@ -112,6 +115,7 @@ pub async fn execute(
     cancel: &CancellationToken,
 ) -> Result<Dispatched, DispatchError> {
     let retryable = call.retryable;
+    let trace = call.trace;
     let request = call.into_wire();
     let timeout_ms = request.timeout_ms;
     let overall = Duration::from_millis(timeout_ms) + DEADLINE_SLACK;
@@ -127,7 +131,7 @@ pub async fn execute(
         let mut wire_request = tonic::Request::new(request.clone());
         wire_request.set_timeout(overall);
         // The worker's spans join the call's trace (W3C trace context in metadata).
-        airlock_telemetry::propagate::inject_metadata(wire_request.metadata_mut());
+        airlock_telemetry::propagate::inject_metadata(trace, wire_request.metadata_mut());
         let mut client = replica.client();
         // Not raced against `cancel`: once the request is out the worker may be running
         // the call (a detached one even if this side goes away), so a cancel is dealt

@@ -85,8 +85,8 @@ where
                     "front_door",
                     otel.name = %format_args!("{} {route}", request.method()),
                     otel.kind = "server",
-                    http.request.method = %request.method(),
-                    http.route = %route,
+                    http.request.method = request.method().as_str(),
+                    http.route = route.as_str(),
                     http.response.status_code = tracing::field::Empty,
                     otel.status_code = tracing::field::Empty,
                 )
@@ -98,11 +98,11 @@ where
                     target: TARGET,
                     tracing::Level::TRACE,
                     "front_door",
-                    otel.name = %path,
+                    otel.name = path,
                     otel.kind = "server",
                     rpc.system = "grpc",
-                    rpc.service = %service,
-                    rpc.method = %method,
+                    rpc.service = service,
+                    rpc.method = method,
                     http.response.status_code = tracing::field::Empty,
                     otel.status_code = tracing::field::Empty,
                 )
@@ -131,8 +131,10 @@ impl<S: tonic::server::NamedService> tonic::server::NamedService for FrontDoor<S
     const NAME: &'static str = S::NAME;
 }
 
-/// A gate stage that others nest in (the dispatch, the approval wait), as a `tracing`
-/// span under the call's. The other stages are `airlock_telemetry::Stage`s.
+/// A gate stage that others in this process nest in (the approval wait), as a
+/// `tracing` span under the call's. The other stages are `airlock_telemetry::Stage`s,
+/// and the dispatch an `airlock_telemetry::OpenStage`: its only child is the worker's
+/// span, which it reaches through the request's trace context, not through `tracing`.
 macro_rules! stage {
     ($name:literal) => {
         tracing::span!(

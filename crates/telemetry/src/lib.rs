@@ -36,12 +36,15 @@ use tracing_subscriber::Layer;
 use tracing_subscriber::registry::LookupSpan;
 
 pub use export::Protocol;
-pub use stage::{Stage, StageParent};
+pub use stage::{OpenStage, Stage, StageParent};
 
 /// The `tracing` target of every span Airlock exports. Spans under it are opened at
 /// level TRACE, so that with tracing off (and `RUST_LOG` at its usual levels) they are
 /// disabled where they are written.
 pub const TARGET: &str = "airlock::trace";
+
+/// The instrumentation scope of every span Airlock exports.
+const TRACER_NAME: &str = "airlock";
 
 /// What can stop tracing from starting. Each names the variable to fix.
 #[derive(Debug, thiserror::Error)]
@@ -199,8 +202,11 @@ impl Settings {
 /// The tracer provider of this process, set once by [`layer`].
 struct Pipeline {
     provider: SdkTracerProvider,
-    /// The tracer of [`Stage`]s, which do not go through `tracing`.
+    /// The tracer of [`OpenStage`]s, which do not go through `tracing`.
     tracer: opentelemetry_sdk::trace::SdkTracer,
+    /// The tracer's scope and span ids, for the [`Stage`]s built without it.
+    scope: opentelemetry::InstrumentationScope,
+    ids: opentelemetry_sdk::trace::RandomIdGenerator,
     processor: export::Deferred,
     settings: Settings,
 }
@@ -233,11 +239,14 @@ where
         .with_resource(resource)
         .with_span_processor(processor.clone())
         .build();
-    let tracer = provider.tracer("airlock");
+    let scope = opentelemetry::InstrumentationScope::builder(TRACER_NAME).build();
+    let tracer = provider.tracer_with_scope(scope.clone());
     PIPELINE
         .set(Pipeline {
             provider,
             tracer: tracer.clone(),
+            scope,
+            ids: opentelemetry_sdk::trace::RandomIdGenerator::default(),
             processor,
             settings,
         })

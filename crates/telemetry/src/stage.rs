@@ -11,9 +11,16 @@
 //!
 //! With tracing off a stage is nothing: no clock is read and nothing is allocated.
 
+use std::borrow::Cow;
 use std::time::SystemTime;
 
-use opentelemetry::trace::{Status, TraceContextExt as _, Tracer as _};
+use opentelemetry::InstrumentationScope;
+use opentelemetry::trace::{
+    SpanContext, SpanId, SpanKind, Status, TraceContextExt as _, TraceFlags, Tracer as _,
+};
+use opentelemetry_sdk::trace::{
+    IdGenerator as _, SpanData, SpanEvents, SpanLinks, SpanProcessor as _,
+};
 use tracing_opentelemetry::OpenTelemetrySpanExt as _;
 
 /// Where the stage spans of a piece of code go: the OpenTelemetry context of the
@@ -41,13 +48,56 @@ impl StageParent {
         Self(cx.has_active_span().then_some(cx))
     }
 
+    /// Starts the stage `name` under this parent, as a span at once: its context is
+    /// known before it ends, so that work elsewhere (a worker, through the trace context
+    /// in its request) can be its child. Dearer than [`StageParent::stage`] by an id
+    /// and a context; for the one stage a call hands on, the dispatch.
+    pub fn open(&self, name: &'static str) -> OpenStage {
+        let Some((parent, pipeline)) = self.0.as_ref().zip(crate::PIPELINE.get()) else {
+            return OpenStage(Self(None));
+        };
+        let tracer = &pipeline.tracer;
+        let span = tracer.span_builder(name).start_with_context(tracer, parent);
+        OpenStage(Self(Some(parent.with_span(span))))
+    }
+
+    /// The context to send on (W3C trace context), if there is one.
+    pub(crate) fn context(&self) -> Option<&opentelemetry::Context> {
+        self.0.as_ref()
+    }
+
     /// Starts the stage `name` under this parent.
     pub fn stage(&self, name: &'static str) -> Stage {
         Stage(self.0.as_ref().map(|parent| Started {
             name,
-            parent: parent.clone(),
+            parent: parent.span().span_context().clone(),
             start: SystemTime::now(),
         }))
+    }
+}
+
+/// A stage started as a span ([`StageParent::open`]); exported when it
+/// [ends](OpenStage::end), not when it is dropped.
+#[derive(Debug)]
+#[must_use = "a stage is exported only when it ends"]
+pub struct OpenStage(StageParent);
+
+impl OpenStage {
+    /// The stage as the parent of what runs inside it (in this process or another).
+    pub fn parent(&self) -> &StageParent {
+        &self.0
+    }
+
+    /// Ends the stage now; `failed` marks it as an error.
+    pub fn end(self, failed: bool) {
+        let Some(cx) = self.0.0 else {
+            return;
+        };
+        let span = cx.span();
+        if failed {
+            span.set_status(Status::error(""));
+        }
+        span.end();
     }
 }
 
@@ -60,7 +110,7 @@ pub struct Stage(Option<Started>);
 #[derive(Debug)]
 struct Started {
     name: &'static str,
-    parent: opentelemetry::Context,
+    parent: SpanContext,
     start: SystemTime,
 }
 
@@ -72,18 +122,136 @@ impl Stage {
 
     /// Ends the stage now; `failed` marks it as an error (the stage refused the call or
     /// could not do its work).
+    ///
+    /// The span is handed to the exporter as the SDK's `SpanData`, built here rather
+    /// than through the SDK's tracer: a stage has no attributes, events or children, so
+    /// the tracer's work (a sampler's decision, a span object, its conversion when it
+    /// ends) is an id and a struct (measured: docs/decisions.md, "Traces").
     pub fn end(self, failed: bool) {
         let (Some(started), Some(pipeline)) = (self.0, crate::PIPELINE.get()) else {
             return;
         };
-        let tracer = &pipeline.tracer;
-        let mut span = tracer
-            .span_builder(started.name)
-            .with_start_time(started.start)
-            .start_with_context(tracer, &started.parent);
-        if failed {
-            opentelemetry::trace::Span::set_status(&mut span, Status::error(""));
+        let ended = Ended {
+            name: started.name,
+            start: started.start,
+            end: SystemTime::now(),
+            failed,
+        };
+        let id = pipeline.ids.new_span_id();
+        if let Some(span) = stage_span(&started.parent, id, ended, &pipeline.scope) {
+            pipeline.processor.on_end(span);
         }
-        opentelemetry::trace::Span::end(&mut span);
+    }
+}
+
+/// What a stage did, once it is over.
+struct Ended {
+    name: &'static str,
+    start: SystemTime,
+    end: SystemTime,
+    failed: bool,
+}
+
+/// The exported span of a stage whose span id is `id`, under `parent`; `None` when the
+/// parent is not sampled. That is the decision the SDK would make for the child, for
+/// every sampler Airlock accepts: the parent-based ones follow the parent, and
+/// `always_on`, `always_off` and `traceidratio` decide by the trace id alone, which
+/// parent and child share.
+fn stage_span(
+    parent: &SpanContext,
+    id: SpanId,
+    ended: Ended,
+    scope: &InstrumentationScope,
+) -> Option<SpanData> {
+    if !parent.is_sampled() {
+        return None;
+    }
+    Some(SpanData {
+        span_context: SpanContext::new(
+            parent.trace_id(),
+            id,
+            TraceFlags::SAMPLED,
+            false,
+            parent.trace_state().clone(),
+        ),
+        parent_span_id: parent.span_id(),
+        // A stage's parent is a span of this process (the call's, or the front door's).
+        parent_span_is_remote: false,
+        span_kind: SpanKind::Internal,
+        name: Cow::Borrowed(ended.name),
+        start_time: ended.start,
+        end_time: ended.end,
+        attributes: Vec::new(),
+        dropped_attributes_count: 0,
+        events: SpanEvents::default(),
+        links: SpanLinks::default(),
+        status: if ended.failed {
+            Status::error("")
+        } else {
+            Status::Unset
+        },
+        instrumentation_scope: scope.clone(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use opentelemetry::trace::{TraceId, TraceState};
+
+    fn parent(flags: TraceFlags) -> SpanContext {
+        SpanContext::new(
+            TraceId::from_hex("0af7651916cd43dd8448eb211c80319c").unwrap(),
+            SpanId::from_hex("b7ad6b7169203331").unwrap(),
+            flags,
+            false,
+            TraceState::from_key_value([("vendor", "1")]).unwrap(),
+        )
+    }
+
+    fn ended(failed: bool) -> Ended {
+        let start = SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(1_700_000_000);
+        Ended {
+            name: "gate.policy",
+            start,
+            end: start + std::time::Duration::from_micros(7),
+            failed,
+        }
+    }
+
+    #[test]
+    fn a_stage_is_a_sampled_child_of_its_parent() {
+        let scope = InstrumentationScope::builder("airlock").build();
+        let id = SpanId::from_hex("00f067aa0ba902b7").unwrap();
+        let span = stage_span(&parent(TraceFlags::SAMPLED), id, ended(false), &scope).unwrap();
+        assert_eq!(span.name, "gate.policy");
+        assert_eq!(
+            span.span_context.trace_id(),
+            parent(TraceFlags::SAMPLED).trace_id()
+        );
+        assert_eq!(span.span_context.span_id(), id);
+        assert!(span.span_context.is_sampled());
+        assert!(!span.span_context.is_remote());
+        assert_eq!(span.span_context.trace_state().header(), "vendor=1");
+        assert_eq!(span.parent_span_id, parent(TraceFlags::SAMPLED).span_id());
+        assert!(!span.parent_span_is_remote);
+        assert_eq!(span.span_kind, SpanKind::Internal);
+        assert_eq!(span.status, Status::Unset);
+        assert_eq!(
+            span.end_time.duration_since(span.start_time).unwrap(),
+            std::time::Duration::from_micros(7)
+        );
+        assert_eq!(span.instrumentation_scope, scope);
+        assert!(span.attributes.is_empty());
+
+        let failed = stage_span(&parent(TraceFlags::SAMPLED), id, ended(true), &scope).unwrap();
+        assert_eq!(failed.status, Status::error(""));
+    }
+
+    #[test]
+    fn a_stage_under_an_unsampled_parent_is_not_exported() {
+        let scope = InstrumentationScope::builder("airlock").build();
+        let id = SpanId::from_hex("00f067aa0ba902b7").unwrap();
+        assert!(stage_span(&parent(TraceFlags::NOT_SAMPLED), id, ended(false), &scope).is_none());
     }
 }

@@ -837,8 +837,8 @@ fn execute_span(request: &Request<pb::ExecuteRequest>) -> tracing::Span {
         otel.kind = "server",
         otel.status_code = tracing::field::Empty,
         gen_ai.operation.name = "execute_tool",
-        gen_ai.tool.name = %call.tool,
-        airlock.call_id = %call.call_id,
+        gen_ai.tool.name = call.tool.as_str(),
+        airlock.call_id = call.call_id.as_str(),
         airlock.status = tracing::field::Empty,
     );
     airlock_telemetry::propagate::parent_from_metadata(&span, request.metadata());

@@ -3,6 +3,7 @@
 //! for a hold, and read-only looks at a call's workspace for the diff an approver sees.
 
 use airlock_policy::ToolOutcome;
+use airlock_telemetry::StageParent;
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 
@@ -181,6 +182,7 @@ impl Gate {
             timeout_ms: PREVIEW_TIMEOUT_MS,
             detached: false,
             retryable: served.definition.annotations.read_only,
+            trace: &StageParent::current(),
         };
         let done = dispatch::execute(&group, call, None, &CancellationToken::new()).await?;
         Ok(done.outcome)

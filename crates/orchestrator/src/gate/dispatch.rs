@@ -3,6 +3,7 @@
 //! alive.
 
 use airlock_policy::CallStatus;
+use airlock_telemetry::StageParent;
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
@@ -36,6 +37,7 @@ impl Gate {
         ctx: &CallCtx,
         group: &WorkerGroup,
         durable: bool,
+        trace: &StageParent,
     ) -> Result<Ending, Rejection> {
         let call = WorkerCall {
             call_id: ctx.call_id.clone(),
@@ -46,6 +48,7 @@ impl Gate {
             timeout_ms: self.call_timeout_ms(&ctx.tool_use.input),
             detached: durable,
             retryable: self.is_retryable(&ctx.tool_use.name),
+            trace,
         };
         // Only a stored call has a claim to keep alive.
         let renewal = ctx.recorded.then(|| self.renew_lease(&ctx.call_id));

@@ -180,6 +180,8 @@ struct Dispatch {
     /// Check the call against the principals and policy in force first, naming this
     /// stage in the audit record (an approved call, which may have waited long).
     recheck: Option<&'static str>,
+    /// What the worker's spans are children of: the `gate.dispatch` stage.
+    trace: StageParent,
 }
 
 impl Gate {
@@ -567,16 +569,16 @@ impl Gate {
         } else {
             Record::Ahead
         };
+        // Opened as a span at once: its context goes to the worker in the request.
+        let dispatch = stages.open("gate.dispatch");
         let how = Dispatch {
             record,
             durable: approved,
             recheck: approved.then_some("dispatch"),
+            trace: dispatch.parent().clone(),
         };
-        let result = failed_async(
-            self.claim_and_dispatch(ctx, &tool, how),
-            stage!("gate.dispatch"),
-        )
-        .await;
+        let result = self.claim_and_dispatch(ctx, &tool, how).await;
+        dispatch.end(result.is_err());
         laps.lap("dispatch");
         let failed = result.as_ref().map_or(true, |e| e.outcome.is_error);
         self.record_repeat(&repeat, failed);
@@ -622,7 +624,7 @@ impl Gate {
             Record::Ahead => self.write_ahead(ctx, dispatched).await?,
             Record::AtEnd => ctx.journal.push(dispatched),
         }
-        self.dispatch(ctx, &group, how.durable).await
+        self.dispatch(ctx, &group, how.durable, &how.trace).await
     }
 
     /// Writes the call's gathered audit events on their own (a store that cannot is
@@ -663,9 +665,9 @@ fn call_span(ctx: &CallCtx) -> tracing::Span {
         otel.kind = "internal",
         otel.status_code = tracing::field::Empty,
         gen_ai.operation.name = "execute_tool",
-        gen_ai.tool.name = %ctx.tool_use.name,
-        gen_ai.tool.call.id = %ctx.tool_use.id,
-        airlock.call_id = %ctx.call_id,
+        gen_ai.tool.name = ctx.tool_use.name.as_str(),
+        gen_ai.tool.call.id = ctx.tool_use.id.as_str(),
+        airlock.call_id = ctx.call_id.as_str(),
         airlock.status = tracing::field::Empty,
         airlock.isolation = tracing::field::Empty,
     )
@@ -689,8 +691,9 @@ async fn timed<T, E>(
     result
 }
 
-/// Runs a stage that others nest in (the dispatch, whose context goes to the worker;
-/// the approval wait) in a `tracing` span, marking it failed when it refused the call.
+/// Runs a stage that others nest in (the approval wait, whose store writes and
+/// notifications are its children) in a `tracing` span, marking it failed when it
+/// refused the call.
 async fn failed_async<T, E>(
     stage: impl std::future::Future<Output = Result<T, E>>,
     span: tracing::Span,

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use airlock_policy::{CallStatus, SessionId, ToolOutcome};
+use airlock_telemetry::StageParent;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
@@ -150,6 +151,7 @@ impl Gate {
                     record: Record::Stored,
                     durable: true,
                     recheck,
+                    trace: StageParent::current(),
                 },
             )
             .await;
