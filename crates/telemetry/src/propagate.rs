@@ -80,16 +80,10 @@ struct MetadataInjector<'a>(&'a mut MetadataMap);
 
 impl Injector for MetadataInjector<'_> {
     fn set(&mut self, key: &str, value: String) {
-        if let (Ok(key), Ok(mut value)) = (
+        if let (Ok(key), Ok(value)) = (
             MetadataKey::from_bytes(key.as_bytes()),
             MetadataValue::try_from(value.as_str()),
         ) {
-            // Marked sensitive so that HTTP/2 sends it as a literal never indexed
-            // (RFC 7541 §6.2.3): every call's `traceparent` is new, and indexing it would
-            // insert a 100-byte entry into the connection's header table per request,
-            // evicting the headers that repeat (content type, timeout, user agent),
-            // which then go out, and are decoded, in full again.
-            value.set_sensitive(true);
             self.0.insert(key, value);
         }
     }
@@ -138,20 +132,5 @@ mod tests {
         );
         assert_eq!(remote.span_id().to_string(), "b7ad6b7169203331");
         assert!(remote.is_remote());
-    }
-
-    /// What goes out per call is never indexed by HPACK (see `MetadataInjector`).
-    #[test]
-    fn injected_values_are_never_indexed() {
-        let mut metadata = MetadataMap::new();
-        MetadataInjector(&mut metadata).set(
-            "traceparent",
-            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into(),
-        );
-        MetadataInjector(&mut metadata).set("tracestate", "vendor=1".into());
-        for key in ["traceparent", "tracestate"] {
-            let value = metadata.get(key).unwrap();
-            assert!(value.is_sensitive(), "{key}");
-        }
     }
 }
