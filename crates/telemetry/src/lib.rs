@@ -135,13 +135,18 @@ impl Settings {
         if set("OTEL_TRACES_EXPORTER").is_some_and(|v| v.trim() == "none") {
             return Ok(None);
         }
-        let protocol = match (
-            set("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"),
-            set("OTEL_EXPORTER_OTLP_PROTOCOL"),
+        // The signal's own variable wins over the general one; errors name the one set.
+        let signal_or_general = |signal: &'static str, general: &'static str| {
+            set(signal)
+                .map(|value| (signal, value))
+                .or_else(|| set(general).map(|value| (general, value)))
+        };
+        let protocol = match signal_or_general(
+            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+            "OTEL_EXPORTER_OTLP_PROTOCOL",
         ) {
-            (Some(value), _) => Protocol::parse("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", &value)?,
-            (None, Some(value)) => Protocol::parse("OTEL_EXPORTER_OTLP_PROTOCOL", &value)?,
-            (None, None) => Protocol::HttpProtobuf,
+            Some((variable, value)) => Protocol::parse(variable, &value)?,
+            None => Protocol::HttpProtobuf,
         };
         if let Some(value) = set("OTEL_TRACES_SAMPLER") {
             const KNOWN: [&str; 6] = [
@@ -182,13 +187,12 @@ impl Settings {
                 format!("{}/v1/traces", base.trim().trim_end_matches('/'))
             }),
         };
-        let headers = match (
-            set("OTEL_EXPORTER_OTLP_TRACES_HEADERS"),
-            set("OTEL_EXPORTER_OTLP_HEADERS"),
+        let headers = match signal_or_general(
+            "OTEL_EXPORTER_OTLP_TRACES_HEADERS",
+            "OTEL_EXPORTER_OTLP_HEADERS",
         ) {
-            (Some(value), _) => export::parse_headers("OTEL_EXPORTER_OTLP_TRACES_HEADERS", &value)?,
-            (None, Some(value)) => export::parse_headers("OTEL_EXPORTER_OTLP_HEADERS", &value)?,
-            (None, None) => http::HeaderMap::new(),
+            Some((variable, value)) => export::parse_headers(variable, &value)?,
+            None => http::HeaderMap::new(),
         };
         Ok(Some(Self {
             protocol,
@@ -431,52 +435,42 @@ mod tests {
         assert_eq!(s.service_name, "airlock-worker-shell");
     }
 
+    /// The error that refuses `vars`, as text.
+    fn refusal(vars: &[(&str, &str)]) -> String {
+        match settings(vars, Service::Orchestrator) {
+            Ok(s) => panic!("{vars:?} was accepted: {s:?}"),
+            Err(e) => e.to_string(),
+        }
+    }
+
     #[test]
     fn values_it_cannot_honour_are_refused_by_name() {
         let endpoint = ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4318");
-        let e = settings(
-            &[endpoint, ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json")],
-            Service::Orchestrator,
-        )
-        .err()
-        .unwrap()
-        .to_string();
-        assert!(
-            e.contains("OTEL_EXPORTER_OTLP_PROTOCOL=\"http/json\""),
-            "{e}"
-        );
-        let e = settings(
-            &[endpoint, ("OTEL_TRACES_SAMPLER", "sometimes")],
-            Service::Orchestrator,
-        )
-        .err()
-        .unwrap()
-        .to_string();
-        assert!(e.contains("OTEL_TRACES_SAMPLER=\"sometimes\""), "{e}");
-        let e = settings(
-            &[("OTEL_EXPORTER_OTLP_ENDPOINT", "collector:4318")],
-            Service::Orchestrator,
-        )
-        .err()
-        .unwrap()
-        .to_string();
-        assert!(e.contains("OTEL_EXPORTER_OTLP_ENDPOINT"), "{e}");
-        let e = settings(
-            &[endpoint, ("OTEL_EXPORTER_OTLP_COMPRESSION", "gzip")],
-            Service::Orchestrator,
-        )
-        .err()
-        .unwrap()
-        .to_string();
-        assert!(e.contains("OTEL_EXPORTER_OTLP_COMPRESSION=\"gzip\""), "{e}");
-        let e = settings(
-            &[endpoint, ("OTEL_EXPORTER_OTLP_HEADERS", "api-key")],
-            Service::Orchestrator,
-        )
-        .err()
-        .unwrap()
-        .to_string();
-        assert!(e.contains("OTEL_EXPORTER_OTLP_HEADERS"), "{e}");
+        for (vars, named) in [
+            (
+                vec![endpoint, ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json")],
+                "OTEL_EXPORTER_OTLP_PROTOCOL=\"http/json\"",
+            ),
+            (
+                vec![endpoint, ("OTEL_TRACES_SAMPLER", "sometimes")],
+                "OTEL_TRACES_SAMPLER=\"sometimes\"",
+            ),
+            (
+                vec![("OTEL_EXPORTER_OTLP_ENDPOINT", "collector:4318")],
+                "OTEL_EXPORTER_OTLP_ENDPOINT",
+            ),
+            (
+                vec![endpoint, ("OTEL_EXPORTER_OTLP_COMPRESSION", "gzip")],
+                "OTEL_EXPORTER_OTLP_COMPRESSION=\"gzip\"",
+            ),
+            (
+                vec![endpoint, ("OTEL_EXPORTER_OTLP_HEADERS", "api-key")],
+                "OTEL_EXPORTER_OTLP_HEADERS",
+            ),
+        ] {
+            let e = refusal(&vars);
+            assert!(e.contains(named), "{e}");
+        }
         assert!(
             settings(
                 &[endpoint, ("OTEL_EXPORTER_OTLP_COMPRESSION", "none")],
