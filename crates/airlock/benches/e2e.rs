@@ -25,6 +25,7 @@
 //! earlier commit), that binary runs as a third server in the same rounds, so a change is
 //! measured against its parent on the same machine at the same time.
 
+use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::io::Read as _;
 use std::net::TcpListener;
@@ -721,6 +722,8 @@ struct RunResult {
     wall: Duration,
     /// CPU time the server's processes spent during the run.
     cpu: Duration,
+    /// The same by role, with minor page faults.
+    roles: BTreeMap<String, RoleUsage>,
 }
 
 /// Sends up to `count` requests with `concurrency` workers (each with its own keep-alive
@@ -743,7 +746,7 @@ async fn run_requests(
         clients.push(client);
     }
     let next = AtomicUsize::new(0);
-    let cpu_before = process_tree_cpu(target.pid)?;
+    let usage_before = process_tree(target.pid)?;
     let started = Instant::now();
     let deadline = started + cap;
     let workers = clients.iter().map(|client| {
@@ -770,19 +773,40 @@ async fn run_requests(
     });
     let per_worker = futures::future::try_join_all(workers).await?;
     let wall = started.elapsed();
-    let cpu = process_tree_cpu(target.pid)?.saturating_sub(cpu_before);
+    let (cpu, roles) = usage_between(&usage_before, &process_tree(target.pid)?);
     Ok(RunResult {
         latencies: per_worker.into_iter().flatten().collect(),
         wall,
         cpu,
+        roles,
     })
 }
 
-/// User plus system CPU time of `root` and its descendants, from `/proc/<pid>/stat`
-/// (clock ticks of 10 ms: the kernel's fixed USER_HZ of 100).
-fn process_tree_cpu(root: u32) -> Result<Duration> {
-    const TICK: Duration = Duration::from_millis(10);
-    // (pid, ppid, ticks) of every process.
+/// What one process of a server's tree had used at one moment, from `/proc/<pid>/stat`.
+#[derive(Clone)]
+struct ProcessUsage {
+    /// What the process is in the server: `launcher`, `orchestrator`, `worker <group>`,
+    /// or its command name.
+    role: String,
+    /// User plus system time, in clock ticks of 10 ms (the kernel's fixed USER_HZ).
+    ticks: u64,
+    /// Minor page faults: on a worker that forks its sandboxes, mostly the copy-on-write
+    /// faults taken on its own pages after each fork.
+    faults: u64,
+}
+
+/// CPU time and minor faults of one role over a run.
+#[derive(Clone, Copy, Default)]
+struct RoleUsage {
+    cpu: Duration,
+    faults: u64,
+}
+
+const TICK: Duration = Duration::from_millis(10);
+
+/// Every live process of `root`'s tree (`root` and its descendants), by pid.
+fn process_tree(root: u32) -> Result<BTreeMap<u32, ProcessUsage>> {
+    // (pid, ppid, usage) of every process.
     let mut procs = Vec::new();
     for entry in std::fs::read_dir("/proc").context("cannot read /proc")? {
         let entry = entry?;
@@ -798,23 +822,26 @@ fn process_tree_cpu(root: u32) -> Result<Duration> {
             continue;
         };
         // Fields after the command name, which is in parentheses and may hold spaces.
-        let Some((_, rest)) = stat.rsplit_once(')') else {
+        let Some((head, rest)) = stat.rsplit_once(')') else {
             continue;
         };
         let fields: Vec<&str> = rest.split_whitespace().collect();
         let field = |i: usize| fields.get(i).and_then(|f| f.parse::<u64>().ok());
-        // rest[0] is the state (field 3); ppid is field 4, utime 14, stime 15.
-        if let (Some(ppid), Some(utime), Some(stime)) = (field(1), field(11), field(12)) {
-            procs.push((pid, ppid, utime + stime));
+        // rest[0] is the state (field 3); ppid is field 4, minflt 10, utime 14, stime 15.
+        if let (Some(ppid), Some(faults), Some(utime), Some(stime)) =
+            (field(1), field(7), field(11), field(12))
+        {
+            let comm = head.split_once('(').map_or("?", |(_, c)| c);
+            procs.push((pid, ppid, comm.to_owned(), utime + stime, faults));
         }
     }
     let mut tree = vec![root];
     // Each pass adds one generation; process trees here are two levels deep.
     for _ in 0..8 {
         let before = tree.len();
-        for &(pid, ppid, _) in &procs {
-            if tree.contains(&u32::try_from(ppid).unwrap_or(0)) && !tree.contains(&pid) {
-                tree.push(pid);
+        for (pid, ppid, ..) in &procs {
+            if tree.contains(&u32::try_from(*ppid).unwrap_or(0)) && !tree.contains(pid) {
+                tree.push(*pid);
             }
         }
         if tree.len() == before {
@@ -822,15 +849,59 @@ fn process_tree_cpu(root: u32) -> Result<Duration> {
         }
     }
     ensure!(
-        procs.iter().any(|&(pid, _, _)| pid == root),
+        procs.iter().any(|(pid, ..)| *pid == root),
         "process {root} is gone"
     );
-    let ticks: u64 = procs
-        .iter()
-        .filter(|(pid, _, _)| tree.contains(pid))
-        .map(|&(_, _, t)| t)
-        .sum();
-    Ok(TICK * u32::try_from(ticks).unwrap_or(u32::MAX))
+    Ok(procs
+        .into_iter()
+        .filter(|(pid, ..)| tree.contains(pid))
+        .map(|(pid, _, comm, ticks, faults)| {
+            let role = if pid == root {
+                "launcher".to_owned()
+            } else {
+                role_of(pid).unwrap_or(comm)
+            };
+            (
+                pid,
+                ProcessUsage {
+                    role,
+                    ticks,
+                    faults,
+                },
+            )
+        })
+        .collect())
+}
+
+/// `orchestrator` or `worker <group>` from an `airlock serve …` command line.
+fn role_of(pid: u32) -> Option<String> {
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+    let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+    let at = |i: usize| args.get(i).and_then(|a| std::str::from_utf8(a).ok());
+    match (at(1)?, at(2)?) {
+        ("serve", "orchestrator") => Some("orchestrator".to_owned()),
+        ("serve", "worker") => Some(format!("worker {}", at(3)?)),
+        _ => None,
+    }
+}
+
+/// The tree's CPU time between two readings (processes that ended in between are not
+/// counted: a reaped sandbox's time is its worker's children's, not the worker's),
+/// and each role's CPU time and minor faults.
+fn usage_between(
+    before: &BTreeMap<u32, ProcessUsage>,
+    after: &BTreeMap<u32, ProcessUsage>,
+) -> (Duration, BTreeMap<String, RoleUsage>) {
+    let total_ticks = |t: &BTreeMap<u32, ProcessUsage>| t.values().map(|p| p.ticks).sum::<u64>();
+    let ticks = total_ticks(after).saturating_sub(total_ticks(before));
+    let mut roles: BTreeMap<String, RoleUsage> = BTreeMap::new();
+    for (pid, now) in after {
+        let (ticks_then, faults_then) = before.get(pid).map_or((0, 0), |p| (p.ticks, p.faults));
+        let role = roles.entry(now.role.clone()).or_default();
+        role.cpu += TICK * u32::try_from(now.ticks.saturating_sub(ticks_then)).unwrap_or(u32::MAX);
+        role.faults += now.faults.saturating_sub(faults_then);
+    }
+    (TICK * u32::try_from(ticks).unwrap_or(u32::MAX), roles)
 }
 
 #[derive(Default)]
@@ -838,6 +909,7 @@ struct Stats {
     latencies: Vec<Duration>,
     wall: Duration,
     cpu: Duration,
+    roles: BTreeMap<String, RoleUsage>,
 }
 
 impl Stats {
@@ -845,6 +917,25 @@ impl Stats {
         self.latencies.extend(run.latencies);
         self.wall += run.wall;
         self.cpu += run.cpu;
+        for (role, usage) in run.roles {
+            let total = self.roles.entry(role).or_default();
+            total.cpu += usage.cpu;
+            total.faults += usage.faults;
+        }
+    }
+
+    /// Per request: each role's CPU time (µs) and minor page faults.
+    fn per_request_by_role(&self) -> BTreeMap<String, (f64, f64)> {
+        let n = self.latencies.len().max(1) as f64;
+        self.roles
+            .iter()
+            .map(|(role, u)| {
+                (
+                    role.clone(),
+                    (u.cpu.as_secs_f64() * 1e6 / n, u.faults as f64 / n),
+                )
+            })
+            .collect()
     }
 
     fn summary(&self) -> Summary {

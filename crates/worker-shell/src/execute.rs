@@ -153,6 +153,10 @@ pub(crate) async fn ensure_volume(config: &ShellConfig, ctx: &CallContext) -> Re
     };
     let root = config.workspaces_root.clone();
     let (principal, session) = (ctx.principal.clone(), ctx.session_id.as_str().to_owned());
+    // A workspace mounted for an earlier call: three `stat`s, no need to leave this thread.
+    if volumes.ready(&root, &principal, &session) {
+        return Ok(());
+    }
     // Creating a volume runs mkfs and mount in the broker: off the async threads.
     let ensured =
         tokio::task::spawn_blocking(move || volumes.ensure(&root, &principal, &session)).await;

@@ -8,11 +8,19 @@
 //! volume broker over a Unix socket; this module is their side of it and the wire format
 //! both sides use. The worker does not take the broker's word: it checks that the
 //! workspace is a file system of its own no larger than the quota before using it.
+//!
+//! That check is what a call relies on, so a workspace the broker has answered for once
+//! is not asked about again while the check still passes: a call then costs three
+//! `stat`s instead of a round trip to the launcher (a connection accepted, its peer
+//! checked, a line each way), which was most of the launcher's CPU per call. A
+//! workspace that stops passing (unmounted behind the worker's back) is asked for again.
 
+use std::collections::HashSet;
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::fs::MetadataExt;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 /// The broker's socket, relative to the data dir.
@@ -112,16 +120,38 @@ pub fn is_full(error: &std::io::Error) -> bool {
     matches!(error.raw_os_error(), Some(ENOSPC | EDQUOT))
 }
 
+/// How many workspaces a worker remembers the broker answered for. Past it the set
+/// starts again (those workspaces are asked for once more): what a worker holds does
+/// not grow with the sessions callers make up.
+const KNOWN_MAX: usize = 4096;
+
 /// The worker's side of the broker.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct VolumeClient {
     socket: PathBuf,
     quota: WorkspaceQuota,
+    /// `<principal>/<session>` of the workspaces the broker answered for, shared by the
+    /// clones of this client in one worker.
+    known: Arc<Mutex<HashSet<String>>>,
 }
+
+/// Two clients are the same when they ask the same broker for the same quota; what
+/// each has learnt since is not configuration.
+impl PartialEq for VolumeClient {
+    fn eq(&self, other: &Self) -> bool {
+        self.socket == other.socket && self.quota == other.quota
+    }
+}
+
+impl Eq for VolumeClient {}
 
 impl VolumeClient {
     pub fn new(socket: PathBuf, quota: WorkspaceQuota) -> Self {
-        Self { socket, quota }
+        Self {
+            socket,
+            quota,
+            known: Arc::default(),
+        }
     }
 
     pub fn quota(&self) -> WorkspaceQuota {
@@ -135,17 +165,44 @@ impl VolumeClient {
     }
 
     /// Makes `<root>/<principal>/<session>` a mounted volume (blocking; creating one takes
-    /// tens of milliseconds) and checks that it is one.
+    /// tens of milliseconds) and checks that it is one. A workspace the broker answered
+    /// for before is only checked ([`VolumeClient::ready`]).
     pub fn ensure(&self, root: &Path, principal: &str, session: &str) -> Result<(), VolumeError> {
+        if self.ready(root, principal, session) {
+            return Ok(());
+        }
         self.ask(&Request::Ensure {
             principal: principal.to_owned(),
             session: session.to_owned(),
         })?;
-        check_volume(
-            &root.join(principal),
-            &root.join(principal).join(session),
-            self.quota,
-        )
+        let parent = root.join(principal);
+        check_volume(&parent, &parent.join(session), self.quota)?;
+        let mut known = self.known();
+        if known.len() >= KNOWN_MAX {
+            known.clear();
+        }
+        known.insert(format!("{principal}/{session}"));
+        Ok(())
+    }
+
+    /// Whether the workspace needs nothing from the broker: it answered for it before,
+    /// and it still passes the worker's own check. One that no longer does is forgotten,
+    /// so that the next [`VolumeClient::ensure`] asks for it again.
+    pub fn ready(&self, root: &Path, principal: &str, session: &str) -> bool {
+        let key = format!("{principal}/{session}");
+        if !self.known().contains(&key) {
+            return false;
+        }
+        let parent = root.join(principal);
+        if check_volume(&parent, &parent.join(session), self.quota).is_ok() {
+            return true;
+        }
+        self.known().remove(&key);
+        false
+    }
+
+    fn known(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
+        self.known.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     fn ask(&self, request: &Request) -> Result<(), VolumeError> {
@@ -260,6 +317,86 @@ mod tests {
         };
         let err = check_volume(dir.path(), &dir.path().join("ws"), quota).unwrap_err();
         assert!(err.to_string().contains("same file system"), "{err}");
+    }
+
+    /// A broker on a Unix socket that answers `ok` to every request and counts them.
+    fn counting_broker(socket: &Path) -> Arc<std::sync::atomic::AtomicUsize> {
+        let listener = std::os::unix::net::UnixListener::bind(socket).unwrap();
+        let asked = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counter = asked.clone();
+        std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                let Ok(mut stream) = stream else { return };
+                let mut line = String::new();
+                let _ = BufReader::new(&stream).read_line(&mut line);
+                counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let _ = stream.write_all(b"ok\n");
+            }
+        });
+        asked
+    }
+
+    #[test]
+    fn the_broker_is_asked_once_per_workspace_while_it_stays_a_volume() {
+        // /dev/shm is a file system of its own under /dev: a workspace `shm` of a
+        // principal `dev` under `/`, as a mounted volume looks, without mounting one.
+        let (above, own) = (
+            std::fs::metadata("/dev").expect("this test needs /dev"),
+            std::fs::metadata("/dev/shm").expect("this test needs /dev/shm"),
+        );
+        assert_ne!(
+            above.dev(),
+            own.dev(),
+            "this test needs /dev/shm mounted on its own (a tmpfs), as Linux hosts have it"
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("volumes.sock");
+        let asked = counting_broker(&socket);
+        let unlimited = WorkspaceQuota {
+            bytes: u64::MAX,
+            inodes: u64::MAX,
+        };
+        let client = VolumeClient::new(socket.clone(), unlimited);
+        let count = || asked.load(std::sync::atomic::Ordering::SeqCst);
+        assert!(!client.ready(Path::new("/"), "dev", "shm"));
+        client.ensure(Path::new("/"), "dev", "shm").unwrap();
+        assert_eq!(count(), 1);
+        // A clone (another call's copy of the configuration) knows it too.
+        let other_call = client.clone();
+        for _ in 0..3 {
+            other_call.ensure(Path::new("/"), "dev", "shm").unwrap();
+        }
+        assert_eq!(count(), 1, "a known volume is checked, not asked for again");
+        assert!(client.ready(Path::new("/"), "dev", "shm"));
+
+        // A workspace that the broker says ok for but is no volume is refused every
+        // time, and asked for every time: nothing is remembered of a failed check.
+        std::fs::create_dir_all(dir.path().join("alice/s-1")).unwrap();
+        for expected in [2, 3] {
+            let err = client.ensure(dir.path(), "alice", "s-1").unwrap_err();
+            assert!(err.to_string().contains("same file system"), "{err}");
+            assert_eq!(count(), expected);
+        }
+        assert!(!client.ready(dir.path(), "alice", "s-1"));
+
+        // A known workspace that stops passing the check (a volume unmounted behind
+        // the worker's back; here, a quota lowered below its size) is refused, and
+        // asked for again.
+        let small = VolumeClient {
+            quota: WorkspaceQuota {
+                bytes: 1,
+                inodes: 1,
+            },
+            ..client.clone()
+        };
+        let err = small.ensure(Path::new("/"), "dev", "shm").unwrap_err();
+        assert!(err.to_string().contains("more than"), "{err}");
+        assert_eq!(
+            count(),
+            4,
+            "a known workspace that fails its check is asked for"
+        );
+        assert!(!client.ready(Path::new("/"), "dev", "shm"), "and forgotten");
     }
 
     #[test]
