@@ -168,20 +168,20 @@ impl VolumeClient {
     /// tens of milliseconds) and checks that it is one. A workspace the broker answered
     /// for before is only checked ([`VolumeClient::ready`]).
     pub fn ensure(&self, root: &Path, principal: &str, session: &str) -> Result<(), VolumeError> {
-        if self.ready(root, principal, session) {
+        let workspace = Workspace::new(root, principal, session);
+        if self.ready_at(&workspace) {
             return Ok(());
         }
         self.ask(&Request::Ensure {
             principal: principal.to_owned(),
             session: session.to_owned(),
         })?;
-        let parent = root.join(principal);
-        check_volume(&parent, &parent.join(session), self.quota)?;
+        workspace.check(self.quota)?;
         let mut known = self.known();
         if known.len() >= KNOWN_MAX {
             known.clear();
         }
-        known.insert(format!("{principal}/{session}"));
+        known.insert(workspace.key);
         Ok(())
     }
 
@@ -189,15 +189,17 @@ impl VolumeClient {
     /// and it still passes the worker's own check. One that no longer does is forgotten,
     /// so that the next [`VolumeClient::ensure`] asks for it again.
     pub fn ready(&self, root: &Path, principal: &str, session: &str) -> bool {
-        let key = format!("{principal}/{session}");
-        if !self.known().contains(&key) {
+        self.ready_at(&Workspace::new(root, principal, session))
+    }
+
+    fn ready_at(&self, workspace: &Workspace) -> bool {
+        if !self.known().contains(&workspace.key) {
             return false;
         }
-        let parent = root.join(principal);
-        if check_volume(&parent, &parent.join(session), self.quota).is_ok() {
+        if workspace.check(self.quota).is_ok() {
             return true;
         }
-        self.known().remove(&key);
+        self.known().remove(&workspace.key);
         false
     }
 
@@ -226,6 +228,31 @@ impl VolumeClient {
             Some(("error", message)) => Err(VolumeError::Broker(message.to_owned())),
             _ => Err(VolumeError::Protocol(reply.to_owned())),
         }
+    }
+}
+
+/// One workspace as the client checks and remembers it.
+struct Workspace {
+    /// `<root>/<principal>`, whose device the workspace's must differ from.
+    parent: PathBuf,
+    /// `<root>/<principal>/<session>`.
+    path: PathBuf,
+    /// `<principal>/<session>`: how the client remembers it.
+    key: String,
+}
+
+impl Workspace {
+    fn new(root: &Path, principal: &str, session: &str) -> Self {
+        let parent = root.join(principal);
+        Self {
+            path: parent.join(session),
+            parent,
+            key: format!("{principal}/{session}"),
+        }
+    }
+
+    fn check(&self, quota: WorkspaceQuota) -> Result<(), VolumeError> {
+        check_volume(&self.parent, &self.path, quota)
     }
 }
 
