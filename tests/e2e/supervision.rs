@@ -232,3 +232,57 @@ async fn the_orchestrator_serves_on_the_sockets_the_launcher_bound() {
         );
     }
 }
+
+/// The names of the threads of process `pid`.
+fn thread_names(pid: u32) -> Vec<String> {
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).expect("the process's threads");
+    tasks
+        .flatten()
+        .filter_map(|task| std::fs::read_to_string(task.path().join("comm")).ok())
+        .map(|name| name.trim_end().to_owned())
+        .collect()
+}
+
+/// A worker whose tools work on the blocking pool (fs, shell, db) drives its calls on
+/// its main thread: it has no async worker threads (tokio's `tokio-rt-worker`), only
+/// the blocking pool's, named `airlock-pool`, and answers calls, several at once,
+/// with them. The orchestrator keeps an async thread per CPU.
+#[tokio::test]
+async fn workers_that_block_drive_their_calls_on_one_thread() {
+    let airlock = Airlock::start().await;
+    let (err, text, _) = airlock
+        .call("write_file", json!({"path": "t.txt", "content": "threads"}))
+        .await;
+    assert!(!err, "{text}");
+    // Several at once per worker, so that a runtime with more threads would use them.
+    let calls = (0..4).flat_map(|_| {
+        [
+            airlock.call("read_file", json!({"path": "t.txt"})),
+            airlock.call("execute_shell", json!({"command": "echo threads"})),
+            airlock.call(
+                "query_database",
+                json!({"database": "demo", "sql": "SELECT 'threads'"}),
+            ),
+        ]
+    });
+    for (err, text, _) in futures::future::join_all(calls).await {
+        assert!(!err, "{text}");
+        assert!(text.contains("threads"), "{text}");
+    }
+    for worker in ["serve worker fs", "serve worker shell", "serve worker db"] {
+        let names = thread_names(airlock.process(worker));
+        assert!(
+            !names.iter().any(|n| n == "tokio-rt-worker"),
+            "{worker} has async worker threads: {names:?}"
+        );
+        assert!(
+            names.iter().any(|n| n == "airlock-pool"),
+            "{worker} ran its calls without the blocking pool: {names:?}"
+        );
+    }
+    let orchestrator = thread_names(airlock.process("serve orchestrator"));
+    assert!(
+        orchestrator.iter().any(|n| n == "tokio-rt-worker"),
+        "the orchestrator's async threads: {orchestrator:?}"
+    );
+}

@@ -161,9 +161,30 @@ pub fn run(component: Component, location: &Location) -> anyhow::Result<ExitCode
     }
 }
 
+/// The runtime of the orchestrator and of the http worker: one async thread per CPU.
+/// The orchestrator evaluates policy, validates and writes the audit chain on them; the
+/// http worker does TLS and converts pages there.
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
+        .build()
+        .context("cannot start the async runtime")
+}
+
+/// The name of the blocking pool's threads in a worker on [`one_thread_runtime`] (what
+/// `ps -L` and `/proc/<pid>/task/*/comm` show: the kernel keeps 15 bytes of it).
+const BLOCKING_THREAD_NAME: &str = "airlock-pool";
+
+/// The runtime of a worker whose tools do their work on the blocking pool (the fs
+/// worker's file system calls, the shell worker's sandboxes, the db worker's SQLite):
+/// its async side only moves requests and answers, and runs on the process's main
+/// thread. With an async thread per CPU, every call woke a second one (a spawned task
+/// is offered to an idle sibling), and switching between them was a large share of the
+/// worker's CPU (docs/decisions.md, "A worker drives its calls on one thread").
+fn one_thread_runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .thread_name(BLOCKING_THREAD_NAME)
         .build()
         .context("cannot start the async runtime")
 }
@@ -451,7 +472,13 @@ fn serve_worker(
     metrics: Option<MetricsListener>,
 ) -> anyhow::Result<ExitCode> {
     let registry = airlock_metrics::registry();
-    serve_on(&runtime()?, loaded, listener, tools, (registry, metrics))
+    serve_on(
+        &one_thread_runtime()?,
+        loaded,
+        listener,
+        tools,
+        (registry, metrics),
+    )
 }
 
 /// Serves a worker's tools, and its metrics when it has a metrics listener. The
@@ -539,7 +566,7 @@ fn shell_worker(loaded: &Loaded, listen: Listen) -> anyhow::Result<ExitCode> {
             allow_namespaces: true,
         },
     )?;
-    let runtime = runtime()?;
+    let runtime = one_thread_runtime()?;
     // MCP servers start confined, in the sandbox, once the worker itself is.
     let mcp_tools = runtime
         .block_on(airlock_worker_shell::mcp::start(
