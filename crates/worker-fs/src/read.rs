@@ -4,7 +4,7 @@ use std::io::{BufReader, Read, Seek};
 
 use crate::resolve::Workspace;
 use crate::text::{
-    FileError, SNIFF_BYTES, looks_binary, next_line, open_regular, trim_partial_char,
+    FileError, SNIFF_BYTES, append_line, looks_binary, next_line, open_regular, trim_partial_char,
 };
 
 /// Files up to this size get an exact line total in paging notes.
@@ -77,7 +77,6 @@ pub fn read_file(
     let max_bytes = usize::try_from(max_bytes).unwrap_or(usize::MAX).max(1);
 
     let mut reader = BufReader::with_capacity(64 * 1024, file);
-    let mut line = Vec::new();
     let mut out: Vec<u8> = Vec::new();
     let mut n: u64 = 0; // lines consumed so far
     let mut shown: u64 = 0;
@@ -89,7 +88,10 @@ pub fn read_file(
         }
         let collecting = n + 1 >= offset;
         let cap = if collecting { max_bytes - out.len() } else { 0 };
-        let Some(cut) = next_line(&mut reader, &mut line, cap).map_err(io)? else {
+        // The line goes straight onto the output (a line before the window, with no
+        // room, adds nothing); one that does not fit is taken off again below.
+        let start = out.len();
+        let Some(cut) = append_line(&mut reader, &mut out, cap).map_err(io)? else {
             break;
         };
         n += 1;
@@ -97,18 +99,17 @@ pub fn read_file(
             continue;
         }
         if cut {
-            if out.is_empty() {
-                out.extend_from_slice(&line);
+            if start == 0 {
                 trim_partial_char(&mut out);
                 shown = 1;
                 stop_reason = Stop::LongLine;
             } else {
                 // The line does not fit; it is left for the next call.
+                out.truncate(start);
                 stop_reason = Stop::Bytes;
             }
             break;
         }
-        out.extend_from_slice(&line);
         shown += 1;
         if shown >= limit {
             stop_reason = Stop::Limit;

@@ -143,6 +143,19 @@ pub fn next_line(
     cap: usize,
 ) -> std::io::Result<Option<bool>> {
     buf.clear();
+    append_line(r, buf, cap)
+}
+
+/// As [`next_line`], but appends the line to what `buf` already holds: a caller that
+/// gathers lines into one buffer copies each once. Lines are found with `memchr`, which
+/// compares a vector of bytes at a time: scanning a 1 MiB file byte by byte was 40 % of
+/// the fs worker's CPU for `read_file` (measured: README, "Tool calls over HTTP").
+pub fn append_line(
+    r: &mut impl BufRead,
+    buf: &mut Vec<u8>,
+    cap: usize,
+) -> std::io::Result<Option<bool>> {
+    let mut taken = 0usize;
     let mut any = false;
     let mut cut = false;
     loop {
@@ -151,17 +164,15 @@ pub fn next_line(
             return Ok(if any { Some(cut) } else { None });
         }
         any = true;
-        let (chunk_len, done) = match avail.iter().position(|&b| b == b'\n') {
+        let (chunk_len, done) = match memchr::memchr(b'\n', avail) {
             Some(i) => (i + 1, true),
             None => (avail.len(), false),
         };
-        let room = cap.saturating_sub(buf.len());
-        if chunk_len > room {
-            buf.extend_from_slice(&avail[..room]);
-            cut = true;
-        } else {
-            buf.extend_from_slice(&avail[..chunk_len]);
-        }
+        let room = cap.saturating_sub(taken);
+        let kept = chunk_len.min(room);
+        buf.extend_from_slice(&avail[..kept]);
+        taken += kept;
+        cut |= chunk_len > room;
         r.consume(chunk_len);
         if done {
             return Ok(Some(cut));
@@ -202,6 +213,26 @@ mod tests {
         assert_eq!(next_line(&mut r, &mut buf, 0).unwrap(), Some(true));
         assert!(buf.is_empty());
         assert_eq!(next_line(&mut r, &mut buf, 10).unwrap(), None);
+    }
+
+    #[test]
+    fn lines_are_appended_with_their_own_cap() {
+        // A reader's buffer of 4 bytes: lines span several fills.
+        let mut r = std::io::BufReader::with_capacity(4, &b"abcdefgh\nxy\nlonger line\nz"[..]);
+        let mut out = b"kept:".to_vec();
+        assert_eq!(append_line(&mut r, &mut out, 100).unwrap(), Some(false));
+        assert_eq!(out, b"kept:abcdefgh\n");
+        // The cap is the line's own, whatever `out` already holds.
+        assert_eq!(append_line(&mut r, &mut out, 3).unwrap(), Some(false));
+        assert_eq!(out, b"kept:abcdefgh\nxy\n");
+        assert_eq!(append_line(&mut r, &mut out, 5).unwrap(), Some(true));
+        assert_eq!(
+            out, b"kept:abcdefgh\nxy\nlonge",
+            "the rest of the line is skipped"
+        );
+        assert_eq!(append_line(&mut r, &mut out, 0).unwrap(), Some(true));
+        assert_eq!(out, b"kept:abcdefgh\nxy\nlonge", "no room adds nothing");
+        assert_eq!(append_line(&mut r, &mut out, 10).unwrap(), None);
     }
 
     #[test]
