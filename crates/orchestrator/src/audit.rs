@@ -372,7 +372,7 @@ pub fn chain_hash(
     body.extend_from_slice(b",\"data\":");
     write_canonical(data, &mut body);
     body.extend_from_slice(b",\"kind\":");
-    write_scalar(kind, &mut body);
+    crate::json_text::write_str(kind, &mut body);
     body.extend_from_slice(b",\"principal\":");
     write_optional_str(principal, &mut body);
     body.extend_from_slice(b",\"seq\":");
@@ -380,7 +380,7 @@ pub fn chain_hash(
     body.extend_from_slice(b",\"session_id\":");
     write_optional_str(session_id, &mut body);
     body.extend_from_slice(b",\"ts\":");
-    write_scalar(ts, &mut body);
+    crate::json_text::write_str(ts, &mut body);
     body.push(b'}');
     let mut hasher = Sha256::new();
     hasher.update(prev_hash.as_bytes());
@@ -391,7 +391,7 @@ pub fn chain_hash(
 /// A JSON string, or `null` for `None`.
 fn write_optional_str(value: Option<&str>, out: &mut Vec<u8>) {
     match value {
-        Some(text) => write_scalar(text, out),
+        Some(text) => crate::json_text::write_str(text, out),
         None => out.extend_from_slice(b"null"),
     }
 }
@@ -423,7 +423,7 @@ fn write_canonical(value: &Value, out: &mut Vec<u8>) {
                 if i > 0 {
                     out.push(b',');
                 }
-                write_scalar(key.as_str(), out);
+                crate::json_text::write_str(key, out);
                 out.push(b':');
                 write_canonical(val, out);
             }
@@ -439,6 +439,7 @@ fn write_canonical(value: &Value, out: &mut Vec<u8>) {
             }
             out.push(b']');
         }
+        Value::String(text) => crate::json_text::write_str(text, out),
         scalar => write_scalar(scalar, out),
     }
 }

@@ -22,6 +22,7 @@ use crate::budget::BudgetError;
 use crate::calls::wait_final;
 use crate::gate::Gate;
 use crate::gate::decisions::{self as approvals, DecideError};
+use crate::json_text::JsonText;
 use crate::service::{AdmitError, Batch, CallService, OnDrop, Refused};
 use crate::store::{ApprovalQuery, ApprovalStatus, MAX_APPROVAL_PAGE, StoreError};
 use crate::wire::{self, BadRequest, CatalogFormat};
@@ -451,7 +452,7 @@ async fn tool_calls(
         return Ok(crate::streaming::tool_calls(handles).into_response());
     }
     let records = futures::future::join_all(handles.iter().map(|h| h.wait_final(wait))).await;
-    Ok(axum::Json(wire::tool_calls_response(shape, &records)).into_response())
+    Ok(JsonText(wire::tool_calls_response(shape, &records)).into_response())
 }
 
 /// A batch the call service did not admit, as HTTP says it: 403, or 429 with
@@ -525,18 +526,18 @@ async fn get_call(
     axum::Extension(principal): axum::Extension<Principal>,
     Path(call_id): Path<String>,
     q: Result<Query<CallQuery>, QueryRejection>,
-) -> Result<axum::Json<Value>, ApiError> {
+) -> Result<JsonText, ApiError> {
     let wait = query(q)?.wait()?;
     if let Some(rx) = visible_call(&state, &principal, &call_id)? {
         let record = wait_final(rx, wait).await;
-        return Ok(axum::Json(wire::call_detail(&record)));
+        return Ok(JsonText(wire::call_detail(&record)));
     }
     // Not in this replica's memory: another replica's call, or one from before a restart.
     let deadline = tokio::time::Instant::now() + wait;
     loop {
         let record = stored_call(&state, &principal, &call_id).await?;
         if record.status.is_final() || tokio::time::Instant::now() >= deadline {
-            return Ok(axum::Json(wire::call_detail(&record)));
+            return Ok(JsonText(wire::call_detail(&record)));
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
@@ -562,22 +563,22 @@ async fn cancel_call(
     State(state): State<HttpState>,
     axum::Extension(principal): axum::Extension<Principal>,
     Path(call_id): Path<String>,
-) -> Result<axum::Json<Value>, ApiError> {
+) -> Result<JsonText, ApiError> {
     // The answer is the call as it is after a short wait: `cancelled` only once its
     // worker has stopped it, else still `running` (`GET /v1/calls/{id}` follows it).
     let Some(rx) = visible_call(&state, &principal, &call_id)? else {
         // Another replica's call, or one only the store knows.
         let record = stored_call(&state, &principal, &call_id).await?;
         if record.status.is_final() {
-            return Ok(axum::Json(wire::call_detail(&record)));
+            return Ok(JsonText(wire::call_detail(&record)));
         }
         state.gate.cancel_elsewhere(&call_id).await;
         let record = stored_call(&state, &principal, &call_id).await?;
-        return Ok(axum::Json(wire::call_detail(&record)));
+        return Ok(JsonText(wire::call_detail(&record)));
     };
     state.gate.cancel(&call_id);
     let record = wait_final(rx, Duration::from_secs(5)).await;
-    Ok(axum::Json(wire::call_detail(&record)))
+    Ok(JsonText(wire::call_detail(&record)))
 }
 
 /// A call is visible to the principal that made it and to admins; to anyone else it does

@@ -23,6 +23,7 @@ mod gate;
 mod grpc_api;
 pub mod harness;
 mod http_api;
+mod json_text;
 mod mcp;
 pub mod metrics;
 mod openapi;
