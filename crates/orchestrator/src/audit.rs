@@ -414,34 +414,7 @@ pub fn canonical_json(value: &Value) -> String {
 }
 
 fn write_canonical(value: &Value, out: &mut Vec<u8>) {
-    match value {
-        Value::Object(map) => {
-            let mut entries: Vec<(&String, &Value)> = map.iter().collect();
-            entries.sort_unstable_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
-            out.push(b'{');
-            for (i, (key, val)) in entries.into_iter().enumerate() {
-                if i > 0 {
-                    out.push(b',');
-                }
-                crate::json_text::write_str(key, out);
-                out.push(b':');
-                write_canonical(val, out);
-            }
-            out.push(b'}');
-        }
-        Value::Array(items) => {
-            out.push(b'[');
-            for (i, item) in items.iter().enumerate() {
-                if i > 0 {
-                    out.push(b',');
-                }
-                write_canonical(item, out);
-            }
-            out.push(b']');
-        }
-        Value::String(text) => crate::json_text::write_str(text, out),
-        scalar => write_scalar(scalar, out),
-    }
+    crate::json_text::write_sorted(value, out);
 }
 
 /// A string, number, boolean or null as serde_json's compact writer spells it (the same

@@ -90,16 +90,47 @@ fn push_escape(byte: u8, out: &mut Vec<u8>) {
 
 /// `value` as compact JSON, objects in their map's order: `serde_json::to_vec`'s bytes.
 pub fn write_value(value: &Value, out: &mut Vec<u8>) {
+    write_json(value, Members::AsStored, out);
+}
+
+/// `value` as compact JSON with every object's keys sorted by their UTF-8 bytes, at
+/// every depth: the audit chain's canonical JSON.
+pub fn write_sorted(value: &Value, out: &mut Vec<u8>) {
+    write_json(value, Members::Sorted, out);
+}
+
+/// The order an object's members are written in.
+#[derive(Debug, Clone, Copy)]
+enum Members {
+    AsStored,
+    Sorted,
+}
+
+fn write_json(value: &Value, members: Members, out: &mut Vec<u8>) {
     match value {
         Value::Object(map) => {
-            out.push(b'{');
-            for (i, (key, item)) in map.iter().enumerate() {
+            let write_member = |i: usize, key: &str, item: &Value, out: &mut Vec<u8>| {
                 if i > 0 {
                     out.push(b',');
                 }
                 write_str(key, out);
                 out.push(b':');
-                write_value(item, out);
+                write_json(item, members, out);
+            };
+            out.push(b'{');
+            match members {
+                Members::AsStored => {
+                    for (i, (key, item)) in map.iter().enumerate() {
+                        write_member(i, key, item, out);
+                    }
+                }
+                Members::Sorted => {
+                    let mut entries: Vec<(&String, &Value)> = map.iter().collect();
+                    entries.sort_unstable_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
+                    for (i, (key, item)) in entries.into_iter().enumerate() {
+                        write_member(i, key, item, out);
+                    }
+                }
             }
             out.push(b'}');
         }
@@ -109,7 +140,7 @@ pub fn write_value(value: &Value, out: &mut Vec<u8>) {
                 if i > 0 {
                     out.push(b',');
                 }
-                write_value(item, out);
+                write_json(item, members, out);
             }
             out.push(b']');
         }
@@ -220,6 +251,18 @@ mod tests {
                 serde_json::to_string(&value).unwrap()
             );
         }
+    }
+
+    #[test]
+    fn sorted_writes_keys_in_byte_order_at_every_depth() {
+        // Inserted out of order (serde_json keeps insertion order in this workspace).
+        let value = json!({"b": 1, "a": {"z": [1, {"y": 2, "x": "é\n"}], "c": null}, "B": true});
+        let mut sorted = Vec::new();
+        write_sorted(&value, &mut sorted);
+        assert_eq!(
+            String::from_utf8(sorted).unwrap(),
+            r#"{"B":true,"a":{"c":null,"z":[1,{"x":"é\n","y":2}]},"b":1}"#
+        );
     }
 
     #[tokio::test]
