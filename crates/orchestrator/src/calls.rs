@@ -6,7 +6,7 @@
 //! forgotten; a waiter that holds a forgotten call's receiver still sees its result.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use airlock_policy::{CallStatus, ToolOutcome};
@@ -34,7 +34,9 @@ pub struct CallRecord {
     /// decision (or expiry, or withdrawal); only for calls that were held.
     pub approval_wait_ms: Option<u64>,
     pub replica: Option<String>,
-    pub result: Option<ToolOutcome>,
+    /// Shared, not owned: every waiter and `GET /v1/calls/{id}` gets the record by
+    /// clone, and a result may be megabytes that would otherwise be copied each time.
+    pub result: Option<Arc<ToolOutcome>>,
     /// The gate's checks are done: the call is held for approval, on a worker, or
     /// final. Until then `running` would not yet say whether a human is needed, so
     /// waits (even `wait_ms: 0`) last at least until this is set.
@@ -212,7 +214,7 @@ mod tests {
     fn finish(registry: &CallRegistry, call_id: &str, text_bytes: usize) {
         registry.update(call_id, |r| {
             r.status = CallStatus::Ok;
-            r.result = Some(ToolOutcome::text("x".repeat(text_bytes)));
+            r.result = Some(Arc::new(ToolOutcome::text("x".repeat(text_bytes))));
             r.checked = true;
         });
     }

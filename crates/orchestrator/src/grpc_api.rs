@@ -3,7 +3,7 @@
 use std::pin::Pin;
 use std::sync::Arc;
 
-use airlock_policy::{SessionId, ToolOutcome};
+use airlock_policy::SessionId;
 use airlock_proto::v1 as pb;
 use airlock_proto::v1::orchestrator_server::Orchestrator;
 use futures::Stream;
@@ -109,7 +109,7 @@ fn result_block(record: &CallRecord) -> Option<pb::ToolResultBlock> {
         .result
         .as_ref()
         .filter(|_| record.status.is_final())
-        .map(|o: &ToolOutcome| pb::ToolResultBlock {
+        .map(|o| pb::ToolResultBlock {
             tool_use_id: record.tool_use_id.clone(),
             content: o.content.clone(),
             is_error: o.is_error,

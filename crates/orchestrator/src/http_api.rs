@@ -452,7 +452,9 @@ async fn tool_calls(
         return Ok(crate::streaming::tool_calls(handles).into_response());
     }
     let records = futures::future::join_all(handles.iter().map(|h| h.wait_final(wait))).await;
-    Ok(JsonText(wire::tool_calls_response(shape, &records)).into_response())
+    let mut body = Vec::with_capacity(256);
+    wire::write_tool_calls_response(shape, &records, &mut body);
+    Ok(crate::json_text::json_response(body))
 }
 
 /// A batch the call service did not admit, as HTTP says it: 403, or 429 with

@@ -15,9 +15,30 @@ use serde_json::Value;
 /// of the orchestrator's CPU there. This skips eight bytes at a time that need no escape
 /// (README, "Tool calls over HTTP").
 pub fn write_str(text: &str, out: &mut Vec<u8>) {
-    let bytes = text.as_bytes();
-    out.reserve(bytes.len() + 2);
+    out.reserve(text.len() + 2);
     out.push(b'"');
+    write_escaped(text, out);
+    out.push(b'"');
+}
+
+/// `parts` joined by newlines, as one JSON string: what [`write_str`] writes of
+/// `parts.join("\n")`, without joining them first (the OpenAI shapes answer a tool's
+/// text blocks as one string, and a block may be megabytes).
+pub fn write_lines(parts: &[String], out: &mut Vec<u8>) {
+    out.reserve(parts.iter().map(|part| part.len() + 2).sum::<usize>() + 2);
+    out.push(b'"');
+    for (i, part) in parts.iter().enumerate() {
+        if i > 0 {
+            push_escape(b'\n', out);
+        }
+        write_escaped(part, out);
+    }
+    out.push(b'"');
+}
+
+/// The inside of a JSON string: `text` with the bytes that need it escaped.
+fn write_escaped(text: &str, out: &mut Vec<u8>) {
+    let bytes = text.as_bytes();
     let mut run_start = 0;
     let mut at = 0;
     while let Some(found) = next_escape(bytes, at) {
@@ -27,7 +48,6 @@ pub fn write_str(text: &str, out: &mut Vec<u8>) {
         run_start = at;
     }
     out.extend_from_slice(&bytes[run_start..]);
-    out.push(b'"');
 }
 
 /// Whether `byte` is written escaped in a JSON string.
@@ -164,15 +184,20 @@ impl IntoResponse for JsonText {
     fn into_response(self) -> Response {
         let mut body = Vec::with_capacity(256);
         write_value(&self.0, &mut body);
-        (
-            [(
-                header::CONTENT_TYPE,
-                HeaderValue::from_static("application/json"),
-            )],
-            body,
-        )
-            .into_response()
+        json_response(body)
     }
+}
+
+/// An `application/json` answer of JSON already written.
+pub fn json_response(body: Vec<u8>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        )],
+        body,
+    )
+        .into_response()
 }
 
 #[cfg(test)]
@@ -231,6 +256,30 @@ mod tests {
         }
         // Long runs between escapes, as a file's lines are.
         same(&"line of text 0123456789 the quick brown fox\n".repeat(500));
+    }
+
+    /// Blocks written as one string are the blocks joined by newlines, written as one.
+    #[test]
+    fn lines_are_the_blocks_joined_by_newlines() {
+        for parts in [
+            vec![],
+            vec![String::new()],
+            vec!["one".to_owned()],
+            vec![
+                "a\"b".to_owned(),
+                String::new(),
+                "\n\u{1}é".to_owned(),
+                "tail\\".to_owned(),
+            ],
+        ] {
+            let mut ours = Vec::new();
+            write_lines(&parts, &mut ours);
+            assert_eq!(
+                String::from_utf8(ours).unwrap(),
+                serde_json::to_string(&parts.join("\n")).unwrap(),
+                "{parts:?}"
+            );
+        }
     }
 
     #[test]

@@ -10,6 +10,7 @@ use serde_json::{Map, Value, json};
 use crate::calls::CallRecord;
 use crate::catalog::CatalogTool;
 use crate::gate::ToolUse;
+use crate::json_text::{write_lines, write_str, write_value};
 
 /// Longest `wait_ms` honoured.
 pub const MAX_WAIT_MS: u64 = 600_000;
@@ -212,6 +213,7 @@ fn arguments(value: Option<&Value>, at: &str) -> Result<Result<Value, String>, B
 }
 
 /// The text of an outcome as one string (OpenAI shapes carry a single string).
+#[cfg(test)]
 fn joined_text(outcome: &ToolOutcome) -> String {
     outcome.content.join("\n")
 }
@@ -257,8 +259,70 @@ pub fn anthropic_result(tool_use_id: &str, outcome: &ToolOutcome) -> Value {
     })
 }
 
-/// The response body of `POST /v1/tool_calls`, in the request's shape. Calls that are not
-/// final yet have a `calls` entry but no result.
+/// The response body of `POST /v1/tool_calls`, in the request's shape, written straight
+/// to JSON bytes: what `serde_json::to_vec` writes of the same answer built as a `Value`
+/// ([`tool_calls_response`], the reference it is tested against), without copying each
+/// result's text into that `Value` first (a 1 MiB result was copied once more for that).
+/// Calls that are not final yet have a `calls` entry but no result.
+pub fn write_tool_calls_response(shape: Shape, records: &[CallRecord], out: &mut Vec<u8>) {
+    let key: &[u8] = match shape {
+        Shape::Anthropic => b"{\"tool_results\":[",
+        Shape::OpenAiChat => b"{\"messages\":[",
+        Shape::OpenAiResponses => b"{\"outputs\":[",
+    };
+    out.extend_from_slice(key);
+    let finished = records
+        .iter()
+        .filter(|r| r.status.is_final())
+        .filter_map(|r| r.result.as_deref().map(|outcome| (r, outcome)));
+    for (i, (record, outcome)) in finished.enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        match shape {
+            Shape::Anthropic => {
+                out.extend_from_slice(b"{\"type\":\"tool_result\",\"tool_use_id\":");
+                write_str(&record.tool_use_id, out);
+                out.extend_from_slice(b",\"content\":[");
+                for (j, text) in outcome.content.iter().enumerate() {
+                    if j > 0 {
+                        out.push(b',');
+                    }
+                    out.extend_from_slice(b"{\"type\":\"text\",\"text\":");
+                    write_str(text, out);
+                    out.push(b'}');
+                }
+                out.extend_from_slice(b"],\"is_error\":");
+                out.extend_from_slice(if outcome.is_error { b"true" } else { b"false" });
+            }
+            Shape::OpenAiChat => {
+                out.extend_from_slice(b"{\"role\":\"tool\",\"tool_call_id\":");
+                write_str(&record.tool_use_id, out);
+                out.extend_from_slice(b",\"content\":");
+                write_lines(&outcome.content, out);
+            }
+            Shape::OpenAiResponses => {
+                out.extend_from_slice(b"{\"type\":\"function_call_output\",\"call_id\":");
+                write_str(&record.tool_use_id, out);
+                out.extend_from_slice(b",\"output\":");
+                write_lines(&outcome.content, out);
+            }
+        }
+        out.push(b'}');
+    }
+    out.extend_from_slice(b"],\"calls\":[");
+    for (i, record) in records.iter().enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        write_value(&call_summary(record), out);
+    }
+    out.extend_from_slice(b"]}");
+}
+
+/// The response body of `POST /v1/tool_calls` as a `Value`, in the request's shape:
+/// the reference [`write_tool_calls_response`] is tested against.
+#[cfg(test)]
 pub fn tool_calls_response(shape: Shape, records: &[CallRecord]) -> Value {
     let calls: Vec<Value> = records.iter().map(call_summary).collect();
     let finished = records
@@ -454,5 +518,71 @@ mod tests {
         let body = json!({"function_calls": [{"type": "function_call", "call_id": "c1", "name": "read_file", "arguments": "{\"path\":\"a\"}"}]});
         let parsed = parse_tool_calls(&body, 8).unwrap();
         assert_eq!(parsed.calls[0].input.as_ref().unwrap()["path"], "a");
+    }
+
+    /// The answer written straight to bytes is the answer built as a `Value` and written
+    /// by serde_json, for every shape: finished calls with one, several or no text
+    /// blocks, text that needs escapes, errors, a call held for approval (no result), a
+    /// call still running whose result is not final, and no call finished at all.
+    #[test]
+    fn the_written_answer_is_serde_jsons_answer() {
+        use airlock_policy::CallStatus;
+        use std::sync::Arc;
+        let finished = |id: &str, status: CallStatus, outcome: ToolOutcome| {
+            let mut r = CallRecord::running(&format!("call_{id}"), id, "read_file", "alice");
+            r.status = status;
+            r.duration_ms = Some(12);
+            r.replica = Some("fs-0".into());
+            r.result = Some(Arc::new(outcome));
+            r.checked = true;
+            r
+        };
+        let mut held = CallRecord::running("call_h", "t\"h", "execute_shell", "alice");
+        held.status = CallStatus::PendingApproval;
+        held.approval_id = Some("apr_1".into());
+        let mut running = finished("r", CallStatus::Running, ToolOutcome::text("partial"));
+        running.status = CallStatus::Running;
+        let several = ToolOutcome {
+            is_error: false,
+            content: vec![
+                "line one\nline two".into(),
+                String::new(),
+                "quote \" backslash \\ tab \t nul \u{0} é 漢".into(),
+                "x".repeat(10_000),
+            ],
+            isolation: Some(json!({"landlock": true, "seccomp": "strict"})),
+            timed_out: false,
+        };
+        let empty = ToolOutcome {
+            content: Vec::new(),
+            ..ToolOutcome::text("")
+        };
+        let batches = [
+            vec![finished("a", CallStatus::Ok, ToolOutcome::text("hello"))],
+            vec![
+                finished("b", CallStatus::Ok, several),
+                held.clone(),
+                finished(
+                    "c",
+                    CallStatus::Error,
+                    ToolOutcome::error("no such file: \"x\""),
+                ),
+                running,
+                finished("d", CallStatus::Ok, empty),
+            ],
+            vec![held],
+        ];
+        for shape in [Shape::Anthropic, Shape::OpenAiChat, Shape::OpenAiResponses] {
+            for records in &batches {
+                let mut written = Vec::new();
+                write_tool_calls_response(shape, records, &mut written);
+                let reference = serde_json::to_vec(&tool_calls_response(shape, records)).unwrap();
+                assert_eq!(
+                    String::from_utf8(written).unwrap(),
+                    String::from_utf8(reference).unwrap(),
+                    "{shape:?}"
+                );
+            }
+        }
     }
 }

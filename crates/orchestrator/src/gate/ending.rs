@@ -2,6 +2,7 @@
 //! cache or another replica produced; and the one place both are recorded
 //! ([`Gate::conclude`]).
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use airlock_policy::{CallStatus, ToolOutcome};
@@ -328,7 +329,7 @@ impl Gate {
             r.duration_ms = Some(duration_ms);
             r.approval_wait_ms = approval_wait_ms;
             r.replica = ending.replica;
-            r.result = Some(ending.outcome);
+            r.result = Some(Arc::new(ending.outcome));
             r.checked = true;
         });
     }

@@ -519,7 +519,7 @@ impl Gate {
         let mut record = CallRecord::running(&call_id, &tool_use_id, &tool, &principal.name);
         record.status = CallStatus::Error;
         record.duration_ms = Some(0);
-        record.result = Some(ToolOutcome::error(message));
+        record.result = Some(Arc::new(ToolOutcome::error(message)));
         record.checked = true;
         self.calls.insert(record, CancellationToken::new())
     }

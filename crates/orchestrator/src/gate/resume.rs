@@ -217,7 +217,7 @@ impl Gate {
         match stored_ending(&stored) {
             Some(ending) => {
                 record.status = ending.status;
-                record.result = Some(ending.outcome);
+                record.result = Some(Arc::new(ending.outcome));
             }
             None if stored.state == CallState::PendingApproval => {
                 record.status = CallStatus::PendingApproval
