@@ -261,7 +261,7 @@ pub fn anthropic_result(tool_use_id: &str, outcome: &ToolOutcome) -> Value {
 
 /// The response body of `POST /v1/tool_calls`, in the request's shape, written straight
 /// to JSON bytes: what `serde_json::to_vec` writes of the same answer built as a `Value`
-/// ([`tool_calls_response`], the reference it is tested against), without copying each
+/// (`tool_calls_response`, the reference it is tested against), without copying each
 /// result's text into that `Value` first (a 1 MiB result was copied once more for that).
 /// Calls that are not final yet have a `calls` entry but no result.
 pub fn write_tool_calls_response(shape: Shape, records: &[CallRecord], out: &mut Vec<u8>) {

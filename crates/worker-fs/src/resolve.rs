@@ -215,27 +215,46 @@ impl Workspace {
                 "principal and session must be plain path segments".into(),
             ));
         }
-        std::fs::DirBuilder::new()
-            .recursive(true)
-            .mode(0o700)
-            .create(root)
-            .map_err(|e| fail(e.to_string()))?;
-        let mut fd = rustix::fs::open(
-            root,
-            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
-            Mode::empty(),
-        )
-        .map_err(|e| fail(e.to_string()))?;
-        for segment in [principal, session] {
-            match rustix::fs::mkdirat(&fd, segment, Mode::from_raw_mode(0o700)) {
-                Ok(()) | Err(Errno::EXIST) => {}
-                Err(Errno::NOSYS) => return Err(ResolveError::Unsupported),
-                Err(e) => return Err(fail(e.to_string())),
+        // Every call opens its session, and nearly always the session exists: the
+        // directories are opened first and made (mode 0700) only when one is missing.
+        // Three path lookups a call instead of seven (a `mkdir` answered EEXIST for the
+        // root and each segment, and a `stat` of the root, before the same opens).
+        let open_root = || {
+            rustix::fs::open(
+                root,
+                OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+                Mode::empty(),
+            )
+        };
+        let mut fd = match open_root() {
+            Err(Errno::NOENT) => {
+                std::fs::DirBuilder::new()
+                    .recursive(true)
+                    .mode(0o700)
+                    .create(root)
+                    .map_err(|e| fail(e.to_string()))?;
+                open_root()
             }
-            fd = open_child_dir(&fd, segment).map_err(|e| match e {
-                Errno::NOSYS => ResolveError::Unsupported,
-                e => fail(e.to_string()),
-            })?;
+            opened => opened,
+        }
+        .map_err(|e| fail(e.to_string()))?;
+        let refused = |e: Errno| match e {
+            Errno::NOSYS => ResolveError::Unsupported,
+            e => fail(e.to_string()),
+        };
+        for segment in [principal, session] {
+            fd = match open_child_dir(&fd, segment) {
+                Err(Errno::NOENT) => {
+                    match rustix::fs::mkdirat(&fd, segment, Mode::from_raw_mode(0o700)) {
+                        // Another call may have made it since: open it as well.
+                        Ok(()) | Err(Errno::EXIST) => {}
+                        Err(e) => return Err(refused(e)),
+                    }
+                    open_child_dir(&fd, segment)
+                }
+                opened => opened,
+            }
+            .map_err(refused)?;
         }
         Ok(Self {
             root: fd,
@@ -525,6 +544,51 @@ mod tests {
             Err(ResolveError::Outside { .. })
         ));
         assert!(matches!(ws.relative("a\0b"), Err(ResolveError::Nul { .. })));
+    }
+
+    /// A session is made on demand (the root too, each directory mode 0700), opened as
+    /// it is afterwards, and a segment that is a symlink or a file is refused, never
+    /// followed or replaced.
+    #[test]
+    fn sessions_are_made_on_demand_and_never_through_a_symlink() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("not/yet");
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        Workspace::open_session(&root, "alice", "s1").unwrap();
+        for made in [root.clone(), root.join("alice"), root.join("alice/s1")] {
+            assert_eq!(mode(&made), 0o700, "{}", made.display());
+        }
+        std::fs::write(root.join("alice/s1/kept.txt"), "x").unwrap();
+        let again = Workspace::open_session(&root, "alice", "s1").unwrap();
+        assert_eq!(again.host, root.join("alice/s1"));
+        assert_eq!(
+            std::fs::read_to_string(root.join("alice/s1/kept.txt")).unwrap(),
+            "x"
+        );
+        Workspace::open_session(&root, "alice", "s2").unwrap();
+        assert!(root.join("alice/s2").is_dir());
+
+        let elsewhere = dir.path().join("elsewhere");
+        std::fs::create_dir(&elsewhere).unwrap();
+        std::os::unix::fs::symlink(&elsewhere, root.join("mallory")).unwrap();
+        std::os::unix::fs::symlink(&elsewhere, root.join("alice/s3")).unwrap();
+        std::fs::write(root.join("alice/s4"), "a file").unwrap();
+        for (principal, session) in [("mallory", "s1"), ("alice", "s3"), ("alice", "s4")] {
+            assert!(
+                matches!(
+                    Workspace::open_session(&root, principal, session),
+                    Err(ResolveError::Workspace { .. })
+                ),
+                "{principal}/{session}"
+            );
+        }
+        assert_eq!(std::fs::read_dir(&elsewhere).unwrap().count(), 0);
+        assert!(root.join("mallory").is_symlink());
+        assert_eq!(
+            std::fs::read_to_string(root.join("alice/s4")).unwrap(),
+            "a file"
+        );
     }
 
     #[test]
