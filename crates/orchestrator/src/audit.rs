@@ -35,6 +35,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
+use crate::json_text::{write_sorted, write_str};
+
 /// The `prev_hash` of the first record: 64 zeros.
 pub const GENESIS_HASH: &str = "0000000000000000000000000000000000000000000000000000000000000000";
 
@@ -370,17 +372,18 @@ pub fn chain_hash(
     body.extend_from_slice(b"{\"call_id\":");
     write_optional_str(call_id, &mut body);
     body.extend_from_slice(b",\"data\":");
-    write_canonical(data, &mut body);
+    write_sorted(data, &mut body);
     body.extend_from_slice(b",\"kind\":");
-    crate::json_text::write_str(kind, &mut body);
+    write_str(kind, &mut body);
     body.extend_from_slice(b",\"principal\":");
     write_optional_str(principal, &mut body);
     body.extend_from_slice(b",\"seq\":");
-    write_scalar(&seq, &mut body);
+    // An integer: its decimal digits, as serde_json writes it.
+    body.extend_from_slice(seq.to_string().as_bytes());
     body.extend_from_slice(b",\"session_id\":");
     write_optional_str(session_id, &mut body);
     body.extend_from_slice(b",\"ts\":");
-    crate::json_text::write_str(ts, &mut body);
+    write_str(ts, &mut body);
     body.push(b'}');
     let mut hasher = Sha256::new();
     hasher.update(prev_hash.as_bytes());
@@ -391,7 +394,7 @@ pub fn chain_hash(
 /// A JSON string, or `null` for `None`.
 fn write_optional_str(value: Option<&str>, out: &mut Vec<u8>) {
     match value {
-        Some(text) => crate::json_text::write_str(text, out),
+        Some(text) => write_str(text, out),
         None => out.extend_from_slice(b"null"),
     }
 }
@@ -400,7 +403,7 @@ fn write_optional_str(value: Option<&str>, out: &mut Vec<u8>) {
 /// keys were ordered.
 pub fn value_sha256(value: &Value) -> String {
     let mut text = Vec::new();
-    write_canonical(value, &mut text);
+    write_sorted(value, &mut text);
     hex::encode(Sha256::digest(&text))
 }
 
@@ -408,20 +411,9 @@ pub fn value_sha256(value: &Value) -> String {
 /// whitespace; strings and numbers as serde_json writes them.
 pub fn canonical_json(value: &Value) -> String {
     let mut out = Vec::new();
-    write_canonical(value, &mut out);
+    write_sorted(value, &mut out);
     // serde_json writes valid UTF-8: the lossy fallback is never taken.
     String::from_utf8(out).unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned())
-}
-
-fn write_canonical(value: &Value, out: &mut Vec<u8>) {
-    crate::json_text::write_sorted(value, out);
-}
-
-/// A string, number, boolean or null as serde_json's compact writer spells it (the same
-/// text as its `Display`). Writing into a `Vec` cannot fail, and neither can serializing
-/// these.
-fn write_scalar(value: &(impl Serialize + ?Sized), out: &mut Vec<u8>) {
-    let _ = serde_json::to_writer(&mut *out, value);
 }
 
 /// Walks records in `seq` order and remembers the first break in the chain.
