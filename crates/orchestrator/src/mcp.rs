@@ -467,7 +467,8 @@ impl AirlockMcp {
             .extensions
             .get::<axum::http::request::Parts>()
             .and_then(|p| p.extensions.get::<crate::traces::FrontDoorSpan>())
-            .map_or_else(tracing::Span::none, |s| s.0.clone());
+            .map(|s| s.0.clone())
+            .unwrap_or_default();
         let admitted = front_door.in_scope(|| self.state.calls.admit(&principal, batch));
         let mut handle = match admitted {
             Ok(mut handles) => match handles.pop() {

@@ -1,6 +1,9 @@
 //! The front-door span of every authenticated request (HTTP `/v1`, `/mcp`, gRPC), with
 //! the caller's W3C `traceparent` as its parent (DESIGN §13). The gate's spans open
-//! inside it; see `airlock_telemetry` for what is exported and when.
+//! inside it; see `airlock_telemetry` for what is exported and when. It is an
+//! `airlock_telemetry::CallSpan` (built through the SDK, not `tracing`): OpenTelemetry's
+//! current context while the request is served, which is where the gate's spans find
+//! their parent.
 //!
 //! With tracing off the layer passes requests through untouched.
 
@@ -8,16 +11,15 @@ use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use airlock_telemetry::TARGET;
+use airlock_telemetry::{CallSpan, KeyValue, SpanKind, SpanStart};
 use axum::extract::MatchedPath;
 use futures::future::Either;
 use tower::{Layer, Service};
-use tracing::Instrument as _;
 
 /// The front-door span, in the request's extensions for handlers that run the call in
 /// another task (rmcp's).
 #[derive(Clone, Debug)]
-pub struct FrontDoorSpan(pub tracing::Span);
+pub struct FrontDoorSpan(pub CallSpan);
 
 /// Which front door a request came through.
 #[derive(Clone, Copy, Debug)]
@@ -70,59 +72,60 @@ where
         if !airlock_telemetry::enabled() {
             return Either::Left(self.inner.call(request));
         }
-        let span = match self.door {
-            Door::Http => {
-                // The route's pattern, never the path itself: ids in a path would make
-                // every span name unique.
-                let route = request
-                    .extensions()
-                    .get::<MatchedPath>()
-                    .map_or("unmatched", MatchedPath::as_str)
-                    .to_owned();
-                tracing::span!(
-                    target: TARGET,
-                    tracing::Level::TRACE,
-                    "front_door",
-                    otel.name = %format_args!("{} {route}", request.method()),
-                    otel.kind = "server",
-                    http.request.method = request.method().as_str(),
-                    http.route = route.as_str(),
-                    http.response.status_code = tracing::field::Empty,
-                    otel.status_code = tracing::field::Empty,
-                )
-            }
-            Door::Grpc => {
-                let path = request.uri().path().trim_start_matches('/');
-                let (service, method) = path.split_once('/').unwrap_or((path, ""));
-                tracing::span!(
-                    target: TARGET,
-                    tracing::Level::TRACE,
-                    "front_door",
-                    otel.name = path,
-                    otel.kind = "server",
-                    rpc.system = "grpc",
-                    rpc.service = service,
-                    rpc.method = method,
-                    http.response.status_code = tracing::field::Empty,
-                    otel.status_code = tracing::field::Empty,
-                )
-            }
-        };
-        airlock_telemetry::propagate::parent_from_headers(&span, request.headers());
+        let parent = airlock_telemetry::propagate::context_from_headers(request.headers());
+        let span = CallSpan::start(parent, || door_span(self.door, &request));
         request.extensions_mut().insert(FrontDoorSpan(span.clone()));
-        let answered = self.inner.call(request).instrument(span.clone());
+        let answered = span.attach_to(self.inner.call(request));
         Either::Right(Box::pin(async move {
             let response = answered.await;
             if let Ok(response) = &response {
                 let status = response.status();
-                // As an integer: tracing-opentelemetry records unsigned values as text.
-                span.record("http.response.status_code", i64::from(status.as_u16()));
+                span.set("http.response.status_code", || {
+                    i64::from(status.as_u16()).into()
+                });
                 if status.is_server_error() {
-                    span.record("otel.status_code", "ERROR");
+                    span.fail();
                 }
             }
+            span.end();
             response
         }))
+    }
+}
+
+/// What the front door's span is for a request through `door`: named after the HTTP
+/// route's pattern (never the path itself: ids in a path would make every span name
+/// unique) or the gRPC method.
+fn door_span<B>(door: Door, request: &http::Request<B>) -> SpanStart {
+    match door {
+        Door::Http => {
+            let route = request
+                .extensions()
+                .get::<MatchedPath>()
+                .map_or("unmatched", MatchedPath::as_str)
+                .to_owned();
+            SpanStart {
+                name: format!("{} {route}", request.method()).into(),
+                kind: SpanKind::Server,
+                attributes: vec![
+                    KeyValue::new("http.request.method", request.method().as_str().to_owned()),
+                    KeyValue::new("http.route", route),
+                ],
+            }
+        }
+        Door::Grpc => {
+            let path = request.uri().path().trim_start_matches('/');
+            let (service, method) = path.split_once('/').unwrap_or((path, ""));
+            SpanStart {
+                name: path.to_owned().into(),
+                kind: SpanKind::Server,
+                attributes: vec![
+                    KeyValue::new("rpc.system", "grpc"),
+                    KeyValue::new("rpc.service", service.to_owned()),
+                    KeyValue::new("rpc.method", method.to_owned()),
+                ],
+            }
+        }
     }
 }
 

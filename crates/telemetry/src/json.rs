@@ -4,7 +4,7 @@
 
 use std::fmt;
 
-use opentelemetry::trace::{SpanId, TraceId};
+use opentelemetry::trace::{SpanId, TraceContextExt as _, TraceId};
 use tracing::Subscriber;
 use tracing_opentelemetry::OtelData;
 use tracing_subscriber::Registry;
@@ -51,21 +51,35 @@ where
     }
 }
 
-/// The ids of the innermost exported span around `event`. The registry is asked
-/// directly: the log layer's own filter (`RUST_LOG`) may not enable the call spans,
-/// which are exported whatever it says.
+/// The ids of the innermost exported span around `event`: a `tracing` span's, or else
+/// the [`crate::CallSpan`] that is OpenTelemetry's current context. The registry is
+/// asked directly: the log layer's own filter (`RUST_LOG`) may not enable the call
+/// spans, which are exported whatever it says.
 fn current_ids(event: &tracing::Event<'_>) -> Option<(TraceId, SpanId)> {
     if !crate::enabled() {
         return None;
     }
     let id = match event.parent() {
-        Some(id) => id.clone(),
-        None if event.is_contextual() => tracing::Span::current().id()?,
+        Some(id) => Some(id.clone()),
+        None if event.is_contextual() => tracing::Span::current().id(),
         None => return None,
     };
+    id.and_then(|id| traced_ids(&id)).or_else(|| {
+        opentelemetry::Context::map_current(|cx| {
+            let span = cx.span();
+            let context = span.span_context();
+            context
+                .is_valid()
+                .then(|| (context.trace_id(), context.span_id()))
+        })
+    })
+}
+
+/// The ids of the innermost span exported through `tracing` around the span `id`.
+fn traced_ids(id: &tracing::span::Id) -> Option<(TraceId, SpanId)> {
     tracing::dispatcher::get_default(|dispatch| {
         let registry = dispatch.downcast_ref::<Registry>()?;
-        let span = registry.span(&id)?;
+        let span = registry.span(id)?;
         span.scope().find_map(|span| {
             let extensions = span.extensions();
             let data = extensions.get::<OtelData>()?;

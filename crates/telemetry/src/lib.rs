@@ -23,6 +23,7 @@ mod export;
 pub mod json;
 pub mod logs;
 pub mod propagate;
+mod span;
 mod stage;
 
 use std::sync::OnceLock;
@@ -36,6 +37,9 @@ use tracing_subscriber::Layer;
 use tracing_subscriber::registry::LookupSpan;
 
 pub use export::Protocol;
+/// What a [`CallSpan`] is made of, for the code that opens one.
+pub use opentelemetry::{KeyValue, Value, trace::SpanKind};
+pub use span::{CallSpan, InSpan, SpanStart};
 pub use stage::{OpenStage, Stage, StageParent};
 
 /// The `tracing` target of every span Airlock exports. Spans under it are opened at
@@ -267,10 +271,12 @@ where
         .with_location(false)
         // Every exported span has the same target; saying so on each is bytes per span.
         .with_target(false)
-        // Nothing in Airlock reads OpenTelemetry's thread-local current context: trace
-        // context is taken from the `tracing` span (`OpenTelemetrySpanExt::context`).
-        // Activating it would attach and detach a context on every poll of every
-        // instrumented future.
+        // A `tracing` span's context is taken from the span itself
+        // (`OpenTelemetrySpanExt::context`), not from OpenTelemetry's thread-local
+        // current context: activating it would attach and detach a context on every
+        // poll of every instrumented future. Only a `CallSpan` is made current, and only
+        // around the futures it wraps; a `tracing` span opened there with no `tracing`
+        // parent takes it as its parent.
         .with_context_activation(false)
         // Spans only: an event inside a call span is a log line, which may quote what
         // a library saw; it goes to the log (with the trace id), never to the trace.

@@ -5,27 +5,23 @@
 use opentelemetry::propagation::{Extractor, Injector, TextMapPropagator as _};
 use opentelemetry_sdk::propagation::TraceContextPropagator;
 use tonic::metadata::{MetadataKey, MetadataMap, MetadataValue};
-use tracing_opentelemetry::OpenTelemetrySpanExt as _;
 
-/// Makes the caller's `traceparent` (if any, and well-formed) the parent of `span`,
-/// which must not have been entered yet. A malformed one is ignored, as the W3C
-/// specification asks: the call gets a trace of its own.
-pub fn parent_from_headers(span: &tracing::Span, headers: &http::HeaderMap) {
+/// The caller's trace context from a request's `traceparent` header, as the parent of
+/// a [`crate::CallSpan`]; `None` when tracing is off or there is none. A malformed one
+/// gives a context with no span, so the call gets a trace of its own.
+pub fn context_from_headers(headers: &http::HeaderMap) -> Option<opentelemetry::Context> {
     if !crate::enabled() || !headers.contains_key("traceparent") {
-        return;
+        return None;
     }
-    let cx = TraceContextPropagator::new().extract(&HeaderExtractor(headers));
-    // Only fails without the OpenTelemetry layer or on a span already started.
-    let _ = span.set_parent(cx);
+    Some(TraceContextPropagator::new().extract(&HeaderExtractor(headers)))
 }
 
-/// As [`parent_from_headers`], from a gRPC request's metadata.
-pub fn parent_from_metadata(span: &tracing::Span, metadata: &MetadataMap) {
+/// As [`context_from_headers`], from a gRPC request's metadata.
+pub fn context_from_metadata(metadata: &MetadataMap) -> Option<opentelemetry::Context> {
     if !crate::enabled() || !metadata.contains_key("traceparent") {
-        return;
+        return None;
     }
-    let cx = TraceContextPropagator::new().extract(&MetadataExtractor(metadata));
-    let _ = span.set_parent(cx);
+    Some(TraceContextPropagator::new().extract(&MetadataExtractor(metadata)))
 }
 
 /// Writes `parent`'s context into an outgoing gRPC request's metadata, so that the

@@ -39,13 +39,23 @@ impl std::fmt::Debug for StageParent {
 
 impl StageParent {
     /// The current span's context; empty when tracing is off, or when no exported span
-    /// is current (a stage is never the root of a trace of its own).
+    /// is current (a stage is never the root of a trace of its own). The current
+    /// `tracing` span's, when it is exported; otherwise OpenTelemetry's current context,
+    /// which a [`crate::CallSpan`] sets while the future it wraps is polled.
     pub fn current() -> Self {
         if !crate::enabled() {
             return Self(None);
         }
         let cx = tracing::Span::current().context();
+        if cx.has_active_span() {
+            return Self(Some(cx));
+        }
+        let cx = opentelemetry::Context::current();
         Self(cx.has_active_span().then_some(cx))
+    }
+
+    pub(crate) fn from_context(cx: Option<opentelemetry::Context>) -> Self {
+        Self(cx)
     }
 
     /// Starts the stage `name` under this parent, as a span at once: its context is

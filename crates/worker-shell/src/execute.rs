@@ -6,11 +6,11 @@ use std::time::Duration;
 
 use airlock_policy::{ToolAnnotations, ToolDefinition, ToolOutcome};
 use airlock_sandbox::{Cancel, CommandSpec, OutputSink, PROXY_PORT, RunOutcome, Sandbox, Stream};
+use airlock_telemetry::{CallSpan, KeyValue, SpanKind, SpanStart};
 use airlock_worker::{CallContext, OutputStream, Tool};
 use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
-use tracing::Instrument as _;
 
 use crate::config::ShellConfig;
 use crate::egress::{self, EgressLog, EgressRules};
@@ -270,31 +270,29 @@ pub(crate) async fn run(
     };
     // The sandbox's span, a child of the worker's execute span: its isolation level and
     // how the command ended; never the command.
-    let span = tracing::span!(
-        target: airlock_telemetry::TARGET,
-        tracing::Level::TRACE,
-        "sandbox.run",
-        otel.status_code = tracing::field::Empty,
-        airlock.isolation = sandbox.report().level.as_str(),
-        airlock.sandbox.network = sandbox.report().network,
-        process.exit.code = tracing::field::Empty,
-        airlock.sandbox.timed_out = tracing::field::Empty,
-    );
-    let run = tokio::task::spawn_blocking(move || sandbox.run(&spec, &mut sink, &cancel))
-        .instrument(span.clone())
-        .await;
+    let (level, network) = (sandbox.report().level.as_str(), sandbox.report().network);
+    let span = CallSpan::under_current(|| SpanStart {
+        name: "sandbox.run".into(),
+        kind: SpanKind::Internal,
+        attributes: vec![
+            KeyValue::new("airlock.isolation", level),
+            KeyValue::new("airlock.sandbox.network", network),
+        ],
+    });
+    let run = tokio::task::spawn_blocking(move || sandbox.run(&spec, &mut sink, &cancel)).await;
     if let Ok(Ok(outcome)) = &run {
         if let Some(code) = outcome.exit_code {
-            span.record("process.exit.code", code);
+            span.set("process.exit.code", || i64::from(code).into());
         }
-        span.record("airlock.sandbox.timed_out", outcome.timed_out);
+        let timed_out = outcome.timed_out;
+        span.set("airlock.sandbox.timed_out", || timed_out.into());
         if outcome.exit_code != Some(0) {
-            span.record("otel.status_code", "ERROR");
+            span.fail();
         }
     } else {
-        span.record("otel.status_code", "ERROR");
+        span.fail();
     }
-    drop(span);
+    span.end();
     watcher.abort();
     drop(guard);
     let egress = match proxy {

@@ -4,6 +4,7 @@
 use std::time::Instant;
 
 use airlock_policy::SessionId;
+use airlock_telemetry::CallSpan;
 use serde_json::Value;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -49,6 +50,9 @@ pub(super) struct CallCtx {
     /// Whether the store holds the call's row (written ahead, held for approval, or
     /// resumed from the store).
     pub recorded: bool,
+    /// The call's span (with tracing on): the gate's stages, the dispatch and the log
+    /// lines written while the call runs hang from it.
+    pub span: CallSpan,
 }
 
 /// A call's row not yet written, and its place in the session's count until it is.

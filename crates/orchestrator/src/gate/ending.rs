@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use airlock_policy::{CallStatus, ToolOutcome};
+use airlock_telemetry::CallSpan;
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 
@@ -216,7 +217,7 @@ impl Gate {
         if !ending.owned {
             // The replica that won the claim records the outcome and its audit event;
             // what this one noted (a resumption) still goes in.
-            record_on_span(&ending);
+            record_on_span(&ctx.span, &ending);
             self.flush(ctx).await;
             self.remember(&call_id, ending, duration_ms, approval_wait_ms);
             return;
@@ -284,7 +285,7 @@ impl Gate {
         // The store counts the call now (or it ends without a row).
         drop(row);
         self.count_ending(ctx, ending.status, local_wait, duration_ms);
-        record_on_span(&ending);
+        record_on_span(&ctx.span, &ending);
         tracing::info!(
             call_id,
             principal = %ctx.principal.name,
@@ -359,14 +360,13 @@ impl Gate {
 }
 
 /// The call's status and the sandbox's isolation level on the call's span.
-fn record_on_span(ending: &Ending) {
+fn record_on_span(span: &CallSpan, ending: &Ending) {
     if !airlock_telemetry::enabled() {
         return;
     }
-    let span = tracing::Span::current();
-    span.record("airlock.status", ending.status.as_str());
+    span.set("airlock.status", || ending.status.as_str().into());
     if ending.outcome.is_error {
-        span.record("otel.status_code", "ERROR");
+        span.fail();
     }
     let level = ending
         .outcome
@@ -375,7 +375,7 @@ fn record_on_span(ending: &Ending) {
         .and_then(|i| i.get("level"))
         .and_then(serde_json::Value::as_str);
     if let Some(level) = level {
-        span.record("airlock.isolation", level);
+        span.set("airlock.isolation", || level.to_owned().into());
     }
 }
 

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use airlock_policy::{CallStatus, SessionId, ToolOutcome};
-use airlock_telemetry::StageParent;
+use airlock_telemetry::{CallSpan, StageParent};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
@@ -142,6 +142,8 @@ impl Gate {
             journal: vec![resumed],
             row: None,
             recorded: true,
+            // A resumed call continues no request's trace.
+            span: CallSpan::default(),
         };
         let result = self
             .claim_and_dispatch(
