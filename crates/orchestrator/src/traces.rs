@@ -134,12 +134,13 @@ impl<S: tonic::server::NamedService> tonic::server::NamedService for FrontDoor<S
     const NAME: &'static str = S::NAME;
 }
 
-/// A gate stage that others in this process nest in (the approval wait), as a
-/// `tracing` span under the call's (which is OpenTelemetry's current context while the
-/// call's task is polled: tracing-opentelemetry's parent for a span with no `tracing`
-/// parent). It is opened only for calls held for a human. The other stages are `airlock_telemetry::Stage`s,
-/// and the dispatch an `airlock_telemetry::OpenStage`: its only child is the worker's
-/// span, which it reaches through the request's trace context, not through `tracing`.
+/// A gate stage that others in this process nest in (the approval wait, opened only for
+/// calls held for a human), as a `tracing` span under the call's: the call's span is
+/// OpenTelemetry's current context while the call's task is polled, which
+/// tracing-opentelemetry takes as the parent of a span with no `tracing` parent. The
+/// other stages are `airlock_telemetry::Stage`s, and the dispatch an
+/// `airlock_telemetry::OpenStage`: its only child is the worker's span, which it reaches
+/// through the request's trace context, not through `tracing`.
 macro_rules! stage {
     ($name:literal) => {
         tracing::span!(

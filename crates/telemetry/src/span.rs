@@ -12,9 +12,10 @@
 //! What runs inside one finds it through OpenTelemetry's current context, which
 //! [`CallSpan::attach_to`] makes the span's on each poll of the future it wraps: the
 //! gate's stages and the worker's sandbox span take it as their parent
-//! ([`crate::StageParent::current`]), a `tracing` span opened there (the gate's call
-//! span) takes it as its parent (tracing-opentelemetry's rule for a span with no
-//! `tracing` parent), and a log line written there carries its ids ([`crate::json`]).
+//! ([`crate::StageParent::current`]), a `tracing` span opened there (the gate's
+//! approval wait, the agent loop's run) takes it as its parent (tracing-opentelemetry's
+//! rule for a span with no `tracing` parent), and a log line written there carries its
+//! ids ([`crate::json`]).
 //!
 //! With tracing off a call span is nothing: no clock is read, nothing is allocated, and
 //! an instrumented future is polled as it is.
@@ -54,18 +55,20 @@ impl CallSpan {
         // A context with no span in it, rather than the current one: a request's span
         // continues its caller's trace, never whatever this thread ran before.
         let parent = parent.unwrap_or_default();
-        Self(Some(pipeline_start(&pipeline.tracer, &parent, start())))
+        let start = start();
+        let tracer = &pipeline.tracer;
+        let span = tracer
+            .span_builder(start.name)
+            .with_kind(start.kind)
+            .with_attributes(start.attributes)
+            .start_with_context(tracer, &parent);
+        Self(Some(parent.with_span(span)))
     }
 
     /// Starts a span under the current one ([`crate::StageParent::current`]), or a
     /// trace of its own when nothing exported is current.
     pub fn under_current(start: impl FnOnce() -> SpanStart) -> Self {
-        let Some(pipeline) = crate::PIPELINE.get() else {
-            return Self(None);
-        };
-        let parent = crate::StageParent::current();
-        let parent = parent.context().cloned().unwrap_or_default();
-        Self(Some(pipeline_start(&pipeline.tracer, &parent, start())))
+        Self::start(crate::StageParent::current().context().cloned(), start)
     }
 
     /// The span as the parent of stages opened from it.
@@ -109,19 +112,6 @@ impl CallSpan {
         let _attached = self.0.clone().map(opentelemetry::Context::attach);
         f()
     }
-}
-
-fn pipeline_start(
-    tracer: &opentelemetry_sdk::trace::SdkTracer,
-    parent: &opentelemetry::Context,
-    start: SpanStart,
-) -> opentelemetry::Context {
-    let span = tracer
-        .span_builder(start.name)
-        .with_kind(start.kind)
-        .with_attributes(start.attributes)
-        .start_with_context(tracer, parent);
-    parent.with_span(span)
 }
 
 pin_project_lite::pin_project! {

@@ -23,9 +23,10 @@ use opentelemetry_sdk::trace::{
 };
 use tracing_opentelemetry::OpenTelemetrySpanExt as _;
 
-/// Where the stage spans of a piece of code go: the OpenTelemetry context of the
-/// `tracing` span that was current when it was taken. Taking it once and opening several
-/// stages from it saves a lookup in `tracing`'s registry per stage.
+/// Where the stage spans of a piece of code go: the OpenTelemetry context of the span
+/// that was current when it was taken ([`StageParent::current`]), or of a
+/// [`crate::CallSpan`] ([`crate::CallSpan::parent`]). Taking it once and opening several
+/// stages from it saves a lookup per stage.
 #[derive(Clone, Default)]
 pub struct StageParent(Option<opentelemetry::Context>);
 
