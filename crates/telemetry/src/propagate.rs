@@ -75,11 +75,17 @@ impl Extractor for MetadataExtractor<'_> {
 struct MetadataInjector<'a>(&'a mut MetadataMap);
 
 impl Injector for MetadataInjector<'_> {
+    /// Each value is sent as an HPACK literal that is never indexed: a `traceparent`
+    /// is new on every call, and indexed it would take a place in the connection's
+    /// header table only to push out the headers every call repeats (the method's path,
+    /// the content type, the deadline), which would then be sent and decoded in full
+    /// again.
     fn set(&mut self, key: &str, value: String) {
-        if let (Ok(key), Ok(value)) = (
+        if let (Ok(key), Ok(mut value)) = (
             MetadataKey::from_bytes(key.as_bytes()),
             MetadataValue::try_from(value.as_str()),
         ) {
+            value.set_sensitive(true);
             self.0.insert(key, value);
         }
     }
@@ -128,5 +134,21 @@ mod tests {
         );
         assert_eq!(remote.span_id().to_string(), "b7ad6b7169203331");
         assert!(remote.is_remote());
+    }
+
+    #[test]
+    fn trace_context_is_never_indexed_in_the_header_table() {
+        let mut metadata = MetadataMap::new();
+        MetadataInjector(&mut metadata).set(
+            "traceparent",
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into(),
+        );
+        let value = metadata
+            .get("traceparent")
+            .expect("the traceparent was set");
+        assert!(
+            value.is_sensitive(),
+            "{value:?} would churn the HPACK table"
+        );
     }
 }
