@@ -41,6 +41,23 @@ pub struct SpanStart {
     pub attributes: Vec<KeyValue>,
 }
 
+impl SpanStart {
+    /// A tool's execution, named as OpenTelemetry's GenAI conventions name it
+    /// (`execute_tool <tool>`), with the tool's name and Airlock's call id: the
+    /// orchestrator's span of a call and each worker's. Never the call's arguments.
+    pub fn execute_tool(kind: SpanKind, tool: &str, call_id: &str) -> Self {
+        Self {
+            name: format!("execute_tool {tool}").into(),
+            kind,
+            attributes: vec![
+                KeyValue::new("gen_ai.operation.name", "execute_tool"),
+                KeyValue::new("gen_ai.tool.name", tool.to_owned()),
+                KeyValue::new("airlock.call_id", call_id.to_owned()),
+            ],
+        }
+    }
+}
+
 impl CallSpan {
     /// Starts a span under `parent` (a caller's trace context, from
     /// [`crate::propagate`]), or a trace of its own when there is none; `start` is called

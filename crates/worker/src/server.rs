@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use airlock_policy::{SessionId, ToolOutcome, validate_segment};
 use airlock_proto::v1 as pb;
 use airlock_proto::v1::tool_worker_server::{ToolWorker, ToolWorkerServer};
-use airlock_telemetry::{CallSpan, KeyValue, SpanKind, SpanStart};
+use airlock_telemetry::{CallSpan, SpanKind, SpanStart};
 use futures::{Stream, StreamExt};
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream, UnixListenerStream};
@@ -467,7 +467,10 @@ impl ToolWorker for WorkerService {
             event_tx,
         );
         tracing::debug!(call_id = %request.call_id, tool = %request.tool, "execute");
-        let meter = self.metrics.start(&request.tool);
+        let ending = CallEnding {
+            meter: self.metrics.start(&request.tool),
+            span: span.clone(),
+        };
         let call = async move { tool.execute(arguments, ctx).await };
         self.in_flight.spawn(span.attach_to(run_call(
             call,
@@ -478,8 +481,7 @@ impl ToolWorker for WorkerService {
             detached,
             ledger,
             registered,
-            meter,
-            span.clone(),
+            ending,
         )));
         let stream = ReceiverStream::new(out_rx);
         if detached {
@@ -545,8 +547,7 @@ async fn run_call(
     detached: bool,
     ledger: watch::Sender<Option<Final>>,
     _running: Option<RunningGuard>,
-    meter: CallMeter,
-    span: CallSpan,
+    ending: CallEnding,
 ) {
     tokio::pin!(call);
     let expiry = tokio::time::sleep(timeout);
@@ -593,12 +594,7 @@ async fn run_call(
         Err(status) if status.code() == tonic::Code::Cancelled => "cancelled",
         Err(_) => "error",
     };
-    meter.ended(status);
-    span.set("airlock.status", || status.into());
-    if status != "ok" {
-        span.fail();
-    }
-    span.end();
+    ending.record(status);
     ledger.send_replace(Some(answer.clone()));
     let _ = out.send(answer.map(result_event)).await;
 }
@@ -823,6 +819,24 @@ impl<S: Stream + Unpin> Stream for CancelOnDrop<S> {
     }
 }
 
+/// Where a call's end is recorded: the worker's metrics and the call's span.
+struct CallEnding {
+    meter: CallMeter,
+    span: CallSpan,
+}
+
+impl CallEnding {
+    /// `status` is `ok`, `error`, `timeout` or `cancelled`.
+    fn record(self, status: &'static str) {
+        self.meter.ended(status);
+        self.span.set("airlock.status", || status.into());
+        if status != "ok" {
+            self.span.fail();
+        }
+        self.span.end();
+    }
+}
+
 /// The worker's span of one call (service `airlock-worker-<group>`), a child of the
 /// orchestrator's dispatch span through the W3C trace context in the request's metadata.
 /// The tool's name and the call's ids only: never its arguments.
@@ -831,14 +845,8 @@ impl<S: Stream + Unpin> Stream for CancelOnDrop<S> {
 fn execute_span(request: &Request<pb::ExecuteRequest>) -> CallSpan {
     let parent = airlock_telemetry::propagate::context_from_metadata(request.metadata());
     let call = request.get_ref();
-    CallSpan::start(parent, || SpanStart {
-        name: format!("execute_tool {}", call.tool).into(),
-        kind: SpanKind::Server,
-        attributes: vec![
-            KeyValue::new("gen_ai.operation.name", "execute_tool"),
-            KeyValue::new("gen_ai.tool.name", call.tool.clone()),
-            KeyValue::new("airlock.call_id", call.call_id.clone()),
-        ],
+    CallSpan::start(parent, || {
+        SpanStart::execute_tool(SpanKind::Server, &call.tool, &call.call_id)
     })
 }
 

@@ -659,15 +659,12 @@ impl Gate {
 /// SDK directly (`airlock_telemetry::CallSpan`): as a `tracing` span it cost the
 /// orchestrator about 4 % of its CPU on a 100 B read (docs/decisions.md, "Traces").
 fn call_span(call_id: &str, tool_use: &ToolUse) -> CallSpan {
-    CallSpan::under_current(|| SpanStart {
-        name: format!("execute_tool {}", tool_use.name).into(),
-        kind: SpanKind::Internal,
-        attributes: vec![
-            KeyValue::new("gen_ai.operation.name", "execute_tool"),
-            KeyValue::new("gen_ai.tool.name", tool_use.name.clone()),
-            KeyValue::new("gen_ai.tool.call.id", tool_use.id.clone()),
-            KeyValue::new("airlock.call_id", call_id.to_owned()),
-        ],
+    CallSpan::under_current(|| {
+        let mut start = SpanStart::execute_tool(SpanKind::Internal, &tool_use.name, call_id);
+        start
+            .attributes
+            .push(KeyValue::new("gen_ai.tool.call.id", tool_use.id.clone()));
+        start
     })
 }
 
