@@ -282,6 +282,23 @@ pub async fn cancel_everywhere(group: &crate::catalog::WorkerGroup, call_id: &st
     }
 }
 
+/// How long the end of a call's stream (the worker's trailers, sent right after the
+/// result) is waited for once the result is in.
+const STREAM_END_BOUND: Duration = Duration::from_secs(1);
+
+/// Reads a call's stream to its end after the result. Dropped before its trailers, a
+/// stream is reset (`RST_STREAM`), and trailers that arrive after the client has
+/// forgotten the reset count against h2's guard on streams the peer made it reset
+/// (1 024 a connection, its defence against rapid-reset floods): under steady load the
+/// connection to the worker was closed with `ENHANCE_YOUR_CALM` and every call on it
+/// failed. A worker that keeps the stream open past the bound is cut off as before; the
+/// result stands either way.
+async fn read_to_end(stream: &mut tonic::Streaming<pb::ExecuteEvent>) {
+    if let Ok(Err(status)) = tokio::time::timeout(STREAM_END_BOUND, stream.trailers()).await {
+        tracing::debug!(%status, "the worker's stream ended with an error after the call's result");
+    }
+}
+
 async fn consume(
     stream: &mut tonic::Streaming<pb::ExecuteEvent>,
     events: Option<&mpsc::Sender<WorkerEvent>>,
@@ -290,8 +307,10 @@ async fn consume(
     while let Some(message) = stream.message().await? {
         match message.event {
             Some(Event::Result(result)) => {
-                return ToolOutcome::try_from(result)
+                let outcome = ToolOutcome::try_from(result)
                     .map_err(|e| tonic::Status::internal(format!("malformed result: {e}")));
+                read_to_end(stream).await;
+                return outcome;
             }
             Some(Event::Progress(p)) => {
                 if let Some(events) = events {
@@ -357,5 +376,160 @@ fn status_error(group: &str, status: tonic::Status, timeout_ms: u64) -> Dispatch
             group: group.to_owned(),
             detail: status.message().to_owned(),
         },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::pin::Pin;
+
+    use airlock_proto::v1::tool_worker_server::{ToolWorker, ToolWorkerServer};
+    use futures::Stream;
+    use tonic::{Request, Response, Status};
+
+    use super::*;
+    use crate::catalog::Catalog;
+    use crate::config::{DispatchConfig, WorkerGroupConfig, WorkerTls};
+
+    /// A worker that answers every call at once and ends the stream a little later (as
+    /// one under load sends its trailers after the result), counting the streams the
+    /// caller reset instead of reading them to their end.
+    struct LateTrailers {
+        reset: Arc<std::sync::atomic::AtomicUsize>,
+        ended: Arc<std::sync::atomic::AtomicUsize>,
+    }
+
+    type Events = Pin<Box<dyn Stream<Item = Result<pb::ExecuteEvent, Status>> + Send>>;
+
+    #[tonic::async_trait]
+    impl ToolWorker for LateTrailers {
+        async fn list_tools(
+            &self,
+            _: Request<pb::ListToolsRequest>,
+        ) -> Result<Response<pb::ListToolsResponse>, Status> {
+            Ok(Response::new(pb::ListToolsResponse::default()))
+        }
+
+        type ExecuteStream = Events;
+
+        async fn execute(
+            &self,
+            _: Request<pb::ExecuteRequest>,
+        ) -> Result<Response<Events>, Status> {
+            let (send, receive) = mpsc::channel(1);
+            let (reset, ended) = (self.reset.clone(), self.ended.clone());
+            tokio::spawn(async move {
+                let result = pb::ExecuteEvent {
+                    event: Some(pb::execute_event::Event::Result(pb::ToolResult {
+                        content: vec!["ok".into()],
+                        ..Default::default()
+                    })),
+                };
+                let _ = send.send(Ok(result)).await;
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                // A reset stream is dropped by the server: nobody receives any more.
+                if send.is_closed() {
+                    reset.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+                ended.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                // Dropping the sender ends the stream: the trailers go now.
+            });
+            Ok(Response::new(Box::pin(
+                tokio_stream::wrappers::ReceiverStream::new(receive),
+            )))
+        }
+
+        async fn cancel(
+            &self,
+            _: Request<pb::CancelRequest>,
+        ) -> Result<Response<pb::CancelResponse>, Status> {
+            Ok(Response::new(pb::CancelResponse::default()))
+        }
+    }
+
+    /// A caller that drops a stream after its result resets it, and trailers in flight
+    /// then count against h2's guard on resets the peer caused: past 1 024 on one
+    /// connection (as under the soak), h2 closed it and every call on it failed. Each
+    /// call reads its stream to its end, so none is reset, however many there are.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn every_call_reads_its_stream_to_its_end_rather_than_resetting_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("late.sock");
+        let listener = tokio::net::UnixListener::bind(&socket).unwrap();
+        let reset = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let ended = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(ToolWorkerServer::new(LateTrailers {
+                    reset: reset.clone(),
+                    ended: ended.clone(),
+                }))
+                .serve_with_incoming(tokio_stream::wrappers::UnixListenerStream::new(listener)),
+        );
+        let dialer = WorkerTls {
+            mtls: None,
+            insecure_plaintext: false,
+        }
+        .dialer();
+        let config = WorkerGroupConfig {
+            group: "late".into(),
+            endpoints: vec![format!("unix:{}", socket.display())],
+            server_name: None,
+        };
+        let catalog = Catalog::new(&[config], &dialer, &DispatchConfig::default()).unwrap();
+        let group = catalog.group("late").unwrap();
+        let input = serde_json::json!({});
+        let trace = StageParent::default();
+        let cancel = CancellationToken::new();
+        let calls: usize = 200;
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let sender = || async {
+            let mut failures = Vec::new();
+            while next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) < calls {
+                let call = WorkerCall {
+                    call_id: "call_test".into(),
+                    tool: "late".into(),
+                    input: &input,
+                    principal: "local".into(),
+                    session_id: "default".into(),
+                    timeout_ms: 10_000,
+                    detached: false,
+                    retryable: false,
+                    trace: &trace,
+                };
+                match execute(&group, call, None, &cancel).await {
+                    Ok(done) => assert_eq!(done.outcome.content, vec!["ok".to_owned()]),
+                    Err(e) => failures.push(e.to_string()),
+                }
+            }
+            failures
+        };
+        let failures: Vec<String> = futures::future::join_all((0..16).map(|_| sender()))
+            .await
+            .into_iter()
+            .flatten()
+            .collect();
+        assert!(
+            failures.is_empty(),
+            "{} of {calls} calls failed, first: {}",
+            failures.len(),
+            failures[0]
+        );
+        // The worker's side has looked at every stream (bounded: each looks once,
+        // 10 ms after its result).
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while ended.load(std::sync::atomic::Ordering::Relaxed) < calls {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the worker ended {} of {calls} streams",
+                ended.load(std::sync::atomic::Ordering::Relaxed)
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(
+            reset.load(std::sync::atomic::Ordering::Relaxed),
+            0,
+            "streams reset by the caller after their result"
+        );
     }
 }
