@@ -283,6 +283,11 @@ fn confine(component: &str, spec: SelfConfinement) -> anyhow::Result<()> {
 }
 
 fn orchestrator(loaded: &Loaded) -> anyhow::Result<ExitCode> {
+    // Before any thread allocates: a result of a megabyte, which the orchestrator may
+    // keep for a while among small blocks, is mapped and given back when freed, never
+    // left resident in a heap (crates/sandbox/src/heap.rs).
+    airlock_sandbox::heap::map_large_buffers()
+        .context("cannot set how the allocator serves large buffers")?;
     let mut config = loaded.orchestrator()?;
     fit_descriptors(&mut config.limits);
     std::fs::create_dir_all(&config.data_dir)

@@ -18,6 +18,8 @@
 //! fix, when it cannot provide the configured `min_isolation`. Every
 //! [`RunOutcome`] carries the [`IsolationReport`] of the layers actually in force.
 //!
+//! [`heap`] sets how the C allocator serves the orchestrator's large buffers.
+//!
 //! This is the only crate of the workspace allowed `unsafe`; every block says why it
 //! is sound in a `// SAFETY:` comment (`clippy::undocumented_unsafe_blocks` is denied).
 //! It is synchronous: call [`Sandbox::run`] from a blocking thread.
@@ -35,6 +37,7 @@
 mod caps;
 pub mod cgroup;
 mod fds;
+pub mod heap;
 mod inherit;
 mod landlock_rules;
 mod loopback;

@@ -11,7 +11,8 @@
 
 use super::*;
 
-/// Calls in the soak and workers sending them.
+/// Calls in the soak (`AIRLOCK_BENCH_SOAK_CALLS` sets another count, for a shorter run
+/// that still passes the warm-up) and workers sending them.
 const SOAK_CALLS: usize = 100_000;
 const SOAK_CONCURRENCY: usize = 16;
 /// The soak stops here even if calls remain; the report says how many were made.
@@ -29,6 +30,16 @@ struct Sample {
 }
 
 pub async fn run(airlock: &Airlock, files: [&BenchFile; 3]) -> Result<String> {
+    let soak_calls = match std::env::var("AIRLOCK_BENCH_SOAK_CALLS") {
+        Ok(n) => n
+            .parse::<usize>()
+            .ok()
+            .filter(|n| *n > WARMUP_CALLS)
+            .with_context(|| {
+                format!("AIRLOCK_BENCH_SOAK_CALLS={n}: give a count above the {WARMUP_CALLS} calls of warm-up")
+            })?,
+        Err(_) => SOAK_CALLS,
+    };
     let target = airlock.target();
     let orchestrator = orchestrator_pid(airlock.process.child.id())?;
     // Each worker before its first call: what an idle replica costs.
@@ -63,7 +74,7 @@ pub async fn run(airlock: &Airlock, files: [&BenchFile; 3]) -> Result<String> {
             let mut latencies = Vec::new();
             loop {
                 let index = next.fetch_add(1, Ordering::Relaxed);
-                if index >= SOAK_CALLS || Instant::now() >= deadline {
+                if index >= soak_calls || Instant::now() >= deadline {
                     break;
                 }
                 let which = match index % 10 {
@@ -116,6 +127,14 @@ pub async fn run(airlock: &Airlock, files: [&BenchFile; 3]) -> Result<String> {
         store: store_bytes(&store),
     });
     let mut out = report(&samples, calls, wall, &latencies);
+    // What the end's resident memory is made of: the heap and other private memory, and
+    // pages of files (the binary, mostly), which the page cache shares.
+    let _ = writeln!(
+        out,
+        "| end, by kind | anonymous {:.1} MiB, file {:.1} MiB |",
+        mib(status_bytes(orchestrator, "RssAnon")?),
+        mib(status_bytes(orchestrator, "RssFile")?)
+    );
     let idle: Vec<String> = idle_workers
         .iter()
         .map(|(group, rss)| format!("{group} {:.1} MiB", mib(*rss)))
@@ -193,14 +212,19 @@ fn mib(bytes: u64) -> f64 {
 
 /// `VmRSS` of a process, in bytes.
 fn rss_bytes(pid: u32) -> Result<u64> {
+    status_bytes(pid, "VmRSS")
+}
+
+/// A memory field of `/proc/<pid>/status` (given in KiB there), in bytes.
+fn status_bytes(pid: u32, field: &str) -> Result<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
         .with_context(|| format!("cannot read /proc/{pid}/status"))?;
     let kib: u64 = status
         .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
         .and_then(|v| v.split_whitespace().next())
         .and_then(|v| v.parse().ok())
-        .with_context(|| format!("no VmRSS in /proc/{pid}/status"))?;
+        .with_context(|| format!("no {field} in /proc/{pid}/status"))?;
     Ok(kib * 1024)
 }
 

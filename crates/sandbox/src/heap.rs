@@ -1,0 +1,110 @@
+//! How the orchestrator uses the C allocator: a large buffer is its own mapping,
+//! unmapped when it is freed.
+//!
+//! glibc's `malloc` serves a request of at least its mmap threshold (128 KiB to start
+//! with) from a mapping of its own, and raises the threshold to the size of each such
+//! buffer that is freed, up to 32 MiB. After the first 1 MiB result had come and gone,
+//! the orchestrator therefore carved every later 1 MiB buffer (a worker's answer as
+//! decoded, a result kept for `GET /v1/calls/{id}`, the answer written to the client) out
+//! of its heaps, one per thread that asked; what was freed there stayed resident as holes
+//! between smaller blocks that live on.
+//!
+//! Setting the threshold explicitly turns that adjustment off: every buffer of 128 KiB
+//! or more is mapped when allocated and given back to the kernel when freed, so what the
+//! process holds is what it uses. The price is the page faults of a fresh mapping for
+//! each large buffer. Measured on the soak's mix (DESIGN §15): the orchestrator's
+//! anonymous memory 12 to 21 MiB lower after 30 000 calls, the soak's throughput 4 to 7 %
+//! lower (docs/decisions.md, "Large buffers are mapped, not kept in the heap").
+
+/// One `thiserror` enum per module: the allocator refused the setting.
+#[derive(Debug, thiserror::Error)]
+pub enum HeapError {
+    #[error(
+        "the C allocator refused an mmap threshold of {0} bytes (mallopt(M_MMAP_THRESHOLD)); is this binary linked against glibc?"
+    )]
+    Refused(usize),
+}
+
+/// The size from which a buffer is a mapping of its own: glibc's initial threshold,
+/// kept fixed.
+pub const MMAP_THRESHOLD_BYTES: usize = 128 * 1024;
+
+/// Fixes the allocator's mmap threshold at [`MMAP_THRESHOLD_BYTES`], for the whole
+/// process. Call it at start, before threads allocate.
+pub fn map_large_buffers() -> Result<(), HeapError> {
+    let threshold = libc::c_int::try_from(MMAP_THRESHOLD_BYTES)
+        .map_err(|_| HeapError::Refused(MMAP_THRESHOLD_BYTES))?;
+    // SAFETY: `mallopt` only changes a parameter of glibc's allocator, under the
+    // allocator's own lock; it touches no memory of ours and takes plain integers.
+    let set = unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, threshold) };
+    if set == 1 {
+        Ok(())
+    } else {
+        Err(HeapError::Refused(MMAP_THRESHOLD_BYTES))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Bytes in the process's mapped (not heap) allocations, as glibc counts them.
+    fn mapped_bytes() -> usize {
+        // SAFETY: `mallinfo2` fills and returns a plain struct of counters.
+        unsafe { libc::mallinfo2() }.hblkhd
+    }
+
+    /// The behaviour itself, in a process of its own: other tests of this binary allocate
+    /// on other threads, which would move the counter under the test.
+    const CHILD: &str = "AIRLOCK_HEAP_TEST_CHILD";
+
+    #[test]
+    fn a_large_buffer_stays_a_mapping_after_a_larger_one_was_freed() {
+        if std::env::var_os(CHILD).is_some() {
+            child(std::env::var(CHILD).as_deref() == Ok("fixed"));
+            return;
+        }
+        for (mode, expect_mapped) in [("fixed", true), ("glibc-default", false)] {
+            let out = std::process::Command::new(std::env::current_exe().unwrap())
+                .args([
+                    "--exact",
+                    "heap::tests::a_large_buffer_stays_a_mapping_after_a_larger_one_was_freed",
+                    "--test-threads=1",
+                    "--nocapture",
+                ])
+                .env(CHILD, mode)
+                .output()
+                .unwrap();
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            assert!(
+                out.status.success(),
+                "{mode}: {stdout}{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            let line = format!("mapped while alive: {expect_mapped}");
+            assert!(
+                stdout.contains(&line),
+                "{mode}: expected {line:?} in {stdout}"
+            );
+        }
+    }
+
+    /// Frees a 2 MiB buffer (which raises glibc's threshold to 2 MiB unless it is fixed),
+    /// then allocates 1 MiB and says whether that buffer is a mapping of its own.
+    fn child(fixed: bool) {
+        if fixed {
+            map_large_buffers().unwrap();
+        }
+        let larger = std::hint::black_box(vec![1u8; 2 << 20]);
+        drop(larger);
+        let before = mapped_bytes();
+        let buffer = std::hint::black_box(vec![1u8; 1 << 20]);
+        let mapped = mapped_bytes() >= before + buffer.len();
+        drop(buffer);
+        let after = mapped_bytes();
+        println!("mapped while alive: {mapped}");
+        if mapped {
+            assert_eq!(after, before, "freed, the mapping is given back");
+        }
+    }
+}
