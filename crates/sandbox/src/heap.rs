@@ -13,7 +13,7 @@
 //! or more is mapped when allocated and given back to the kernel when freed, so what the
 //! process holds is what it uses. The price is the page faults of a fresh mapping for
 //! each large buffer. Measured on the soak's mix (DESIGN §15): the orchestrator's
-//! anonymous memory 12 to 21 MiB lower after 30 000 calls, the soak's throughput 4 to 7 %
+//! anonymous memory 12 to 21 MiB lower after 30 000 calls, the soak's throughput 5 to 8 %
 //! lower (docs/decisions.md, "Large buffers are mapped, not kept in the heap").
 
 /// One `thiserror` enum per module: the allocator refused the setting.
