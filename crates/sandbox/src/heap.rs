@@ -20,27 +20,25 @@
 #[derive(Debug, thiserror::Error)]
 pub enum HeapError {
     #[error(
-        "the C allocator refused an mmap threshold of {0} bytes (mallopt(M_MMAP_THRESHOLD)); is this binary linked against glibc?"
+        "the C allocator refused an mmap threshold of {MMAP_THRESHOLD_BYTES} bytes (mallopt(M_MMAP_THRESHOLD)); is this binary linked against glibc?"
     )]
-    Refused(usize),
+    Refused,
 }
 
 /// The size from which a buffer is a mapping of its own: glibc's initial threshold,
 /// kept fixed.
-pub const MMAP_THRESHOLD_BYTES: usize = 128 * 1024;
+const MMAP_THRESHOLD_BYTES: libc::c_int = 128 * 1024;
 
-/// Fixes the allocator's mmap threshold at [`MMAP_THRESHOLD_BYTES`], for the whole
+/// Fixes the allocator's mmap threshold at 128 KiB (`MMAP_THRESHOLD_BYTES`), for the whole
 /// process. Call it at start, before threads allocate.
 pub fn map_large_buffers() -> Result<(), HeapError> {
-    let threshold = libc::c_int::try_from(MMAP_THRESHOLD_BYTES)
-        .map_err(|_| HeapError::Refused(MMAP_THRESHOLD_BYTES))?;
     // SAFETY: `mallopt` only changes a parameter of glibc's allocator, under the
     // allocator's own lock; it touches no memory of ours and takes plain integers.
-    let set = unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, threshold) };
+    let set = unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) };
     if set == 1 {
         Ok(())
     } else {
-        Err(HeapError::Refused(MMAP_THRESHOLD_BYTES))
+        Err(HeapError::Refused)
     }
 }
 
