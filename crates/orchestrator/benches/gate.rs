@@ -3,14 +3,18 @@
 //! an in-process worker that answers `read_file` at once (the real tool's definition, a
 //! fixed answer), so that what is left is the gate and the gRPC hop to the worker.
 //!
-//! Run: `cargo bench -p airlock-orchestrator --bench gate`. Two rows:
+//! Run: `cargo bench -p airlock-orchestrator --bench gate`. Three rows:
 //! - `gate/cpu_per_call`: the process's CPU time (every thread's, from `schedstat`) per call,
 //!   the gate's and the in-process worker's together;
-//! - `gate/wall_per_call`: the same calls by the clock, which adds the store's `fsync`s.
+//! - `gate/wall_per_call`: the same calls by the clock, which adds the store's `fsync`s;
+//! - `gate/hop_cpu_per_call`: the same call's hop alone (the dispatch straight to the same
+//!   worker, no gate), CPU per call as in the first row; the first row less this one is
+//!   the gate's own CPU (auth, schema, Cedar, budgets, audit, store).
 //!
 //! With `AIRLOCK_GATE_BENCH_CALLS=<n>` it makes `n` calls after the warm-up and exits, with
 //! no criterion around them: a bounded run for an instruction profiler, e.g.
-//! `valgrind --tool=callgrind target/release/deps/gate-<hash> --bench`.
+//! `valgrind --tool=callgrind target/release/deps/gate-<hash> --bench`. With
+//! `AIRLOCK_GATE_BENCH_HOP=1` as well, those calls are hops alone (the third row's).
 //!
 //! With `AIRLOCK_GATE_BENCH_TRACE=1` every call is traced as in production: the
 //! OpenTelemetry layer installed, every span (the call's, the gate's stages, the
@@ -47,10 +51,11 @@ impl Tool for FixedRead {
     }
 }
 
-/// CPU time of every thread of this process, from each thread's `schedstat` (its first
-/// field: nanoseconds on a CPU), which unlike `/proc/self/stat` is not counted in ticks.
-fn cpu_time() -> Duration {
-    let mut total = 0u64;
+/// CPU time of each thread of this process by thread id, from each thread's `schedstat`
+/// (its first field: nanoseconds on a CPU), which unlike `/proc/self/stat` is not counted
+/// in ticks.
+fn thread_times() -> std::collections::HashMap<String, u64> {
+    let mut times = std::collections::HashMap::new();
     if let Ok(tasks) = std::fs::read_dir("/proc/self/task") {
         for task in tasks.flatten() {
             let nanos = std::fs::read_to_string(task.path().join("schedstat"))
@@ -60,9 +65,24 @@ fn cpu_time() -> Duration {
                         .next()
                         .and_then(|n| n.parse::<u64>().ok())
                 });
-            total += nanos.unwrap_or(0);
+            times.insert(
+                task.file_name().to_string_lossy().into_owned(),
+                nanos.unwrap_or(0),
+            );
         }
     }
+    times
+}
+
+/// The CPU time the threads of this process spent since `before` was read. Summed thread
+/// by thread over the threads alive now: a blocking-pool thread that exits in between
+/// (idle for ten seconds, as during a row that does not use the store) must not take its
+/// whole life's CPU off the total, which made a row read zero.
+fn cpu_since(before: &std::collections::HashMap<String, u64>) -> Duration {
+    let total: u64 = thread_times()
+        .iter()
+        .map(|(tid, now)| now.saturating_sub(before.get(tid).copied().unwrap_or(0)))
+        .sum();
     Duration::from_nanos(total)
 }
 
@@ -80,6 +100,20 @@ fn profiled_calls() -> Option<u64> {
         Ok(calls) => Some(calls),
         Err(e) => fail("AIRLOCK_GATE_BENCH_CALLS is not a number of calls", e),
     }
+}
+
+/// The CPU time `iterations` repetitions of `one` take, every thread's.
+fn cpu_of(iterations: u64, one: &dyn Fn()) -> Duration {
+    let before = thread_times();
+    for _ in 0..iterations {
+        one();
+    }
+    cpu_since(&before)
+}
+
+/// `AIRLOCK_GATE_BENCH_HOP=1`: a profiling run makes hops alone.
+fn profiled_hops() -> bool {
+    std::env::var("AIRLOCK_GATE_BENCH_HOP").is_ok_and(|v| v == "1")
 }
 
 /// `AIRLOCK_GATE_BENCH_TRACE=1`: trace every call.
@@ -170,13 +204,19 @@ fn bench_gate(c: &mut Criterion) {
             fail("a call failed", e);
         }
     };
+    let hop = || {
+        if let Err(e) = runtime.block_on(harness.hop("read_file", &input)) {
+            fail("a call's hop failed", e);
+        }
+    };
     // Warm the store, the channel and Cedar's caches.
     for _ in 0..200 {
         call();
     }
     if let Some(calls) = profiled_calls() {
+        let profiled: &dyn Fn() = if profiled_hops() { &hop } else { &call };
         for _ in 0..calls {
-            call();
+            profiled();
         }
         airlock_telemetry::flush();
         stop.cancel();
@@ -188,13 +228,7 @@ fn bench_gate(c: &mut Criterion) {
         .sample_size(30)
         .measurement_time(Duration::from_secs(10));
     group.bench_function("cpu_per_call", |b| {
-        b.iter_custom(|iterations| {
-            let before = cpu_time();
-            for _ in 0..iterations {
-                call();
-            }
-            cpu_time().saturating_sub(before)
-        })
+        b.iter_custom(|iterations| cpu_of(iterations, &call))
     });
     group.bench_function("wall_per_call", |b| {
         b.iter_custom(|iterations| {
@@ -204,6 +238,9 @@ fn bench_gate(c: &mut Criterion) {
             }
             started.elapsed()
         })
+    });
+    group.bench_function("hop_cpu_per_call", |b| {
+        b.iter_custom(|iterations| cpu_of(iterations, &hop))
     });
     group.finish();
     stop.cancel();

@@ -15,7 +15,7 @@ use serde_json::Value;
 use crate::auth::Principals;
 use crate::budget::Budgets;
 use crate::cache::ResultCache;
-use crate::catalog::Catalog;
+use crate::catalog::{Catalog, CatalogError, WorkerGroup};
 use crate::config::{
     ApprovalsConfig, AuditConfig, BudgetConfig, CacheConfig, DispatchConfig, PrincipalConfig,
     StoreRetention, WorkerGroupConfig, WorkerTls,
@@ -40,6 +40,8 @@ pub struct GateHarness {
     service: CallService,
     principals: Arc<Principals>,
     token: String,
+    /// The worker group, for calls that skip the gate ([`GateHarness::hop`]).
+    group: Arc<WorkerGroup>,
 }
 
 impl GateHarness {
@@ -69,6 +71,11 @@ impl GateHarness {
         }
         .dialer();
         let catalog = Arc::new(Catalog::new(&workers, &dialer, &DispatchConfig::default())?);
+        // Resolved once here, not on every hop: the catalog was built from this one group.
+        let worker_group = catalog.group(group).ok_or_else(|| CatalogError::BadGroup {
+            group: group.to_owned(),
+            reason: "the catalog built from it does not hold it".into(),
+        })?;
         let store = crate::store::open("sqlite", data_dir, None).await?;
         let approvals = ApprovalsConfig {
             tools: Vec::new(),
@@ -97,6 +104,7 @@ impl GateHarness {
             service: CallService::new(gate),
             principals,
             token: token.to_owned(),
+            group: worker_group,
         })
     }
 
@@ -138,5 +146,38 @@ impl GateHarness {
             text = body;
         }
         Ok(text)
+    }
+
+    /// The same call's hop alone, without the gate: straight to the worker through the
+    /// dispatch the gate uses (the same channel, the same request, its stream read to its
+    /// end), with no authentication, schema, Cedar, store or audit. What a call through
+    /// [`GateHarness::call`] costs beyond this is the gate's own.
+    pub async fn hop(&self, tool: &str, input: &Value) -> Result<String, HarnessError> {
+        let trace = airlock_telemetry::StageParent::default();
+        let call = crate::dispatch::WorkerCall {
+            call_id: uuid::Uuid::new_v4().to_string(),
+            tool: tool.to_owned(),
+            input,
+            principal: "bench".into(),
+            session_id: "bench".into(),
+            timeout_ms: 30_000,
+            detached: false,
+            retryable: true,
+            trace: &trace,
+        };
+        let never = tokio_util::sync::CancellationToken::new();
+        let dispatched = crate::dispatch::execute(&self.group, call, None, &never)
+            .await
+            .map_err(|e| HarnessError::Failed {
+                status: CallStatus::Error,
+                text: e.to_string(),
+            })?;
+        if dispatched.outcome.is_error {
+            return Err(HarnessError::Failed {
+                status: CallStatus::Error,
+                text: dispatched.outcome.content.join(""),
+            });
+        }
+        Ok(dispatched.outcome.content.join(""))
     }
 }
