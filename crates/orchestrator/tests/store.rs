@@ -2580,9 +2580,12 @@ fn kinds_of(records: &[airlock_orchestrator::audit::AuditRecord]) -> Vec<String>
 }
 
 /// N calls recorded as the gate records one that needs no approval and changes
-/// nothing: N commits, each holding the row and its three events; the chain is dense.
+/// nothing: at most N commits, each holding whole calls (the row and its three events);
+/// the chain is dense. PostgreSQL commits each call on its own; SQLite commits calls
+/// that queue together in one transaction (group commit), so it may take fewer.
 async fn write_call_records_a_finished_call_and_its_events_in_one_commit(backend: Backend) {
     const CALLS: u64 = 25;
+    let grouped = matches!(backend, Backend::Sqlite { .. });
     let store = backend.open().await;
     let before = store.commits();
     let mut writers = Vec::new();
@@ -2610,7 +2613,15 @@ async fn write_call_records_a_finished_call_and_its_events_in_one_commit(backend
     for writer in writers {
         writer.await.unwrap();
     }
-    assert_eq!(store.commits() - before, CALLS, "one commit per call");
+    let commits = store.commits() - before;
+    if grouped {
+        assert!(
+            (1..=CALLS).contains(&commits),
+            "{commits} commits for {CALLS} calls"
+        );
+    } else {
+        assert_eq!(commits, CALLS, "one commit per call");
+    }
     let records = store
         .audit(AuditQuery {
             limit: 1000,

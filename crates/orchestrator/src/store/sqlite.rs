@@ -1,7 +1,10 @@
 //! The SQLite store: `<data_dir>/airlock.db`, WAL mode, one connection behind a
-//! mutex, every statement on tokio's blocking pool. Writes start with
+//! mutex, every statement on tokio's blocking pool except the calls' writes, which a
+//! writer thread of their own commits in groups ([`group_commit`]). Writes start with
 //! `BEGIN IMMEDIATE`, so they are serialized across tasks and across processes that
 //! open the same file (they wait up to the busy timeout).
+
+mod group_commit;
 
 use std::fs::OpenOptions;
 use std::os::unix::fs::OpenOptionsExt as _;
@@ -37,6 +40,8 @@ pub(super) struct SqliteStore {
     conn: Arc<Mutex<Connection>>,
     /// Commits on `conn` (its commit hook counts them; see [`Store::commits`]).
     commits: Arc<AtomicU64>,
+    /// The calls' writes, committed in groups on `conn`.
+    calls: group_commit::GroupWriter,
 }
 
 impl SqliteStore {
@@ -57,8 +62,10 @@ impl SqliteStore {
         })
         .await
         .map_err(|e| StoreError::Task(e.to_string()))??;
+        let conn = Arc::new(Mutex::new(conn));
         Ok(Self {
-            conn: Arc::new(Mutex::new(conn)),
+            calls: group_commit::GroupWriter::start(Arc::clone(&conn))?,
+            conn,
             commits,
         })
     }
@@ -1165,8 +1172,7 @@ impl Store for SqliteStore {
     }
 
     async fn write_call(&self, write: CallWrite) -> Result<bool, StoreError> {
-        self.write(move |tx| drive(machine::write_call(tx, write)))
-            .await
+        self.calls.write_call(write).await
     }
 
     async fn check_tool_pin(
