@@ -361,6 +361,41 @@ mod tests {
         assert_eq!(report.records, 9);
     }
 
+    /// A call's write reads and moves the chain's head once for all its events: the
+    /// rows it changes are its three records, the head once, the call's insert and its
+    /// update to finished (eight when the head moved after every record). The records
+    /// still chain one to the next, and the head names the last.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_calls_events_move_the_chain_head_once() {
+        let (store, _dir) = open().await;
+        let changes = || store.conn.lock().expect("the connection").total_changes();
+        let before = changes();
+        let written = store.write_call(finished_call("call-1")).await;
+        assert!(matches!(written, Ok(true)), "{written:?}");
+        assert_eq!(
+            changes() - before,
+            6,
+            "3 records, the head, the call's insert and update"
+        );
+        let records = store.audit(AuditQuery::default()).await.expect("audit");
+        assert_eq!(records.len(), 3);
+        for pair in records.windows(2) {
+            assert_eq!(pair[1].prev_hash, pair[0].hash);
+            assert_eq!(pair[1].seq, pair[0].seq + 1);
+        }
+        let head: (i64, String) = store
+            .conn
+            .lock()
+            .expect("the connection")
+            .query_row("SELECT seq, hash FROM audit_head WHERE id = 1", [], |row| {
+                Ok((row.get(0)?, row.get(1)?))
+            })
+            .expect("the head");
+        assert_eq!(head.0, 3);
+        assert_eq!(head.1, records[2].hash);
+        assert!(store.verify().await.expect("verify").ok);
+    }
+
     /// A lone write is its own transaction, as before group commit: one commit each.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_lone_write_is_one_commit() {
