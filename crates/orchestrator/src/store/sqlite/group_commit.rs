@@ -35,7 +35,7 @@ use crate::store::{CallWrite, StoreError};
 
 /// The most writes one transaction takes: a bound on how long the connection is held
 /// (and so how long other store work waits) for one commit.
-pub(super) const MAX_BATCH: usize = 64;
+const MAX_BATCH: usize = 64;
 
 /// A write waiting for its transaction, with the caller's end of its answer.
 struct Job {
@@ -108,14 +108,11 @@ fn write_batches(conn: &Mutex<Connection>, jobs: &Receiver<Job>, waiting: &Atomi
         let results =
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| commit_batch(&conn, writes)))
                 .unwrap_or_else(|_| {
-                    (0..answers.len())
-                        .map(|_| {
-                            Err(StoreError::Task(
-                                "the store's writer failed while committing a group of writes"
-                                    .into(),
-                            ))
-                        })
-                        .collect()
+                    fail_all(answers.len(), || {
+                        StoreError::Task(
+                            "the store's writer failed while committing a group of writes".into(),
+                        )
+                    })
                 });
         drop(conn);
         for (answer, result) in answers.into_iter().zip(results) {
@@ -194,16 +191,17 @@ fn in_savepoint(
 
 /// The error of a transaction that failed as a whole, once for each of its writes.
 fn shared_failure(error: &rusqlite::Error, count: usize) -> Vec<Result<bool, StoreError>> {
-    (0..count)
-        .map(|_| {
-            Err(match error {
-                rusqlite::Error::SqliteFailure(code, message) => {
-                    StoreError::Sqlite(rusqlite::Error::SqliteFailure(*code, message.clone()))
-                }
-                other => StoreError::Task(format!("sqlite store: {other}")),
-            })
-        })
-        .collect()
+    fail_all(count, || match error {
+        rusqlite::Error::SqliteFailure(code, message) => {
+            StoreError::Sqlite(rusqlite::Error::SqliteFailure(*code, message.clone()))
+        }
+        other => StoreError::Task(format!("sqlite store: {other}")),
+    })
+}
+
+/// `count` answers, each the error `error` makes (a `StoreError` is not `Clone`).
+fn fail_all(count: usize, error: impl Fn() -> StoreError) -> Vec<Result<bool, StoreError>> {
+    (0..count).map(|_| Err(error())).collect()
 }
 
 #[cfg(test)]
