@@ -26,11 +26,11 @@ use super::machine::{
 };
 use super::sql::{Placeholders, filter_sql, move_call_sql, prune_results_sql};
 use super::{
-    APPROVAL_SELECT, AUDIT_COLUMNS, Approval, ApprovalId, ApprovalPage, ApprovalQuery,
-    ApprovalStatus, AuditQuery, AuditRecord, CALL_COLUMNS, CALL_LIST_STATUS, CallId,
+    ADDED_INDEXES, APPROVAL_SELECT, AUDIT_COLUMNS, Approval, ApprovalId, ApprovalPage,
+    ApprovalQuery, ApprovalStatus, AuditQuery, AuditRecord, CALL_COLUMNS, CALL_LIST_STATUS, CallId,
     CallListFilter, CallOutcome, CallState, CallWrite, ExpiredApproval, MAX_CALL_LIST, NewApproval,
-    NewAuditEvent, NewCall, PAGING_INDEXES, PIN_COLUMNS, PinCheck, PinRow, PinnedDefinition,
-    RememberedApproval, SCHEMA_VERSION, SessionUsage, Store, StoreError, StoredCall, Timestamp,
+    NewAuditEvent, NewCall, PIN_COLUMNS, PinCheck, PinRow, PinnedDefinition, RememberedApproval,
+    SCHEMA_VERSION, SESSION_USAGE_SQL, SessionUsage, Store, StoreError, StoredCall, Timestamp,
     ToolPin, VerifyReport, added_tables, decode_call_status, fill_page, from_json_text, schema_v1,
     to_i64, to_json_text, to_u64,
 };
@@ -187,7 +187,7 @@ async fn migrate(client: &mut Object) -> Result<(), StoreError> {
         Some(_) => {}
     }
     // Under the migration lock, so replicas starting together do not race to create them.
-    tx.batch_execute(PAGING_INDEXES).await?;
+    tx.batch_execute(ADDED_INDEXES).await?;
     tx.batch_execute(&added_tables("BIGINT")).await?;
     tx.commit().await?;
     Ok(())
@@ -1215,11 +1215,7 @@ impl Store for PostgresStore {
     ) -> Result<SessionUsage, StoreError> {
         let client = self.client().await?;
         let row = client
-            .query_one(
-                "SELECT COUNT(*) AS calls, MIN(created_at) AS first_at FROM calls \
-                 WHERE principal = $1 AND session_id = $2",
-                &[&principal, &session_id],
-            )
+            .query_one(SESSION_USAGE_SQL, &[&principal, &session_id])
             .await?;
         let calls: i64 = row.try_get("calls")?;
         Ok(SessionUsage {

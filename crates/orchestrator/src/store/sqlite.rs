@@ -26,11 +26,11 @@ use super::machine::{
 };
 use super::sql::{Placeholders, filter_sql, move_call_sql, prune_results_sql};
 use super::{
-    APPROVAL_SELECT, AUDIT_COLUMNS, Approval, ApprovalId, ApprovalPage, ApprovalQuery,
-    ApprovalStatus, AuditQuery, AuditRecord, CALL_COLUMNS, CALL_LIST_STATUS, CallId,
+    ADDED_INDEXES, APPROVAL_SELECT, AUDIT_COLUMNS, Approval, ApprovalId, ApprovalPage,
+    ApprovalQuery, ApprovalStatus, AuditQuery, AuditRecord, CALL_COLUMNS, CALL_LIST_STATUS, CallId,
     CallListFilter, CallOutcome, CallState, CallWrite, ExpiredApproval, MAX_CALL_LIST, NewApproval,
-    NewAuditEvent, NewCall, PAGING_INDEXES, PIN_COLUMNS, PinCheck, PinRow, PinnedDefinition,
-    RememberedApproval, SCHEMA_VERSION, SessionUsage, Store, StoreError, StoredCall, Timestamp,
+    NewAuditEvent, NewCall, PIN_COLUMNS, PinCheck, PinRow, PinnedDefinition, RememberedApproval,
+    SCHEMA_VERSION, SESSION_USAGE_SQL, SessionUsage, Store, StoreError, StoredCall, Timestamp,
     ToolPin, VerifyReport, added_tables, decode_call_status, fill_page, from_json_text, schema_v1,
     to_i64, to_json_text, to_u64,
 };
@@ -163,7 +163,7 @@ fn migrate(conn: &mut Connection) -> Result<(), StoreError> {
         }
         Some(_) => {}
     }
-    tx.execute_batch(PAGING_INDEXES)?;
+    tx.execute_batch(ADDED_INDEXES)?;
     tx.execute_batch(&added_tables("INTEGER"))?;
     tx.commit()?;
     Ok(())
@@ -1250,12 +1250,10 @@ impl Store for SqliteStore {
         let principal = principal.to_owned();
         let session_id = session_id.to_owned();
         self.run(move |conn| {
-            let (calls, first_at): (i64, Option<Timestamp>) = conn.query_row(
-                "SELECT COUNT(*) AS calls, MIN(created_at) AS first_at FROM calls \
-                 WHERE principal = ?1 AND session_id = ?2",
-                params![principal, session_id],
-                |row| Ok((row.get("calls")?, row.get("first_at")?)),
-            )?;
+            let (calls, first_at): (i64, Option<Timestamp>) =
+                conn.query_row(SESSION_USAGE_SQL, params![principal, session_id], |row| {
+                    Ok((row.get("calls")?, row.get("first_at")?))
+                })?;
             Ok(SessionUsage {
                 calls: to_u64(calls, "a call count")?,
                 first_at,
@@ -1272,6 +1270,63 @@ mod tests {
     fn rows(conn: &Connection) -> i64 {
         conn.query_row("SELECT COUNT(*) FROM t", [], |row| row.get(0))
             .unwrap()
+    }
+
+    /// The gate counts a session's calls before every call: from an index alone, never
+    /// from the calls' rows, where `created_at` sits after the stored result and SQLite
+    /// would walk each result's overflow pages to reach it. Also on a store made before
+    /// the index existed, whose old index goes.
+    #[test]
+    fn a_sessions_usage_is_read_from_an_index_alone() {
+        let plan = |conn: &Connection| -> Vec<String> {
+            let mut stmt = conn
+                .prepare(&format!("EXPLAIN QUERY PLAN {SESSION_USAGE_SQL}"))
+                .unwrap();
+            stmt.query_map(params!["alice", "s1"], |row| row.get::<_, String>("detail"))
+                .unwrap()
+                .collect::<Result<_, _>>()
+                .unwrap()
+        };
+        let indexes = |conn: &Connection| -> Vec<String> {
+            let mut stmt = conn
+                .prepare(
+                    "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'calls'",
+                )
+                .unwrap();
+            stmt.query_map([], |row| row.get::<_, String>(0))
+                .unwrap()
+                .collect::<Result<_, _>>()
+                .unwrap()
+        };
+        let mut conn = Connection::open_in_memory().unwrap();
+        migrate(&mut conn).unwrap();
+        let detail = plan(&conn);
+        assert!(
+            detail
+                .iter()
+                .any(|d| d.contains("USING COVERING INDEX calls_session_created")),
+            "{detail:?}"
+        );
+        assert!(!indexes(&conn).contains(&"calls_session".to_owned()));
+
+        // A store of an earlier build: schema version 1 with its index, none added since.
+        let mut old = Connection::open_in_memory().unwrap();
+        old.execute_batch(&schema_v1("INTEGER")).unwrap();
+        old.execute_batch(
+            "CREATE TABLE schema_version (version INTEGER NOT NULL); \
+             INSERT INTO schema_version (version) VALUES (1);",
+        )
+        .unwrap();
+        assert!(indexes(&old).contains(&"calls_session".to_owned()));
+        migrate(&mut old).unwrap();
+        let detail = plan(&old);
+        assert!(
+            detail
+                .iter()
+                .any(|d| d.contains("USING COVERING INDEX calls_session_created")),
+            "{detail:?}"
+        );
+        assert!(!indexes(&old).contains(&"calls_session".to_owned()));
     }
 
     /// The cached `BEGIN IMMEDIATE … COMMIT` keeps rusqlite's promise: what is not

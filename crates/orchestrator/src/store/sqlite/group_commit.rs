@@ -258,29 +258,27 @@ mod tests {
     }
 
     /// Makes `writes` while the store's connection is held by other work, and lets it go
-    /// only once all of them wait in the queue: what a busy store sees under load.
-    /// Returns each write's answer, in order.
+    /// only once all of them wait in the queue: what a busy store sees under load. Each
+    /// write reaches the queue before the next is made, so the queue holds them in the
+    /// order given. Returns each write's answer, in that order.
     async fn write_while_busy(
         store: &Arc<SqliteStore>,
         writes: Vec<CallWrite>,
     ) -> Vec<Result<bool, StoreError>> {
-        let count = writes.len();
         let busy = store.conn.lock().expect("the connection");
-        let tasks: Vec<_> = writes
-            .into_iter()
-            .map(|write| {
-                let store = Arc::clone(store);
-                tokio::spawn(async move { store.write_call(write).await })
-            })
-            .collect();
         let deadline = Instant::now() + Duration::from_secs(30);
-        while store.calls.waiting() < count {
-            assert!(
-                Instant::now() < deadline,
-                "only {} of {count} writes reached the queue",
-                store.calls.waiting()
-            );
-            std::thread::sleep(Duration::from_millis(1));
+        let mut tasks = Vec::new();
+        for (queued, write) in writes.into_iter().enumerate() {
+            let writer = Arc::clone(store);
+            tasks.push(tokio::spawn(async move { writer.write_call(write).await }));
+            while store.calls.waiting() <= queued {
+                assert!(
+                    Instant::now() < deadline,
+                    "write {} did not reach the queue",
+                    queued + 1
+                );
+                std::thread::sleep(Duration::from_millis(1));
+            }
         }
         drop(busy);
         let mut answers = Vec::new();
