@@ -3,7 +3,7 @@
 //! SQLite).
 
 use super::machine::{CallFilter, CallMove, CallSet, States};
-use super::{CallState, Timestamp, to_i64, to_json_text};
+use super::{CallState, Timestamp, UNPRUNED, to_i64, to_json_text};
 
 /// Where an engine keeps a statement's parameters: each call binds a value and answers
 /// its placeholder.
@@ -105,11 +105,10 @@ pub(super) fn move_call_sql(mv: &CallMove<'_>, binds: &mut impl Placeholders) ->
 
 /// `UPDATE calls SET result = NULL …` for the results of calls finished before
 /// `before` (`[store] retention_days`): the row, its status and digest-bearing audit
-/// events stay.
+/// events stay. The calls due are found through the partial index `calls_unpruned`.
 pub(super) fn prune_results_sql(before: Timestamp, binds: &mut impl Placeholders) -> String {
     format!(
-        "UPDATE calls SET result = NULL WHERE state = '{}' AND result IS NOT NULL AND finished_at < {}",
-        CallState::Finished.as_str(),
+        "UPDATE calls SET result = NULL WHERE {UNPRUNED} AND finished_at < {}",
         binds.timestamp(before)
     )
 }

@@ -31,8 +31,8 @@ use super::{
     CallListFilter, CallOutcome, CallState, CallWrite, ExpiredApproval, MAX_CALL_LIST, NewApproval,
     NewAuditEvent, NewCall, PIN_COLUMNS, PinCheck, PinRow, PinnedDefinition, RememberedApproval,
     SCHEMA_VERSION, SESSION_USAGE_SQL, SessionUsage, Store, StoreError, StoredCall, Timestamp,
-    ToolPin, VerifyReport, added_tables, decode_call_status, fill_page, from_json_text, schema_v1,
-    to_i64, to_json_text, to_u64,
+    ToolPin, UNPRUNED, VerifyReport, added_tables, decode_call_status, fill_page, from_json_text,
+    schema_v1, to_i64, to_json_text, to_u64,
 };
 use crate::audit::{ChainVerifier, GENESIS_HASH};
 
@@ -1101,9 +1101,8 @@ impl Store for SqliteStore {
         self.run(move |conn| {
             let due = conn
                 .query_row(
-                    "SELECT 1 FROM calls WHERE state = ?1 AND result IS NOT NULL \
-                     AND finished_at < ?2 LIMIT 1",
-                    params![CallState::Finished.as_str(), finished_before],
+                    &format!("SELECT 1 FROM calls WHERE {UNPRUNED} AND finished_at < ?1 LIMIT 1"),
+                    params![finished_before],
                     |_| Ok(()),
                 )
                 .optional()?;
@@ -1272,42 +1271,43 @@ mod tests {
             .unwrap()
     }
 
+    /// The column `column` of every row `sql` answers, as text. Parameters stay unbound
+    /// (NULL), which is all `EXPLAIN QUERY PLAN` needs.
+    fn texts(conn: &Connection, sql: &str, column: &str) -> Vec<String> {
+        let mut stmt = conn.prepare(sql).unwrap();
+        let mut rows = stmt.raw_query();
+        let mut out = Vec::new();
+        while let Some(row) = rows.next().unwrap() {
+            out.push(row.get::<_, String>(column).unwrap());
+        }
+        out
+    }
+
+    /// Asserts that SQLite's plan for `sql` has a step containing `step`.
+    fn assert_plan(conn: &Connection, sql: &str, step: &str) {
+        let plan = texts(conn, &format!("EXPLAIN QUERY PLAN {sql}"), "detail");
+        assert!(plan.iter().any(|d| d.contains(step)), "{sql}: {plan:?}");
+    }
+
+    fn call_indexes(conn: &Connection) -> Vec<String> {
+        texts(
+            conn,
+            "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'calls'",
+            "name",
+        )
+    }
+
     /// The gate counts a session's calls before every call: from an index alone, never
     /// from the calls' rows, where `created_at` sits after the stored result and SQLite
     /// would walk each result's overflow pages to reach it. Also on a store made before
     /// the index existed, whose old index goes.
     #[test]
     fn a_sessions_usage_is_read_from_an_index_alone() {
-        let plan = |conn: &Connection| -> Vec<String> {
-            let mut stmt = conn
-                .prepare(&format!("EXPLAIN QUERY PLAN {SESSION_USAGE_SQL}"))
-                .unwrap();
-            stmt.query_map(params!["alice", "s1"], |row| row.get::<_, String>("detail"))
-                .unwrap()
-                .collect::<Result<_, _>>()
-                .unwrap()
-        };
-        let indexes = |conn: &Connection| -> Vec<String> {
-            let mut stmt = conn
-                .prepare(
-                    "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'calls'",
-                )
-                .unwrap();
-            stmt.query_map([], |row| row.get::<_, String>(0))
-                .unwrap()
-                .collect::<Result<_, _>>()
-                .unwrap()
-        };
+        let covered = "USING COVERING INDEX calls_session_created";
         let mut conn = Connection::open_in_memory().unwrap();
         migrate(&mut conn).unwrap();
-        let detail = plan(&conn);
-        assert!(
-            detail
-                .iter()
-                .any(|d| d.contains("USING COVERING INDEX calls_session_created")),
-            "{detail:?}"
-        );
-        assert!(!indexes(&conn).contains(&"calls_session".to_owned()));
+        assert_plan(&conn, SESSION_USAGE_SQL, covered);
+        assert!(!call_indexes(&conn).contains(&"calls_session".to_owned()));
 
         // A store of an earlier build: schema version 1 with its index, none added since.
         let mut old = Connection::open_in_memory().unwrap();
@@ -1317,16 +1317,38 @@ mod tests {
              INSERT INTO schema_version (version) VALUES (1);",
         )
         .unwrap();
-        assert!(indexes(&old).contains(&"calls_session".to_owned()));
+        assert!(call_indexes(&old).contains(&"calls_session".to_owned()));
         migrate(&mut old).unwrap();
-        let detail = plan(&old);
-        assert!(
-            detail
-                .iter()
-                .any(|d| d.contains("USING COVERING INDEX calls_session_created")),
-            "{detail:?}"
+        assert_plan(&old, SESSION_USAGE_SQL, covered);
+        assert!(!call_indexes(&old).contains(&"calls_session".to_owned()));
+    }
+
+    /// The hourly prune finds the results due through the partial index of the calls
+    /// whose results are still stored, both its check and its update: never by reading
+    /// every finished call's row past its stored result.
+    #[test]
+    fn the_prune_finds_the_results_due_through_its_index() {
+        assert_eq!(
+            UNPRUNED,
+            format!(
+                "state = '{}' AND result IS NOT NULL",
+                CallState::Finished.as_str()
+            ),
+            "the index's condition names the finished state as the store writes it"
         );
-        assert!(!indexes(&old).contains(&"calls_session".to_owned()));
+        let mut conn = Connection::open_in_memory().unwrap();
+        migrate(&mut conn).unwrap();
+        let update = super::prune_results_sql(1_000, &mut Binds::default());
+        for sql in [
+            format!("SELECT 1 FROM calls WHERE {UNPRUNED} AND finished_at < ?1 LIMIT 1"),
+            update,
+        ] {
+            assert_plan(
+                &conn,
+                &sql,
+                "USING INDEX calls_unpruned (state=? AND finished_at<?)",
+            );
+        }
     }
 
     /// The cached `BEGIN IMMEDIATE … COMMIT` keeps rusqlite's promise: what is not
