@@ -146,8 +146,9 @@ CREATE INDEX IF NOT EXISTS calls_unpruned ON calls (state, finished_at) WHERE re
 pub(super) const UNPRUNED: &str = "state = 'finished' AND result IS NOT NULL";
 
 /// How many calls a session has had and when its first came (`[budgets]
-/// max_calls_per_session`, `session_wall_time_seconds`); `?1`/`$1` the principal, `?2`/`$2`
-/// the session. Answered from `calls_session_created` alone ([`ADDED_INDEXES`]).
+/// max_calls_per_session`, `session_wall_time_seconds`); `$1` the principal, `$2` the
+/// session (SQLite numbers `$N` parameters in order of appearance, so both engines bind
+/// them by position). Answered from `calls_session_created` alone ([`ADDED_INDEXES`]).
 pub(super) const SESSION_USAGE_SQL: &str = "SELECT COUNT(*) AS calls, MIN(created_at) AS first_at \
      FROM calls WHERE principal = $1 AND session_id = $2";
 
