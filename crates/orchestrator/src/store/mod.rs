@@ -124,9 +124,10 @@ CREATE INDEX IF NOT EXISTS approvals_status ON approvals (status, created_at);
 /// session. The new index starts with the old one's columns, so it serves every query
 /// that used `calls_session`, which is dropped (one index fewer to write per call).
 ///
-/// `calls_unpruned` holds the calls whose stored result has not been pruned yet, by
-/// state and `finished_at` ([`UNPRUNED`]): the hourly prune (`[store] retention_days`)
-/// finds the results due in it alone. Through `calls_state` it read every finished
+/// `calls_unpruned` holds the calls whose stored result has not been pruned yet
+/// (`result IS NOT NULL`, a condition every statement meant to use it must contain), by
+/// state and `finished_at`: the hourly prune (`[store] retention_days`) finds the
+/// results due in it alone. Through `calls_state` it read every finished
 /// call's row, again past its stored result to `finished_at`: the whole store, every
 /// hour. (Keyed by state too, so that SQLite's planner, which has no statistics,
 /// prefers it to `calls_state` for `state = 'finished' AND finished_at < ?`.)
@@ -138,12 +139,6 @@ CREATE INDEX IF NOT EXISTS calls_session_created ON calls (principal, session_id
 DROP INDEX IF EXISTS calls_session;
 CREATE INDEX IF NOT EXISTS calls_unpruned ON calls (state, finished_at) WHERE result IS NOT NULL;
 ";
-
-/// A call whose stored result the prune may still drop, as every statement that should
-/// use the partial index `calls_unpruned` writes it (SQLite uses a partial index only
-/// for a query whose `WHERE` contains the index's condition, `result IS NOT NULL`, as
-/// written).
-pub(super) const UNPRUNED: &str = "state = 'finished' AND result IS NOT NULL";
 
 /// How many calls a session has had and when its first came (`[budgets]
 /// max_calls_per_session`, `session_wall_time_seconds`); `$1` the principal, `$2` the

@@ -3,7 +3,7 @@
 //! SQLite).
 
 use super::machine::{CallFilter, CallMove, CallSet, States};
-use super::{CallState, Timestamp, UNPRUNED, to_i64, to_json_text};
+use super::{CallState, Timestamp, to_i64, to_json_text};
 
 /// Where an engine keeps a statement's parameters: each call binds a value and answers
 /// its placeholder.
@@ -108,7 +108,8 @@ pub(super) fn move_call_sql(mv: &CallMove<'_>, binds: &mut impl Placeholders) ->
 /// events stay. The calls due are found through the partial index `calls_unpruned`.
 pub(super) fn prune_results_sql(before: Timestamp, binds: &mut impl Placeholders) -> String {
     format!(
-        "UPDATE calls SET result = NULL WHERE {UNPRUNED} AND finished_at < {}",
+        "UPDATE calls SET result = NULL WHERE state = '{}' AND result IS NOT NULL AND finished_at < {}",
+        CallState::Finished.as_str(),
         binds.timestamp(before)
     )
 }

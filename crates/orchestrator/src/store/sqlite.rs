@@ -31,8 +31,8 @@ use super::{
     CallListFilter, CallOutcome, CallState, CallWrite, ExpiredApproval, MAX_CALL_LIST, NewApproval,
     NewAuditEvent, NewCall, PIN_COLUMNS, PinCheck, PinRow, PinnedDefinition, RememberedApproval,
     SCHEMA_VERSION, SESSION_USAGE_SQL, SessionUsage, Store, StoreError, StoredCall, Timestamp,
-    ToolPin, UNPRUNED, VerifyReport, added_tables, decode_call_status, fill_page, from_json_text,
-    schema_v1, to_i64, to_json_text, to_u64,
+    ToolPin, VerifyReport, added_tables, decode_call_status, fill_page, from_json_text, schema_v1,
+    to_i64, to_json_text, to_u64,
 };
 use crate::audit::{ChainVerifier, GENESIS_HASH};
 
@@ -135,6 +135,11 @@ fn open_blocking(path: &PathBuf) -> Result<Connection, StoreError> {
     migrate(&mut conn)?;
     Ok(conn)
 }
+
+/// Whether any result is due for the prune: `?1` the finished state, `?2` the cut. Found
+/// through the partial index `calls_unpruned`.
+const RESULTS_DUE_SQL: &str = "SELECT 1 FROM calls WHERE state = ?1 AND result IS NOT NULL \
+     AND finished_at < ?2 LIMIT 1";
 
 fn migrate(conn: &mut Connection) -> Result<(), StoreError> {
     let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
@@ -1101,8 +1106,8 @@ impl Store for SqliteStore {
         self.run(move |conn| {
             let due = conn
                 .query_row(
-                    &format!("SELECT 1 FROM calls WHERE {UNPRUNED} AND finished_at < ?1 LIMIT 1"),
-                    params![finished_before],
+                    RESULTS_DUE_SQL,
+                    params![CallState::Finished.as_str(), finished_before],
                     |_| Ok(()),
                 )
                 .optional()?;
@@ -1328,24 +1333,13 @@ mod tests {
     /// every finished call's row past its stored result.
     #[test]
     fn the_prune_finds_the_results_due_through_its_index() {
-        assert_eq!(
-            UNPRUNED,
-            format!(
-                "state = '{}' AND result IS NOT NULL",
-                CallState::Finished.as_str()
-            ),
-            "the index's condition names the finished state as the store writes it"
-        );
         let mut conn = Connection::open_in_memory().unwrap();
         migrate(&mut conn).unwrap();
         let update = super::prune_results_sql(1_000, &mut Binds::default());
-        for sql in [
-            format!("SELECT 1 FROM calls WHERE {UNPRUNED} AND finished_at < ?1 LIMIT 1"),
-            update,
-        ] {
+        for sql in [RESULTS_DUE_SQL, &update] {
             assert_plan(
                 &conn,
-                &sql,
+                sql,
                 "USING INDEX calls_unpruned (state=? AND finished_at<?)",
             );
         }
