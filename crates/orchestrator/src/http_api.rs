@@ -452,7 +452,7 @@ async fn tool_calls(
         return Ok(crate::streaming::tool_calls(handles).into_response());
     }
     let records = futures::future::join_all(handles.iter().map(|h| h.wait_final(wait))).await;
-    let mut body = Vec::with_capacity(256);
+    let mut body = crate::json_text::ChunkedBody::default();
     wire::write_tool_calls_response(shape, &records, &mut body);
     Ok(crate::json_text::json_response(body))
 }

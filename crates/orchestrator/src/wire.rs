@@ -10,7 +10,7 @@ use serde_json::{Map, Value, json};
 use crate::calls::CallRecord;
 use crate::catalog::CatalogTool;
 use crate::gate::ToolUse;
-use crate::json_text::{write_lines, write_str, write_value};
+use crate::json_text::{JsonOut, write_lines, write_str, write_value};
 
 /// Longest `wait_ms` honoured.
 pub const MAX_WAIT_MS: u64 = 600_000;
@@ -264,60 +264,60 @@ pub fn anthropic_result(tool_use_id: &str, outcome: &ToolOutcome) -> Value {
 /// (`tool_calls_response`, the reference it is tested against), without copying each
 /// result's text into that `Value` first (a 1 MiB result was copied once more for that).
 /// Calls that are not final yet have a `calls` entry but no result.
-pub fn write_tool_calls_response(shape: Shape, records: &[CallRecord], out: &mut Vec<u8>) {
+pub fn write_tool_calls_response(shape: Shape, records: &[CallRecord], out: &mut impl JsonOut) {
     let key: &[u8] = match shape {
         Shape::Anthropic => b"{\"tool_results\":[",
         Shape::OpenAiChat => b"{\"messages\":[",
         Shape::OpenAiResponses => b"{\"outputs\":[",
     };
-    out.extend_from_slice(key);
+    out.put(key);
     let finished = records
         .iter()
         .filter(|r| r.status.is_final())
         .filter_map(|r| r.result.as_deref().map(|outcome| (r, outcome)));
     for (i, (record, outcome)) in finished.enumerate() {
         if i > 0 {
-            out.push(b',');
+            out.put_byte(b',');
         }
         match shape {
             Shape::Anthropic => {
-                out.extend_from_slice(b"{\"type\":\"tool_result\",\"tool_use_id\":");
+                out.put(b"{\"type\":\"tool_result\",\"tool_use_id\":");
                 write_str(&record.tool_use_id, out);
-                out.extend_from_slice(b",\"content\":[");
+                out.put(b",\"content\":[");
                 for (j, text) in outcome.content.iter().enumerate() {
                     if j > 0 {
-                        out.push(b',');
+                        out.put_byte(b',');
                     }
-                    out.extend_from_slice(b"{\"type\":\"text\",\"text\":");
+                    out.put(b"{\"type\":\"text\",\"text\":");
                     write_str(text, out);
-                    out.push(b'}');
+                    out.put_byte(b'}');
                 }
-                out.extend_from_slice(b"],\"is_error\":");
-                out.extend_from_slice(if outcome.is_error { b"true" } else { b"false" });
+                out.put(b"],\"is_error\":");
+                out.put(if outcome.is_error { b"true" } else { b"false" });
             }
             Shape::OpenAiChat => {
-                out.extend_from_slice(b"{\"role\":\"tool\",\"tool_call_id\":");
+                out.put(b"{\"role\":\"tool\",\"tool_call_id\":");
                 write_str(&record.tool_use_id, out);
-                out.extend_from_slice(b",\"content\":");
+                out.put(b",\"content\":");
                 write_lines(&outcome.content, out);
             }
             Shape::OpenAiResponses => {
-                out.extend_from_slice(b"{\"type\":\"function_call_output\",\"call_id\":");
+                out.put(b"{\"type\":\"function_call_output\",\"call_id\":");
                 write_str(&record.tool_use_id, out);
-                out.extend_from_slice(b",\"output\":");
+                out.put(b",\"output\":");
                 write_lines(&outcome.content, out);
             }
         }
-        out.push(b'}');
+        out.put_byte(b'}');
     }
-    out.extend_from_slice(b"],\"calls\":[");
+    out.put(b"],\"calls\":[");
     for (i, record) in records.iter().enumerate() {
         if i > 0 {
-            out.push(b',');
+            out.put_byte(b',');
         }
         write_value(&call_summary(record), out);
     }
-    out.extend_from_slice(b"]}");
+    out.put(b"]}");
 }
 
 /// The response body of `POST /v1/tool_calls` as a `Value`, in the request's shape:
@@ -577,6 +577,9 @@ mod tests {
                 let mut written = Vec::new();
                 write_tool_calls_response(shape, records, &mut written);
                 let reference = serde_json::to_vec(&tool_calls_response(shape, records)).unwrap();
+                let mut chunked = crate::json_text::ChunkedBody::default();
+                write_tool_calls_response(shape, records, &mut chunked);
+                assert_eq!(chunked.chunks().concat(), written, "{shape:?}");
                 assert_eq!(
                     String::from_utf8(written).unwrap(),
                     String::from_utf8(reference).unwrap(),

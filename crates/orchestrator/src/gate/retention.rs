@@ -81,9 +81,12 @@ pub(super) fn stored_result(outcome: &ToolOutcome, max_bytes: usize, digest: &st
         "[stored result cut by [store] max_result_bytes: {kept} of {total} bytes kept; \
          result_sha256 {digest} is of the whole]"
     ));
+    // Field by field: `..outcome.clone()` would copy the whole text only to drop it.
     let cut = ToolOutcome {
+        is_error: outcome.is_error,
         content,
-        ..outcome.clone()
+        isolation: outcome.isolation.clone(),
+        timed_out: outcome.timed_out,
     };
     serde_json::to_value(&cut).unwrap_or(Value::Null)
 }
