@@ -67,11 +67,13 @@ impl TryFrom<pb::ToolDefinition> for ToolDefinition {
     }
 }
 
-impl From<&ToolOutcome> for pb::ToolResult {
-    fn from(o: &ToolOutcome) -> Self {
+/// By value: the text moves into the message (a worker's 1 MiB result was copied here
+/// once more when this borrowed it).
+impl From<ToolOutcome> for pb::ToolResult {
+    fn from(o: ToolOutcome) -> Self {
         pb::ToolResult {
             is_error: o.is_error,
-            content: o.content.clone(),
+            content: o.content,
             isolation_json: o
                 .isolation
                 .as_ref()

@@ -569,7 +569,7 @@ async fn run_call(
                         let _ = out.send(Ok(wire_event(event))).await;
                     }
                 }
-                break Ok((&outcome).into());
+                break Ok(outcome.into());
             }
             Some(event) = events.recv() => {
                 if !caller_gone && out.send(Ok(wire_event(event))).await.is_err() {
@@ -595,8 +595,23 @@ async fn run_call(
         Err(_) => "error",
     };
     ending.record(status);
-    ledger.send_replace(Some(answer.clone()));
+    ledger.send_replace(Some(ledger_copy(&answer, detached)));
     let _ = out.send(answer.map(result_event)).await;
+}
+
+/// What a call's ledger keeps of its answer. A detached call may be sent again and is
+/// answered from the ledger, so it keeps the whole answer; any other call's ledger only
+/// tells a `Cancel` that the call has ended, so it keeps the answer without its text
+/// (a 1 MiB result was copied here for nothing).
+fn ledger_copy(answer: &Final, detached: bool) -> Final {
+    match answer {
+        Ok(result) if !detached => Ok(pb::ToolResult {
+            content: Vec::new(),
+            isolation_json: String::new(),
+            ..*result
+        }),
+        _ => answer.clone(),
+    }
 }
 
 fn result_event(result: pb::ToolResult) -> pb::ExecuteEvent {
@@ -852,6 +867,27 @@ fn execute_span(request: &Request<pb::ExecuteRequest>) -> CallSpan {
 
 #[cfg(test)]
 mod tests {
+    /// Only a detached call's ledger keeps its result's text: nothing else is replayed.
+    #[test]
+    fn only_a_detached_calls_ledger_keeps_the_text() {
+        let answer: super::Final = Ok(super::pb::ToolResult {
+            is_error: true,
+            content: vec!["x".repeat(1 << 20)],
+            isolation_json: "{}".to_owned(),
+            timed_out: true,
+        });
+        assert_eq!(
+            super::ledger_copy(&answer, true).unwrap(),
+            *answer.as_ref().unwrap()
+        );
+        let kept = super::ledger_copy(&answer, false).unwrap();
+        assert!(kept.content.is_empty() && kept.isolation_json.is_empty());
+        assert!(kept.is_error && kept.timed_out);
+        let status: super::Final = Err(tonic::Status::cancelled("gone"));
+        let kept = super::ledger_copy(&status, false).unwrap_err();
+        assert_eq!(kept.code(), tonic::Code::Cancelled);
+    }
+
     use super::*;
 
     #[test]
