@@ -209,7 +209,7 @@ impl JsonOut for Vec<u8> {
 }
 
 /// The most a chunk of a [`ChunkedBody`] holds: half the C allocator's mmap threshold
-/// (`airlock_sandbox::heap`), so that every chunk comes from the heap's free blocks.
+/// (`airlock_sandbox::heap`), so that no chunk is a mapping of its own.
 pub const CHUNK_BYTES: usize = 64 * 1024;
 
 /// An answer written as chunks of at most [`CHUNK_BYTES`], sent one after the other
@@ -218,8 +218,9 @@ pub const CHUNK_BYTES: usize = 64 * 1024;
 /// A 1 MiB result written into one buffer made that buffer a fresh mapping of its own
 /// (the orchestrator maps every buffer of 128 KiB or more, `airlock_sandbox::heap`),
 /// and the kernel zeroed and faulted in each of its 260-odd pages on every such answer:
-/// page faults were a fifth of the orchestrator's CPU for 1 MiB reads. Chunks reuse
-/// the heap's freed blocks instead (README, "Tool calls over HTTP").
+/// page faults were a fifth of the orchestrator's CPU for 1 MiB reads. Chunks are heap
+/// blocks, and the buffers of chunks already sent are reused from a bounded pool
+/// ([`FREE_CHUNKS`]; README, "Tool calls over HTTP").
 #[derive(Debug)]
 pub struct ChunkedBody {
     sealed: std::collections::VecDeque<bytes::Bytes>,
