@@ -22,7 +22,6 @@ use crate::budget::BudgetError;
 use crate::calls::wait_final;
 use crate::gate::Gate;
 use crate::gate::decisions::{self as approvals, DecideError};
-use crate::json_text::JsonText;
 use crate::service::{AdmitError, Batch, CallService, OnDrop, Refused};
 use crate::store::{ApprovalQuery, ApprovalStatus, MAX_APPROVAL_PAGE, StoreError};
 use crate::wire::{self, BadRequest, CatalogFormat};
@@ -528,21 +527,29 @@ async fn get_call(
     axum::Extension(principal): axum::Extension<Principal>,
     Path(call_id): Path<String>,
     q: Result<Query<CallQuery>, QueryRejection>,
-) -> Result<JsonText, ApiError> {
+) -> Result<Response, ApiError> {
     let wait = query(q)?.wait()?;
     if let Some(rx) = visible_call(&state, &principal, &call_id)? {
         let record = wait_final(rx, wait).await;
-        return Ok(JsonText(wire::call_detail(&record)));
+        return Ok(call_detail_answer(&record));
     }
     // Not in this replica's memory: another replica's call, or one from before a restart.
     let deadline = tokio::time::Instant::now() + wait;
     loop {
         let record = stored_call(&state, &principal, &call_id).await?;
         if record.status.is_final() || tokio::time::Instant::now() >= deadline {
-            return Ok(JsonText(wire::call_detail(&record)));
+            return Ok(call_detail_answer(&record));
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
+}
+
+/// `GET /v1/calls/{id}`'s answer (and `POST …/cancel`'s): the call, its result written
+/// straight from the record.
+fn call_detail_answer(record: &crate::calls::CallRecord) -> Response {
+    let mut body = crate::json_text::ChunkedBody::default();
+    wire::write_call_detail(record, &mut body);
+    crate::json_text::json_response(body)
 }
 
 async fn stored_call(
@@ -565,22 +572,22 @@ async fn cancel_call(
     State(state): State<HttpState>,
     axum::Extension(principal): axum::Extension<Principal>,
     Path(call_id): Path<String>,
-) -> Result<JsonText, ApiError> {
+) -> Result<Response, ApiError> {
     // The answer is the call as it is after a short wait: `cancelled` only once its
     // worker has stopped it, else still `running` (`GET /v1/calls/{id}` follows it).
     let Some(rx) = visible_call(&state, &principal, &call_id)? else {
         // Another replica's call, or one only the store knows.
         let record = stored_call(&state, &principal, &call_id).await?;
         if record.status.is_final() {
-            return Ok(JsonText(wire::call_detail(&record)));
+            return Ok(call_detail_answer(&record));
         }
         state.gate.cancel_elsewhere(&call_id).await;
         let record = stored_call(&state, &principal, &call_id).await?;
-        return Ok(JsonText(wire::call_detail(&record)));
+        return Ok(call_detail_answer(&record));
     };
     state.gate.cancel(&call_id);
     let record = wait_final(rx, Duration::from_secs(5)).await;
-    Ok(JsonText(wire::call_detail(&record)))
+    Ok(call_detail_answer(&record))
 }
 
 /// A call is visible to the principal that made it and to admins; to anyone else it does

@@ -354,20 +354,8 @@ impl http_body::Body for ChunkedBody {
     }
 }
 
-/// An `application/json` answer written by [`write_value`]; what `axum::Json` answers,
-/// for the answers that carry tool results.
-#[derive(Debug)]
-pub struct JsonText(pub Value);
-
-impl IntoResponse for JsonText {
-    fn into_response(self) -> Response {
-        let mut body = ChunkedBody::default();
-        write_value(&self.0, &mut body);
-        json_response(body)
-    }
-}
-
-/// An `application/json` answer of JSON already written.
+/// An `application/json` answer of JSON already written (the answers that carry tool
+/// results: what `axum::Json` answers, headers included).
 pub fn json_response(body: ChunkedBody) -> Response {
     (
         [(
@@ -543,7 +531,9 @@ mod tests {
     #[tokio::test]
     async fn the_answer_is_json() {
         let value = json!({"text": "a\nb", "n": 1});
-        let response = JsonText(value.clone()).into_response();
+        let mut body = ChunkedBody::default();
+        write_value(&value, &mut body);
+        let response = json_response(body);
         assert_eq!(response.status(), axum::http::StatusCode::OK);
         assert_eq!(response.headers()[header::CONTENT_TYPE], "application/json");
         let body = axum::body::to_bytes(response.into_body(), usize::MAX)

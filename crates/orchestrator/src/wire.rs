@@ -259,6 +259,24 @@ pub fn anthropic_result(tool_use_id: &str, outcome: &ToolOutcome) -> Value {
     })
 }
 
+/// [`anthropic_result`]'s bytes, written without building the `Value`.
+fn write_anthropic_result(tool_use_id: &str, outcome: &ToolOutcome, out: &mut impl JsonOut) {
+    out.put(b"{\"type\":\"tool_result\",\"tool_use_id\":");
+    write_str(tool_use_id, out);
+    out.put(b",\"content\":[");
+    for (j, text) in outcome.content.iter().enumerate() {
+        if j > 0 {
+            out.put_byte(b',');
+        }
+        out.put(b"{\"type\":\"text\",\"text\":");
+        write_str(text, out);
+        out.put_byte(b'}');
+    }
+    out.put(b"],\"is_error\":");
+    out.put(if outcome.is_error { b"true" } else { b"false" });
+    out.put_byte(b'}');
+}
+
 /// The response body of `POST /v1/tool_calls`, in the request's shape, written straight
 /// to JSON bytes: what `serde_json::to_vec` writes of the same answer built as a `Value`
 /// (`tool_calls_response`, the reference it is tested against), without copying each
@@ -280,35 +298,22 @@ pub fn write_tool_calls_response(shape: Shape, records: &[CallRecord], out: &mut
             out.put_byte(b',');
         }
         match shape {
-            Shape::Anthropic => {
-                out.put(b"{\"type\":\"tool_result\",\"tool_use_id\":");
-                write_str(&record.tool_use_id, out);
-                out.put(b",\"content\":[");
-                for (j, text) in outcome.content.iter().enumerate() {
-                    if j > 0 {
-                        out.put_byte(b',');
-                    }
-                    out.put(b"{\"type\":\"text\",\"text\":");
-                    write_str(text, out);
-                    out.put_byte(b'}');
-                }
-                out.put(b"],\"is_error\":");
-                out.put(if outcome.is_error { b"true" } else { b"false" });
-            }
+            Shape::Anthropic => write_anthropic_result(&record.tool_use_id, outcome, out),
             Shape::OpenAiChat => {
                 out.put(b"{\"role\":\"tool\",\"tool_call_id\":");
                 write_str(&record.tool_use_id, out);
                 out.put(b",\"content\":");
                 write_lines(&outcome.content, out);
+                out.put_byte(b'}');
             }
             Shape::OpenAiResponses => {
                 out.put(b"{\"type\":\"function_call_output\",\"call_id\":");
                 write_str(&record.tool_use_id, out);
                 out.put(b",\"output\":");
                 write_lines(&outcome.content, out);
+                out.put_byte(b'}');
             }
         }
-        out.put_byte(b'}');
     }
     out.put(b"],\"calls\":[");
     for (i, record) in records.iter().enumerate() {
@@ -351,14 +356,43 @@ pub fn tool_calls_response(shape: Shape, records: &[CallRecord]) -> Value {
     }
 }
 
-/// `GET /v1/calls/{id}`.
+/// `GET /v1/calls/{id}` as a `Value` (the console's call page; the reference
+/// [`write_call_detail`] is tested against).
 pub fn call_detail(record: &CallRecord) -> Value {
-    let mut body = call_summary(record);
-    body["tool"] = json!(record.tool);
-    if let Some(outcome) = record.result.as_ref().filter(|_| record.status.is_final()) {
+    let mut body = call_detail_head(record);
+    if let Some(outcome) = final_result(record) {
         body["tool_result"] = anthropic_result(&record.tool_use_id, outcome);
     }
     body
+}
+
+/// [`call_detail`] without its result, which is its last member.
+fn call_detail_head(record: &CallRecord) -> Value {
+    let mut body = call_summary(record);
+    body["tool"] = json!(record.tool);
+    body
+}
+
+fn final_result(record: &CallRecord) -> Option<&ToolOutcome> {
+    record
+        .result
+        .as_deref()
+        .filter(|_| record.status.is_final())
+}
+
+/// The body of `GET /v1/calls/{id}` written straight to JSON bytes: what serde_json
+/// writes of [`call_detail`], without copying the result's text into a `Value` first.
+pub fn write_call_detail(record: &CallRecord, out: &mut impl JsonOut) {
+    let mut head = Vec::with_capacity(256);
+    write_value(&call_detail_head(record), &mut head);
+    // The head is an object: all of it but its closing brace, then the result.
+    head.pop();
+    out.put(&head);
+    if let Some(outcome) = final_result(record) {
+        out.put(b",\"tool_result\":");
+        write_anthropic_result(&record.tool_use_id, outcome, out);
+    }
+    out.put_byte(b'}');
 }
 
 /// The catalog in one of the shapes `GET /v1/tools?format=` offers.
@@ -523,7 +557,8 @@ mod tests {
     /// The answer written straight to bytes is the answer built as a `Value` and written
     /// by serde_json, for every shape: finished calls with one, several or no text
     /// blocks, text that needs escapes, errors, a call held for approval (no result), a
-    /// call still running whose result is not final, and no call finished at all.
+    /// call still running whose result is not final, and no call finished at all; and
+    /// likewise each call's `GET /v1/calls/{id}` answer, and the chunked answer.
     #[test]
     fn the_written_answer_is_serde_jsons_answer() {
         use airlock_policy::CallStatus;
@@ -580,6 +615,15 @@ mod tests {
                 let mut chunked = crate::json_text::ChunkedBody::default();
                 write_tool_calls_response(shape, records, &mut chunked);
                 assert_eq!(chunked.chunks().concat(), written, "{shape:?}");
+                for record in records {
+                    let mut detail = Vec::new();
+                    write_call_detail(record, &mut detail);
+                    let reference = serde_json::to_vec(&call_detail(record)).unwrap();
+                    assert_eq!(
+                        String::from_utf8(detail).unwrap(),
+                        String::from_utf8(reference).unwrap()
+                    );
+                }
                 assert_eq!(
                     String::from_utf8(written).unwrap(),
                     String::from_utf8(reference).unwrap(),
