@@ -75,15 +75,14 @@ async fn follow(mut handle: CallHandle, out: mpsc::Sender<Result<Event, Infallib
                 }
             }
             Update::Final(record) => {
-                let tool_result = record
-                    .result
-                    .as_ref()
-                    .map(|o| wire::anthropic_result(&record.tool_use_id, o));
+                // Written from the record: the result's text is not copied into a
+                // `Value` first.
+                let mut data = Vec::with_capacity(256);
+                wire::write_call_completed(&record, &mut data);
+                let data = String::from_utf8(data)
+                    .unwrap_or_else(|bad| String::from_utf8_lossy(bad.as_bytes()).into_owned());
                 let _ = out
-                    .send(event(
-                        "call.completed",
-                        json!({"call": wire::call_summary(&record), "tool_result": tool_result}),
-                    ))
+                    .send(Ok(Event::default().event("call.completed").data(data)))
                     .await;
                 return;
             }

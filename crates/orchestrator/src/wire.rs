@@ -380,6 +380,20 @@ fn final_result(record: &CallRecord) -> Option<&ToolOutcome> {
         .filter(|_| record.status.is_final())
 }
 
+/// The data of a `call.completed` event (`POST /v1/tool_calls?stream=true`),
+/// `{"call": <calls[] entry>, "tool_result": <block or null>}`, written straight from the
+/// record like [`write_call_detail`].
+pub fn write_call_completed(record: &CallRecord, out: &mut impl JsonOut) {
+    out.put(b"{\"call\":");
+    write_value(&call_summary(record), out);
+    out.put(b",\"tool_result\":");
+    match record.result.as_deref() {
+        Some(outcome) => write_anthropic_result(&record.tool_use_id, outcome, out),
+        None => out.put(b"null"),
+    }
+    out.put_byte(b'}');
+}
+
 /// The body of `GET /v1/calls/{id}` written straight to JSON bytes: what serde_json
 /// writes of [`call_detail`], without copying the result's text into a `Value` first.
 pub fn write_call_detail(record: &CallRecord, out: &mut impl JsonOut) {
@@ -558,7 +572,8 @@ mod tests {
     /// by serde_json, for every shape: finished calls with one, several or no text
     /// blocks, text that needs escapes, errors, a call held for approval (no result), a
     /// call still running whose result is not final, and no call finished at all; and
-    /// likewise each call's `GET /v1/calls/{id}` answer, and the chunked answer.
+    /// likewise each call's `GET /v1/calls/{id}` answer and `call.completed` event, and
+    /// the chunked answer.
     #[test]
     fn the_written_answer_is_serde_jsons_answer() {
         use airlock_policy::CallStatus;
@@ -616,6 +631,15 @@ mod tests {
                 write_tool_calls_response(shape, records, &mut chunked);
                 assert_eq!(chunked.chunks().concat(), written, "{shape:?}");
                 for record in records {
+                    let mut completed = Vec::new();
+                    write_call_completed(record, &mut completed);
+                    let tool_result = record
+                        .result
+                        .as_ref()
+                        .map(|o| anthropic_result(&record.tool_use_id, o));
+                    let reference =
+                        json!({"call": call_summary(record), "tool_result": tool_result});
+                    assert_eq!(completed, serde_json::to_vec(&reference).unwrap());
                     let mut detail = Vec::new();
                     write_call_detail(record, &mut detail);
                     let reference = serde_json::to_vec(&call_detail(record)).unwrap();
