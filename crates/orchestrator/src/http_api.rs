@@ -451,9 +451,9 @@ async fn tool_calls(
         return Ok(crate::streaming::tool_calls(handles).into_response());
     }
     let records = futures::future::join_all(handles.iter().map(|h| h.wait_final(wait))).await;
-    let mut body = crate::json_text::ChunkedBody::default();
-    wire::write_tool_calls_response(shape, &records, &mut body);
-    Ok(crate::json_text::json_response(body))
+    Ok(crate::json_text::json_response(|body| {
+        wire::write_tool_calls_response(shape, &records, body)
+    }))
 }
 
 /// A batch the call service did not admit, as HTTP says it: 403, or 429 with
@@ -547,9 +547,7 @@ async fn get_call(
 /// `GET /v1/calls/{id}`'s answer (and `POST …/cancel`'s): the call, its result written
 /// straight from the record.
 fn call_detail_answer(record: &crate::calls::CallRecord) -> Response {
-    let mut body = crate::json_text::ChunkedBody::default();
-    wire::write_call_detail(record, &mut body);
-    crate::json_text::json_response(body)
+    crate::json_text::json_response(|body| wire::write_call_detail(record, body))
 }
 
 async fn stored_call(

@@ -354,9 +354,11 @@ impl http_body::Body for ChunkedBody {
     }
 }
 
-/// An `application/json` answer of JSON already written (the answers that carry tool
-/// results: what `axum::Json` answers, headers included).
-pub fn json_response(body: ChunkedBody) -> Response {
+/// An `application/json` answer of the JSON `write` writes into its body (the answers
+/// that carry tool results: what `axum::Json` answers, headers included).
+pub fn json_response(write: impl FnOnce(&mut ChunkedBody)) -> Response {
+    let mut body = ChunkedBody::default();
+    write(&mut body);
     (
         [(
             header::CONTENT_TYPE,
@@ -531,9 +533,7 @@ mod tests {
     #[tokio::test]
     async fn the_answer_is_json() {
         let value = json!({"text": "a\nb", "n": 1});
-        let mut body = ChunkedBody::default();
-        write_value(&value, &mut body);
-        let response = json_response(body);
+        let response = json_response(|body| write_value(&value, body));
         assert_eq!(response.status(), axum::http::StatusCode::OK);
         assert_eq!(response.headers()[header::CONTENT_TYPE], "application/json");
         let body = axum::body::to_bytes(response.into_body(), usize::MAX)

@@ -373,6 +373,7 @@ fn call_detail_head(record: &CallRecord) -> Value {
     body
 }
 
+/// The result a call's detail shows: only a final call's.
 fn final_result(record: &CallRecord) -> Option<&ToolOutcome> {
     record
         .result
