@@ -1224,3 +1224,71 @@ impl Store for PostgresStore {
         })
     }
 }
+
+/// The PostgreSQL server the tests below start (tests/support/postgres.rs).
+#[cfg(test)]
+#[path = "../../../../tests/support/postgres.rs"]
+mod test_server;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The plan PostgreSQL makes for `sql` with `params`, as text. Sequential scans are
+    /// priced out (`enable_seqscan = off`): an empty table would be scanned whatever
+    /// its indexes, and what is asked here is whether the statement can use its index
+    /// at all.
+    async fn plan(
+        client: &tokio_postgres::Client,
+        sql: &str,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> String {
+        let rows = client
+            .query(format!("EXPLAIN {sql}").as_str(), params)
+            .await
+            .unwrap_or_else(|e| panic!("EXPLAIN {sql}: {e}"));
+        rows.iter()
+            .map(|row| row.get::<_, String>(0))
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    /// The statements that must not read every call's row, on PostgreSQL as on SQLite
+    /// (whose plans `store::sqlite`'s tests pin): the session usage the gate reads
+    /// before every call, through `calls_session_created`, and the hourly prune,
+    /// through the partial index `calls_unpruned` — which PostgreSQL uses only when the
+    /// statement repeats the index's condition (`result IS NOT NULL`).
+    #[tokio::test]
+    async fn the_hot_statements_use_their_indexes() {
+        let url = tokio::task::spawn_blocking(|| {
+            test_server::create_database(&test_server::unique_name("airlock_plans"))
+        })
+        .await
+        .unwrap();
+        // Opening the store creates the schema and its indexes.
+        let _store = super::super::open(&url, std::path::Path::new("/nonexistent"), None)
+            .await
+            .unwrap();
+        let (client, connection) = tokio_postgres::connect(&url, NoTls).await.unwrap();
+        tokio::spawn(connection);
+        client
+            .batch_execute("SET enable_seqscan = off")
+            .await
+            .unwrap();
+
+        let usage = plan(&client, SESSION_USAGE_SQL, &[&"alice", &"s1"]).await;
+        assert!(usage.contains("calls_session_created"), "{usage}");
+
+        let mut binds = Binds::default();
+        let prune = prune_results_sql(1_000, &mut binds);
+        let prune_plan = plan(&client, &prune, &binds.refs()).await;
+        assert!(prune_plan.contains("calls_unpruned"), "{prune_plan}");
+
+        // The check fails where it should: without the index's condition the partial
+        // index cannot answer the prune.
+        let unconditioned = prune.replace(" AND result IS NOT NULL", "");
+        assert_ne!(unconditioned, prune);
+        let other = plan(&client, &unconditioned, &binds.refs()).await;
+        assert!(!other.contains("calls_unpruned"), "{other}");
+    }
+}
