@@ -184,33 +184,20 @@ fn join_own_cgroup(tasks: &CStr) -> Result<(), i32> {
     result
 }
 
-/// pid 1 of the sandbox's pid namespace: forks the command, reaps every orphan, and
+/// The stack the command's process runs on between its `clone` and its `execve`.
+const COMMAND_STACK_BYTES: usize = 64 * 1024;
+
+/// pid 1 of the sandbox's pid namespace: starts the command, reaps every orphan, and
 /// when the command exits reports its wait status and exits (async-signal-safe).
 fn run_as_init(exec: &ExecView<'_>) {
-    // SAFETY: a raw clone without CLONE_VM behaves like fork; both sides only make
-    // async-signal-safe calls afterwards. (libc's fork would run atfork handlers that
-    // take malloc locks possibly held by threads of the original parent.)
-    let pid = unsafe {
-        libc::syscall(
-            libc::SYS_clone,
-            libc::SIGCHLD as libc::c_ulong,
-            0usize,
-            0usize,
-            0usize,
-            0usize,
-        )
+    let pid = match spawn_command(exec) {
+        Ok(pid) => pid,
+        Err(errno) => {
+            handshake::report_failure(ERROR_FD, Failure::new(Step::Exec, errno));
+            // SAFETY: _exit ends this process only.
+            unsafe { libc::_exit(127) }
+        }
     };
-    if pid == 0 {
-        // The command: exec, or report the failure on the error pipe.
-        handshake::report_failure(ERROR_FD, exec.exec());
-        // SAFETY: _exit ends this process only.
-        unsafe { libc::_exit(127) };
-    }
-    if pid < 0 {
-        handshake::report_failure(ERROR_FD, Failure::new(Step::Exec, sys::errno()));
-        // SAFETY: _exit ends this process only.
-        unsafe { libc::_exit(127) };
-    }
     // A recognisable name in `ps` inside the sandbox.
     // SAFETY: prctl with a NUL-terminated string.
     unsafe { libc::prctl(libc::PR_SET_NAME, c"airlock-init".as_ptr(), 0, 0, 0) };
@@ -219,10 +206,60 @@ fn run_as_init(exec: &ExecView<'_>) {
         let mut status = 0;
         // SAFETY: `status` is a valid out-pointer.
         let reaped = unsafe { libc::waitpid(-1, &mut status, 0) };
-        if libc::c_long::from(reaped) == pid || (reaped == -1 && sys::errno() == libc::ECHILD) {
+        if reaped == pid || (reaped == -1 && sys::errno() == libc::ECHILD) {
             handshake::report_status(status);
             // SAFETY: _exit ends pid 1, and with it the namespace.
             unsafe { libc::_exit(0) };
         }
     }
+}
+
+/// Starts the command as init's child the way `posix_spawn` does: `CLONE_VM |
+/// CLONE_VFORK` on a stack of its own, so that init — a copy of the worker's address
+/// space — is not copied again for a process that replaces it at once; init waits,
+/// suspended, until the command's `execve` succeeds or its process exits. Returns the
+/// command's pid, or the `errno` of the step that failed.
+fn spawn_command(exec: &ExecView<'_>) -> Result<libc::pid_t, i32> {
+    // SAFETY: an anonymous private mapping; no pointer is passed in.
+    let stack = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            COMMAND_STACK_BYTES,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_STACK,
+            -1,
+            0,
+        )
+    };
+    if stack == libc::MAP_FAILED {
+        return Err(sys::errno());
+    }
+    // SAFETY: the stack grows down from the end of the mapping made above; `exec`
+    // outlives the call, since init is suspended until the child has exec'd or exited.
+    // The child runs `command_main` only: async-signal-safe calls on memory it shares
+    // with init, which does nothing meanwhile.
+    let pid = unsafe {
+        libc::clone(
+            command_main,
+            stack.cast::<u8>().add(COMMAND_STACK_BYTES).cast(),
+            libc::CLONE_VM | libc::CLONE_VFORK | libc::SIGCHLD,
+            std::ptr::from_ref(exec).cast_mut().cast(),
+        )
+    };
+    let spawned = if pid < 0 { Err(sys::errno()) } else { Ok(pid) };
+    // SAFETY: unmapping the stack mapped above, which the child no longer uses: it has
+    // exec'd (its own address space now) or exited.
+    unsafe { libc::munmap(stack, COMMAND_STACK_BYTES) };
+    spawned
+}
+
+/// The command's process until its `execve`: exec, or report the failure on the error
+/// pipe and exit.
+extern "C" fn command_main(exec: *mut libc::c_void) -> libc::c_int {
+    // SAFETY: `spawn_command` passes a pointer to an `ExecView` that outlives this
+    // process's use of init's memory.
+    let exec = unsafe { &*exec.cast::<ExecView<'_>>() };
+    handshake::report_failure(ERROR_FD, exec.exec());
+    // SAFETY: _exit ends this process only (it is not in init's thread group).
+    unsafe { libc::_exit(127) }
 }
