@@ -250,13 +250,17 @@ fn rules(e: &mut Emitter, entry: &Entry, default: u32) -> Result<(), BpfError> {
 }
 
 /// Falls through when `cond` holds, jumps to `fail` when it does not.
+///
+/// A condition compares 32-bit words of the argument — the low one, and for a 64-bit
+/// condition the high one first — each as `word & mask == value`: `Eq` and `MaskedEq`
+/// hold when every word does, `Ne` when any word does not. A word whose mask is zero
+/// always matches and is not loaded.
 fn condition(e: &mut Emitter, cond: Cond, fail: Label) -> Result<(), BpfError> {
     if cond.arg > 5 {
         return Err(BpfError::Argument(cond.arg));
     }
     // Little-endian: the low half of an argument first.
     let low = ARGS_OFFSET + 8 * u32::from(cond.arg);
-    let high = low + 4;
     let halves = |v: u64| {
         let [h0, h1, h2, h3, l0, l1, l2, l3] = v.to_be_bytes();
         (
@@ -264,63 +268,36 @@ fn condition(e: &mut Emitter, cond: Cond, fail: Label) -> Result<(), BpfError> {
             u32::from_be_bytes([l0, l1, l2, l3]),
         )
     };
-    match (cond.width, cond.cmp) {
-        (Width::Dword, Cmp::Eq(v)) => {
-            let pass = e.label();
-            e.stmt(LD_W_ABS, low);
-            e.jump(JEQ_K, halves(v).1, pass, fail);
-            e.mark(pass);
-        }
-        (Width::Dword, Cmp::Ne(v)) => {
-            let pass = e.label();
-            e.stmt(LD_W_ABS, low);
-            e.jump(JEQ_K, halves(v).1, fail, pass);
-            e.mark(pass);
-        }
-        (Width::Dword, Cmp::MaskedEq { mask, value }) => {
-            let pass = e.label();
-            e.stmt(LD_W_ABS, low);
-            e.stmt(AND_K, halves(mask).1);
-            e.jump(JEQ_K, halves(value & mask).1, pass, fail);
-            e.mark(pass);
-        }
-        (Width::Qword, Cmp::Eq(v)) => {
-            let (v_high, v_low) = halves(v);
-            let high_ok = e.label();
-            let pass = e.label();
-            e.stmt(LD_W_ABS, high);
-            e.jump(JEQ_K, v_high, high_ok, fail);
-            e.mark(high_ok);
-            e.stmt(LD_W_ABS, low);
-            e.jump(JEQ_K, v_low, pass, fail);
-            e.mark(pass);
-        }
-        (Width::Qword, Cmp::Ne(v)) => {
-            // Holds when either half differs.
-            let (v_high, v_low) = halves(v);
-            let same_high = e.label();
-            let pass = e.label();
-            e.stmt(LD_W_ABS, high);
-            e.jump(JEQ_K, v_high, same_high, pass);
-            e.mark(same_high);
-            e.stmt(LD_W_ABS, low);
-            e.jump(JEQ_K, v_low, fail, pass);
-            e.mark(pass);
-        }
-        (Width::Qword, Cmp::MaskedEq { mask, value }) => {
-            let (m_high, m_low) = halves(mask);
-            let (v_high, v_low) = halves(value & mask);
-            let high_ok = e.label();
-            let pass = e.label();
-            e.stmt(LD_W_ABS, high);
-            e.stmt(AND_K, m_high);
-            e.jump(JEQ_K, v_high, high_ok, fail);
-            e.mark(high_ok);
-            e.stmt(LD_W_ABS, low);
-            e.stmt(AND_K, m_low);
-            e.jump(JEQ_K, v_low, pass, fail);
-            e.mark(pass);
-        }
+    let (mask, value, negated) = match cond.cmp {
+        Cmp::Eq(v) => (u64::MAX, v, false),
+        Cmp::Ne(v) => (u64::MAX, v, true),
+        Cmp::MaskedEq { mask, value } => (mask, value & mask, false),
+    };
+    let ((m_high, m_low), (v_high, v_low)) = (halves(mask), halves(value));
+    let mut words = Vec::with_capacity(2);
+    if cond.width == Width::Qword {
+        words.push((low + 4, m_high, v_high));
     }
+    words.push((low, m_low, v_low));
+    words.retain(|(_, mask, _)| *mask != 0);
+
+    let pass = e.label();
+    let count = words.len();
+    for (i, (offset, mask, value)) in words.into_iter().enumerate() {
+        let next = e.label();
+        e.stmt(LD_W_ABS, offset);
+        if mask != u32::MAX {
+            e.stmt(AND_K, mask);
+        }
+        match (negated, i + 1 == count) {
+            // Every word must match: a mismatch fails.
+            (false, _) => e.jump(JEQ_K, value, next, fail),
+            // Any word may differ: a difference passes, the last match fails.
+            (true, false) => e.jump(JEQ_K, value, next, pass),
+            (true, true) => e.jump(JEQ_K, value, fail, pass),
+        }
+        e.mark(next);
+    }
+    e.mark(pass);
     Ok(())
 }
