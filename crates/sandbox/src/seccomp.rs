@@ -75,10 +75,10 @@ impl Profile {
 /// have one number on every architecture.
 const FCHMODAT2: libc::c_long = 452;
 
-/// Compiled filters, in installation order.
+/// The compiled filter: one program.
 #[derive(Debug)]
 pub(crate) struct SeccompPlan {
-    programs: Vec<Vec<sock_filter>>,
+    program: Vec<sock_filter>,
 }
 
 const NAMESPACE_FLAGS: [libc::c_int; 8] = [
@@ -94,46 +94,39 @@ const NAMESPACE_FLAGS: [libc::c_int; 8] = [
 
 impl SeccompPlan {
     pub(crate) fn compile(profile: Profile) -> Result<Self, SeccompError> {
-        let program = bpf::compile(&filter(profile)?)?;
         Ok(SeccompPlan {
-            programs: vec![program],
+            program: bpf::compile(&filter(profile)?)?,
         })
     }
 
-    /// Child side (async-signal-safe): installs the filters on the calling thread.
-    /// `no_new_privs` must already be set.
+    /// Child side (async-signal-safe): installs the filter on the calling thread with
+    /// one raw `seccomp` call. `no_new_privs` must already be set.
     pub(crate) fn install(&self) -> Result<(), Failure> {
-        self.install_raw(0).at(Step::Seccomp)
+        let prog = libc::sock_fprog {
+            len: libc::c_ushort::try_from(self.program.len())
+                .map_err(|_| libc::EINVAL)
+                .at(Step::Seccomp)?,
+            // seccompiler's sock_filter has libc's layout (both repr(C) mirrors of the
+            // kernel's struct).
+            filter: self.program.as_ptr() as *mut libc::sock_filter,
+        };
+        // SAFETY: `prog` points at the program, alive for the duration of the call.
+        sys::check(unsafe {
+            libc::syscall(
+                libc::SYS_seccomp,
+                libc::SECCOMP_SET_MODE_FILTER,
+                0,
+                &prog as *const libc::sock_fprog,
+            )
+        })
+        .map(drop)
+        .at(Step::Seccomp)
     }
 
-    /// Installs the filters on every thread of the process (`SECCOMP_FILTER_FLAG_TSYNC`).
+    /// Installs the filter on every thread of the process (`SECCOMP_FILTER_FLAG_TSYNC`).
     pub(crate) fn install_all_threads(&self) -> Result<(), SeccompError> {
-        for program in &self.programs {
-            seccompiler::apply_filter_all_threads(program)
-                .map_err(|e| SeccompError::Install(std::io::Error::other(e.to_string())))?;
-        }
-        Ok(())
-    }
-
-    fn install_raw(&self, flags: libc::c_ulong) -> Result<(), i32> {
-        for program in &self.programs {
-            let prog = libc::sock_fprog {
-                len: libc::c_ushort::try_from(program.len()).map_err(|_| libc::EINVAL)?,
-                // seccompiler's sock_filter has libc's layout (both repr(C) mirrors of
-                // the kernel's struct).
-                filter: program.as_ptr() as *mut libc::sock_filter,
-            };
-            // SAFETY: `prog` points at `program`, alive for the duration of the call.
-            sys::check(unsafe {
-                libc::syscall(
-                    libc::SYS_seccomp,
-                    libc::SECCOMP_SET_MODE_FILTER,
-                    flags,
-                    &prog as *const libc::sock_fprog,
-                )
-            })?;
-        }
-        Ok(())
+        seccompiler::apply_filter_all_threads(&self.program)
+            .map_err(|e| SeccompError::Install(std::io::Error::other(e.to_string())))
     }
 }
 
@@ -360,9 +353,14 @@ mod tests {
 
     /// Runs a classic-BPF seccomp program on one `struct seccomp_data`.
     fn run(program: &[sock_filter], data: &[u8; 64]) -> u32 {
+        run_counted(program, data).0
+    }
+
+    /// As [`run`], with the number of instructions it took.
+    fn run_counted(program: &[sock_filter], data: &[u8; 64]) -> (u32, usize) {
         let mut a: u32 = 0;
         let mut pc = 0usize;
-        loop {
+        for steps in 1.. {
             let ins = &program[pc];
             pc += 1;
             match ins.code {
@@ -372,7 +370,7 @@ mod tests {
                 }
                 0x54 => a &= ins.k,
                 0x05 => pc += ins.k as usize,
-                0x06 => return ins.k,
+                0x06 => return (ins.k, steps),
                 0x15 | 0x25 | 0x35 | 0x45 => {
                     let holds = match ins.code {
                         0x15 => a == ins.k,
@@ -385,6 +383,7 @@ mod tests {
                 code => panic!("instruction {code:#x} not interpreted"),
             }
         }
+        unreachable!("more steps than a usize counts")
     }
 
     /// Stacked filters as the kernel runs them: the last installed first, and the most
@@ -569,8 +568,7 @@ mod tests {
                     no_setid_files,
                 };
                 let table = filter(profile).unwrap();
-                let ours = SeccompPlan::compile(profile).unwrap().programs;
-                assert_eq!(ours.len(), 1, "one program");
+                let ours = [SeccompPlan::compile(profile).unwrap().program];
                 let before = reference(&table);
                 let mut numbers: Vec<u32> = (0..600).collect();
                 numbers.extend((0..8).map(|n| X32_SYSCALL_BIT + n));
@@ -591,35 +589,9 @@ mod tests {
                     }
                 }
                 // Far fewer instructions walked than the linear chain: the search
-                // reaches an unlisted number's answer within a dozen.
-                let walked = |program: &[sock_filter]| {
-                    let mut count = 0;
-                    let mut pc = 0;
-                    loop {
-                        let ins = &program[pc];
-                        count += 1;
-                        pc += 1;
-                        match ins.code {
-                            0x06 => return count,
-                            0x05 => pc += ins.k as usize,
-                            0x15 | 0x35 => {
-                                let nr = 1u32; // write, listed by no profile
-                                let holds = if ins.code == 0x15 {
-                                    nr == ins.k
-                                } else {
-                                    nr >= ins.k
-                                };
-                                if ins.k == arch && ins.code == 0x15 {
-                                    pc += usize::from(ins.jt);
-                                } else {
-                                    pc += usize::from(if holds { ins.jt } else { ins.jf });
-                                }
-                            }
-                            _ => {}
-                        }
-                    }
-                };
-                assert!(walked(&ours[0]) <= 16, "{profile:?}: {}", walked(&ours[0]));
+                // reaches an unlisted number's answer (write) within a dozen or so.
+                let (_, walked) = run_counted(&ours[0], &data(1, arch, [0; 6]));
+                assert!(walked <= 16, "{profile:?}: {walked}");
             }
         }
         assert!(checked > 1_000_000, "{checked}");

@@ -129,6 +129,10 @@ impl Emitter {
         self.ops.push(Op::Jump(code, k, jt, jf));
     }
 
+    fn always(&mut self, to: Label) {
+        self.ops.push(Op::Always(to));
+    }
+
     fn finish(self) -> Result<Vec<sock_filter>, BpfError> {
         let mut at = vec![0usize; self.labels];
         let mut len = 0usize;
@@ -215,7 +219,7 @@ fn search(e: &mut Emitter, numbers: &[u32], blocks: &[Label], default: u32) {
             let miss = e.label();
             e.jump(JEQ_K, *number, hit, miss);
             e.mark(hit);
-            e.ops.push(Op::Always(*block));
+            e.always(*block);
             e.mark(miss);
         }
         e.stmt(RET_K, default);
