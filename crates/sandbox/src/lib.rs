@@ -53,6 +53,11 @@ mod spawn;
 mod step;
 mod sys;
 
+/// Unit tests that use the real host (probes, cgroups, sandboxes) take turns: the probe's
+/// test counts how often the host is probed, which another test's factory would move.
+#[cfg(test)]
+static REAL_HOST: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 pub use airlock_policy::IsolationLevel;
 pub use caps::CapsError;
 pub use cgroup::{CgroupBackend, CgroupError, CgroupLimits, CgroupVersion};

@@ -472,10 +472,13 @@ impl fmt::Display for IsolationReport {
 mod tests {
     use super::*;
 
-    /// The only unit test that probes the real host, so that the counters it reads are
-    /// moved by nothing else in this test binary.
+    /// Holds the real host alone (`REAL_HOST`), so that the counters it reads are moved
+    /// by nothing else in this test binary.
     #[test]
     fn the_host_is_probed_once_per_process_until_it_confines_itself() {
+        let _alone = crate::REAL_HOST
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         forget();
         let namespace_probes = || USER_NAMESPACE_PROBES.load(Ordering::Relaxed);
         let cgroup_proofs = || cgroup::VERIFICATIONS.load(Ordering::Relaxed);

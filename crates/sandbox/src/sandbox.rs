@@ -345,6 +345,9 @@ pub struct Sandbox {
 /// keeps pre-built sandboxes ready.
 #[derive(Debug)]
 pub(crate) struct Factory {
+    /// Tears down sandboxes whose call has been answered. First, so that it is dropped
+    /// first: its drop waits for their teardown, which needs the cgroup backend below.
+    reaper: spawn::Reaper,
     config: SandboxConfig,
     level: IsolationLevel,
     landlock_abi: u32,
@@ -460,6 +463,7 @@ impl Sandbox {
         };
         Ok(Sandbox {
             factory: Arc::new(Factory {
+                reaper: spawn::Reaper::new(max_concurrent),
                 config,
                 level,
                 landlock_abi,
@@ -588,6 +592,10 @@ impl Factory {
     pub(crate) fn rootfs_template(&self) -> Option<&RootfsTemplate> {
         self.rootfs.as_ref()
     }
+
+    pub(crate) fn reaper(&self) -> &spawn::Reaper {
+        &self.reaper
+    }
 }
 
 fn validate(config: &SandboxConfig) -> Result<(), SandboxError> {
@@ -612,4 +620,117 @@ fn validate(config: &SandboxConfig) -> Result<(), SandboxError> {
         return bad("force_level is below min_isolation");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The real host, in turn with the other unit tests that use it.
+    fn real_host() -> std::sync::MutexGuard<'static, ()> {
+        crate::REAL_HOST
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn strict(test: &str) -> Sandbox {
+        let config = SandboxConfig {
+            min_isolation: IsolationLevel::Strict,
+            cgroup_parent: format!("airlock-unit-{test}"),
+            ..SandboxConfig::default()
+        };
+        match Sandbox::new(config) {
+            Ok(sandbox) => sandbox,
+            Err(e) => panic!("this host cannot run a strict sandbox: {e}"),
+        }
+    }
+
+    fn sh(script: &str, workspace: &std::path::Path) -> CommandSpec {
+        let mut spec = CommandSpec::new(
+            vec!["/bin/sh".into(), "-c".into(), script.into()],
+            workspace,
+        );
+        spec.timeout = Duration::from_secs(20);
+        spec
+    }
+
+    /// Pids of the host's processes whose command line holds `marker`.
+    fn processes_with(marker: &str) -> Vec<String> {
+        let mut found = Vec::new();
+        for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+            let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+            if String::from_utf8_lossy(&cmdline).contains(marker) {
+                found.push(entry.file_name().to_string_lossy().into_owned());
+            }
+        }
+        found
+    }
+
+    /// A command that leaves nothing behind is answered from init's report while its
+    /// sandbox still waits for its teardown (held here); the teardown happens after,
+    /// and the factory's drop waits for it.
+    #[test]
+    fn a_call_is_answered_before_its_sandbox_is_torn_down() {
+        let _host = real_host();
+        let ws = tempfile::tempdir().unwrap();
+        let sandbox = strict("reaper");
+        let held = sandbox.factory.reaper().hold();
+        let out = sandbox
+            .run(
+                &sh("echo out; echo err >&2; exit 3", ws.path()),
+                &mut NoSink,
+                &Cancel::new(),
+            )
+            .unwrap();
+        assert_eq!(out.exit_code, Some(3));
+        assert_eq!(out.stdout, b"out\n");
+        assert_eq!(out.stderr, b"err\n");
+        assert_eq!(
+            sandbox.factory.reaper().pending(),
+            1,
+            "the sandbox was torn down before the call was answered"
+        );
+        // A second call while the first still waits: each is answered on its own.
+        let out = sandbox
+            .run(&sh("exit 0", ws.path()), &mut NoSink, &Cancel::new())
+            .unwrap();
+        assert_eq!(out.exit_code, Some(0));
+        assert_eq!(sandbox.factory.reaper().pending(), 2);
+        drop(held);
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while sandbox.factory.reaper().pending() > 0 {
+            assert!(std::time::Instant::now() < deadline, "teardowns never ran");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        drop(sandbox);
+    }
+
+    /// A command that left a process behind is not answered early: the sandbox is
+    /// killed and reaped before the call returns, and nothing of it is left.
+    #[test]
+    fn a_call_that_leaves_a_process_behind_is_torn_down_before_its_answer() {
+        let _host = real_host();
+        let ws = tempfile::tempdir().unwrap();
+        let sandbox = strict("reaper-orphan");
+        let marker = format!("{}", 40_000 + std::process::id() % 10_000);
+        let _held = sandbox.factory.reaper().hold();
+        for script in [
+            // Output closed: the pipes reach their end, the process lives on.
+            format!("sleep {marker} >/dev/null 2>&1 </dev/null & exit 0"),
+            // Output kept open by the process left behind.
+            format!("sleep {marker} & echo started"),
+            // In a session of its own.
+            format!("setsid sleep {marker} >/dev/null 2>&1 & exit 0"),
+        ] {
+            let out = sandbox
+                .run(&sh(&script, ws.path()), &mut NoSink, &Cancel::new())
+                .unwrap();
+            assert_eq!(out.exit_code, Some(0), "{script}");
+            assert_eq!(sandbox.factory.reaper().pending(), 0, "{script}");
+            assert_eq!(
+                processes_with(&format!("sleep {marker}")),
+                Vec::<String>::new()
+            );
+        }
+    }
 }

@@ -133,6 +133,8 @@ pub trait CallCgroup: Send {
     fn join(&self, pid: libc::pid_t) -> Result<(), CgroupError>;
     /// Kills every process in the cgroup, including any that forked or `setsid`ed away.
     fn kill(&self) -> Result<(), CgroupError>;
+    /// The processes in the cgroup now (host pids).
+    fn processes(&self) -> Result<Vec<libc::pid_t>, CgroupError>;
     /// The peak memory use, when the kernel records it.
     fn peak_memory_bytes(&self) -> Option<u64>;
     /// (user, system) CPU time in microseconds of every process that ran in the cgroup.

@@ -273,6 +273,12 @@ impl CallCgroup for CallV1 {
         super::kill_until_empty(&self.pids)
     }
 
+    fn processes(&self) -> Result<Vec<libc::pid_t>, CgroupError> {
+        // Every process of the call is in each hierarchy; the pids one is what
+        // `kill_until_empty` watches too.
+        super::procs(&self.pids)
+    }
+
     fn peak_memory_bytes(&self) -> Option<u64> {
         super::read_u64(&self.memory.join("memory.max_usage_in_bytes"))
     }

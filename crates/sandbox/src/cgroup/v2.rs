@@ -235,6 +235,10 @@ impl CallCgroup for CallV2 {
         super::kill_until_empty(&self.dir)
     }
 
+    fn processes(&self) -> Result<Vec<libc::pid_t>, CgroupError> {
+        super::procs(&self.dir)
+    }
+
     fn peak_memory_bytes(&self) -> Option<u64> {
         super::read_u64(&self.dir.join("memory.peak"))
     }

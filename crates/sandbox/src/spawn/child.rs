@@ -188,7 +188,8 @@ fn join_own_cgroup(tasks: &CStr) -> Result<(), i32> {
 const COMMAND_STACK_BYTES: usize = 64 * 1024;
 
 /// pid 1 of the sandbox's pid namespace: starts the command, reaps every orphan, and
-/// when the command exits reports its wait status and exits (async-signal-safe).
+/// when the command exits reports its wait status and what the reaped processes used,
+/// and exits (async-signal-safe).
 fn run_as_init(exec: &ExecView<'_>) {
     let pid = match spawn_command(exec) {
         Ok(pid) => pid,
@@ -202,12 +203,20 @@ fn run_as_init(exec: &ExecView<'_>) {
     // SAFETY: prctl with a NUL-terminated string.
     unsafe { libc::prctl(libc::PR_SET_NAME, c"airlock-init".as_ptr(), 0, 0, 0) };
     handshake::close_error_pipe();
+    // Init has no use for the command's stdin, stdout and stderr: without its copies,
+    // the parent sees end-of-file on the output as soon as the command and whatever it
+    // started are gone, and can answer the call before init's own exit (the namespaces'
+    // teardown) is over.
+    for fd in 0..=2 {
+        // SAFETY: closing our own descriptors, once each.
+        unsafe { libc::close(fd) };
+    }
     loop {
         let mut status = 0;
         // SAFETY: `status` is a valid out-pointer.
         let reaped = unsafe { libc::waitpid(-1, &mut status, 0) };
         if reaped == pid || (reaped == -1 && sys::errno() == libc::ECHILD) {
-            handshake::report_status(status);
+            handshake::report_status(&handshake::InitReport::now(status));
             // SAFETY: _exit ends pid 1, and with it the namespace.
             unsafe { libc::_exit(0) };
         }

@@ -15,10 +15,12 @@
 //! means `execve` succeeded.
 //!
 //! In strict mode the first process is pid 1 of a new pid namespace. It stays a tiny
-//! init (still our code, fully confined, doing only `clone`/`wait4`/`write`/`_exit`):
-//! it forks the command as pid 2, reaps orphans, and when the command exits writes its
-//! wait status to a status pipe and exits — which makes the kernel kill everything left
-//! in the namespace. The command thus gets normal signal semantics (pid 1 of a
+//! init (still our code, fully confined, doing only `clone`/`close`/`wait4`/
+//! `getrusage`/`write`/`_exit`): it starts the command as pid 2, reaps orphans, and
+//! when the command exits writes its wait status and resource use to a status pipe and
+//! exits — which makes the kernel kill everything left in the namespace. A call whose
+//! command left nothing behind is answered from that report, and the sandbox's teardown
+//! finishes on the factory's reaper ([`reaper`]). The command thus gets normal signal semantics (pid 1 of a
 //! namespace ignores signals it has no handler for, even `kill -KILL $$`).
 //!
 //! A strict sandbox may also come pre-built from a [`Pool`] (`prebuilt` in the
@@ -50,9 +52,11 @@ mod handshake;
 mod parent;
 mod plan;
 mod pool;
+mod reaper;
 mod wire;
 
 pub(crate) use pool::Pool;
+pub(crate) use reaper::Reaper;
 
 use parent::{Child, Origin, Request, Supervision, Timing};
 use plan::{

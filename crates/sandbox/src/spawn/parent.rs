@@ -6,7 +6,7 @@ use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::time::{Duration, Instant};
 
 use super::ParentEnds;
-use super::handshake;
+use super::handshake::{self, InitReport};
 use super::plan::CallTmp;
 use crate::Cancel;
 use crate::cgroup::CallCgroup;
@@ -91,6 +91,13 @@ struct Capture {
 }
 
 impl Capture {
+    /// Reads what is left; whether the stream reached its end (a stream already closed,
+    /// or never ours, has).
+    fn read_to_end(&mut self, sink: &mut dyn OutputSink) -> bool {
+        self.read(sink);
+        self.fd.is_none()
+    }
+
     fn new(fd: Option<OwnedFd>, cap: usize, stream: Stream) -> Self {
         Capture {
             fd,
@@ -231,8 +238,14 @@ impl<'a> Supervision<'a> {
 
 /// The parent's loop: feeds stdin, captures output, enforces the wall clock and
 /// cancellation, reaps, and cleans up. It sleeps in `poll` until something happens —
-/// output, stdin room, the child's exit (pidfd), a cancel (the [`Cancel`]'s eventfd) or
-/// the deadline — and never polls on a timer.
+/// output, stdin room, the child's exit (pidfd), init's report, a cancel (the
+/// [`Cancel`]'s eventfd) or the deadline — and never polls on a timer.
+///
+/// A strict sandbox whose command has exited is answered for as soon as init's report
+/// is in, nothing but init is left in the call's cgroup and the output is at its end:
+/// init's exit and the cgroups' removal then happen on the factory's reaper
+/// (`spawn::reaper`). Otherwise — a command that left processes behind, no cgroup to
+/// look into, a timeout, a cancel — the sandbox is killed, reaped and removed here.
 pub(super) fn supervise(
     run: Supervision<'_>,
     sink: &mut dyn OutputSink,
@@ -276,6 +289,9 @@ pub(super) fn supervise(
     let mut cancelled = false;
     let mut exit: Option<(i32, libc::rusage)> = None;
     let mut drain_deadline = None;
+    // Strict mode: init's report, once read (`Some(None)`: init ended without one).
+    let mut init_report: Option<Option<InitReport>> = None;
+    let mut answered_early = false;
 
     loop {
         let now = Instant::now();
@@ -295,7 +311,7 @@ pub(super) fn supervise(
             break;
         }
 
-        let mut pfds: Vec<libc::pollfd> = Vec::with_capacity(5);
+        let mut pfds: Vec<libc::pollfd> = Vec::with_capacity(6);
         let mut push = |fd: RawFd, events: libc::c_short| {
             pfds.push(libc::pollfd {
                 fd,
@@ -325,6 +341,15 @@ pub(super) fn supervise(
             match (cancel.wake_fd(), watch_cancel) {
                 (Some(fd), true) => fd,
                 _ => -1,
+            },
+            libc::POLLIN,
+        );
+        let watch_report = child.strict && init_report.is_none() && watch_cancel;
+        push(
+            if watch_report {
+                status_r.as_raw_fd()
+            } else {
+                -1
             },
             libc::POLLIN,
         );
@@ -384,6 +409,18 @@ pub(super) fn supervise(
         } else {
             false
         };
+        if watch_report && pfds[5].revents != 0 {
+            let reported = handshake::read_status(&status_r);
+            init_report = Some(reported);
+            if reported.is_some()
+                && only_init_left(&child)
+                && stdout.read_to_end(sink)
+                && stderr.read_to_end(sink)
+            {
+                answered_early = true;
+                break;
+            }
+        }
         if exited {
             // The command is done: kill whatever it left behind, then reap.
             if let Some(cgroup) = &child.cgroup {
@@ -395,14 +432,24 @@ pub(super) fn supervise(
         }
     }
     let duration = started.elapsed();
-    let Some((init_status, rusage)) = exit else {
-        return Err(SandboxError::Io(io::Error::other(
-            "the sandbox was not reaped",
-        )));
+    let ended = match (exit, init_report) {
+        (_, Some(Some(report))) if answered_early => report,
+        // The command's own status: reported by init in strict mode, else the child's;
+        // the resource use is init's, which includes every process it reaped.
+        (Some((init_status, rusage)), report) => {
+            let reported = report.unwrap_or_else(|| handshake::read_status(&status_r));
+            InitReport {
+                status: reported.map_or(init_status, |r| r.status),
+                ..InitReport::from_rusage(init_status, &rusage)
+            }
+        }
+        (None, _) => {
+            return Err(SandboxError::Io(io::Error::other(
+                "the sandbox was not reaped",
+            )));
+        }
     };
-
-    // The command's own status: reported by init in strict mode, else the child's.
-    let status = handshake::read_status(&status_r).unwrap_or(init_status);
+    let status = ended.status;
     let (exit_code, signal) = if libc::WIFEXITED(status) {
         (Some(libc::WEXITSTATUS(status)), None)
     } else if libc::WIFSIGNALED(status) {
@@ -413,18 +460,24 @@ pub(super) fn supervise(
 
     let cg_peak = child.cgroup.as_ref().and_then(|c| c.peak_memory_bytes());
     let cg_cpu = child.cgroup.as_ref().and_then(|c| c.cpu_usage_us());
-    if let Some(mut cgroup) = child.cgroup.take() {
+    if answered_early {
+        if let Err(mut child) = sandbox.reaper().hand_over(child) {
+            // The reaper's queue is full: this call tears its sandbox down itself.
+            child.kill();
+            child.reap()?;
+            if let Some(mut cgroup) = child.cgroup.take() {
+                cgroup.remove()?;
+            }
+        }
+    } else if let Some(mut cgroup) = child.cgroup.take() {
         cgroup.remove()?;
     }
     drop(call_tmp);
 
-    let tv_ms = |tv: libc::timeval| {
-        u64::try_from(tv.tv_sec).unwrap_or(0) * 1000 + u64::try_from(tv.tv_usec).unwrap_or(0) / 1000
-    };
     let usage = Usage {
-        cpu_user_ms: cg_cpu.map_or(tv_ms(rusage.ru_utime), |(u, _)| u / 1000),
-        cpu_system_ms: cg_cpu.map_or(tv_ms(rusage.ru_stime), |(_, s)| s / 1000),
-        peak_memory_bytes: cg_peak.unwrap_or(u64::try_from(rusage.ru_maxrss).unwrap_or(0) * 1024),
+        cpu_user_ms: cg_cpu.map_or(ended.user_us, |(u, _)| u) / 1000,
+        cpu_system_ms: cg_cpu.map_or(ended.system_us, |(_, s)| s) / 1000,
+        peak_memory_bytes: cg_peak.unwrap_or(ended.max_rss_kib.saturating_mul(1024)),
     };
     Ok(RunOutcome {
         exit_code,
@@ -441,6 +494,17 @@ pub(super) fn supervise(
         fallback,
         usage,
         isolation: report,
+    })
+}
+
+/// Whether nothing but the sandbox's init is left in its cgroup (or nothing at all):
+/// then no process of the command can write output, fork or use the host any more.
+/// Without a cgroup to look into, the answer is no.
+fn only_init_left(child: &Child) -> bool {
+    child.cgroup.as_ref().is_some_and(|cgroup| {
+        cgroup
+            .processes()
+            .is_ok_and(|pids| pids.iter().all(|&pid| pid == child.pid))
     })
 }
 
