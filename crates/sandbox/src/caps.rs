@@ -62,17 +62,36 @@ pub(crate) struct Dropped {
     pub kept: u64,
 }
 
-/// Drops every capability of the calling thread (async-signal-safe).
+/// Empties the calling thread's bounding set where it holds `CAP_SETPCAP`
+/// (async-signal-safe). The sandbox's child does this before its call (a pre-built
+/// sandbox while it waits for one): the bounding set only limits what a later `execve`
+/// may grant, so the capabilities the rest of the setup uses (mounting the workspace)
+/// stay effective until [`drop_all`].
 ///
-/// `require_empty_bounding_set`: fail when a capability stays in the bounding set and we
-/// lack `CAP_SETPCAP` to drop it — set when the isolation report promised an empty one.
-pub(crate) fn drop_all(require_empty_bounding_set: bool) -> Result<(), Failure> {
-    match drop_all_except(0) {
-        Ok(d) if require_empty_bounding_set && !d.bounding_set => Err(libc::EPERM),
+/// `require_empty`: fail when a capability stays in the set and we lack `CAP_SETPCAP`
+/// to drop it — set when the isolation report promised an empty one.
+pub(crate) fn empty_bounding_set(require_empty: bool) -> Result<(), Failure> {
+    let emptied = effective_has(CAP_SETPCAP).and_then(|can_setpcap| {
+        if can_setpcap {
+            drop_bounding_set().map(|()| true)
+        } else {
+            // Read only when it matters: 64 system calls otherwise spent for nothing.
+            Ok(!require_empty || bounding_set_empty())
+        }
+    });
+    match emptied {
+        Ok(false) if require_empty => Err(libc::EPERM),
         Ok(_) => Ok(()),
         Err(e) => Err(e),
     }
     .at(Step::DropCapabilities)
+}
+
+/// Drops every other capability of the calling thread (async-signal-safe): ambient,
+/// inheritable, permitted and effective, with the root securebits locked. The
+/// bounding set was emptied before ([`empty_bounding_set`]).
+pub(crate) fn drop_all() -> Result<(), Failure> {
+    drop_sets_except(0).map(drop).at(Step::DropCapabilities)
 }
 
 /// For callers outside the child: drops every capability but those in `keep` (a bit
@@ -101,19 +120,19 @@ fn bounding_set_empty() -> bool {
 }
 
 fn drop_all_except(keep: u64) -> Result<Dropped, i32> {
-    let can_setpcap = effective_has(CAP_SETPCAP)?;
-    // Only what is permitted can stay: capset refuses to raise anything.
-    let keep = keep & permitted()?;
-
     // 1. Bounding set: what execve can ever grant. Without CAP_SETPCAP it stays (and is
     //    inert under no_new_privs with an empty permitted set, see the module docs).
-    //    Dropping a capability that is not in the set succeeds, so each one is dropped
-    //    without reading it first: one system call per capability, not two, in a
-    //    sequence every sandbox runs.
+    if effective_has(CAP_SETPCAP)? {
+        drop_bounding_set()?;
+    }
+    drop_sets_except(keep)
+}
+
+/// Empties the bounding set; the caller holds `CAP_SETPCAP`. Dropping a capability that
+/// is not in the set succeeds, so each one is dropped without reading it first: one
+/// system call per capability, not two, in a sequence every sandbox runs.
+fn drop_bounding_set() -> Result<(), i32> {
     for cap in 0..64u32 {
-        if !can_setpcap {
-            break;
-        }
         // SAFETY: prctl with integer arguments only.
         match sys::check_int(unsafe {
             libc::prctl(libc::PR_CAPBSET_DROP, libc::c_ulong::from(cap), 0, 0, 0)
@@ -124,6 +143,14 @@ fn drop_all_except(keep: u64) -> Result<Dropped, i32> {
             Err(e) => return Err(e),
         }
     }
+    Ok(())
+}
+
+/// Steps 2–4 of [`drop_all_except`]: everything but the bounding set.
+fn drop_sets_except(keep: u64) -> Result<Dropped, i32> {
+    let can_setpcap = effective_has(CAP_SETPCAP)?;
+    // Only what is permitted can stay: capset refuses to raise anything.
+    let keep = keep & permitted()?;
 
     // 2. Ambient set (EINVAL before Linux 4.3, where it does not exist).
     // SAFETY: prctl with integer arguments only.

@@ -2,8 +2,9 @@
 //! worker). Everything else the worker had open — sockets, database files, the gRPC
 //! listener — is closed before `execve`, so no descriptor leaks a capability.
 //!
-//! The one exception until `execve` is the error pipe, moved to descriptor 3 and
-//! close-on-exec: it closes by itself when the exec succeeds.
+//! The exceptions until `execve` are close-on-exec and close by themselves when the exec
+//! succeeds: the error pipe on descriptor 3, the status pipe on 4, and the Landlock
+//! ruleset the child prepared before its call on 5 until it is applied.
 
 use std::os::fd::RawFd;
 
@@ -22,6 +23,8 @@ pub enum FdError {
 pub(crate) const ERROR_FD: RawFd = 3;
 /// Where the status pipe lives after [`install`].
 pub(crate) const STATUS_FD: RawFd = 4;
+/// Where a prepared Landlock ruleset lives after [`install`].
+pub(crate) const LANDLOCK_FD: RawFd = 5;
 
 /// The child's ends of the pipes, as raw numbers (all ≥ 3, close-on-exec).
 #[derive(Debug, Clone, Copy)]
@@ -33,9 +36,10 @@ pub(crate) struct ChildFds {
     pub status: RawFd,
 }
 
-/// Child side: pipes onto 0, 1, 2; the error pipe onto 3, the status pipe onto 4;
-/// everything above closed (async-signal-safe).
-pub(crate) fn install(fds: ChildFds) -> Result<(), Failure> {
+/// Child side: pipes onto 0, 1, 2; the error pipe onto 3, the status pipe onto 4; the
+/// prepared Landlock ruleset `landlock` (numbered above 5) onto 5; everything above
+/// closed (async-signal-safe).
+pub(crate) fn install(fds: ChildFds, landlock: RawFd) -> Result<(), Failure> {
     // First park the two pipes above every descriptor we are about to overwrite.
     let error = dup_high(fds.error).at(Step::StandardStreams)?;
     let status = dup_high(fds.status).at(Step::StandardStreams)?;
@@ -45,12 +49,18 @@ pub(crate) fn install(fds: ChildFds) -> Result<(), Failure> {
         // SAFETY: dup2 takes no pointers.
         sys::check_int(unsafe { libc::dup2(source, target) }).at(Step::StandardStreams)?;
     }
-    for (source, target) in [(error, ERROR_FD), (status, STATUS_FD)] {
+    // The ruleset last: a pipe parked on 5 above is no longer needed once it is on 3
+    // or 4.
+    for (source, target) in [
+        (error, ERROR_FD),
+        (status, STATUS_FD),
+        (landlock, LANDLOCK_FD),
+    ] {
         // SAFETY: dup3 takes no pointers; the new descriptor stays close-on-exec.
         sys::check_int(unsafe { libc::dup3(source, target, libc::O_CLOEXEC) })
             .at(Step::StandardStreams)?;
     }
-    close_from(STATUS_FD + 1).at(Step::CloseFds)
+    close_from(LANDLOCK_FD + 1).at(Step::CloseFds)
 }
 
 /// A close-on-exec copy of `fd` numbered 5 or higher.

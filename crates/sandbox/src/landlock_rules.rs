@@ -12,6 +12,7 @@
 
 use std::ffi::CString;
 use std::io;
+use std::os::fd::RawFd;
 use std::path::Path;
 
 use crate::sandbox::{Network, PROXY_PORT};
@@ -108,6 +109,9 @@ pub(crate) struct LandlockPlan {
     handled_net: u64,
     scoped: u64,
     rules: Vec<(CString, u64)>,
+    /// Rules for paths that exist only once the call's own part of the sandbox is in
+    /// place (the workspace): added when the ruleset is applied, not when prepared.
+    call_rules: Vec<(CString, u64)>,
     /// TCP ports that may be connected to, when TCP is handled.
     connect_ports: Vec<u16>,
 }
@@ -135,6 +139,7 @@ impl LandlockPlan {
                 0
             },
             rules: Vec::new(),
+            call_rules: Vec::new(),
         }
     }
 
@@ -145,23 +150,84 @@ impl LandlockPlan {
         Ok(())
     }
 
+    /// Allows `rights` beneath `path`, a path that exists only once the call is in the
+    /// sandbox (the workspace): see [`Self::prepare`].
+    pub(crate) fn allow_at_call(&mut self, path: &Path, rights: u64) -> Result<(), LandlockError> {
+        let path = sys::path_cstring(path).map_err(LandlockError::Path)?;
+        self.call_rules.push((path, rights & self.handled_fs));
+        Ok(())
+    }
+
     pub(crate) fn abi(&self) -> u32 {
         self.abi
     }
 
-    /// Child side (async-signal-safe): builds the ruleset and restricts the calling
-    /// thread. `no_new_privs` must already be set.
-    pub(crate) fn apply(&self) -> Result<(), Failure> {
-        self.apply_raw().at(Step::Landlock)
-    }
-
-    /// [`Self::apply`] for callers outside the child.
+    /// Builds the whole ruleset and restricts the calling thread, for callers outside
+    /// the child (a process confining itself).
     pub(crate) fn apply_checked(&self) -> Result<(), LandlockError> {
         self.apply_raw()
             .map_err(|e| LandlockError::Apply(io::Error::from_raw_os_error(e)))
     }
 
+    /// Child side (async-signal-safe): builds the ruleset with every rule but the
+    /// call's ([`Self::allow_at_call`]) and returns its descriptor, close-on-exec and
+    /// numbered above [`crate::fds::LANDLOCK_FD`] (so that installing the standard
+    /// streams cannot overwrite it). A pre-built sandbox does this before its call;
+    /// [`Self::apply_prepared`] finishes it.
+    pub(crate) fn prepare(&self) -> Result<RawFd, Failure> {
+        self.prepare_raw().at(Step::Landlock)
+    }
+
+    fn prepare_raw(&self) -> Result<RawFd, i32> {
+        let ruleset = self.create()?;
+        let prepared = self
+            .add_rules(ruleset, &self.rules)
+            .and_then(|()| self.add_port_rules(ruleset))
+            .and_then(|()| {
+                // SAFETY: fcntl with integer arguments only.
+                sys::check_int(unsafe {
+                    libc::fcntl(ruleset, libc::F_DUPFD_CLOEXEC, crate::fds::LANDLOCK_FD + 1)
+                })
+            });
+        // SAFETY: closing the descriptor created above, once (its copy, if any, stays).
+        unsafe { libc::close(ruleset) };
+        prepared
+    }
+
+    /// Child side (async-signal-safe): adds the call's rules to the ruleset
+    /// [`Self::prepare`] built, now at `ruleset`, restricts the calling thread and
+    /// closes it. `no_new_privs` must already be set.
+    pub(crate) fn apply_prepared(&self, ruleset: RawFd) -> Result<(), Failure> {
+        let result = self.add_rules(ruleset, &self.call_rules).and_then(|()| {
+            // SAFETY: `ruleset` is a Landlock ruleset descriptor; no pointers.
+            sys::check(unsafe { libc::syscall(libc::SYS_landlock_restrict_self, ruleset, 0u32) })
+                .map(drop)
+        });
+        // SAFETY: closing the ruleset's descriptor, once.
+        unsafe { libc::close(ruleset) };
+        result.at(Step::Landlock)
+    }
+
     fn apply_raw(&self) -> Result<(), i32> {
+        let ruleset = self.create()?;
+        let result = self
+            .add_rules(ruleset, &self.rules)
+            .and_then(|()| self.add_rules(ruleset, &self.call_rules))
+            .and_then(|()| self.add_port_rules(ruleset))
+            .and_then(|()| {
+                // SAFETY: `ruleset` is a Landlock ruleset descriptor; no pointers.
+                sys::check(unsafe {
+                    libc::syscall(libc::SYS_landlock_restrict_self, ruleset, 0u32)
+                })
+                .map(drop)
+            });
+        // SAFETY: closing the descriptor created above, once.
+        unsafe { libc::close(ruleset) };
+        result
+    }
+
+    /// A new ruleset for this plan's handled accesses.
+    fn create(&self) -> Result<libc::c_int, i32> {
         let attr = RulesetAttr {
             handled_access_fs: self.handled_fs,
             handled_access_net: self.handled_net,
@@ -177,19 +243,11 @@ impl LandlockPlan {
         let ruleset = sys::check(unsafe {
             libc::syscall(libc::SYS_landlock_create_ruleset, &attr, size, 0u32)
         })?;
-        let ruleset = libc::c_int::try_from(ruleset).map_err(|_| libc::EBADF)?;
-        let result = self.add_rules(ruleset).and_then(|()| {
-            // SAFETY: `ruleset` is a Landlock ruleset descriptor; no pointers.
-            sys::check(unsafe { libc::syscall(libc::SYS_landlock_restrict_self, ruleset, 0u32) })
-                .map(drop)
-        });
-        // SAFETY: closing the descriptor created above, once.
-        unsafe { libc::close(ruleset) };
-        result
+        libc::c_int::try_from(ruleset).map_err(|_| libc::EBADF)
     }
 
-    fn add_rules(&self, ruleset: libc::c_int) -> Result<(), i32> {
-        for (path, rights) in &self.rules {
+    fn add_rules(&self, ruleset: libc::c_int, rules: &[(CString, u64)]) -> Result<(), i32> {
+        for (path, rights) in rules {
             // SAFETY: `path` is NUL-terminated; O_PATH opens no file content.
             let fd = match sys::check_int(unsafe {
                 libc::open(path.as_ptr(), libc::O_PATH | libc::O_CLOEXEC)
@@ -231,6 +289,10 @@ impl LandlockPlan {
             unsafe { libc::close(fd) };
             ret?;
         }
+        Ok(())
+    }
+
+    fn add_port_rules(&self, ruleset: libc::c_int) -> Result<(), i32> {
         for &port in &self.connect_ports {
             let attr = NetPortAttr {
                 allowed_access: NET_CONNECT_TCP,

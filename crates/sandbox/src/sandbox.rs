@@ -705,10 +705,15 @@ mod tests {
         drop(sandbox);
     }
 
-    /// A command that left a process behind is not answered early: the sandbox is
-    /// killed and reaped before the call returns, and nothing of it is left.
+    /// A command that left a process behind: when the call returns, that process is
+    /// gone, with the teardown held. Either the caller found it in the cgroup and
+    /// killed and reaped the sandbox before answering, or init, exiting after its
+    /// report, had already killed it (a process leaves the cgroup's list only once it
+    /// runs no code and holds no file) — which of the two depends on timing (under
+    /// load the second is common), so the test asserts what both guarantee, checked at
+    /// once, without waiting.
     #[test]
-    fn a_call_that_leaves_a_process_behind_is_torn_down_before_its_answer() {
+    fn no_process_left_behind_outlives_the_answer() {
         let _host = real_host();
         let ws = tempfile::tempdir().unwrap();
         let sandbox = strict("reaper-orphan");
@@ -726,7 +731,6 @@ mod tests {
                 .run(&sh(&script, ws.path()), &mut NoSink, &Cancel::new())
                 .unwrap();
             assert_eq!(out.exit_code, Some(0), "{script}");
-            assert_eq!(sandbox.factory.reaper().pending(), 0, "{script}");
             assert_eq!(
                 processes_with(&format!("sleep {marker}")),
                 Vec::<String>::new()

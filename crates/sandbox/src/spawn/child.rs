@@ -24,7 +24,8 @@ use crate::sys;
 /// child with status 127: the command never runs with a layer missing.
 pub(super) fn child_main(plan: &ChildPlan<'_>, call: &CallView<'_>) -> ! {
     let mut report_fd = plan.fds.error;
-    let result = before_call(plan).and_then(|()| after_call(plan, call, &mut report_fd));
+    let result =
+        before_call(plan).and_then(|landlock| after_call(plan, call, landlock, &mut report_fd));
     fail(report_fd, result)
 }
 
@@ -34,9 +35,9 @@ pub(super) fn prebuilt_main(plan: &ChildPlan<'_>, entry: &mut EntrySide) -> ! {
     let mut report_fd = plan.fds.error;
     let result = match before_call(plan) {
         Err(failure) => Err(failure),
-        Ok(()) => match entry.wait_for_call(plan) {
+        Ok(landlock) => match entry.wait_for_call(plan, landlock) {
             Err(failure) => Err(failure),
-            Ok(call) => after_call(plan, &call, &mut report_fd),
+            Ok(call) => after_call(plan, &call, landlock, &mut report_fd),
         },
     };
     fail(report_fd, result)
@@ -53,9 +54,10 @@ fn fail(report_fd: RawFd, result: Result<Infallible, Failure>) -> ! {
 }
 
 /// The steps that do not depend on the call: parent-death signal, the handshake, the
-/// cgroup, and in strict mode the cgroup namespace, the hostname, the proxy's listener
-/// and the part of the new root every call shares.
-fn before_call(plan: &ChildPlan<'_>) -> Result<(), Failure> {
+/// cgroup, the bounding set, in strict mode the cgroup namespace, the hostname, the
+/// proxy's listener and the part of the new root every call shares, and the Landlock
+/// ruleset but for the call's own rules. Returns the ruleset's descriptor.
+fn before_call(plan: &ChildPlan<'_>) -> Result<RawFd, Failure> {
     // 1. Die with the worker: a sandbox must never outlive the process that enforces
     //    its wall clock (in strict mode, pid 1 dying takes the whole namespace along).
     // SAFETY: prctl with integer arguments only.
@@ -85,6 +87,11 @@ fn before_call(plan: &ChildPlan<'_>) -> Result<(), Failure> {
         join_own_cgroup(tasks).at(Step::JoinCgroup)?;
     }
 
+    // 2c. Empty the bounding set (where we hold CAP_SETPCAP): what any later execve
+    //     may grant. The capabilities the setup still uses stay effective until step 8;
+    //     a pre-built sandbox does this before its call instead of on its path.
+    crate::caps::empty_bounding_set(plan.require_empty_bounding_set)?;
+
     if plan.strict {
         // 3s. A cgroup namespace rooted at the call's cgroup (joined by now), and a
         //     hostname of our own.
@@ -104,7 +111,11 @@ fn before_call(plan: &ChildPlan<'_>) -> Result<(), Failure> {
             template.build_root()?;
         }
     }
-    Ok(())
+
+    // 4l. The Landlock ruleset, built now for every path that already exists (system
+    //     dirs, /tmp); the workspace's rule is added in step 9, once it is mounted.
+    //     Nothing is restricted yet.
+    plan.landlock.prepare()
 }
 
 /// The steps that depend on the call, then `execve`: the rest of the new root (the
@@ -113,6 +124,7 @@ fn before_call(plan: &ChildPlan<'_>) -> Result<(), Failure> {
 fn after_call(
     plan: &ChildPlan<'_>,
     call: &CallView<'_>,
+    landlock: RawFd,
     report_fd: &mut RawFd,
 ) -> Result<Infallible, Failure> {
     if plan.strict {
@@ -134,8 +146,9 @@ fn after_call(
     call.rlimits.apply()?;
 
     // 6. Only stdin/stdout/stderr stay open across exec (plus our two close-on-exec
-    //    pipes: errors on 3, the command's status on 4).
-    fds::install(plan.fds)?;
+    //    pipes: errors on 3, the command's status on 4; and the prepared Landlock
+    //    ruleset on 5, close-on-exec, closed in step 9).
+    fds::install(plan.fds, landlock)?;
     *report_fd = ERROR_FD;
 
     // 7. no_new_privs: exec can never grant privileges again (setuid bits, file caps);
@@ -153,12 +166,13 @@ fn after_call(
     sys::check_int(unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) })
         .at(Step::NotDumpable)?;
 
-    // 8. Capabilities: bounding, ambient, inheritable, permitted, effective — all empty
-    //    (the bounding set only where we hold CAP_SETPCAP, as the report says).
-    crate::caps::drop_all(plan.require_empty_bounding_set)?;
+    // 8. Capabilities: ambient, inheritable, permitted, effective — all empty (the
+    //    bounding set was emptied in step 2c).
+    crate::caps::drop_all()?;
 
-    // 9. Landlock: read+exec system dirs, read-write workspace and /tmp, nothing else.
-    plan.landlock.apply()?;
+    // 9. Landlock: read+exec system dirs, read-write workspace and /tmp, nothing else
+    //    (the ruleset prepared in step 4l, with the workspace's rule added now).
+    plan.landlock.apply_prepared(fds::LANDLOCK_FD)?;
 
     // 10. seccomp, last: from here on the blocked system calls fail.
     plan.seccomp.install()?;

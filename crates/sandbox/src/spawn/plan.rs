@@ -208,9 +208,11 @@ pub(super) fn strict_landlock(sandbox: &Factory) -> Result<LandlockPlan, Sandbox
     let mut plan = LandlockPlan::new(sandbox.landlock_abi(), sandbox.config().network);
     plan.allow(Path::new("/"), access::READ)?;
     allow_system(&mut plan)?;
-    for dir in ["/workspace", "/tmp", "/dev/shm"] {
+    for dir in ["/tmp", "/dev/shm"] {
         plan.allow(Path::new(dir), access::ALL)?;
     }
+    // Mounted when the call arrives, after the ruleset is prepared.
+    plan.allow_at_call(Path::new("/workspace"), access::ALL)?;
     Ok(plan)
 }
 

@@ -464,15 +464,17 @@ pub(super) struct EntrySide {
 
 impl EntrySide {
     /// Child: after the steps that do not depend on the call, keeps only its own
-    /// descriptors, says it is ready, and waits for its call (async-signal-safe).
-    /// End-of-file means the pool let it go: it stops here, having run nothing.
+    /// descriptors (and `landlock`, its prepared ruleset), says it is ready, and waits
+    /// for its call (async-signal-safe). End-of-file means the pool let it go: it stops
+    /// here, having run nothing.
     pub(super) fn wait_for_call<'a>(
         &'a mut self,
         plan: &ChildPlan<'_>,
+        landlock: RawFd,
     ) -> Result<CallView<'a>, Failure> {
         // a. A waiting entry must not hold the worker's other descriptors (its
         //    sockets, other sandboxes' pipes, whose ends would never close).
-        keep_only(plan.fds, self.channel).at(Step::CloseFds)?;
+        keep_only(plan.fds, self.channel, landlock).at(Step::CloseFds)?;
         // b. A recognisable name in `ps` while it waits.
         // SAFETY: prctl with a NUL-terminated string.
         unsafe { libc::prctl(libc::PR_SET_NAME, c"airlock-ready".as_ptr(), 0, 0, 0) };
@@ -512,8 +514,8 @@ impl EntrySide {
 }
 
 /// Closes every descriptor but the entry's own: its stdin, stdout, stderr, error and
-/// status pipes and its socket (async-signal-safe).
-fn keep_only(fds: ChildFds, channel: RawFd) -> Result<(), i32> {
+/// status pipes, its socket and its prepared Landlock ruleset (async-signal-safe).
+fn keep_only(fds: ChildFds, channel: RawFd, landlock: RawFd) -> Result<(), i32> {
     // The worker's stdin, stdout and stderr give way to the entry's own pipes, as
     // `fds::install` will leave them.
     for (source, target) in [(fds.stdin, 0), (fds.stdout, 1), (fds.stderr, 2)] {
@@ -521,7 +523,7 @@ fn keep_only(fds: ChildFds, channel: RawFd) -> Result<(), i32> {
         sys::check_int(unsafe { libc::dup2(source, target) })?;
     }
     let mut keep = [
-        fds.stdin, fds.stdout, fds.stderr, fds.error, fds.status, channel,
+        fds.stdin, fds.stdout, fds.stderr, fds.error, fds.status, channel, landlock,
     ];
     keep.sort_unstable();
     let mut from: RawFd = 3;
