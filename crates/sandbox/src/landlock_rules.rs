@@ -198,30 +198,24 @@ impl LandlockPlan {
     /// [`Self::prepare`] built, now at `ruleset`, restricts the calling thread and
     /// closes it. `no_new_privs` must already be set.
     pub(crate) fn apply_prepared(&self, ruleset: RawFd) -> Result<(), Failure> {
+        self.restrict(ruleset).at(Step::Landlock)
+    }
+
+    /// Both halves at once: prepared, then restricted.
+    fn apply_raw(&self) -> Result<(), i32> {
+        self.prepare_raw()
+            .and_then(|ruleset| self.restrict(ruleset))
+    }
+
+    /// Adds the call's rules to `ruleset`, restricts the calling thread with it and
+    /// closes it.
+    fn restrict(&self, ruleset: RawFd) -> Result<(), i32> {
         let result = self.add_rules(ruleset, &self.call_rules).and_then(|()| {
             // SAFETY: `ruleset` is a Landlock ruleset descriptor; no pointers.
             sys::check(unsafe { libc::syscall(libc::SYS_landlock_restrict_self, ruleset, 0u32) })
                 .map(drop)
         });
         // SAFETY: closing the ruleset's descriptor, once.
-        unsafe { libc::close(ruleset) };
-        result.at(Step::Landlock)
-    }
-
-    fn apply_raw(&self) -> Result<(), i32> {
-        let ruleset = self.create()?;
-        let result = self
-            .add_rules(ruleset, &self.rules)
-            .and_then(|()| self.add_rules(ruleset, &self.call_rules))
-            .and_then(|()| self.add_port_rules(ruleset))
-            .and_then(|()| {
-                // SAFETY: `ruleset` is a Landlock ruleset descriptor; no pointers.
-                sys::check(unsafe {
-                    libc::syscall(libc::SYS_landlock_restrict_self, ruleset, 0u32)
-                })
-                .map(drop)
-            });
-        // SAFETY: closing the descriptor created above, once.
         unsafe { libc::close(ruleset) };
         result
     }

@@ -48,6 +48,21 @@ impl Child {
         }
     }
 
+    /// Tears down a strict sandbox whose init has reported (and so is exiting by
+    /// itself): reaps init, then removes the cgroup. The kill only makes sure init goes
+    /// (a no-op for a process already exiting); reaping first means the cgroup is empty
+    /// when it is removed, where removing it while init still exits would poll its
+    /// process list, sleeping between rounds.
+    pub(super) fn finish_after_report(&mut self) -> Result<(), SandboxError> {
+        // SAFETY: kill takes no pointers; the pid is our unreaped child.
+        unsafe { libc::kill(self.pid, libc::SIGKILL) };
+        self.reap()?;
+        match self.cgroup.take() {
+            Some(mut cgroup) => cgroup.remove().map_err(SandboxError::from),
+            None => Ok(()),
+        }
+    }
+
     /// Blocks until the child exits; returns its wait status and resource usage.
     pub(super) fn reap(&mut self) -> Result<(i32, libc::rusage), SandboxError> {
         let mut status = 0;
@@ -463,11 +478,7 @@ pub(super) fn supervise(
     if answered_early {
         if let Err(mut child) = sandbox.reaper().hand_over(child) {
             // The reaper's queue is full: this call tears its sandbox down itself.
-            child.kill();
-            child.reap()?;
-            if let Some(mut cgroup) = child.cgroup.take() {
-                cgroup.remove()?;
-            }
+            child.finish_after_report()?;
         }
     } else if let Some(mut cgroup) = child.cgroup.take() {
         cgroup.remove()?;

@@ -101,21 +101,12 @@ impl Reaper {
     }
 }
 
-/// The thread: each sandbox's `Child` is reaped and its cgroup removed as it drops.
+/// The thread: each sandbox is reaped and its cgroup removed, in turn.
 fn tear_down(waiting: &Receiver<Child>, shared: &Shared) {
     for mut child in waiting {
         let _turn = shared.turn.lock().unwrap_or_else(PoisonError::into_inner);
-        // init exits by itself right after its report (the kill only makes sure of it,
-        // a no-op for a process already exiting). Reaped first, so that the cgroup is
-        // empty when it is removed: removing it while init still exits would poll its
-        // process list, sleeping between rounds.
-        // SAFETY: kill takes no pointers; the pid is our unreaped child.
-        unsafe { libc::kill(child.pid, libc::SIGKILL) };
-        let _ = child.reap();
-        if let Some(mut cgroup) = child.cgroup.take()
-            && let Err(e) = cgroup.remove()
-        {
-            tracing::warn!(error = %e, "a finished sandbox's cgroup could not be removed");
+        if let Err(e) = child.finish_after_report() {
+            tracing::warn!(error = %e, "a finished sandbox could not be torn down");
         }
         shared.pending.fetch_sub(1, Ordering::Relaxed);
     }
