@@ -98,7 +98,7 @@ impl Gate {
         quorum: u32,
     ) -> Result<(), Rejection> {
         let since = Instant::now();
-        let approval_id = format!("apr_{}", uuid::Uuid::new_v4().simple());
+        let approval_id = crate::store::fresh_id("apr_");
         let now = now_millis();
         let expires_at = now
             + i64::try_from(self.approvals.timeout_seconds.saturating_mul(1000))

@@ -467,7 +467,7 @@ impl Gate {
         tool_use: ToolUse,
         events: Option<mpsc::Sender<WorkerEvent>>,
     ) -> watch::Receiver<CallRecord> {
-        let call_id = format!("call_{}", uuid::Uuid::new_v4().simple());
+        let call_id = crate::store::fresh_id("call_");
         let cancel = CancellationToken::new();
         let rx = self.calls.insert(
             CallRecord::running(&call_id, &tool_use.id, &tool_use.name, &principal.name),
@@ -515,7 +515,7 @@ impl Gate {
         tool: String,
         message: String,
     ) -> watch::Receiver<CallRecord> {
-        let call_id = format!("call_{}", uuid::Uuid::new_v4().simple());
+        let call_id = crate::store::fresh_id("call_");
         let mut record = CallRecord::running(&call_id, &tool_use_id, &tool, &principal.name);
         record.status = CallStatus::Error;
         record.duration_ms = Some(0);

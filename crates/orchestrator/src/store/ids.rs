@@ -127,9 +127,57 @@ text_id!(
     ApprovalId
 );
 
+/// A new id for a row of `calls` or `approvals`: `prefix` and a UUID version 7 as 32
+/// hexadecimal digits — the time in milliseconds, then 74 random bits.
+///
+/// Time first, so that each new id sorts after the ones before it (within a millisecond,
+/// in any order): the B-trees keyed by it (the table's primary key, the audit log's
+/// `(call_id, seq)` index) grow at their right edge, where the last call's pages already
+/// are, as every other index of a call does. A random id (version 4) sent each insert to a
+/// page anywhere in those trees — one read when the store is larger than SQLite's cache,
+/// and pages left about two thirds full by splits in their middle. The random part is
+/// drawn afresh for every id (no counter carried from one id to the next, which the
+/// crate's shared context would use), so an id says nothing about the ids made beside
+/// it: it is as hard to guess as before but for the time, which the row records anyway.
+pub fn fresh_id(prefix: &str) -> String {
+    let since_epoch = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    let time = uuid::Timestamp::from_unix(
+        uuid::NoContext,
+        since_epoch.as_secs(),
+        since_epoch.subsec_nanos(),
+    );
+    format!("{prefix}{}", uuid::Uuid::new_v7(time).simple())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn fresh_ids_sort_by_time_and_share_no_counter() {
+        let first = fresh_id("call_");
+        std::thread::sleep(std::time::Duration::from_millis(2));
+        let ids: Vec<String> = (0..64).map(|_| fresh_id("call_")).collect();
+        for id in &ids {
+            assert!(id.starts_with("call_") && id.len() == 5 + 32, "{id}");
+            assert!(id[5..].bytes().all(|b| b.is_ascii_hexdigit()), "{id}");
+            assert!(*id > first, "an id made later sorts after {first}: {id}");
+            let uuid = uuid::Uuid::parse_str(&id[5..]).unwrap();
+            assert_eq!(uuid.get_version_num(), 7);
+        }
+        // Made within the same millisecond or two, the ids differ in their random bits
+        // well beyond a counter's step: no two consecutive ones are one apart.
+        let unique: std::collections::HashSet<&String> = ids.iter().collect();
+        assert_eq!(unique.len(), ids.len());
+        let low = |id: &str| u128::from_str_radix(&id[5..], 16).unwrap() & ((1u128 << 62) - 1);
+        let close = ids
+            .windows(2)
+            .filter(|w| low(&w[1]).abs_diff(low(&w[0])) < 1 << 20)
+            .count();
+        assert_eq!(close, 0, "consecutive ids look counted: {ids:?}");
+    }
 
     #[test]
     fn ids_are_their_text_on_the_wire() {

@@ -52,7 +52,7 @@ use async_trait::async_trait;
 use serde::{Deserialize, Serialize, Serializer};
 use serde_json::Value;
 
-pub use self::ids::{ApprovalId, CallId};
+pub use self::ids::{ApprovalId, CallId, fresh_id};
 pub use crate::audit::{AuditQuery, AuditRecord, NewAuditEvent, VerifyReport};
 
 /// The tables of schema version 1, with `{int}` standing for the engine's 64-bit integer
