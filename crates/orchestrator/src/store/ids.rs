@@ -139,14 +139,15 @@ text_id!(
 /// drawn afresh for every id (no counter carried from one id to the next, which the
 /// crate's shared context would use), so an id says nothing about the ids made beside
 /// it: it is as hard to guess as before but for the time, which the row records anyway.
+///
+/// The time is the store's clock ([`super::now_millis`]), which stamps the rows too.
 pub fn fresh_id(prefix: &str) -> String {
-    let since_epoch = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default();
+    let millis = u64::try_from(super::now_millis()).unwrap_or(0);
     let time = uuid::Timestamp::from_unix(
         uuid::NoContext,
-        since_epoch.as_secs(),
-        since_epoch.subsec_nanos(),
+        millis / 1000,
+        // Below 1000 × 1 000 000, so the conversion never fails.
+        u32::try_from(millis % 1000 * 1_000_000).unwrap_or(0),
     );
     format!("{prefix}{}", uuid::Uuid::new_v7(time).simple())
 }
