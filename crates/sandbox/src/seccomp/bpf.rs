@@ -9,13 +9,14 @@
 //! when a filter is attached by emulating the program once for every system call
 //! number, with interrupts off: with a linear chain of some 55 numbers that was the
 //! largest part of a sandbox's 237 µs seccomp step (docs/decisions.md, "Where a shell
-//! call's time goes"). A binary search walks about six comparisons per number.
+//! call's time goes"). A binary search walks a dozen instructions or so per number.
 //!
 //! The program: the architecture check (any other architecture kills the process, as
 //! seccompiler's does), the number loaded, numbers at or above `high_from` answered at
-//! once (x32 system calls), the search, then one block per listed number: its rules in
-//! turn, each a conjunction of argument conditions, the first that holds returning the
-//! number's action; none holding (or a number not listed) returns the default.
+//! once (x32 system calls), the search — whose leaves answer a number without rules
+//! themselves —, then one block per number with rules: its rules in turn, each a
+//! conjunction of argument conditions, the first that holds returning the number's
+//! action; none holding (or a number not listed) returns the default.
 
 use std::collections::BTreeMap;
 
@@ -34,8 +35,11 @@ const NR_OFFSET: u32 = 0;
 const ARCH_OFFSET: u32 = 4;
 const ARGS_OFFSET: u32 = 16;
 
-/// Numbers a search leaf compares one by one.
-const LEAF: usize = 4;
+/// Numbers a search leaf compares one by one: fewer instructions than a deeper tree (a
+/// leaf's numbers share their returns), at a few more steps of the kernel's emulation
+/// for a number in the leaf; 8 was the quickest to attach of 2, 4 and 8 (measured:
+/// docs/decisions.md, "A shorter seccomp program").
+const LEAF: usize = 8;
 
 /// One `thiserror` enum per module: what the compiler refuses.
 #[derive(Debug, thiserror::Error)]
@@ -65,6 +69,14 @@ pub(crate) enum Cmp {
         mask: u64,
         value: u64,
     },
+    /// `arg & mask != value & mask`.
+    MaskedNe {
+        mask: u64,
+        value: u64,
+    },
+    /// `arg & mask != 0`: any of the mask's bits set. One test where rules of one
+    /// bit each would take one test per bit.
+    AnyBit(u64),
 }
 
 /// One condition on one argument (0–5).
@@ -200,29 +212,41 @@ pub(crate) fn compile(filter: &Filter) -> Result<Vec<sock_filter>, BpfError> {
         e.mark(low);
     }
     let numbers: Vec<u32> = filter.entries.keys().copied().collect();
-    let blocks: Vec<Label> = numbers.iter().map(|_| e.label()).collect();
-    search(&mut e, &numbers, &blocks, filter.default);
-    for ((_, entry), block) in filter.entries.iter().zip(&blocks) {
-        e.mark(*block);
-        rules(&mut e, entry, filter.default)?;
+    // A number without rules is answered in its leaf; one with rules has a block.
+    let targets: Vec<Target> = filter
+        .entries
+        .values()
+        .map(|entry| {
+            if entry.rules.is_empty() {
+                Target::Answer(entry.action)
+            } else {
+                Target::Block(e.label())
+            }
+        })
+        .collect();
+    search(&mut e, &numbers, &targets, filter.default);
+    for ((_, entry), target) in filter.entries.iter().zip(&targets) {
+        if let Target::Block(block) = target {
+            e.mark(*block);
+            rules(&mut e, entry, filter.default)?;
+        }
     }
     e.finish()
 }
 
+/// Where a search leaf sends a number it finds.
+enum Target {
+    /// A number without rules: its action, returned in the leaf.
+    Answer(u32),
+    /// A number with rules: the block that tests them.
+    Block(Label),
+}
+
 /// The search over `numbers` (sorted), the accumulator holding the number: a leaf
-/// compares up to [`LEAF`] of them and jumps to the matching block (`ja`, whose reach is
-/// not limited to 255), else returns the default; above that it splits at the middle.
-fn search(e: &mut Emitter, numbers: &[u32], blocks: &[Label], default: u32) {
+/// compares up to [`LEAF`] of them, above that it splits at the middle.
+fn search(e: &mut Emitter, numbers: &[u32], targets: &[Target], default: u32) {
     if numbers.len() <= LEAF {
-        for (number, block) in numbers.iter().zip(blocks) {
-            let hit = e.label();
-            let miss = e.label();
-            e.jump(JEQ_K, *number, hit, miss);
-            e.mark(hit);
-            e.always(*block);
-            e.mark(miss);
-        }
-        e.stmt(RET_K, default);
+        leaf(e, numbers, targets, default);
         return;
     }
     let mid = numbers.len() / 2;
@@ -230,9 +254,48 @@ fn search(e: &mut Emitter, numbers: &[u32], blocks: &[Label], default: u32) {
     let lower = e.label();
     e.jump(JGE_K, numbers[mid], upper, lower);
     e.mark(lower);
-    search(e, &numbers[..mid], &blocks[..mid], default);
+    search(e, &numbers[..mid], &targets[..mid], default);
     e.mark(upper);
-    search(e, &numbers[mid..], &blocks[mid..], default);
+    search(e, &numbers[mid..], &targets[mid..], default);
+}
+
+/// A leaf: its numbers compared in turn. A number without rules jumps to a return of
+/// its action that the leaf's numbers with the same action share (most of the filter's
+/// numbers are refused outright, so this is one instruction each instead of a jump to
+/// a block of their own and that block's return); a number with rules jumps to its
+/// block (`ja`, whose reach is not limited to 255); no number matching returns the
+/// default. Every instruction the kernel converts and compiles when a sandbox attaches
+/// the filter costs it time (docs/decisions.md, "A shorter seccomp program").
+fn leaf(e: &mut Emitter, numbers: &[u32], targets: &[Target], default: u32) {
+    let mut answers: Vec<(u32, Label)> = Vec::new();
+    for (number, target) in numbers.iter().zip(targets) {
+        let miss = e.label();
+        match target {
+            Target::Answer(action) => {
+                let answer = match answers.iter().find(|(a, _)| a == action) {
+                    Some((_, label)) => *label,
+                    None => {
+                        let label = e.label();
+                        answers.push((*action, label));
+                        label
+                    }
+                };
+                e.jump(JEQ_K, *number, answer, miss);
+            }
+            Target::Block(block) => {
+                let hit = e.label();
+                e.jump(JEQ_K, *number, hit, miss);
+                e.mark(hit);
+                e.always(*block);
+            }
+        }
+        e.mark(miss);
+    }
+    e.stmt(RET_K, default);
+    for (action, label) in answers {
+        e.mark(label);
+        e.stmt(RET_K, action);
+    }
 }
 
 /// One number's block: each rule in turn, the first that holds returning the action.
@@ -257,8 +320,9 @@ fn rules(e: &mut Emitter, entry: &Entry, default: u32) -> Result<(), BpfError> {
 ///
 /// A condition compares 32-bit words of the argument — the low one, and for a 64-bit
 /// condition the high one first — each as `word & mask == value`: `Eq` and `MaskedEq`
-/// hold when every word does, `Ne` when any word does not. A word whose mask is zero
-/// always matches and is not loaded.
+/// hold when every word does, `Ne`, `MaskedNe` and `AnyBit` (which is `MaskedNe` with a
+/// value of zero) when any word does not. A word whose mask is zero always matches and
+/// is not loaded.
 fn condition(e: &mut Emitter, cond: Cond, fail: Label) -> Result<(), BpfError> {
     if cond.arg > 5 {
         return Err(BpfError::Argument(cond.arg));
@@ -276,6 +340,8 @@ fn condition(e: &mut Emitter, cond: Cond, fail: Label) -> Result<(), BpfError> {
         Cmp::Eq(v) => (u64::MAX, v, false),
         Cmp::Ne(v) => (u64::MAX, v, true),
         Cmp::MaskedEq { mask, value } => (mask, value & mask, false),
+        Cmp::MaskedNe { mask, value } => (mask, value & mask, true),
+        Cmp::AnyBit(mask) => (mask, 0, true),
     };
     let ((m_high, m_low), (v_high, v_low)) = (halves(mask), halves(value));
     let mut words = Vec::with_capacity(2);
@@ -287,6 +353,11 @@ fn condition(e: &mut Emitter, cond: Cond, fail: Label) -> Result<(), BpfError> {
 
     let pass = e.label();
     let count = words.len();
+    if negated && count == 0 {
+        // No bit to differ in (`AnyBit(0)`): the condition never holds.
+        e.always(fail);
+        return Ok(());
+    }
     for (i, (offset, mask, value)) in words.into_iter().enumerate() {
         let next = e.label();
         e.stmt(LD_W_ABS, offset);
