@@ -429,29 +429,7 @@ mod tests {
                         .rules
                         .iter()
                         .flat_map(expand)
-                        .map(|rule| {
-                            let conds = rule
-                                .iter()
-                                .map(|c| {
-                                    let len = match c.width {
-                                        Width::Dword => SeccompCmpArgLen::Dword,
-                                        Width::Qword => SeccompCmpArgLen::Qword,
-                                    };
-                                    let (op, value) = match c.cmp {
-                                        Cmp::Eq(v) => (SeccompCmpOp::Eq, v),
-                                        Cmp::Ne(v) => (SeccompCmpOp::Ne, v),
-                                        Cmp::MaskedEq { mask, value } => {
-                                            (SeccompCmpOp::MaskedEq(mask), value)
-                                        }
-                                        Cmp::MaskedNe { .. } | Cmp::AnyBit(_) => {
-                                            unreachable!("expanded above")
-                                        }
-                                    };
-                                    SeccompCondition::new(c.arg, len, op, value).unwrap()
-                                })
-                                .collect();
-                            SeccompRule::new(conds).unwrap()
-                        })
+                        .map(|conds| SeccompRule::new(conds).unwrap())
                         .collect();
                     (i64::from(*nr), rules)
                 })
@@ -471,21 +449,21 @@ mod tests {
         programs
     }
 
-    /// A rule as rules seccompiler can express, which hold together exactly when it
-    /// does: `AnyBit(mask)` is one rule per bit of the mask, `MaskedNe` one per other
-    /// value under the mask (all the mask's subsets but the one compared), and the
-    /// conjunction of such alternatives their cross product.
-    fn expand(rule: &Vec<Cond>) -> Vec<Vec<Cond>> {
-        let mut rules: Vec<Vec<Cond>> = vec![Vec::new()];
+    /// A rule as seccompiler's rules, which hold together exactly when it does:
+    /// `AnyBit(mask)` is one rule per bit of the mask, `MaskedNe` one per other value
+    /// under the mask (all the mask's subsets but the one compared), and the
+    /// conjunction of such alternatives their cross product — the rules as they were
+    /// written before these two comparisons.
+    fn expand(rule: &Vec<Cond>) -> Vec<Vec<SeccompCondition>> {
+        let mut rules: Vec<Vec<SeccompCondition>> = vec![Vec::new()];
         for cond in rule {
-            let alternatives: Vec<Cmp> = match cond.cmp {
+            let alternatives: Vec<(SeccompCmpOp, u64)> = match cond.cmp {
+                Cmp::Eq(v) => vec![(SeccompCmpOp::Eq, v)],
+                Cmp::Ne(v) => vec![(SeccompCmpOp::Ne, v)],
                 Cmp::AnyBit(mask) => (0..64)
                     .map(|bit| 1u64 << bit)
                     .filter(|bit| mask & bit != 0)
-                    .map(|bit| Cmp::MaskedEq {
-                        mask: bit,
-                        value: bit,
-                    })
+                    .map(|bit| (SeccompCmpOp::MaskedEq(bit), bit))
                     .collect(),
                 Cmp::MaskedNe { mask, value } => {
                     assert!(mask.count_ones() <= 8, "too many values to list");
@@ -493,26 +471,31 @@ mod tests {
                     let mut subset = 0u64;
                     loop {
                         if subset != value & mask {
-                            subsets.push(Cmp::MaskedEq {
-                                mask,
-                                value: subset,
-                            });
+                            subsets.push((SeccompCmpOp::MaskedEq(mask), subset));
                         }
                         if subset == mask {
                             break;
                         }
-                        subset = (subset.wrapping_sub(mask)) & mask;
+                        // The next subset of the mask, in increasing order.
+                        subset = subset.wrapping_sub(mask) & mask;
                     }
                     subsets
                 }
-                other => vec![other],
+            };
+            let len = match cond.width {
+                Width::Dword => SeccompCmpArgLen::Dword,
+                Width::Qword => SeccompCmpArgLen::Qword,
             };
             rules = rules
                 .iter()
                 .flat_map(|prefix| {
-                    alternatives.iter().map(move |cmp| {
+                    let len = len.clone();
+                    alternatives.iter().map(move |(op, value)| {
                         let mut rule = prefix.clone();
-                        rule.push(Cond { cmp: *cmp, ..*cond });
+                        rule.push(
+                            SeccompCondition::new(cond.arg, len.clone(), op.clone(), *value)
+                                .unwrap(),
+                        );
                         rule
                     })
                 })

@@ -64,11 +64,6 @@ pub(crate) enum Width {
 pub(crate) enum Cmp {
     Eq(u64),
     Ne(u64),
-    /// `arg & mask == value & mask`.
-    MaskedEq {
-        mask: u64,
-        value: u64,
-    },
     /// `arg & mask != value & mask`.
     MaskedNe {
         mask: u64,
@@ -319,8 +314,8 @@ fn rules(e: &mut Emitter, entry: &Entry, default: u32) -> Result<(), BpfError> {
 /// Falls through when `cond` holds, jumps to `fail` when it does not.
 ///
 /// A condition compares 32-bit words of the argument — the low one, and for a 64-bit
-/// condition the high one first — each as `word & mask == value`: `Eq` and `MaskedEq`
-/// hold when every word does, `Ne`, `MaskedNe` and `AnyBit` (which is `MaskedNe` with a
+/// condition the high one first — each as `word & mask == value`: `Eq` holds when
+/// every word does, `Ne`, `MaskedNe` and `AnyBit` (which is `MaskedNe` with a
 /// value of zero) when any word does not. A word whose mask is zero always matches and
 /// is not loaded.
 fn condition(e: &mut Emitter, cond: Cond, fail: Label) -> Result<(), BpfError> {
@@ -339,7 +334,6 @@ fn condition(e: &mut Emitter, cond: Cond, fail: Label) -> Result<(), BpfError> {
     let (mask, value, negated) = match cond.cmp {
         Cmp::Eq(v) => (u64::MAX, v, false),
         Cmp::Ne(v) => (u64::MAX, v, true),
-        Cmp::MaskedEq { mask, value } => (mask, value & mask, false),
         Cmp::MaskedNe { mask, value } => (mask, value & mask, true),
         Cmp::AnyBit(mask) => (mask, 0, true),
     };

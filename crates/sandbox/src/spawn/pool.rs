@@ -95,6 +95,8 @@ struct State {
     building: bool,
     /// A call waits for the entry being built.
     claimed: bool,
+    /// Calls handed an entry whose command has not started yet (see [`Starting`]).
+    starting: usize,
     stopping: bool,
     /// Why the last build failed, for the calls that ran fresh meanwhile.
     last_error: Option<String>,
@@ -166,7 +168,7 @@ impl Pool {
         requested: Instant,
     ) -> Result<Result<RunOutcome, SandboxError>, String> {
         let message = wire::encode(call).map_err(|e| e.to_string())?;
-        let entry = self.take()?;
+        let (entry, starting) = self.take()?;
         entry.sees(&call.workspace)?;
         let Entry {
             mut child,
@@ -196,6 +198,7 @@ impl Pool {
         let started = Instant::now();
         Ok((|| {
             setup_result(&mut child, &ours.error_r)?;
+            drop(starting);
             let spawn = requested.elapsed();
             if let Some(listener) = listener {
                 sink.proxy_listener(listener);
@@ -220,12 +223,11 @@ impl Pool {
 
     /// A ready entry; or, when none is, the one being built if no other call waits for
     /// it already.
-    fn take(&self) -> Result<Entry, String> {
+    fn take(&self) -> Result<(Entry, Starting<'_>), String> {
         let shared = &self.shared;
         let mut state = lock(&shared.state);
         if let Some(entry) = state.ready.pop_front() {
-            shared.changed.notify_all();
-            return Ok(entry);
+            return Ok((entry, Starting::new(shared, &mut state)));
         }
         if state.building && !state.claimed && !state.stopping {
             state.claimed = true;
@@ -238,14 +240,40 @@ impl Pool {
                 .0;
             state.claimed = false;
             if let Some(entry) = state.ready.pop_front() {
-                shared.changed.notify_all();
-                return Ok(entry);
+                return Ok((entry, Starting::new(shared, &mut state)));
             }
         }
         Err(match &state.last_error {
             Some(e) => format!("no pre-built sandbox is ready (the last build failed: {e})"),
             None => "no pre-built sandbox is ready".to_owned(),
         })
+    }
+}
+
+/// A call between taking its entry and its command's start. While one is, the thread
+/// does not start building the entry that replaces it (unless no entry is ready): the
+/// build's `clone3` into new namespaces — the mount namespace copied under the
+/// namespace lock that the call's own mounts and unmounts take — and its cgroup writes
+/// ran beside the call's last confinement steps and slowed them down
+/// (docs/decisions.md, "The pool refills once its call has started").
+struct Starting<'a> {
+    shared: &'a Shared,
+}
+
+impl<'a> Starting<'a> {
+    /// Counts a call that just took an entry out of `state`, and wakes the thread.
+    fn new(shared: &'a Shared, state: &mut State) -> Self {
+        state.starting += 1;
+        shared.changed.notify_all();
+        Starting { shared }
+    }
+}
+
+impl Drop for Starting<'_> {
+    fn drop(&mut self) {
+        let mut state = lock(&self.shared.state);
+        state.starting = state.starting.saturating_sub(1);
+        self.shared.changed.notify_all();
     }
 }
 
@@ -291,8 +319,8 @@ fn refill(shared: &Shared) {
             continue;
         }
         let now = Instant::now();
-        let may_build = retry_at.is_none_or(|at| now >= at);
-        if state.ready.len() < shared.size && may_build {
+        let retry_due = retry_at.is_none_or(|at| now >= at);
+        if builds_now(state.ready.len(), shared.size, state.starting, retry_due) {
             state.building = true;
             drop(state);
             let built = build(&shared.factory);
@@ -324,13 +352,21 @@ fn refill(shared: &Shared) {
             wake = wake.min(at.saturating_duration_since(now));
         }
         let size = state.ready.len();
+        let starting = state.starting;
         let _ = shared
             .changed
             .wait_timeout_while(state, wake.max(Duration::from_millis(1)), |s| {
-                !s.stopping && s.ready.len() == size
+                !s.stopping && s.ready.len() == size && s.starting == starting
             })
             .unwrap_or_else(PoisonError::into_inner);
     }
+}
+
+/// Whether the thread builds an entry now: the pool is short of `size`, a failed build
+/// is not waiting out its pause, and no call is starting in an entry it took — unless
+/// no entry is ready at all, when the next call would otherwise run fresh.
+fn builds_now(ready: usize, size: usize, starting: usize, retry_due: bool) -> bool {
+    ready < size && retry_due && (starting == 0 || ready == 0)
 }
 
 /// Builds one entry: the same preparation, clone and handshake as a fresh sandbox,
@@ -547,4 +583,30 @@ fn close_range(first: RawFd, last: RawFd) -> Result<(), i32> {
         )
     };
     sys::check(ret).map(drop)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::builds_now;
+
+    #[test]
+    fn the_replacement_waits_until_its_call_has_started_unless_none_is_ready() {
+        // (ready, size, starting, retry due) → builds
+        let cases = [
+            ((1, 2, 0, true), true),
+            ((1, 2, 1, true), false),
+            ((0, 2, 1, true), true),
+            ((0, 2, 2, true), true),
+            ((2, 2, 0, true), false),
+            ((0, 2, 0, false), false),
+            ((1, 2, 1, false), false),
+        ];
+        for ((ready, size, starting, retry_due), builds) in cases {
+            assert_eq!(
+                builds_now(ready, size, starting, retry_due),
+                builds,
+                "ready {ready} of {size}, {starting} starting, retry due {retry_due}"
+            );
+        }
+    }
 }
