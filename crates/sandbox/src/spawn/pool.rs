@@ -18,7 +18,8 @@
 //!
 //! An entry is never reused: it becomes the call's sandbox, which is killed and reaped
 //! with its cgroup when the call ends, like a fresh one. A thread refills the pool in
-//! the background; it is the entries' parent (their parent-death signal follows it),
+//! the background, once the call that took an entry has started its command (see
+//! [`Starting`]); it is the entries' parent (their parent-death signal follows it),
 //! and it lives as long as the [`Pool`], whose drop kills and reaps every entry still
 //! waiting and removes their cgroups.
 //!
