@@ -80,7 +80,15 @@ impl Injector for MetadataInjector<'_> {
     /// header table only to push out the headers every call repeats (the method's path,
     /// the content type, the deadline), which would then be sent and decoded in full
     /// again.
+    ///
+    /// An empty value is not sent: the propagator writes `tracestate` on every call,
+    /// empty unless a caller's trace carried one, and an empty header says nothing
+    /// its absence does not (W3C trace context treats a missing `tracestate` as an
+    /// empty one) while both ends of the hop encode, decode and look it up.
     fn set(&mut self, key: &str, value: String) {
+        if value.is_empty() {
+            return;
+        }
         if let (Ok(key), Ok(mut value)) = (
             MetadataKey::from_bytes(key.as_bytes()),
             MetadataValue::try_from(value.as_str()),
@@ -150,5 +158,47 @@ mod tests {
             value.is_sensitive(),
             "{value:?} would churn the HPACK table"
         );
+    }
+
+    /// The propagator writes `tracestate` on every call; an empty one is not sent, a
+    /// caller's non-empty one still reaches the worker whole.
+    #[test]
+    fn an_empty_tracestate_is_not_sent_and_a_real_one_is() {
+        use opentelemetry::trace::{
+            SpanContext, SpanId, TraceContextExt as _, TraceFlags, TraceId, TraceState,
+        };
+        let span = |state: TraceState| {
+            opentelemetry::Context::new().with_remote_span_context(SpanContext::new(
+                TraceId::from_hex("0af7651916cd43dd8448eb211c80319c").unwrap(),
+                SpanId::from_hex("b7ad6b7169203331").unwrap(),
+                TraceFlags::SAMPLED,
+                true,
+                state,
+            ))
+        };
+        let propagator = TraceContextPropagator::new();
+
+        let mut metadata = MetadataMap::new();
+        propagator.inject_context(
+            &span(TraceState::NONE),
+            &mut MetadataInjector(&mut metadata),
+        );
+        assert!(metadata.contains_key("traceparent"));
+        assert!(
+            !metadata.contains_key("tracestate"),
+            "an empty tracestate was sent: {metadata:?}"
+        );
+        let cx = propagator.extract(&MetadataExtractor(&metadata));
+        assert_eq!(cx.span().span_context().trace_state().header(), "");
+
+        let state: TraceState = "vendor=opaque,other=1".parse().unwrap();
+        let mut metadata = MetadataMap::new();
+        propagator.inject_context(&span(state.clone()), &mut MetadataInjector(&mut metadata));
+        assert_eq!(
+            metadata.get("tracestate").and_then(|v| v.to_str().ok()),
+            Some("vendor=opaque,other=1")
+        );
+        let cx = propagator.extract(&MetadataExtractor(&metadata));
+        assert_eq!(cx.span().span_context().trace_state(), &state);
     }
 }
