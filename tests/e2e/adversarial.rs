@@ -289,6 +289,22 @@ impl Lab {
         // /etc/passwd): it exists before the baseline, so that only what an attempt does
         // can change the host.
         OrdinaryUser::get();
+        // The warm-up's sandbox is torn down after its answer (the worker's reaper): the
+        // baseline is taken once nothing of it is left, or a process about to go would
+        // count as part of the host and be "missing" after every attempt. Its cgroups
+        // are removed after its init is reaped, so none left means all of it is gone.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let left = call_cgroups(shell_worker);
+            if left.is_empty() {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the warm-up's sandbox was not torn down: {left:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
         let baseline = HostState::capture(&canary_roots);
         let tree = lasting_tree(launcher, shell_worker);
         Lab {
