@@ -220,6 +220,56 @@ async fn logs_written_to_a_file_have_no_colour_codes() {
     );
 }
 
+/// The orchestrator's async threads: one per CPU by default, `[orchestrator]
+/// async_threads` when set (read back from the runtime itself, in its start-up line), and
+/// a value that would leave it no thread refused before anything starts.
+#[tokio::test]
+async fn the_orchestrator_runs_on_the_async_threads_it_is_given() {
+    let started = |log: &str| -> Vec<String> {
+        log.lines()
+            .filter(|l| l.contains("orchestrator runtime started"))
+            .map(str::to_owned)
+            .collect()
+    };
+    let cpus = std::thread::available_parallelism().map_or(1, usize::from);
+    let airlock = Airlock::start().await;
+    let lines = started(&airlock.log());
+    let default = cpus.max(1);
+    assert!(
+        lines.len() == 1 && lines[0].contains(&format!("async_threads={default} cpus={cpus}")),
+        "expected one start-up line with async_threads={default} cpus={cpus}:\n{}",
+        airlock.log()
+    );
+    drop(airlock);
+
+    // Lands in `[orchestrator]`, right after its listen addresses.
+    let airlock = Airlock::start_with("async_threads = 3\n").await;
+    let (is_error, text, _) = airlock
+        .call("execute_shell", json!({"command": "echo hi"}))
+        .await;
+    assert!(!is_error && text.contains("hi"), "{text}");
+    let lines = started(&airlock.log());
+    assert!(
+        lines.len() == 1 && lines[0].contains("async_threads=3 "),
+        "expected async_threads=3:\n{}",
+        airlock.log()
+    );
+    drop(airlock);
+
+    let dir = tempfile::tempdir().expect("temp dir");
+    let config = dir.path().join("airlock.toml");
+    std::fs::write(&config, "[orchestrator]\nasync_threads = 0\n").expect("config");
+    let text = crate::support::up_refused(&config, &dir.path().join("data"));
+    assert!(
+        text.contains("async_threads = 0 is not between 1 and 256"),
+        "the refusal names the key and its range:\n{text}"
+    );
+    assert!(
+        !dir.path().join("data").join("endpoints.json").exists(),
+        "nothing was started"
+    );
+}
+
 #[test]
 fn sandbox_run_without_a_data_dir_leaves_nothing_behind() {
     let dir = tempfile::tempdir().expect("temp dir");

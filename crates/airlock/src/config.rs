@@ -112,6 +112,9 @@ pub struct OrchestratorSection {
     /// Serve the gRPC front door over TLS with `[tls]` cert_file/key_file (callers still
     /// authenticate with their bearer token; no client certificate is asked for).
     pub grpc_tls: bool,
+    /// Threads that run the front doors and the gate (1 to 256); unset: one per CPU this
+    /// process may use (docs/decisions.md, "The orchestrator's async threads").
+    pub async_threads: Option<usize>,
 }
 
 impl Default for OrchestratorSection {
@@ -124,6 +127,7 @@ impl Default for OrchestratorSection {
             store_password_env: None,
             store_password_file: None,
             grpc_tls: false,
+            async_threads: None,
         }
     }
 }
@@ -173,6 +177,7 @@ impl Loaded {
         check_worker_memory(parsed.limits.worker_memory_bytes)?;
         check_workspace_quota(&parsed.sandbox)?;
         check_dispatch(&parsed)?;
+        check_async_threads(&parsed)?;
         airlock_worker_fs::Hidden::new(&parsed.fs.hidden).context("invalid [fs] hidden")?;
         let declared = declared_entries(&parsed).map_err(|e| match &file {
             Some(path) => anyhow::anyhow!("invalid config file {}: {e:#}", path.display()),
@@ -430,6 +435,8 @@ impl Loaded {
 /// Bounds of `[dispatch] resolve_interval_ms` and `[worker] drain_seconds`.
 const MIN_RESOLVE_INTERVAL_MS: u64 = 100;
 const MAX_DRAIN_SECONDS: u64 = 3600;
+/// The most `[orchestrator] async_threads` that is taken as meant.
+const MAX_ASYNC_THREADS: usize = 256;
 
 /// Refuses a resolve interval that would hammer the resolver and a drain that would
 /// outlast any orchestrator's patience, at load time.
@@ -449,6 +456,34 @@ fn check_dispatch(config: &AirlockConfig) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// Refuses an `[orchestrator] async_threads` of 0 (no thread to serve on) or of more
+/// than [`MAX_ASYNC_THREADS`], at load time.
+fn check_async_threads(config: &AirlockConfig) -> anyhow::Result<()> {
+    if let Some(threads) = config.orchestrator.async_threads
+        && !(1..=MAX_ASYNC_THREADS).contains(&threads)
+    {
+        bail!(
+            "[orchestrator] async_threads = {threads} is not between 1 and \
+             {MAX_ASYNC_THREADS}; give a number in that range, or leave it out for one per \
+             CPU this process may use"
+        );
+    }
+    Ok(())
+}
+
+/// How many threads run the orchestrator's front doors and gate: `[orchestrator]
+/// async_threads`, else one per CPU this process may use (`cpus`: its affinity and its
+/// cgroup's quota), tokio's default.
+///
+/// Fewer threads than CPUs trade throughput under concurrency for latency at low load:
+/// the gate's work is short steps between waits (the store's writer, the worker's
+/// answer), and an idle second async thread is woken to look for work at nearly every
+/// step, a cross-CPU wake-up that on a virtual machine costs more than the step
+/// (measured: docs/decisions.md, "The orchestrator's async threads").
+pub fn async_threads(configured: Option<usize>, cpus: usize) -> usize {
+    configured.unwrap_or(cpus).max(1)
 }
 
 /// The smallest workspace file system worth mounting: ext4 keeps a few MiB for its
@@ -668,6 +703,35 @@ mod tests {
             err.contains("worker_memory_bytes = 1000000") && err.contains("raise it"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn async_threads_default_to_one_per_cpu_and_are_bounded() {
+        assert_eq!(async_threads(None, 1), 1);
+        assert_eq!(async_threads(None, 2), 2);
+        assert_eq!(async_threads(None, 0), 1);
+        assert_eq!(async_threads(Some(1), 8), 1);
+        assert_eq!(async_threads(Some(3), 2), 3);
+        let config: AirlockConfig = toml::from_str("").unwrap();
+        assert_eq!(config.orchestrator.async_threads, None);
+        assert!(check_async_threads(&config).is_ok());
+        for (value, ok) in [(1, true), (256, true), (0, false), (257, false)] {
+            let config: AirlockConfig =
+                toml::from_str(&format!("[orchestrator]\nasync_threads = {value}\n")).unwrap();
+            assert_eq!(config.orchestrator.async_threads, Some(value));
+            match check_async_threads(&config) {
+                Ok(()) => assert!(ok, "{value} was taken"),
+                Err(e) => {
+                    assert!(!ok, "{value} was refused: {e}");
+                    let e = e.to_string();
+                    assert!(
+                        e.contains(&format!("async_threads = {value}"))
+                            && e.contains("between 1 and 256"),
+                        "{e}"
+                    );
+                }
+            }
+        }
     }
 
     /// A bad http entry stops every component at load, naming the file, the tool and

@@ -161,9 +161,19 @@ pub fn run(component: Component, location: &Location) -> anyhow::Result<ExitCode
     }
 }
 
-/// The runtime of the orchestrator and of the http worker: one async thread per CPU.
-/// The orchestrator evaluates policy, validates and writes the audit chain on them; the
-/// http worker does TLS and converts pages there.
+/// The orchestrator's runtime: `threads` async threads ([`crate::config::async_threads`])
+/// run the front doors, authentication, schema validation, policy and the answers; the
+/// store's writer and the blocking pool are threads of their own.
+fn orchestrator_runtime(threads: usize) -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(threads)
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")
+}
+
+/// The runtime of the http worker: one async thread per CPU. It does TLS and converts
+/// pages there.
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -321,7 +331,14 @@ fn orchestrator(loaded: &Loaded) -> anyhow::Result<ExitCode> {
             allow_namespaces: false,
         },
     )?;
-    runtime()?.block_on(traced(async {
+    let cpus = std::thread::available_parallelism().map_or(1, usize::from);
+    let threads = crate::config::async_threads(loaded.config.orchestrator.async_threads, cpus);
+    orchestrator_runtime(threads)?.block_on(traced(async {
+        tracing::info!(
+            async_threads = tokio::runtime::Handle::current().metrics().num_workers(),
+            cpus,
+            "orchestrator runtime started"
+        );
         let reload = config_reloads(loaded);
         Ok(Orchestrator::serve(config, prepared, listeners, signals::shutdown(), reload).await?)
     }))?;
