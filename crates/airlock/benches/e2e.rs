@@ -407,10 +407,15 @@ impl Airlock {
         let limits = std::env::var("AIRLOCK_BENCH_RESULT_MEMORY_BYTES")
             .map(|bytes| format!("[limits]\nresult_memory_bytes = {bytes}\n\n"))
             .unwrap_or_default();
+        // AIRLOCK_BENCH_ASYNC_THREADS: `[orchestrator] async_threads` of every server (not
+        // with an AIRLOCK_BENCH_BASELINE older than the key, which refuses it).
+        let threads = std::env::var("AIRLOCK_BENCH_ASYNC_THREADS")
+            .map(|n| format!("async_threads = {n}\n"))
+            .unwrap_or_default();
         std::fs::write(
             &config,
             format!(
-                "[orchestrator]\nhttp_listen = \"127.0.0.1:0\"\ngrpc_listen = \"127.0.0.1:0\"\n\n\
+                "[orchestrator]\nhttp_listen = \"127.0.0.1:0\"\ngrpc_listen = \"127.0.0.1:0\"\n{threads}\n\
                  [fs]\nmax_read_bytes = {MAX_READ_BYTES}\n\n\
                  [budgets]\nrate_per_minute = 0\n\n\
                  {limits}[approvals]\ntools = []\n\n{}",
