@@ -220,17 +220,21 @@ async fn logs_written_to_a_file_have_no_colour_codes() {
     );
 }
 
+/// The start-up lines of `component`'s async runtime in an `airlock up` log.
+fn runtime_lines(log: &str, component: &str) -> Vec<String> {
+    let field = format!("component=\"{component}\"");
+    log.lines()
+        .filter(|l| l.contains("async runtime started") && l.contains(&field))
+        .map(str::to_owned)
+        .collect()
+}
+
 /// The orchestrator's async threads: one per CPU by default, `[orchestrator]
 /// async_threads` when set (read back from the runtime itself, in its start-up line), and
 /// a value that would leave it no thread refused before anything starts.
 #[tokio::test]
 async fn the_orchestrator_runs_on_the_async_threads_it_is_given() {
-    let started = |log: &str| -> Vec<String> {
-        log.lines()
-            .filter(|l| l.contains("orchestrator runtime started"))
-            .map(str::to_owned)
-            .collect()
-    };
+    let started = |log: &str| runtime_lines(log, "orchestrator");
     let cpus = std::thread::available_parallelism().map_or(1, usize::from);
     let airlock = Airlock::start().await;
     let lines = started(&airlock.log());
@@ -268,6 +272,134 @@ async fn the_orchestrator_runs_on_the_async_threads_it_is_given() {
         !dir.path().join("data").join("endpoints.json").exists(),
         "nothing was started"
     );
+}
+
+/// A cgroup with a CPU quota of half a CPU (a pod's `limits.cpu: 500m`), on the cgroup v1
+/// `cpu` hierarchy or a v2 hierarchy with the `cpu` controller; removed when dropped.
+struct HalfCpu {
+    dir: PathBuf,
+}
+
+impl HalfCpu {
+    fn new() -> Self {
+        let name = format!("airlock-e2e-quota-{}", std::process::id());
+        let mounts = std::fs::read_to_string("/proc/self/mountinfo").expect("mountinfo");
+        for line in mounts.lines() {
+            let Some((left, right)) = line.split_once(" - ") else {
+                continue;
+            };
+            let mount_point = Path::new(left.split(' ').nth(4).expect("mount point"));
+            let mut fields = right.split(' ');
+            let fstype = fields.next().unwrap_or("");
+            let options = fields.nth(1).unwrap_or("");
+            let quota: &[(&str, &str)] = match fstype {
+                "cgroup" if options.split(',').any(|o| o == "cpu") => &[
+                    ("cpu.cfs_period_us", "100000"),
+                    ("cpu.cfs_quota_us", "50000"),
+                ],
+                "cgroup2"
+                    if std::fs::read_to_string(mount_point.join("cgroup.subtree_control"))
+                        .is_ok_and(|c| c.split_whitespace().any(|c| c == "cpu")) =>
+                {
+                    &[("cpu.max", "50000 100000")]
+                }
+                _ => continue,
+            };
+            let dir = mount_point.join(&name);
+            std::fs::create_dir(&dir).unwrap_or_else(|e| panic!("create {}: {e}", dir.display()));
+            let half = HalfCpu { dir };
+            for (file, value) in quota {
+                std::fs::write(half.dir.join(file), value)
+                    .unwrap_or_else(|e| panic!("write {value} to {file}: {e}"));
+            }
+            return half;
+        }
+        panic!(
+            "this host has no cgroup hierarchy with the cpu controller (v1 `cpu`, or v2 with \
+             `cpu` in the root's cgroup.subtree_control): the CPU quota cannot be tested"
+        );
+    }
+}
+
+impl Drop for HalfCpu {
+    fn drop(&mut self) {
+        // The launcher and its components are gone by now; their last exit may lag.
+        for _ in 0..100 {
+            if std::fs::remove_dir(&self.dir).is_ok() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        eprintln!("could not remove {}", self.dir.display());
+    }
+}
+
+/// A CPU quota is a CPU count: under half a CPU (a pod's CPU limit), the orchestrator and
+/// the http worker count one CPU, not the host's, and run one async thread each. They
+/// read the quota before they confine themselves, after which /proc and /sys are out of
+/// their reach (built after it, as before, both runtimes counted the host's CPUs).
+#[tokio::test]
+async fn the_default_async_threads_follow_the_cgroup_cpu_quota() {
+    let host_cpus = std::thread::available_parallelism().map_or(1, usize::from);
+    assert!(
+        host_cpus >= 2,
+        "this test needs at least 2 CPUs to tell a quota of half a CPU from the host's count"
+    );
+    let half = HalfCpu::new();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let config = dir.path().join("airlock.toml");
+    std::fs::write(
+        &config,
+        "[orchestrator]\nhttp_listen = \"127.0.0.1:0\"\ngrpc_listen = \"127.0.0.1:0\"\n",
+    )
+    .expect("config");
+    let log_path = dir.path().join("airlock.log");
+    let log = std::fs::File::create(&log_path).expect("log file");
+    // The launcher starts inside the cgroup; its components inherit it.
+    let child = Command::new("sh")
+        .arg("-c")
+        .arg("echo $$ > \"$0/cgroup.procs\" && shift && exec \"$@\"")
+        .arg(&half.dir)
+        .arg("--")
+        .arg(AIRLOCK)
+        .args(["up", "--config"])
+        .arg(&config)
+        .arg("--data-dir")
+        .arg(dir.path().join("data"))
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .expect("spawn airlock up");
+    // The orchestrator's runtime, and the http worker's (one async thread per CPU).
+    let components = ["orchestrator", "http worker"];
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let lines = loop {
+        let text = std::fs::read_to_string(&log_path).unwrap_or_default();
+        let lines: Vec<Vec<String>> = components.iter().map(|c| runtime_lines(&text, c)).collect();
+        if lines.iter().all(|l| !l.is_empty()) {
+            break lines;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the orchestrator and the http worker did not start within 60 s:\n{text}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    signal(child.id(), rustix::process::Signal::TERM);
+    assert!(
+        wait_bounded(child, EXIT_BOUND).is_some(),
+        "airlock up did not stop on SIGTERM"
+    );
+    for (component, lines) in components.iter().zip(&lines) {
+        assert!(
+            lines.len() == 1 && lines[0].contains("async_threads=1 cpus=1"),
+            "under half a CPU the {component} should count one CPU (the host has \
+             {host_cpus}): {lines:?}"
+        );
+    }
+    drop(half);
 }
 
 #[test]

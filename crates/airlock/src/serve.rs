@@ -161,24 +161,35 @@ pub fn run(component: Component, location: &Location) -> anyhow::Result<ExitCode
     }
 }
 
-/// The orchestrator's runtime: `threads` async threads ([`crate::config::async_threads`])
-/// run the front doors, authentication, schema validation, policy and the answers; the
-/// store's writer and the blocking pool are threads of their own.
-fn orchestrator_runtime(threads: usize) -> anyhow::Result<tokio::runtime::Runtime> {
-    tokio::runtime::Builder::new_multi_thread()
+/// The CPUs this process may use: its affinity and its cgroup's CPU quota (a pod's CPU
+/// limit). Read before the process confines itself: the quota is read from /proc and
+/// /sys, which confinement takes out of reach. (A runtime built with tokio's default,
+/// after confinement, counted the host's CPUs under any quota.)
+fn cpus() -> usize {
+    std::thread::available_parallelism().map_or(1, usize::from)
+}
+
+/// A runtime with `threads` async threads, for the components whose async side does
+/// real work: the orchestrator (front doors, authentication, schema validation, policy,
+/// answers; `[orchestrator] async_threads`, [`crate::config::async_threads`]) and the
+/// http worker (TLS, converting pages; one per CPU). Logs what it got.
+fn multi_thread_runtime(
+    component: &'static str,
+    threads: usize,
+    cpus: usize,
+) -> anyhow::Result<tokio::runtime::Runtime> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(threads)
         .enable_all()
         .build()
-        .context("cannot start the async runtime")
-}
-
-/// The runtime of the http worker: one async thread per CPU. It does TLS and converts
-/// pages there.
-fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
-    tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("cannot start the async runtime")
+        .context("cannot start the async runtime")?;
+    tracing::info!(
+        component,
+        async_threads = runtime.metrics().num_workers(),
+        cpus,
+        "async runtime started"
+    );
+    Ok(runtime)
 }
 
 /// The name of the blocking pool's threads in a worker on [`one_thread_runtime`] (what
@@ -308,6 +319,8 @@ fn orchestrator(loaded: &Loaded) -> anyhow::Result<ExitCode> {
         None => BoundListeners::bind(&config)?,
     };
     let prepared = Orchestrator::prepare(&config)?;
+    let cpus = cpus();
+    let threads = crate::config::async_threads(loaded.config.orchestrator.async_threads, cpus);
     confine(
         "orchestrator",
         SelfConfinement {
@@ -331,14 +344,7 @@ fn orchestrator(loaded: &Loaded) -> anyhow::Result<ExitCode> {
             allow_namespaces: false,
         },
     )?;
-    let cpus = std::thread::available_parallelism().map_or(1, usize::from);
-    let threads = crate::config::async_threads(loaded.config.orchestrator.async_threads, cpus);
-    orchestrator_runtime(threads)?.block_on(traced(async {
-        tracing::info!(
-            async_threads = tokio::runtime::Handle::current().metrics().num_workers(),
-            cpus,
-            "orchestrator runtime started"
-        );
+    multi_thread_runtime("orchestrator", threads, cpus)?.block_on(traced(async {
         let reload = config_reloads(loaded);
         Ok(Orchestrator::serve(config, prepared, listeners, signals::shutdown(), reload).await?)
     }))?;
@@ -627,6 +633,7 @@ fn http_worker(loaded: &Loaded, listen: Listen) -> anyhow::Result<ExitCode> {
     let listener = secure(loaded, listener, "http worker")?;
     tracing::info!(listen = %listener.local_addr(), "http worker starting");
     limit_memory("http worker", loaded, Ceiling::Fixed)?;
+    let cpus = cpus();
     confine(
         "http worker",
         SelfConfinement {
@@ -636,7 +643,7 @@ fn http_worker(loaded: &Loaded, listen: Listen) -> anyhow::Result<ExitCode> {
             allow_namespaces: false,
         },
     )?;
-    let runtime = runtime()?;
+    let runtime = multi_thread_runtime("http worker", cpus, cpus)?;
     // The Streamable HTTP MCP servers are asked for their tools once the worker is
     // confined, through its egress-checked client; one that cannot be reached (or that
     // [http] refuses) stops the start, naming it, as a stdio server that does not
