@@ -143,37 +143,28 @@ pub struct Delegation {
 impl Delegation {
     pub fn new(user: &OrdinaryUser, tag: &str) -> Delegation {
         let name = format!("airlock-e2e-{tag}-{}", std::process::id());
-        let mounts = std::fs::read_to_string("/proc/self/mountinfo").expect("mountinfo");
         let mut dirs = Vec::new();
         let mut enter = None;
-        for line in mounts.lines() {
-            let Some((left, right)) = line.split_once(" - ") else {
-                continue;
-            };
-            let mount_point = left.split(' ').nth(4).expect("mount point");
-            let fstype = right.split(' ').next().expect("fstype");
-            let options = right.split(' ').nth(2).unwrap_or("");
-            let wanted = match fstype {
-                "cgroup" => ["memory", "pids", "cpu", "cpuacct", "freezer"]
+        for mount in crate::support::cgroup_mounts() {
+            let wanted = mount.v2
+                || ["memory", "pids", "cpu", "cpuacct", "freezer"]
                     .iter()
-                    .any(|c| options.split(',').any(|o| o == *c)),
-                "cgroup2" => true,
-                _ => false,
-            };
+                    .any(|c| mount.options.iter().any(|o| o == c));
             if !wanted {
                 continue;
             }
-            let dir = Path::new(mount_point).join(&name);
+            let mount_point = mount.mount_point.as_path();
+            let dir = mount_point.join(&name);
             std::fs::create_dir_all(&dir)
                 .unwrap_or_else(|e| panic!("delegate {}: {e}", dir.display()));
             chown(&dir, user);
-            if fstype == "cgroup2" {
+            if mount.v2 {
                 // Delegation in v2 is the directory plus these three files.
                 for file in ["cgroup.procs", "cgroup.subtree_control", "cgroup.threads"] {
                     chown(&dir.join(file), user);
                 }
                 let controllers =
-                    std::fs::read_to_string(Path::new(mount_point).join("cgroup.subtree_control"))
+                    std::fs::read_to_string(mount_point.join("cgroup.subtree_control"))
                         .unwrap_or_default();
                 if ["memory", "pids", "cpu"]
                     .iter()

@@ -501,6 +501,43 @@ pub fn up_refused(config: &Path, data_dir: &Path) -> String {
     text
 }
 
+/// A cgroup hierarchy mounted here (from /proc/self/mountinfo).
+pub struct CgroupMount {
+    pub mount_point: PathBuf,
+    /// `true` for `cgroup2`, `false` for a v1 hierarchy.
+    pub v2: bool,
+    /// A v1 hierarchy's controllers (its super options: `cpu`, `memory`, …).
+    pub options: Vec<String>,
+}
+
+/// Every cgroup hierarchy (v1 and v2) mounted in this mount namespace.
+pub fn cgroup_mounts() -> Vec<CgroupMount> {
+    let info = std::fs::read_to_string("/proc/self/mountinfo").expect("mountinfo");
+    info.lines()
+        .filter_map(|line| {
+            let (left, right) = line.split_once(" - ")?;
+            let mount_point = PathBuf::from(left.split(' ').nth(4)?);
+            let mut fields = right.split(' ');
+            let v2 = match fields.next()? {
+                "cgroup" => false,
+                "cgroup2" => true,
+                _ => return None,
+            };
+            let options = fields
+                .nth(1)
+                .unwrap_or("")
+                .split(',')
+                .map(str::to_owned)
+                .collect();
+            Some(CgroupMount {
+                mount_point,
+                v2,
+                options,
+            })
+        })
+        .collect()
+}
+
 pub fn mounts_under(dir: &Path) -> Vec<PathBuf> {
     let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
     let mut points: Vec<PathBuf> = info
