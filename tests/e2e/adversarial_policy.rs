@@ -813,6 +813,88 @@ async fn secrets_in_headers_urls_and_commands_never_reach_the_audit_or_approvers
     );
 }
 
+/// A call its tool's schema refuses is audited as `rejected_schema` with the rule and the
+/// field it broke. The validator's message quotes the value it judged — for a rule on the
+/// whole input (`oneOf` at the root) every argument — so the audit's copy of each
+/// violation is masked, and both copies are bounded in length.
+#[tokio::test]
+async fn secrets_in_arguments_the_schema_refuses_never_reach_the_audit() {
+    let airlock = Airlock::start().await;
+    let pid = std::process::id();
+    let secret = |n: u32| format!("Zq{n}x{pid}sChEmA");
+    let token = airlock.token.clone();
+    let huge = format!("{}{}", secret(5), "x".repeat(1 << 20));
+    // Each secret is where the `requested` event redacts it (a secret's name): only the
+    // violations could carry it into the log.
+    let calls = [
+        // Both forms at once: the root's `oneOf` fails and quotes the whole input.
+        json!({"command": "true", "argv": ["true"], "env": {"API_TOKEN": secret(1), "GITHUB_TOKEN": secret(2)}}),
+        // A value of the wrong type is quoted by `type`.
+        json!({"command": "true", "env": {"DB_PASSWORD": {"value": secret(3)}}}),
+        // Over `maxLength`: the value is quoted whole by the validator.
+        json!({"command": "true", "env": {"AWS_SECRET_ACCESS_KEY": format!("{}{}", secret(4), "y".repeat(5000))}}),
+        // A megabyte over `maxLength`, beside a broken `oneOf` and a wrong type.
+        json!({"stdin": "ok", "cwd": 7, "env": {"PRIVATE_KEY": huge}}),
+    ];
+    let mut ids = Vec::new();
+    for input in &calls {
+        let call = propose(&airlock, &token, "schema", "execute_shell", input.clone()).await;
+        assert_eq!(call["status"], "error", "{call}");
+        let text = call["text"].as_str().unwrap_or_default();
+        let head: String = text.chars().take(512).collect();
+        // The caller is told what to fix, in a bounded answer.
+        assert!(text.contains("rule: "), "{head}");
+        assert!(text.len() < 8 * 1024, "{} bytes: {head}", text.len());
+        ids.push(call["call_id"].as_str().expect("call id").to_owned());
+    }
+    let leaks = |what: &str, text: &str| {
+        for n in 1..=5 {
+            assert!(
+                !text.contains(&secret(n)),
+                "secret {n} reached {what}: {}",
+                text.chars().take(2048).collect::<String>()
+            );
+        }
+    };
+    for call_id in &ids {
+        let (_, audit) = airlock.get(&format!("/v1/audit?call_id={call_id}")).await;
+        let events = audit["events"].as_array().expect("events");
+        let rejected = events
+            .iter()
+            .find(|e| e["kind"] == "rejected_schema")
+            .unwrap_or_else(|| panic!("no rejected_schema event for {call_id}: {audit}"));
+        let violations = rejected["data"]["violations"]
+            .as_array()
+            .expect("violations");
+        assert!(!violations.is_empty(), "{rejected}");
+        for v in violations {
+            let v = v.as_str().expect("a violation is text");
+            // Field and rule stay: that is what an auditor reads.
+            assert!(v.contains("rule: "), "{v}");
+            assert!(v.len() <= 1024, "{} bytes: {v}", v.len());
+        }
+    }
+    let (_, audit) = airlock.get("/v1/audit?limit=1000").await;
+    leaks("GET /v1/audit", &audit.to_string());
+    let db = rusqlite::Connection::open(airlock.data_dir().join("airlock.db")).expect("store");
+    db.busy_timeout(Duration::from_secs(10)).expect("timeout");
+    let stored: Vec<String> = db
+        .prepare("SELECT data FROM audit_events")
+        .expect("prepare")
+        .query_map([], |row| row.get::<_, String>(0))
+        .expect("query")
+        .map(|r| r.expect("row"))
+        .collect();
+    let stored = stored.join("\n");
+    leaks("the stored audit log", &stored);
+    assert!(
+        stored.len() < 256 * 1024,
+        "the audit log took {} bytes for four refused calls",
+        stored.len()
+    );
+    leaks("the log", &airlock.log());
+}
+
 // ---- 15. the agent works in the session `default` ----
 
 /// An OpenAI-compatible provider that answers each request with the next canned body

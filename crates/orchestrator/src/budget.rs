@@ -24,12 +24,40 @@ pub enum BudgetError {
     RateLimited { per_minute: u32, retry_after_s: u64 },
 }
 
+/// What names "this exact call" in the repeated-failure table: a SHA-256 digest of the
+/// principal, the session, the tool and the arguments. A digest rather than the text, so
+/// that an entry costs 32 bytes however large the arguments were: the table is bounded
+/// by count, and a caller choosing what to send must not choose its size too.
+pub type CallDigest = [u8; 32];
+
+/// The digest of who called which tool with which arguments in which session, for the
+/// tables that remember "this exact call" (the repeated-failure budget, the result
+/// cache). Each name is followed by a NUL (names hold none), and the arguments are
+/// hashed as their canonical JSON (keys sorted at every depth: equal arguments give
+/// equal digests however their keys were ordered) while it is written, without building
+/// its text.
+pub fn call_digest(
+    principal: &str,
+    session: &str,
+    tool: &str,
+    input: &serde_json::Value,
+) -> CallDigest {
+    use sha2::{Digest as _, Sha256};
+    let mut hasher = Sha256::new();
+    for name in [principal, session, tool] {
+        hasher.update(name.as_bytes());
+        hasher.update([0]);
+    }
+    crate::json_text::write_sorted(input, &mut hasher);
+    hasher.finalize().into()
+}
+
 /// In-memory counters (per replica): consecutive failures of identical calls and each
 /// principal's token bucket. Session call counts and wall time come from the store, so
 /// they hold across replicas and restarts.
 pub struct Budgets {
     config: BudgetConfig,
-    failures: Mutex<HashMap<String, u32>>,
+    failures: Mutex<HashMap<CallDigest, u32>>,
     buckets: Mutex<HashMap<String, Bucket>>,
 }
 
@@ -82,7 +110,7 @@ impl Budgets {
     }
 
     /// Refuses an identical call that already failed `max_repeated_failures` times in a row.
-    pub fn check_repeat(&self, key: &str) -> Result<(), BudgetError> {
+    pub fn check_repeat(&self, key: &CallDigest) -> Result<(), BudgetError> {
         let failures = lock(&self.failures).get(key).copied().unwrap_or(0);
         if self.config.max_repeated_failures > 0 && failures >= self.config.max_repeated_failures {
             return Err(BudgetError::RepeatedFailure { failures });
@@ -91,13 +119,13 @@ impl Budgets {
     }
 
     /// Records the outcome of an identical-call key.
-    pub fn record(&self, key: &str, failed: bool) {
+    pub fn record(&self, key: &CallDigest, failed: bool) {
         let mut failures = lock(&self.failures);
         if failed {
             if failures.len() >= MAX_FAILURE_KEYS {
                 failures.clear();
             }
-            *failures.entry(key.to_owned()).or_insert(0) += 1;
+            *failures.entry(*key).or_insert(0) += 1;
         } else {
             failures.remove(key);
         }
@@ -174,15 +202,16 @@ mod tests {
     #[test]
     fn repeated_failures_reset_on_success() {
         let b = budgets(0);
-        b.record("k", true);
-        assert!(b.check_repeat("k").is_ok());
-        b.record("k", true);
+        let k = [7; 32];
+        b.record(&k, true);
+        assert!(b.check_repeat(&k).is_ok());
+        b.record(&k, true);
         assert!(matches!(
-            b.check_repeat("k"),
+            b.check_repeat(&k),
             Err(BudgetError::RepeatedFailure { failures: 2 })
         ));
-        b.record("k", false);
-        assert!(b.check_repeat("k").is_ok());
+        b.record(&k, false);
+        assert!(b.check_repeat(&k).is_ok());
     }
 
     #[test]
@@ -194,5 +223,31 @@ mod tests {
         };
         assert!(retry_after_s >= 1);
         assert!(b.take("other", 1).is_ok(), "buckets are per principal");
+    }
+
+    #[test]
+    fn the_call_digest_names_the_call_in_32_bytes_whatever_its_size() {
+        let input = serde_json::json!({"path": "a.txt", "content": "x".repeat(1 << 20)});
+        let key = call_digest("alice", "s1", "write_file", &input);
+        assert_eq!(key, call_digest("alice", "s1", "write_file", &input));
+        let other_input = serde_json::json!({"path": "b.txt", "content": "x".repeat(1 << 20)});
+        for different in [
+            call_digest("bob", "s1", "write_file", &input),
+            call_digest("alice", "s2", "write_file", &input),
+            call_digest("alice", "s1", "read_file", &input),
+            call_digest("alice", "s1", "write_file", &other_input),
+            // The names are delimited: moving a character from one to the next is
+            // another call.
+            call_digest("alices", "1", "write_file", &input),
+        ] {
+            assert_ne!(key, different);
+        }
+        // Key order does not matter: the maps are sorted.
+        let a: serde_json::Value = serde_json::from_str(r#"{"a": 1, "b": 2}"#).unwrap();
+        let b: serde_json::Value = serde_json::from_str(r#"{"b": 2, "a": 1}"#).unwrap();
+        assert_eq!(
+            call_digest("p", "s", "t", &a),
+            call_digest("p", "s", "t", &b)
+        );
     }
 }

@@ -208,6 +208,18 @@ impl JsonOut for Vec<u8> {
     }
 }
 
+/// Canonical JSON hashed as it is written, without building its text: the digests that
+/// name "this exact call" ([`crate::budget::call_digest`]).
+impl JsonOut for sha2::Sha256 {
+    fn put(&mut self, bytes: &[u8]) {
+        sha2::Digest::update(self, bytes);
+    }
+    fn put_byte(&mut self, byte: u8) {
+        sha2::Digest::update(self, [byte]);
+    }
+    fn reserve(&mut self, _additional: usize) {}
+}
+
 /// The most a chunk of a [`ChunkedBody`] holds: half the C allocator's mmap threshold
 /// (`airlock_sandbox::heap`), so that no chunk is a mapping of its own.
 pub const CHUNK_BYTES: usize = 64 * 1024;

@@ -588,14 +588,7 @@ impl Progress<'_> {
             return;
         };
         self.last = value;
-        if message.len() > MAX_PROGRESS_MESSAGE {
-            let mut end = MAX_PROGRESS_MESSAGE;
-            while !message.is_char_boundary(end) {
-                end -= 1;
-            }
-            message.truncate(end);
-            message.push('…');
-        }
+        crate::wire::ellipsize(&mut message, MAX_PROGRESS_MESSAGE);
         let mut param = ProgressNotificationParam::new(token, value);
         if let Some(total) = total {
             param = param.with_total(total);

@@ -15,6 +15,20 @@ use crate::json_text::{JsonOut, write_lines, write_str, write_value};
 /// Longest `wait_ms` honoured.
 pub const MAX_WAIT_MS: u64 = 600_000;
 
+/// Cuts `text` to at most `max_bytes` (and the mark) at a character boundary, marked
+/// with `…` where it was cut: a message told to a caller that quotes what the caller
+/// sent, or a tool, keeps a bounded size.
+pub fn ellipsize(text: &mut String, max_bytes: usize) {
+    if text.len() > max_bytes {
+        let mut end = max_bytes;
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        text.truncate(end);
+        text.push('…');
+    }
+}
+
 /// How long `POST /v1/tool_calls` (and gRPC `CallTools`) wait for the calls: `wait_ms`
 /// when given, else `default`. `0` is a real value on both doors: answer as soon as the
 /// gate's checks are done, with `pending_approval` and the approval id for a held call

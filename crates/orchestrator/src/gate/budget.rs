@@ -11,10 +11,22 @@ use std::sync::{Arc, Mutex};
 use super::ctx::CallCtx;
 use super::ending::Rejection;
 use super::{Gate, lock};
+use crate::budget::{CallDigest, call_digest};
 use crate::store::{Timestamp, now_millis};
 
 /// What identifies "the same call again" for the repeated-call budget.
-pub(super) struct RepeatKey(String);
+pub(super) struct RepeatKey(CallDigest);
+
+impl RepeatKey {
+    fn of(ctx: &CallCtx) -> Self {
+        Self(call_digest(
+            &ctx.principal.name,
+            ctx.session.as_str(),
+            &ctx.tool_use.name,
+            &ctx.tool_use.input,
+        ))
+    }
+}
 
 type SessionKey = (String, String);
 
@@ -68,10 +80,7 @@ impl Drop for Slot {
 
 impl Gate {
     pub(super) async fn check_budget(&self, ctx: &CallCtx) -> Result<RepeatKey, Rejection> {
-        let key = RepeatKey(format!(
-            "{}\u{0}{}\u{0}{}\u{0}{}",
-            ctx.principal.name, ctx.session, ctx.tool_use.name, ctx.tool_use.input
-        ));
+        let key = RepeatKey::of(ctx);
         let over = |reason: String| Rejection::OverBudget { reason };
         if ctx.session_named {
             let usage = self

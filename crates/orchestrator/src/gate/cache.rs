@@ -15,7 +15,7 @@ use super::ending::Ending;
 use crate::catalog::CatalogTool;
 
 /// The key of a cacheable call's result.
-pub(super) struct CacheKey(String);
+pub(super) struct CacheKey(crate::cache::CacheKey);
 
 impl Gate {
     pub(super) fn cache_key(&self, ctx: &CallCtx, tool: &CatalogTool) -> Option<CacheKey> {

@@ -98,7 +98,10 @@ pub(super) enum Rejection {
     )]
     InvalidArguments {
         tool: String,
+        /// What the caller is told: each violation with the value it is about.
         violations: Vec<String>,
+        /// What the audit log keeps: the same violations with every value masked.
+        audited: Vec<String>,
     },
     #[error("{reason}")]
     OverBudget { reason: String },
@@ -167,8 +170,8 @@ impl Rejection {
                 AuditKind::Rejected,
                 json!({"reason": "arguments_too_large", "bytes": bytes}),
             ),
-            Self::InvalidArguments { violations, .. } => {
-                (AuditKind::RejectedSchema, json!({"violations": violations}))
+            Self::InvalidArguments { audited, .. } => {
+                (AuditKind::RejectedSchema, json!({"violations": audited}))
             }
             Self::OverBudget { reason } => (AuditKind::BudgetExceeded, json!({"reason": reason})),
             Self::DeniedByPolicy { reasons } => (AuditKind::Denied, json!({"reasons": reasons})),
