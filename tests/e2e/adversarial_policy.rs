@@ -511,6 +511,54 @@ async fn cancel_and_check(airlock: &Airlock, call_id: &str, marker: &str) -> Val
     call
 }
 
+/// A cancel that reaches a held call after its approval was recorded — by another
+/// replica, or before this one polled the store — cannot withdraw it: the approval
+/// stands, and the call ends as a cancelled approved call (stopped before or while it
+/// runs), never as `approval_withdrawn` over an approval the store holds as approved.
+/// (With two replicas the withdrawal that failed used to overwrite the record of a call
+/// that the other replica was running.)
+#[tokio::test]
+async fn a_cancel_after_the_approval_was_recorded_does_not_withdraw_it() {
+    let airlock = Airlock::start_with("[approvals]\ntools = [\"execute_shell\"]\n").await;
+    let pid = std::process::id();
+    for round in 0..3 {
+        let marker = format!("airlock-late-cancel-{round}-{pid}");
+        let call = propose(
+            &airlock,
+            &airlock.token,
+            "late-cancel",
+            "execute_shell",
+            json!({"command": format!("sleep 300; echo {marker}")}),
+        )
+        .await;
+        let (call_id, approval_id) = held(&call);
+        approve_behind_the_gate(&airlock, &approval_id, &call_id);
+        let call = cancel_and_check(&airlock, &call_id, &marker).await;
+        assert!(call["approval_wait_ms"].is_u64(), "{call}");
+        let (_, approvals) = airlock.get("/v1/approvals?status=approved").await;
+        assert!(
+            approvals["approvals"]
+                .as_array()
+                .expect("approvals")
+                .iter()
+                .any(|a| a["approval_id"] == approval_id.as_str() && a["status"] == "approved"),
+            "the approval no longer reads approved: {approvals}"
+        );
+        let (_, audit) = airlock.get(&format!("/v1/audit?call_id={call_id}")).await;
+        let kinds: Vec<&str> = audit["events"]
+            .as_array()
+            .expect("events")
+            .iter()
+            .filter_map(|e| e["kind"].as_str())
+            .collect();
+        assert!(
+            !kinds.contains(&"approval_withdrawn"),
+            "an approved approval was reported withdrawn: {kinds:?}"
+        );
+        assert_eq!(kinds.last(), Some(&"completed"), "{kinds:?}");
+    }
+}
+
 #[tokio::test]
 async fn cancelling_an_approved_running_call_kills_its_sandbox() {
     let airlock = Airlock::start_with("[approvals]\ntools = [\"execute_shell\"]\n").await;

@@ -889,3 +889,94 @@ async fn control_characters_reach_a_terminal_escaped_and_a_pipe_unchanged() {
     );
     assert_eq!(ran.stderr, "e\u{1b}[2Jrr\u{9b}\n");
 }
+
+/// The orchestrator's resident memory, from `/proc/<pid>/status`.
+fn rss_bytes(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .expect("VmRSS")
+        * 1024
+}
+
+/// Calls held for approval keep nothing of their arguments in memory while they wait
+/// (the store has them): forty held writes of 1 MiB each leave the orchestrator's
+/// resident memory where it was, and an approved one still writes its whole content,
+/// read back from the store.
+#[tokio::test]
+async fn held_calls_do_not_keep_their_arguments_in_memory() {
+    const HELD_CALLS: usize = 40;
+    const CONTENT: usize = 1 << 20;
+    let airlock = Airlock::start_with(HELD).await;
+    let orchestrator = airlock.process("serve orchestrator");
+    let content = |n: usize| format!("{n:04}{}", "m".repeat(CONTENT - 4));
+    let hold = |n: usize| {
+        json!({"session_id": "held-memory", "wait_ms": 0, "tool_uses": [{"type": "tool_use", "id": "w",
+            "name": "write_file", "input": {"path": format!("big{n}.txt"), "content": content(n)}}]})
+    };
+    // One held, approved and written first: what a first call allocates for good is in
+    // the baseline.
+    let (status, first) = airlock.post("/v1/tool_calls", &hold(0)).await;
+    assert_eq!(status, 200, "{first}");
+    let approval = first["calls"][0]["approval_id"]
+        .as_str()
+        .expect("held")
+        .to_owned();
+    airlock
+        .post(&format!("/v1/approvals/{approval}/approve"), &json!({}))
+        .await;
+    let (_, done) = airlock
+        .get(&format!(
+            "/v1/calls/{}?wait_ms=60000",
+            first["calls"][0]["call_id"].as_str().expect("id")
+        ))
+        .await;
+    assert_eq!(done["status"], "ok", "{done}");
+    let before = rss_bytes(orchestrator);
+
+    let mut held = Vec::new();
+    for n in 1..=HELD_CALLS {
+        let (status, body) = airlock.post("/v1/tool_calls", &hold(n)).await;
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(body["calls"][0]["status"], "pending_approval", "{body}");
+        held.push((
+            body["calls"][0]["call_id"].as_str().expect("id").to_owned(),
+            body["calls"][0]["approval_id"]
+                .as_str()
+                .expect("held")
+                .to_owned(),
+        ));
+    }
+    let after = rss_bytes(orchestrator);
+    let grown = after.saturating_sub(before);
+    assert!(
+        grown < (HELD_CALLS * CONTENT / 2) as u64,
+        "{HELD_CALLS} held calls of {CONTENT} bytes grew the orchestrator by {} MiB ({} → {} MiB)",
+        grown >> 20,
+        before >> 20,
+        after >> 20
+    );
+
+    // The last one approved: its arguments come back whole from the store.
+    let (call_id, approval) = held.pop().expect("held");
+    let (status, body) = airlock
+        .post(&format!("/v1/approvals/{approval}/approve"), &json!({}))
+        .await;
+    assert_eq!(status, 200, "{body}");
+    let (_, done) = airlock
+        .get(&format!("/v1/calls/{call_id}?wait_ms=60000"))
+        .await;
+    assert_eq!(done["status"], "ok", "{done}");
+    let written = std::fs::read_to_string(
+        airlock
+            .workspace("held-memory")
+            .join(format!("big{HELD_CALLS}.txt")),
+    )
+    .expect("written");
+    assert!(
+        written == content(HELD_CALLS),
+        "the approved write lost its content"
+    );
+}

@@ -14,7 +14,7 @@ use super::policy::Verdict;
 use crate::audit::AuditKind;
 use crate::store::{
     ApprovalStatus, CallChange, CallState, CallWrite, NewApproval, NewCall, RememberedApproval,
-    now_millis,
+    StoreError, now_millis,
 };
 
 /// How often waiting calls look at the store (decisions made on other replicas).
@@ -127,11 +127,18 @@ impl Gate {
         })?;
         ctx.journal.clear();
         ctx.recorded = true;
+        // The store holds the arguments now. A call may wait an hour and thousands may
+        // wait at once, each with up to `[limits] max_argument_bytes` of arguments: the
+        // wait does not keep them in memory, and an approved call reads them back.
+        ctx.tool_use.input = serde_json::Value::Null;
         self.calls.update(&ctx.call_id, |r| {
             r.status = CallStatus::PendingApproval;
             r.approval_id = Some(approval_id.clone());
             r.checked = true;
         });
+        // Set when a withdrawal found the approval decided: from then on the loop only
+        // reads that decision (polling, should the store fail to give it at once).
+        let mut decided_meanwhile = false;
         loop {
             match self.store.get_approval(&approval_id.as_str().into()).await {
                 Ok(Some(a)) => match a.status {
@@ -140,6 +147,18 @@ impl Gate {
                     }
                     ApprovalStatus::Pending => {}
                     ApprovalStatus::Approved => {
+                        match self.store.get_call(&ctx.call_id.as_str().into()).await {
+                            Ok(Some(stored)) => ctx.tool_use.input = stored.input,
+                            Ok(None) => {
+                                ctx.held = Some(Held::new(Some(&a), since.elapsed()));
+                                return Err(Rejection::ApprovalMissing);
+                            }
+                            Err(e) => {
+                                tracing::warn!(error = %e, "cannot read the approved call's arguments; retrying");
+                                tokio::time::sleep(POLL).await;
+                                continue;
+                            }
+                        }
                         let waited = Held::new(Some(&a), since.elapsed());
                         ctx.held = Some(waited);
                         self.calls.update(&ctx.call_id, |r| {
@@ -167,11 +186,24 @@ impl Gate {
                 Err(e) => tracing::warn!(error = %e, "cannot read the approval; retrying"),
             }
             tokio::select! {
-                _ = ctx.cancel.cancelled() => {
+                _ = ctx.cancel.cancelled(), if !decided_meanwhile => {
                     // Withdraw the request so that a later approval cannot run it.
-                    let withdrawn = self.withdraw(&approval_id).await;
-                    ctx.held = Some(Held::new(withdrawn.as_ref().ok(), since.elapsed()));
-                    return Err(Rejection::Withdrawn { approval_id });
+                    match self.withdraw(&approval_id).await {
+                        // Decided before the withdrawal (by a replica or a decision this
+                        // one has not polled yet): the decision stands. Read again, an
+                        // approval goes on to the claim as a cancelled call — stopped
+                        // here, or, when another replica claimed it first, cancelled
+                        // where it runs — so the store and the log say what happened
+                        // instead of "withdrawn" over a call that ran.
+                        Err(StoreError::AlreadyDecided { .. }) => {
+                            decided_meanwhile = true;
+                            continue;
+                        }
+                        withdrawn => {
+                            ctx.held = Some(Held::new(withdrawn.as_ref().ok(), since.elapsed()));
+                            return Err(Rejection::Withdrawn { approval_id });
+                        }
+                    }
                 }
                 _ = self.decided.notified() => {}
                 _ = tokio::time::sleep(POLL) => {}
