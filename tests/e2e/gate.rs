@@ -747,6 +747,21 @@ async fn approvals_are_decided_over_grpc_and_the_cli_too() {
         .await
         .expect_err("unknown");
     assert_eq!(unknown.code(), tonic::Code::NotFound);
+    // A reason is bounded on this door as on the others (4096 bytes).
+    let long = client
+        .decide_approval(authed_request(
+            &airlock.token,
+            pb::DecideApprovalRequest {
+                approval_id: first_approval.clone(),
+                approve: false,
+                reason: "r".repeat(4097),
+                ..Default::default()
+            },
+        ))
+        .await
+        .expect_err("a reason over 4096 bytes");
+    assert_eq!(long.code(), tonic::Code::InvalidArgument, "{long:?}");
+    assert!(long.message().contains("4096"), "{long:?}");
     let decided = client
         .decide_approval(authed_request(
             &airlock.token,

@@ -21,7 +21,7 @@ use crate::authn::{AuthLayer, JsonRefusal};
 use crate::budget::BudgetError;
 use crate::calls::wait_final;
 use crate::gate::Gate;
-use crate::gate::decisions::{self as approvals, DecideError};
+use crate::gate::decisions::{self as approvals, DecideError, MAX_REASON_BYTES};
 use crate::service::{AdmitError, Batch, CallService, OnDrop, Refused};
 use crate::store::{ApprovalQuery, ApprovalStatus, MAX_APPROVAL_PAGE, StoreError};
 use crate::wire::{self, BadRequest, CatalogFormat};
@@ -681,11 +681,11 @@ async fn decide_approval(
     };
     let reason = match body.get("reason") {
         None | Some(Value::Null) => None,
-        Some(Value::String(r)) if r.len() <= 4096 => Some(r.clone()),
+        Some(Value::String(r)) if r.len() <= MAX_REASON_BYTES => Some(r.clone()),
         Some(_) => {
-            return Err(ApiError::bad_request(
-                "reason must be a string of at most 4096 bytes",
-            ));
+            return Err(ApiError::bad_request(format!(
+                "reason must be a string of at most {MAX_REASON_BYTES} bytes"
+            )));
         }
     };
     let input_sha256 = match body.get("input_sha256") {

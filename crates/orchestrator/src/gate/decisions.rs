@@ -59,6 +59,10 @@ pub async fn list(gate: &Gate, query: &ApprovalQuery) -> Result<ApprovalPage, St
 /// Who decided an approval that a re-check turned into a denial.
 pub const REVOKED_BY: &str = "system:revoked";
 
+/// The longest reason an approver may give, in bytes, on every door: it is stored with
+/// the approval, written into the audit log and shown to the model on a denial.
+pub const MAX_REASON_BYTES: usize = 4096;
+
 /// Approves or denies; the caller has checked the approver role. An approval is
 /// checked against the principals and the policy in force first
 /// ([`Gate::reauthorize`]); one that no longer holds denies the call instead

@@ -34,7 +34,7 @@ use sha2::{Digest, Sha256};
 
 use crate::audit::AuditQuery;
 use crate::auth::Role;
-use crate::gate::decisions::{self as approvals, DecideError};
+use crate::gate::decisions::{self as approvals, DecideError, MAX_REASON_BYTES};
 use crate::http_api::HttpState;
 use crate::store::{Approval, ApprovalQuery, ApprovalStatus, CallListFilter};
 
@@ -49,7 +49,6 @@ const CSRF_CONTEXT: &[u8] = b"airlock console csrf v1\0";
 /// Largest form body accepted (a reason is at most 4096 bytes).
 const MAX_FORM_BYTES: u64 = 16 * 1024;
 /// Largest reason, as `POST /v1/approvals/{id}/approve|deny` accepts.
-const MAX_REASON_BYTES: usize = 4096;
 /// Pending approvals shown at once.
 const PENDING_PAGE: usize = 100;
 /// Previews computed at once (each is one or two reads on a worker).
