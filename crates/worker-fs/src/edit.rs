@@ -159,7 +159,35 @@ pub fn unified_diff(old: &str, new: &str, path: &str) -> String {
         .to_string()
 }
 
-pub fn edit_file(ws: &Workspace, args: &EditArgs, max_bytes: u64) -> Result<String, EditError> {
+/// The diff cut at a line boundary to at most `max` bytes, with a note when it was cut:
+/// a diff holds the old and the new text of every changed line, so an edit of a file
+/// within `max_bytes` can have a diff several times larger.
+fn bounded_diff(mut diff: String, max: u64) -> String {
+    let max = usize::try_from(max).unwrap_or(usize::MAX);
+    if diff.len() <= max {
+        return diff;
+    }
+    let mut end = max;
+    while !diff.is_char_boundary(end) {
+        end -= 1;
+    }
+    let end = diff[..end].rfind('\n').map_or(0, |at| at + 1);
+    let total = diff.len();
+    diff.truncate(end);
+    diff.push_str(&format!(
+        "[diff truncated: {total} bytes, of which the first {end} are shown ([fs] max_read_bytes); read the file to see the rest]"
+    ));
+    diff
+}
+
+/// Applies `args.edits` to a file of at most `max_bytes`; the answer's diff is at most
+/// `max_answer_bytes`.
+pub fn edit_file(
+    ws: &Workspace,
+    args: &EditArgs,
+    max_bytes: u64,
+    max_answer_bytes: u64,
+) -> Result<String, EditError> {
     let display = args.path.as_str();
     let (dir, name) = ws.parent_and_name(display, "edit_file needs a file path")?;
 
@@ -216,7 +244,7 @@ pub fn edit_file(ws: &Workspace, args: &EditArgs, max_bytes: u64) -> Result<Stri
     })?;
 
     let (new, replacements) = apply_edits(&old, &args.edits, display, max_bytes)?;
-    let diff = unified_diff(&old, &new, display);
+    let diff = bounded_diff(unified_diff(&old, &new, display), max_answer_bytes);
     let shown = escape_name(display);
     let edits = args.edits.len();
     let plural = |n: usize, word: &str| format!("{n} {word}{}", if n == 1 { "" } else { "s" });

@@ -46,10 +46,14 @@ pub fn describe(entry: &crate::walk::Entry<'_>) -> String {
     }
 }
 
+/// Lists `args.path`: at most `max_entries` (clamped to `config_max`) entries, and at
+/// most `max_bytes` of text — a bound of its own, because one entry's line (an escaped
+/// name of a deep path, a link's target) can take tens of kilobytes.
 pub fn list_directory(
     ws: &Workspace,
     args: &ListArgs,
     config_max: usize,
+    max_bytes: u64,
     stop: &dyn Fn() -> bool,
 ) -> Result<String, ListError> {
     let display = args.path.as_str();
@@ -67,12 +71,17 @@ pub fn list_directory(
 
     let mut lines: Vec<String> = Vec::new();
     let mut truncated = false;
+    let mut bytes = crate::text::LineBudget::new(max_bytes);
     let mut visit = |entry: &crate::walk::Entry<'_>| {
         if lines.len() >= max {
             truncated = true;
             return Visit::Stop;
         }
-        lines.push(describe(entry));
+        let line = describe(entry);
+        if !bytes.take(&line) {
+            return Visit::Stop;
+        }
+        lines.push(line);
         Visit::Continue
     };
     let hidden = ws.hidden_beneath(&rel);
@@ -92,6 +101,9 @@ pub fn list_directory(
                 String::new()
             }
         ));
+    }
+    if let Some(note) = bytes.note("list a subdirectory") {
+        notes.push(note);
     }
     if end.depth_limited {
         notes.push(format!(

@@ -47,6 +47,8 @@ pub struct SearchLimits {
     pub max_results: usize,
     pub max_files: usize,
     pub max_file_bytes: u64,
+    /// The most text one answer holds (each result's line is bounded, their names not).
+    pub max_output_bytes: u64,
 }
 
 /// A glob matched against the path relative to the search root when it holds a `/`,
@@ -143,6 +145,7 @@ pub fn search_files(
     };
 
     let mut tally = Tally::default();
+    let mut bytes = crate::text::LineBudget::new(limits.max_output_bytes);
     let mut visit = |entry: &Entry<'_>| -> Visit {
         if entry.kind != FileType::RegularFile {
             return Visit::Continue;
@@ -161,6 +164,9 @@ pub fn search_files(
                 tally.more_results = true;
                 return Visit::Stop;
             }
+            if !bytes.take(&shown) {
+                return Visit::Stop;
+            }
             tally.results.push(shown);
             return Visit::Continue;
         };
@@ -173,9 +179,11 @@ pub fn search_files(
                     tally.more_results = true;
                     return Visit::Stop;
                 }
-                tally
-                    .results
-                    .push(format!("{shown}:{}: {}", i + 1, shorten(line)));
+                let found = format!("{shown}:{}: {}", i + 1, shorten(line));
+                if !bytes.take(&found) {
+                    return Visit::Stop;
+                }
+                tally.results.push(found);
             }
         }
         Visit::Continue
@@ -198,6 +206,9 @@ pub fn search_files(
         out.push(format!(
             "[stopped at {max_results} results; narrow the glob or regex, or search a subdirectory]"
         ));
+    }
+    if let Some(note) = bytes.note("narrow the glob or regex, or search a subdirectory") {
+        out.push(note);
     }
     if tally.files_limit_hit {
         out.push(format!(

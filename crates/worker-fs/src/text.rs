@@ -34,6 +34,50 @@ impl FileError {
     }
 }
 
+/// The bytes an answer made of lines may still take: `list_directory` and
+/// `search_files` stop at it, as `read_file` stops at `[fs] max_read_bytes`, so that what
+/// a workspace holds (ten thousand links with 4 KiB targets, names escaped to six times
+/// their length) never decides how large an answer grows.
+pub struct LineBudget {
+    max: u64,
+    used: u64,
+    exhausted: bool,
+}
+
+impl LineBudget {
+    pub fn new(max: u64) -> Self {
+        Self {
+            max,
+            used: 0,
+            exhausted: false,
+        }
+    }
+
+    /// Counts `line` and its line break; false (and nothing counted) when it would go
+    /// over.
+    pub fn take(&mut self, line: &str) -> bool {
+        let len = u64::try_from(line.len())
+            .unwrap_or(u64::MAX)
+            .saturating_add(1);
+        if self.used.saturating_add(len) > self.max {
+            self.exhausted = true;
+            return false;
+        }
+        self.used += len;
+        true
+    }
+
+    /// The note that ends a cut answer, with `advice`; `None` when nothing was cut.
+    pub fn note(&self, advice: &str) -> Option<String> {
+        self.exhausted.then(|| {
+            format!(
+                "[truncated: the answer reached {} bytes, the most one answer holds ([fs] max_read_bytes); {advice}]",
+                self.max
+            )
+        })
+    }
+}
+
 /// A file name or path as the fs tools print it: control characters (C0, DEL, C1), the
 /// bidirectional controls (U+061C, U+200E, U+200F, U+202A–U+202E, U+2066–U+2069) and the
 /// line and paragraph separators U+2028, U+2029 are written as Rust writes them in a

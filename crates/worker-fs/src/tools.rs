@@ -316,13 +316,25 @@ fn run(
         }
         Kind::Edit => {
             let args: edit::EditArgs = parse(tool, arguments)?;
-            edit::edit_file(&ws(config)?, &args, config.max_write_bytes).map_err(|e| e.to_string())
+            edit::edit_file(
+                &ws(config)?,
+                &args,
+                config.max_write_bytes,
+                config.max_read_bytes,
+            )
+            .map_err(|e| e.to_string())
         }
         Kind::List => {
             let args: list::ListArgs = parse(tool, arguments)?;
             let ws = ws(config)?;
-            list::list_directory(&ws, &args, config.max_list_entries, stop)
-                .map_err(|e| e.to_string())
+            list::list_directory(
+                &ws,
+                &args,
+                config.max_list_entries,
+                config.max_read_bytes,
+                stop,
+            )
+            .map_err(|e| e.to_string())
         }
         Kind::Search => {
             let args: search::SearchArgs = parse(tool, arguments)?;
@@ -330,6 +342,7 @@ fn run(
                 max_results: config.max_search_results,
                 max_files: config.max_search_files,
                 max_file_bytes: config.max_search_file_bytes,
+                max_output_bytes: config.max_read_bytes,
             };
             search::search_files(&ws(config)?, &args, limits, stop).map_err(|e| e.to_string())
         }

@@ -812,6 +812,84 @@ async fn search_is_bounded() {
     );
 }
 
+/// What a workspace holds decides what the tools find, never how large their answer
+/// grows: names escaped to five times their length and links with 4 KiB targets are
+/// listed and searched up to `[fs] max_read_bytes` of text, as `read_file` reads, and an
+/// edit's diff is cut at the same bound (the edit itself is applied whole).
+#[tokio::test]
+async fn answers_made_of_lines_are_bounded_in_bytes() {
+    const MAX: usize = 50_000;
+    let env = Env::with(|c| c.max_read_bytes = MAX as u64);
+    let control = "\u{1}".repeat(200);
+    for i in 0..100 {
+        env.put(
+            &format!("deep/{i:03}{control}"),
+            "needle\n".repeat(200).as_str(),
+        );
+    }
+    for i in 0..40 {
+        env.link(&format!("deep/link{i:02}"), "\u{1}".repeat(4000));
+    }
+    let bounded = |what: &str, out: &str| {
+        assert!(
+            out.len() <= MAX + 512,
+            "{what}: {} bytes, over the {MAX} the answer may hold",
+            out.len()
+        );
+        assert!(
+            out.contains("[truncated: the answer reached 50000 bytes"),
+            "{what}: no note in {}",
+            &out[out.len().saturating_sub(300)..]
+        );
+    };
+    for args in [
+        json!({"path": "deep"}),
+        json!({"path": ".", "recursive": true, "max_entries": 10000}),
+    ] {
+        let out = env.ok("list_directory", args.clone()).await;
+        bounded(&format!("list_directory {args}"), &out);
+        // Whole entries: the listing starts with the first one.
+        let first = out.lines().next().unwrap_or_default();
+        assert!(
+            first.starts_with("000") || first == "deep/",
+            "{}",
+            &first[..first.len().min(200)]
+        );
+    }
+    let out = env
+        .ok("search_files", json!({"path": ".", "max_results": 100}))
+        .await;
+    bounded("search_files by name", &out);
+    let out = env
+        .ok(
+            "search_files",
+            json!({"path": ".", "content_regex": "needle", "max_results": 100}),
+        )
+        .await;
+    // 100 results of a 1 KiB name each: within the result count, over the bytes.
+    bounded("search_files by content", &out);
+
+    // A 40 KB file of empty lines, each edited: its diff is twice the file and more.
+    env.put("blank.txt", &"\n".repeat(40_000));
+    let out = env
+        .ok(
+            "edit_file",
+            json!({"path": "blank.txt", "edits": [{"old_text": "\n", "new_text": "x\n", "replace_all": true}]}),
+        )
+        .await;
+    assert!(out.len() <= MAX + 512, "edit_file: {} bytes", out.len());
+    assert!(
+        out.contains("[diff truncated: "),
+        "{}",
+        &out[out.len().saturating_sub(300)..]
+    );
+    assert_eq!(
+        env.get("blank.txt"),
+        "x\n".repeat(40_000),
+        "the edit is applied whole"
+    );
+}
+
 // ---------------------------------------------------------------------------------------
 // get_file_info
 
