@@ -310,7 +310,12 @@ impl Postgres {
                 at: self.at(),
             };
         }
-        PgError::Sql(self.scrub(e.to_string()))
+        // A value Airlock could not convert ("error deserializing column 0") says why in
+        // its source: the caller needs that part to change the query.
+        match std::error::Error::source(e) {
+            Some(why) => PgError::Sql(self.scrub(format!("{e}: {why}"))),
+            None => PgError::Sql(self.scrub(e.to_string())),
+        }
     }
 
     async fn get(&self, limits: &Limits) -> Result<Pooled<'_>, PgError> {

@@ -90,13 +90,19 @@ const DENIED_FUNCTIONS: &[&str] = &[
     "pg_log_backend_memory_contexts",
     "txid_current",
     "pg_current_xact_id",
-    // Functions that run SQL given as a string (the parser could not see inside it).
+    // Functions that run SQL given as a string (the parser could not see inside it):
+    // the XML exports, the text-search statistics and rewrite functions of the core,
+    // and the `tablefunc` extension's pivots.
     "query_to_xml*",
     "query_to_xmlschema",
     "cursor_to_xml*",
     "table_to_xml*",
     "schema_to_xml*",
     "database_to_xml*",
+    "ts_stat",
+    "ts_rewrite",
+    "crosstab*",
+    "connectby",
     // SQLite: extensions and file access (not in the bundled build, refused anyway).
     "load_extension",
     "readfile",
@@ -401,6 +407,11 @@ mod tests {
             "SELECT * FROM pg_ls_dir('/')",
             "SELECT * FROM dblink('host=x', 'DELETE FROM t') AS r(a int)",
             "SELECT query_to_xml('DELETE FROM t', true, false, '')",
+            "SELECT * FROM ts_stat('SELECT to_tsvector(pg_terminate_backend(1)::text)')",
+            "SELECT * FROM PG_CATALOG.TS_STAT('SELECT 1', 'a')",
+            "SELECT ts_rewrite('a'::tsquery, 'SELECT ''a''::tsquery, ''b''::tsquery')",
+            "SELECT * FROM crosstab3('SELECT 1, 2, 3')",
+            "SELECT * FROM connectby('t', 'id', 'parent', '1', 0) AS c(id int, p int, l int)",
             "COPY t TO PROGRAM 'id'",
             "DO $$ BEGIN DELETE FROM t; END $$",
             "CALL p()",

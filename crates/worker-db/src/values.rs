@@ -25,6 +25,11 @@ pub enum ValueError {
          substr(column, 1, 1000), length(column) or a hash of the column"
     )]
     FirstRowTooLarge { max: usize },
+    #[error(
+        "a {0} value in the result is outside the years -262143 to 262142 that results are \
+         given in; cast that column to text in the query (e.g. column::text)"
+    )]
+    OutOfRange(&'static str),
 }
 
 /// The approximate size of a JSON value in a result, as the result caps count it.
@@ -338,7 +343,12 @@ fn decode(ty: &Type, raw: &[u8]) -> Result<Value, ValueError> {
             i32::MAX => json!("infinity"),
             i32::MIN => json!("-infinity"),
             days => {
-                let d = pg_epoch().date() + Duration::days(i64::from(days));
+                // PostgreSQL's dates reach year 5874897, chrono's 262142: checked, so a
+                // value beyond is an error naming the fix, not a panic of the worker.
+                let d = pg_epoch()
+                    .date()
+                    .checked_add_signed(Duration::days(i64::from(days)))
+                    .ok_or(ValueError::OutOfRange("date"))?;
                 Value::String(d.format("%Y-%m-%d").to_string())
             }
         },
@@ -346,7 +356,9 @@ fn decode(ty: &Type, raw: &[u8]) -> Result<Value, ValueError> {
             i64::MAX => json!("infinity"),
             i64::MIN => json!("-infinity"),
             us => {
-                let t = pg_epoch() + Duration::microseconds(us);
+                let t = pg_epoch()
+                    .checked_add_signed(Duration::microseconds(us))
+                    .ok_or(ValueError::OutOfRange("timestamp"))?;
                 Value::String(t.format("%Y-%m-%dT%H:%M:%S%.f").to_string())
             }
         },
@@ -354,7 +366,10 @@ fn decode(ty: &Type, raw: &[u8]) -> Result<Value, ValueError> {
             i64::MAX => json!("infinity"),
             i64::MIN => json!("-infinity"),
             us => {
-                let t = (pg_epoch() + Duration::microseconds(us)).and_utc();
+                let t = pg_epoch()
+                    .checked_add_signed(Duration::microseconds(us))
+                    .ok_or(ValueError::OutOfRange("timestamptz"))?
+                    .and_utc();
                 Value::String(DateTime::to_rfc3339_opts(&t, SecondsFormat::AutoSi, true))
             }
         },

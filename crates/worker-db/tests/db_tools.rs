@@ -307,6 +307,37 @@ impl Lite {
 // Types, limits, metadata
 // ---------------------------------------------------------------------------------------
 
+/// PostgreSQL's dates and timestamps reach far beyond the years a result renders: such
+/// a value is an error that says to cast it, and the worker answers the next call.
+#[tokio::test]
+async fn postgres_dates_beyond_the_rendered_years_are_an_error_not_a_crash() {
+    let set = tools(vec![pg_db("pg", "airlock_ro")]).unwrap();
+    for sql in [
+        "SELECT '5874897-12-31'::date",
+        "SELECT '294276-01-01'::timestamp",
+        "SELECT '294276-01-01 00:00:00+00'::timestamptz",
+        "SELECT d FROM (VALUES ('2024-02-29'::date), ('5874897-12-31'::date)) AS v(d)",
+    ] {
+        let e = err(
+            &set,
+            "query_database",
+            json!({"database": "pg", "sql": sql}),
+        )
+        .await;
+        assert!(e.contains("to text"), "{sql}: {e}");
+    }
+    let out = query(
+        &set,
+        "pg",
+        "SELECT '5874897-12-31'::date::text AS d, 'infinity'::date AS i, '2024-02-29'::date AS ok",
+    )
+    .await;
+    assert_eq!(
+        out["rows"],
+        json!([["5874897-12-31", "infinity", "2024-02-29"]])
+    );
+}
+
 #[tokio::test]
 async fn postgres_types_round_trip() {
     let set = tools(vec![pg_db("pg", "airlock_ro")]).unwrap();
@@ -847,6 +878,12 @@ const PG_TRANSIENT_EFFECTS: &[&str] = &[
     "SELECT set_config('default_transaction_read_only', 'off', false)",
     "SELECT pg_advisory_lock(1)",
     "SELECT pg_try_advisory_lock(2)",
+    // Denied functions inside SQL given as a string, which these functions run.
+    "SELECT * FROM ts_stat($$SELECT to_tsvector(pg_try_advisory_lock(3)::text)$$)",
+    "SELECT * FROM pg_catalog.ts_stat('SELECT to_tsvector(set_config(''default_transaction_read_only'', ''off'', false))')",
+    "SELECT word FROM ts_stat('SELECT to_tsvector(pg_terminate_backend(pid)::text) FROM pg_stat_activity WHERE pid <> pg_backend_pid()')",
+    "SELECT ts_rewrite('a'::tsquery, 'SELECT ''a''::tsquery, to_tsquery(pg_try_advisory_lock(4)::text)')",
+    "SELECT * FROM crosstab('SELECT set_config(''a.b'', ''c'', false), 1, 1') AS ct(a text, b int)",
 ];
 
 const LITE_ATTACKS: &[&str] = &[
