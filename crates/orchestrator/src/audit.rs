@@ -117,7 +117,8 @@ pub enum AuditKind {
     Rejected,
     /// Its arguments failed the tool's schema.
     RejectedSchema,
-    /// A budget or the rate limit refused it.
+    /// A session budget or the repeated-failure budget refused it (the per-principal rate
+    /// limit refuses requests before any call exists: counted in metrics, not audited).
     BudgetExceeded,
     /// Policy denied it.
     Denied,
