@@ -394,6 +394,46 @@ async fn the_default_async_threads_follow_the_cgroup_cpu_quota() {
     drop(half);
 }
 
+/// `airlock sandbox run` started from a terminal (a pseudo-terminal made by
+/// util-linux's `script`): the sandboxed command has no controlling terminal at either
+/// level, so it cannot open `/dev/tty` to push input into the user's terminal (TIOCSTI)
+/// or read what is typed there — bubblewrap's CVE-2017-5226.
+#[test]
+fn a_sandboxed_command_cannot_reach_the_terminal_it_was_started_from() {
+    let probe = "( exec 3<>/dev/tty ) 2>/dev/null && echo TTY-OPENED || echo TTY-REFUSED";
+    for profile in ["strict", "standard"] {
+        let inner = format!("{AIRLOCK} sandbox run --profile {profile} -- sh -c '{probe}'");
+        let mut command = Command::new("script");
+        command
+            .args(["-q", "-e", "-c", &inner, "/dev/null"])
+            .stdin(Stdio::null());
+        let output = run_bounded(&mut command);
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(
+            output.status.success(),
+            "{profile}: script (util-linux) ran {inner}: {}\n{stdout}\n{stderr}",
+            output.status
+        );
+        // The terminal is there for airlock itself: the probe outside the sandbox opens it.
+        assert!(
+            stdout.contains("TTY-REFUSED"),
+            "{profile}: {stdout}\n{stderr}"
+        );
+        assert!(!stdout.contains("TTY-OPENED"), "{profile}: {stdout}");
+    }
+    let control = run_bounded(
+        Command::new("script")
+            .args(["-q", "-e", "-c", &format!("sh -c '{probe}'"), "/dev/null"])
+            .stdin(Stdio::null()),
+    );
+    assert!(
+        String::from_utf8_lossy(&control.stdout).contains("TTY-OPENED"),
+        "outside the sandbox the pseudo-terminal is the controlling terminal: {}",
+        String::from_utf8_lossy(&control.stdout)
+    );
+}
+
 #[test]
 fn sandbox_run_without_a_data_dir_leaves_nothing_behind() {
     let dir = tempfile::tempdir().expect("temp dir");

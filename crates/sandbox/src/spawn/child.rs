@@ -77,6 +77,13 @@ fn before_call(plan: &ChildPlan<'_>) -> Result<RawFd, Failure> {
         }
     }
 
+    // 1c. A session and process group of our own, at every level, pre-built or not: no
+    //     controlling terminal, so a command cannot open the worker's terminal
+    //     (`/dev/tty`: ENXIO) to push input into it (TIOCSTI) or read what is typed
+    //     there, and at the standard level the parent kills the group.
+    // SAFETY: setsid takes no arguments.
+    sys::check_int(unsafe { libc::setsid() }).at(Step::NewSession)?;
+
     // 2. Wait until the parent has written our id maps and moved us into the call's
     //    cgroup; end-of-file means the parent gave up, so we stop here.
     handshake::wait_for_release(plan.sync)?;
@@ -134,10 +141,8 @@ fn after_call(
             rootfs::finish_root(call.workspace_source, call.cwd)?;
         }
     } else {
-        // 3n. Standard mode: a session and process group of our own (the parent kills
-        //     the group), and the workspace as working directory.
-        // SAFETY: setsid takes no arguments.
-        sys::check_int(unsafe { libc::setsid() }).at(Step::NewSession)?;
+        // 3n. Standard mode (its own session since step 1c): the workspace as working
+        //     directory.
         // SAFETY: `cwd` is NUL-terminated.
         sys::check_int(unsafe { libc::chdir(call.cwd.as_ptr()) }).at(Step::ChangeDirectory)?;
     }
