@@ -420,7 +420,7 @@ impl Sandbox {
                 level.as_str()
             )));
         }
-        let seccomp = SeccompPlan::compile(seccomp::Profile::sandbox(config.network))?;
+        let seccomp = SeccompPlan::compile(seccomp::Profile::sandbox(config.network, strict))?;
         let rootfs = if strict {
             Some(RootfsTemplate::prepare(config.tmp_bytes, config.network)?)
         } else {

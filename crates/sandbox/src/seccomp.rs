@@ -53,6 +53,12 @@ pub(crate) struct Profile {
     /// New namespaces and the mount API (needed by a worker that creates sandboxes;
     /// never by a sandbox).
     pub namespaces: bool,
+    /// `socket(AF_UNIX, …)` (`socketpair` always stays). A strict sandbox keeps it: the
+    /// host's named sockets are outside its mount namespace and its abstract ones
+    /// outside its network namespace. A standard one has neither, and Landlock does not
+    /// judge `connect` on a named socket: the other components' gRPC sockets (a worker
+    /// trusts whoever reaches its socket) would be one `connect` away.
+    pub unix_sockets: bool,
     /// Refuse to create set-user-ID or set-group-ID files: harmless inside a sandbox
     /// (nosuid, no_new_privs), but such a file left in a workspace is owned by the
     /// worker's uid on the host, where anyone who can reach it gains that uid.
@@ -60,12 +66,14 @@ pub(crate) struct Profile {
 }
 
 impl Profile {
-    /// The profile of a sandboxed command.
-    pub(crate) fn sandbox(network: Network) -> Self {
+    /// The profile of a sandboxed command; `strict` when it has mount and network
+    /// namespaces of its own.
+    pub(crate) fn sandbox(network: Network, strict: bool) -> Self {
         Profile {
             network,
             exec: true,
             namespaces: false,
+            unix_sockets: strict,
             no_setid_files: true,
         }
     }
@@ -224,11 +232,17 @@ fn filter(profile: Profile) -> Result<bpf::Filter, SeccompError> {
         add(libc::SYS_execveat, Vec::new(), eperm);
     }
     match profile.network {
-        Network::Host => {}
-        Network::None => {
+        Network::Host if profile.unix_sockets => {}
+        Network::Host => {
+            let unix = vec![dword(0, Cmp::Eq(libc::AF_UNIX as u64))];
+            add(libc::SYS_socket, vec![unix], eperm);
+        }
+        Network::None if profile.unix_sockets => {
             let not_unix = vec![dword(0, Cmp::Ne(libc::AF_UNIX as u64))];
             add(libc::SYS_socket, vec![not_unix], eperm);
         }
+        // No socket at all (`socketpair` is another system call).
+        Network::None => add(libc::SYS_socket, Vec::new(), eperm),
         Network::Proxy => {
             // socket(family, type, …): refused for a family other than AF_UNIX and
             // AF_INET, and for AF_INET of any type but SOCK_STREAM (the low four bits;
@@ -569,17 +583,19 @@ mod tests {
         let arch = audit_arch().unwrap();
         let mut checked = 0usize;
         for network in [Network::None, Network::Proxy, Network::Host] {
-            for (exec, namespaces, no_setid_files) in [
-                (true, false, true),
-                (true, false, false),
-                (true, true, true),
-                (false, true, false),
-                (false, false, true),
+            for (exec, namespaces, unix_sockets, no_setid_files) in [
+                (true, false, true, true),
+                (true, false, false, true),
+                (true, false, true, false),
+                (true, true, true, true),
+                (false, true, false, false),
+                (false, false, true, true),
             ] {
                 let profile = Profile {
                     network,
                     exec,
                     namespaces,
+                    unix_sockets,
                     no_setid_files,
                 };
                 let table = filter(profile).unwrap();
@@ -625,14 +641,16 @@ mod tests {
             (Network::Proxy, 170),
             (Network::Host, 160),
         ] {
-            let program = SeccompPlan::compile(Profile::sandbox(network))
-                .unwrap()
-                .program;
-            assert!(
-                program.len() <= most,
-                "{network:?}: {} instructions",
-                program.len()
-            );
+            for strict in [true, false] {
+                let program = SeccompPlan::compile(Profile::sandbox(network, strict))
+                    .unwrap()
+                    .program;
+                assert!(
+                    program.len() <= most,
+                    "{network:?} (strict {strict}): {} instructions",
+                    program.len()
+                );
+            }
         }
     }
 

@@ -130,6 +130,8 @@ pub fn confine_self(spec: &SelfConfinement) -> Result<SelfConfinementReport, cra
         network: crate::sandbox::Network::Host,
         exec: spec.allow_exec,
         namespaces: spec.allow_namespaces,
+        // A worker speaks gRPC and reaches its broker over Unix sockets.
+        unix_sockets: true,
         no_setid_files: false,
     })?;
     let landlock = match abi {

@@ -971,6 +971,37 @@ fn standard_mode_works() {
         ),
     );
     assert_eq!(text(&out.stdout), "Operation not permitted");
+    // Without mount and network namespaces the host's Unix sockets are in reach of a
+    // path, and a worker trusts whoever reaches its socket: a listening socket of the
+    // host's, named and abstract, must stay out of reach, while socketpair works.
+    let outside = tempfile::tempdir().expect("temp dir");
+    let named = outside.path().join("worker.sock");
+    let _named = std::os::unix::net::UnixListener::bind(&named).expect("bind named");
+    let abstract_name = format!("airlock-test-{}", std::process::id());
+    let _abstract = {
+        use std::os::linux::net::SocketAddrExt as _;
+        let addr = std::os::unix::net::SocketAddr::from_abstract_name(abstract_name.as_bytes())
+            .expect("abstract address");
+        std::os::unix::net::UnixListener::bind_addr(&addr).expect("bind abstract")
+    };
+    let script = format!(
+        r#"use Socket; my ($named, $abs, $dgram, $x, $y);
+        if (socket($named, AF_UNIX, SOCK_STREAM, 0)) {{ connect($named, pack_sockaddr_un("{}")) ? print("named-connected\n") : print("named: $!\n") }} else {{ print("named socket: $!\n") }}
+        if (socket($abs, AF_UNIX, SOCK_STREAM, 0)) {{ connect($abs, pack_sockaddr_un("\0{abstract_name}")) ? print("abstract-connected\n") : print("abstract: $!\n") }} else {{ print("abstract socket: $!\n") }}
+        socket($dgram, AF_UNIX, SOCK_DGRAM, 0) ? print("dgram-ok\n") : print("dgram socket: $!\n");
+        socketpair($x, $y, AF_UNIX, SOCK_STREAM, 0) ? print("pair-ok\n") : print("pair: $!\n");"#,
+        named.display()
+    );
+    let out = run(&sandbox, &spec(&["perl", "-e", &script], ws.path()));
+    let stdout = text(&out.stdout);
+    for expected in [
+        "named socket: Operation not permitted",
+        "abstract socket: Operation not permitted",
+        "dgram socket: Operation not permitted",
+        "pair-ok",
+    ] {
+        assert!(stdout.contains(expected), "missing {expected}: {stdout} {}", text(&out.stderr));
+    }
     assert_no_cgroup_left("standard");
 }
 
