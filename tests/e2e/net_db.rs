@@ -182,3 +182,71 @@ async fn the_demo_database_is_served_read_only_in_depth() {
         "{response}"
     );
 }
+
+/// A read that reaches outside Airlock is on record before it goes out: while the
+/// server `fetch_url` asked still holds the request, the audit log already shows the call
+/// requested and dispatched (a read that stays inside, `read_file`, is written once when
+/// it ends). Were the orchestrator to die or the store to fail before the call ended, the
+/// log would still say that the URL was fetched.
+#[tokio::test]
+async fn a_read_that_reaches_outside_is_on_record_before_it_goes_out() {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = listener.local_addr().expect("addr").port();
+    let (arrived_tx, arrived_rx) = std::sync::mpsc::channel::<()>();
+    let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
+    std::thread::spawn(move || {
+        if let Some(Ok(mut stream)) = listener.incoming().next() {
+            let mut buf = [0u8; 4096];
+            let _ = stream.read(&mut buf);
+            let _ = arrived_tx.send(());
+            let _ = release_rx.recv_timeout(std::time::Duration::from_secs(60));
+            let body = "held";
+            let _ = write!(
+                stream,
+                "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            );
+        }
+    });
+    let airlock = Airlock::start_with(&format!("[http]\nallow = [\"127.0.0.1:{port}\"]\n")).await;
+    let body = json!({"session_id": "outside", "wait_ms": 0, "tool_uses": [{"type": "tool_use", "id": "f",
+        "name": "fetch_url", "input": {"url": format!("http://127.0.0.1:{port}/secret-in-the-url")}}]});
+    let (status, response) = airlock.post("/v1/tool_calls", &body).await;
+    assert_eq!(status, 200, "{response}");
+    let call_id = response["calls"][0]["call_id"]
+        .as_str()
+        .expect("id")
+        .to_owned();
+    tokio::task::spawn_blocking(move || {
+        arrived_rx.recv_timeout(std::time::Duration::from_secs(60))
+    })
+    .await
+    .expect("join")
+    .expect("the request reached the server");
+    let (_, audit) = airlock.get(&format!("/v1/audit?call_id={call_id}")).await;
+    let kinds: Vec<&str> = audit["events"]
+        .as_array()
+        .expect("events")
+        .iter()
+        .filter_map(|e| e["kind"].as_str())
+        .collect();
+    assert_eq!(
+        kinds,
+        ["requested", "dispatched"],
+        "while the request is out, the log shows it"
+    );
+    release_tx.send(()).expect("release");
+    let (_, call) = airlock
+        .get(&format!("/v1/calls/{call_id}?wait_ms=60000"))
+        .await;
+    assert_eq!(call["status"], "ok", "{call}");
+    let (_, audit) = airlock.get(&format!("/v1/audit?call_id={call_id}")).await;
+    assert_eq!(
+        audit["events"]
+            .as_array()
+            .expect("events")
+            .last()
+            .expect("an event")["kind"],
+        "completed"
+    );
+}

@@ -166,8 +166,8 @@ enum Record {
     /// Auto-allowed with side effects: written, claimed and its dispatch recorded in
     /// one transaction before the worker runs it.
     Ahead,
-    /// Auto-allowed and changes nothing: written once, with its outcome and all its
-    /// events, when it ends.
+    /// Auto-allowed, changes nothing and reaches nothing outside Airlock (read-only and
+    /// not open-world): written once, with its outcome and all its events, when it ends.
     AtEnd,
 }
 
@@ -564,7 +564,10 @@ impl Gate {
         let approved = verdict.needs_approval() && ctx.row.is_none();
         let record = if approved {
             Record::Stored
-        } else if tool.definition.annotations.read_only {
+        } else if tool.definition.annotations.read_only && !tool.definition.annotations.open_world {
+            // A read that reaches outside (`fetch_url`, a declared GET, an MCP tool) is
+            // an act of its own — its URL can carry what it read — so the log shows it
+            // before the worker runs, as a write's does.
             Record::AtEnd
         } else {
             Record::Ahead
