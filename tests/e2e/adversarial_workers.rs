@@ -201,6 +201,63 @@ async fn db_attack(airlock: &Airlock, database: &str, sql: &str, expect: &str) {
     }
 }
 
+/// A PostgreSQL database whose password comes from `password_env` (README, DESIGN §4)
+/// works under `airlock up`: the launcher passes that variable, and only that one of
+/// its own environment, to the db worker.
+#[tokio::test]
+async fn a_database_password_from_the_environment_reaches_the_db_worker_alone() {
+    const PASSWORD: &str = "Db-Pw-Env-Canary-7e1";
+    let server = postgres::server();
+    let role = postgres::unique_name("airlock_pwenv");
+    let db = postgres::unique_name("airlock_pwenv_db");
+    server.create_role(&role, PASSWORD);
+    server
+        .sql("postgres", &format!("CREATE DATABASE {db} OWNER {role};"))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let airlock = Airlock::start_with_env(
+        &format!(
+            "[[databases]]\nname = \"pg\"\nurl = \"{}\"\npassword_env = \"AIRLOCK_TEST_PG_PASSWORD\"\n",
+            server.url_as(&role, &db)
+        ),
+        &[
+            ("AIRLOCK_TEST_PG_PASSWORD", PASSWORD),
+            ("AIRLOCK_TEST_UNRELATED_SECRET", "Unrelated-Canary-4b2"),
+        ],
+    )
+    .await;
+    let (err, text, _) = airlock
+        .call(
+            "query_database",
+            json!({"database": "pg", "sql": "SELECT current_user AS who"}),
+        )
+        .await;
+    assert!(!err, "{text}");
+    assert!(text.contains(&role), "connected as {role}: {text}");
+    let environ = |pid: u32| {
+        String::from_utf8_lossy(&std::fs::read(format!("/proc/{pid}/environ")).expect("environ"))
+            .into_owned()
+    };
+    let db_worker = environ(component(&airlock, "worker db"));
+    assert!(
+        db_worker.contains("AIRLOCK_TEST_PG_PASSWORD="),
+        "the db worker lacks its password variable"
+    );
+    assert!(
+        !db_worker.contains("Unrelated-Canary"),
+        "the db worker got the launcher's other variables"
+    );
+    for other in ["worker fs", "worker shell", "worker http"] {
+        assert!(
+            !environ(component(&airlock, other)).contains(PASSWORD),
+            "{other} got the database password"
+        );
+    }
+    assert!(
+        !airlock.log().contains(PASSWORD),
+        "the password reached the log"
+    );
+}
+
 #[tokio::test]
 async fn db_worker_memory_stays_small_under_oversized_results() {
     let lite = tempfile::tempdir().expect("temp dir");

@@ -222,6 +222,14 @@ async fn supervise(loaded: Loaded) -> anyhow::Result<ExitCode> {
                 .flat_map(|server| server.env_names()),
         )
         .collect();
+    // The db worker reads each `password_env` of `[[databases]]` at its start; nothing
+    // else of the launcher's environment reaches it.
+    let db_env: Vec<String> = loaded
+        .config
+        .databases
+        .iter()
+        .filter_map(|database| database.password_env.clone())
+        .collect();
     let metrics = worker_metrics(&loaded)?;
     let mut components: Vec<Component> = LOCAL_GROUPS
         .iter()
@@ -229,10 +237,10 @@ async fn supervise(loaded: Loaded) -> anyhow::Result<ExitCode> {
             name: format!("{group} worker"),
             args: worker_args(&loaded, group, &metrics),
             full_env: false,
-            extra_env: if *group == "http" {
-                secret_env.clone()
-            } else {
-                Vec::new()
+            extra_env: match *group {
+                "http" => secret_env.clone(),
+                "db" => db_env.clone(),
+                _ => Vec::new(),
             },
             front_doors: None,
             child: None,
