@@ -178,6 +178,7 @@ impl Loaded {
         check_workspace_quota(&parsed.sandbox)?;
         check_dispatch(&parsed)?;
         check_async_threads(&parsed)?;
+        check_agent(&parsed)?;
         airlock_worker_fs::Hidden::new(&parsed.fs.hidden).context("invalid [fs] hidden")?;
         let declared = declared_entries(&parsed).map_err(|e| match &file {
             Some(path) => anyhow::anyhow!("invalid config file {}: {e:#}", path.display()),
@@ -454,6 +455,38 @@ fn check_dispatch(config: &AirlockConfig) -> anyhow::Result<()> {
             "[worker] drain_seconds = {drain} is above {MAX_DRAIN_SECONDS}; lower it (the \
              default is 30)"
         );
+    }
+    Ok(())
+}
+
+/// The longest `[agent] max_seconds` and `tool_wait_seconds`: a day. A run's deadline is
+/// computed from them, and a value near `u64::MAX` would overflow it.
+const MAX_AGENT_SECONDS: u64 = 86_400;
+
+/// Refuses `[agent]` limits that no run could work with, at load time rather than at
+/// each run.
+fn check_agent(config: &AirlockConfig) -> anyhow::Result<()> {
+    let agent = &config.agent;
+    for (key, value) in [
+        ("max_turns", u64::from(agent.max_turns)),
+        ("max_tokens", u64::from(agent.max_tokens)),
+        ("max_seconds", agent.max_seconds),
+        ("tool_wait_seconds", agent.tool_wait_seconds),
+    ] {
+        if value == 0 {
+            bail!("[agent] {key} = 0 leaves a run nothing to do; give a positive value");
+        }
+    }
+    for (key, value) in [
+        ("max_seconds", agent.max_seconds),
+        ("tool_wait_seconds", agent.tool_wait_seconds),
+    ] {
+        if value > MAX_AGENT_SECONDS {
+            bail!(
+                "[agent] {key} = {value} is above {MAX_AGENT_SECONDS} (a day); lower it (the \
+                 defaults are 600 and 300)"
+            );
+        }
     }
     Ok(())
 }
@@ -814,5 +847,23 @@ mod tests {
         assert_eq!(config.agent.max_turns, 5);
         assert!(toml::from_str::<AirlockConfig>("[agent]\nprovider = \"gemini\"\n").is_err());
         assert!(toml::from_str::<AirlockConfig>("[agent]\napi_key = \"sk-x\"\n").is_err());
+        assert!(check_agent(&config).is_ok());
+        for (line, named) in [
+            (
+                "max_seconds = 18446744073709551615",
+                "max_seconds = 18446744073709551615",
+            ),
+            ("max_seconds = 86401", "above 86400"),
+            ("tool_wait_seconds = 100000", "tool_wait_seconds"),
+            ("max_seconds = 0", "max_seconds = 0"),
+            ("max_turns = 0", "max_turns = 0"),
+            ("tool_wait_seconds = 0", "tool_wait_seconds = 0"),
+        ] {
+            let config: AirlockConfig = toml::from_str(&format!("[agent]\n{line}\n")).unwrap();
+            let e = check_agent(&config).expect_err(line).to_string();
+            assert!(e.contains(named), "{line}: {e}");
+        }
+        let config: AirlockConfig = toml::from_str("[agent]\nmax_seconds = 86400\n").unwrap();
+        assert!(check_agent(&config).is_ok());
     }
 }

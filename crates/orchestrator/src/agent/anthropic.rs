@@ -158,6 +158,12 @@ impl Stream {
             "content_block_start" => {
                 let at = index(&data)?;
                 let value = field(&data, "content_block")?.clone();
+                // Deltas write into the block: anything but an object is a broken stream.
+                if !value.is_object() {
+                    return Err(AgentError::Protocol(format!(
+                        "block {at}'s content_block is not an object"
+                    )));
+                }
                 self.blocks.insert(
                     at,
                     Block {
@@ -384,6 +390,29 @@ mod tests {
             }
         }
         Ok((stream.finish()?, shown))
+    }
+
+    #[test]
+    fn a_block_that_is_not_an_object_is_a_protocol_error_not_a_panic() {
+        for block in [json!("text"), json!(7), json!([1, 2]), json!(null)] {
+            for delta in [
+                json!({"type": "text_delta", "text": "x"}),
+                json!({"type": "citations_delta", "citation": {"a": 1}}),
+                json!({"type": "thinking_delta", "thinking": "x"}),
+            ] {
+                let text = sse(&[
+                    json!({"type": "message_start", "message": {"usage": {"input_tokens": 1, "output_tokens": 1}}}),
+                    json!({"type": "content_block_start", "index": 0, "content_block": block}),
+                    json!({"type": "content_block_delta", "index": 0, "delta": delta}),
+                    json!({"type": "content_block_stop", "index": 0}),
+                    json!({"type": "message_stop"}),
+                ]);
+                let Err(AgentError::Protocol(why)) = run(&text, 1000) else {
+                    panic!("{block} then {delta} was accepted");
+                };
+                assert!(why.contains("not an object"), "{why}");
+            }
+        }
     }
 
     #[test]

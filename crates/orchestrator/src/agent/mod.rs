@@ -284,8 +284,9 @@ pub struct Usage {
 
 impl Usage {
     pub fn add(&mut self, other: Usage) {
-        self.input_tokens += other.input_tokens;
-        self.output_tokens += other.output_tokens;
+        // Counts a provider reports: saturating, so a nonsensical one cannot overflow.
+        self.input_tokens = self.input_tokens.saturating_add(other.input_tokens);
+        self.output_tokens = self.output_tokens.saturating_add(other.output_tokens);
     }
 
     pub fn json(&self) -> Value {

@@ -157,7 +157,9 @@ impl Stream {
                 None => {
                     let last = self.calls.keys().next_back().copied();
                     match (last, fragment.get("id").and_then(Value::as_str)) {
-                        (Some(last), Some(id)) if self.calls[&last].id != id => last + 1,
+                        (Some(last), Some(id)) if self.calls[&last].id != id => {
+                            last.saturating_add(1)
+                        }
                         (Some(last), _) => last,
                         (None, _) => 0,
                     }
