@@ -730,7 +730,11 @@ fn redact_name_value_pair(map: &serde_json::Map<String, Value>, extra: &[String]
 ///   assignments (`PGPASSWORD=… psql`, `export API_KEY=…`), `--password=…` flags,
 ///   `password = '…'` in SQL or config text;
 /// - `--name value` (and `-name value`) flags with a secret name, and `-u`/`--user
-///   user:password` (the part after the colon);
+///   user:password` (the part after the colon), glued (`-uadmin:pw`) or with `=`
+///   (`--user=admin:pw`) too;
+/// - the passwords some clients take in a flag of their own: `mysql -p<password>` (and
+///   `mysqldump`, `mysqladmin`, `mariadb`), `sshpass -p <password>`, `redis-cli -a
+///   <password>`;
 /// - `Name: value` header lines with a secret name (`Authorization: …`,
 ///   `X-Api-Key: …`, `Cookie: …`), up to the end of the line or a quote;
 /// - `Bearer <token>`;
@@ -806,6 +810,18 @@ pub fn redact_text(text: &str, extra: &[String]) -> String {
         })
         .into_owned();
     out = rules
+        .glued_user
+        .replace_all(&out, |c: &regex::Captures<'_>| {
+            format!("{}{}:{REDACTED}", &c["head"], &c["user"])
+        })
+        .into_owned();
+    out = rules
+        .tool_password
+        .replace_all(&out, |c: &regex::Captures<'_>| {
+            format!("{}{}", &c["head"], quoted(&c["value"]))
+        })
+        .into_owned();
+    out = rules
         .header_line
         .replace_all(&out, |c: &regex::Captures<'_>| {
             if secret(&c["name"]) {
@@ -833,6 +849,8 @@ struct TextRules {
     json_pair: regex::Regex,
     assignment: regex::Regex,
     flag: regex::Regex,
+    glued_user: regex::Regex,
+    tool_password: regex::Regex,
     header_line: regex::Regex,
     sql_password: regex::Regex,
     bearer: regex::Regex,
@@ -856,6 +874,13 @@ static TEXT_RULES: std::sync::LazyLock<Option<TextRules>> = std::sync::LazyLock:
             flag: regex::Regex::new(
                 r#"(?P<pre>^|\s)(?P<flag>--?[A-Za-z][A-Za-z0-9_\-]*)(?P<sp>[ \t]+)(?P<value>"(?:[^"\\]|\\.)*"|'(?:[^'\\]|\\.)*'|[^\s\-][^\s]*)"#,
             )?,
+            // `-uadmin:pw`, `--user=admin:pw`, `-u=admin:pw` (`-u admin:pw` is a flag).
+            glued_user: regex::Regex::new(
+                r#"(?P<head>(?:^|\s)(?:-u=?|--user=))(?P<user>[^\s:'"]+):(?P<value>[^\s'"]+)"#,
+            )?,
+            tool_password: regex::Regex::new(&format!(
+                r#"(?P<head>\b(?:(?:mysql|mysqldump|mysqladmin|mariadb|mariadb-dump)\b[^\n;|&]*?\s-p|sshpass(?:\s+-[A-Za-z])*?\s+-p\s*|redis-cli\b[^\n;|&]*?\s-a\s+))(?P<value>{VALUE})"#
+            ))?,
             header_line: regex::Regex::new(
                 r#"(?m)(?P<pre>^|[\s"'])(?P<name>[A-Za-z][A-Za-z0-9_\-]*)(?P<sep>:[ \t]*)(?P<value>[^\s"'][^\r\n"']*)"#,
             )?,
@@ -1307,6 +1332,41 @@ mod tests {
             r("curl -u admin:pa55 https://x.test/"),
             "curl -u admin:[redacted] https://x.test/"
         );
+        // The forms a credential takes glued to its flag, or in a client's own flag.
+        for (given, redacted) in [
+            (
+                "curl -uadmin:pa55 https://x.test/",
+                "curl -uadmin:[redacted] https://x.test/",
+            ),
+            ("curl --user=admin:pa55 x", "curl --user=admin:[redacted] x"),
+            ("mysql -u root -pS3cret db", "mysql -u root -p[redacted] db"),
+            (
+                "mysqldump -h db -p'a b' app > dump.sql",
+                "mysqldump -h db -p'[redacted]' app > dump.sql",
+            ),
+            (
+                "sshpass -p hunter2 ssh host",
+                "sshpass -p [redacted] ssh host",
+            ),
+            (
+                "sshpass -e -p'pw x' ssh host",
+                "sshpass -e -p'[redacted]' ssh host",
+            ),
+            (
+                "redis-cli -h cache -a s3cr3t ping",
+                "redis-cli -h cache -a [redacted] ping",
+            ),
+            // What is not a password stays: a prompt, a port, another tool's -p.
+            ("mysql -p -u root db", "mysql -p -u root db"),
+            ("mysql -P3306 -h db", "mysql -P3306 -h db"),
+            ("mkdir -p a/b && ls -a", "mkdir -p a/b && ls -a"),
+            (
+                "curl -u admin https://x.test/",
+                "curl -u admin https://x.test/",
+            ),
+        ] {
+            assert_eq!(r(given), redacted, "{given}");
+        }
         // Header lines and bearer tokens.
         assert_eq!(
             r("curl -H 'Authorization: Bearer eyJ.a.b' -H 'Accept: */*' https://x.test/"),
