@@ -11,7 +11,7 @@ use std::process::Output;
 use serde_json::{Value, json};
 
 use crate::ordinary_user::{Delegation, OrdinaryUser};
-use crate::support::{Airlock, descendants};
+use crate::support::{Airlock, descendants, signal};
 
 /// What a sandboxed process sees of its own confinement: `/proc/self/status` lines,
 /// namespace links, the root directory, and how many children it could fork.
@@ -443,6 +443,54 @@ async fn sandbox_run_as_an_ordinary_user_is_honest_about_its_level() {
     assert!(err.contains("\"level\": \"standard\""), "{err}");
     assert!(err.contains("\"bounding_set_dropped\": false"), "{err}");
     assert!(!String::from_utf8_lossy(&standard.stdout).contains("0000000000000000"));
+
+    // Without a cgroup (an ordinary user's standard sandbox has none), what the command
+    // leaves in the background still ends with it: its process group is killed.
+    let marker = format!("airlock-left-behind-{}", std::process::id());
+    let left = user
+        .command(&user.airlock)
+        .args([
+            "sandbox",
+            "run",
+            "--profile",
+            "standard",
+            "--",
+            "sh",
+            "-c",
+            &format!("sh -c 'sleep 300; echo {marker}' >/dev/null 2>&1 & echo started"),
+        ])
+        .output()
+        .expect("airlock sandbox run --profile standard");
+    let err = String::from_utf8_lossy(&left.stderr);
+    assert!(left.status.success(), "{err}");
+    assert!(
+        String::from_utf8_lossy(&left.stdout).contains("started"),
+        "{err}"
+    );
+    let alive = || {
+        std::fs::read_dir("/proc")
+            .expect("/proc")
+            .filter_map(|e| e.ok())
+            .filter(|e| {
+                std::fs::read(e.path().join("cmdline"))
+                    .is_ok_and(|c| String::from_utf8_lossy(&c).contains(&marker))
+            })
+            .filter_map(|e| e.file_name().to_str().and_then(|p| p.parse::<u32>().ok()))
+            .collect::<Vec<u32>>()
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !alive().is_empty() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let survivors = alive();
+    for &pid in &survivors {
+        // The test's own leftover, killed before failing.
+        signal(pid, rustix::process::Signal::KILL);
+    }
+    assert!(
+        survivors.is_empty(),
+        "the command's background process outlived the call: {survivors:?}"
+    );
 }
 
 #[tokio::test]

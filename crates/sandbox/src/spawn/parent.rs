@@ -437,9 +437,15 @@ pub(super) fn supervise(
             }
         }
         if exited {
-            // The command is done: kill whatever it left behind, then reap.
+            // The command is done: kill whatever it left behind, then reap. In standard
+            // mode that is its process group too (all there is without a cgroup): the
+            // child is not reaped yet, so its pid, the group's id, cannot be recycled.
             if let Some(cgroup) = &child.cgroup {
                 let _ = cgroup.kill();
+            }
+            if !child.strict {
+                // SAFETY: kill takes no pointers; the group is our unreaped child's.
+                unsafe { libc::kill(-child.pid, libc::SIGKILL) };
             }
             exit = Some(child.reap()?);
             drain_deadline = Some(Instant::now() + DRAIN_GRACE);
