@@ -16,8 +16,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use rusqlite::types::Value;
 use rusqlite::{
-    Connection, ErrorCode, OptionalExtension as _, Row, Transaction, TransactionBehavior, params,
-    params_from_iter,
+    Connection, ErrorCode, OpenFlags, OptionalExtension as _, Row, Transaction,
+    TransactionBehavior, params, params_from_iter,
 };
 
 use super::machine::{
@@ -38,6 +38,12 @@ use crate::audit::{ChainVerifier, GENESIS_HASH};
 
 pub(super) struct SqliteStore {
     conn: Arc<Mutex<Connection>>,
+    /// A read-only connection of `verify`'s own. Verifying reads the whole log in one
+    /// snapshot, which in WAL mode neither waits for the writer nor holds it up; on
+    /// `conn` it held every call's write and read for as long as the scan took (at
+    /// start, hourly, on `GET /v1/audit/verify` and on each view of the console's audit
+    /// page). One verify at a time: they queue on this connection, not before calls.
+    verifier: Arc<Mutex<Connection>>,
     /// Commits on `conn` (its commit hook counts them; see [`Store::commits`]).
     commits: Arc<AtomicU64>,
     /// The calls' writes, committed in groups on `conn`.
@@ -49,8 +55,9 @@ impl SqliteStore {
         let path = path.to_owned();
         let commits = Arc::new(AtomicU64::new(0));
         let counter = Arc::clone(&commits);
-        let conn = tokio::task::spawn_blocking(move || {
+        let (conn, verifier) = tokio::task::spawn_blocking(move || {
             let conn = open_blocking(&path)?;
+            let verifier = open_verifier(&path)?;
             // Counted by SQLite itself rather than by each method, so that a commit no
             // method meant to make is counted too. It fires for write transactions
             // only (a read in autocommit mode is no commit).
@@ -58,7 +65,7 @@ impl SqliteStore {
                 counter.fetch_add(1, Ordering::Relaxed);
                 false
             }))?;
-            Ok::<_, StoreError>(conn)
+            Ok::<_, StoreError>((conn, verifier))
         })
         .await
         .map_err(|e| StoreError::Task(e.to_string()))??;
@@ -66,6 +73,7 @@ impl SqliteStore {
         Ok(Self {
             calls: group_commit::GroupWriter::start(Arc::clone(&conn))?,
             conn,
+            verifier: Arc::new(Mutex::new(verifier)),
             commits,
         })
     }
@@ -76,14 +84,43 @@ impl SqliteStore {
         T: Send + 'static,
         F: FnOnce(&mut Connection) -> Result<T, StoreError> + Send + 'static,
     {
-        let conn = Arc::clone(&self.conn);
-        tokio::task::spawn_blocking(move || {
-            let mut guard = conn.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-            f(&mut guard)
-        })
-        .await
-        .map_err(|e| StoreError::Task(e.to_string()))?
+        run_on(&self.conn, f).await
     }
+}
+
+/// Runs `f` with `conn` on the blocking pool.
+async fn run_on<T, F>(conn: &Arc<Mutex<Connection>>, f: F) -> Result<T, StoreError>
+where
+    T: Send + 'static,
+    F: FnOnce(&mut Connection) -> Result<T, StoreError> + Send + 'static,
+{
+    let conn = Arc::clone(conn);
+    tokio::task::spawn_blocking(move || {
+        let mut guard = conn.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        f(&mut guard)
+    })
+    .await
+    .map_err(|e| StoreError::Task(e.to_string()))?
+}
+
+/// The read-only connection `verify` reads through, opened after the store's own (which
+/// made the file and switched it to WAL).
+fn open_verifier(path: &Path) -> Result<Connection, StoreError> {
+    let open_err = |cause: String| StoreError::Open {
+        path: path.display().to_string(),
+        cause,
+    };
+    let conn = Connection::open_with_flags(
+        path,
+        OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+    )
+    .map_err(|e| open_err(e.to_string()))?;
+    conn.busy_timeout(Duration::from_secs(15))
+        .map_err(|e| open_err(e.to_string()))?;
+    // As on the store's own connection: nothing spills to a temporary file.
+    conn.pragma_update(None, "temp_store", "MEMORY")
+        .map_err(|e| open_err(e.to_string()))?;
+    Ok(conn)
 }
 
 fn open_blocking(path: &PathBuf) -> Result<Connection, StoreError> {
@@ -892,7 +929,7 @@ impl Store for SqliteStore {
     }
 
     async fn verify(&self) -> Result<VerifyReport, StoreError> {
-        self.run(|conn| {
+        run_on(&self.verifier, |conn| {
             // One read transaction: a consistent snapshot of head and records.
             let tx = conn.transaction_with_behavior(TransactionBehavior::Deferred)?;
             let head: Option<(i64, String)> = tx
@@ -1270,6 +1307,7 @@ impl Store for SqliteStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::audit::AuditKind;
 
     fn rows(conn: &Connection) -> i64 {
         conn.query_row("SELECT COUNT(*) FROM t", [], |row| row.get(0))
@@ -1300,6 +1338,55 @@ mod tests {
             "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'calls'",
             "name",
         )
+    }
+
+    /// A verify reads through a connection of its own: while one holds its snapshot
+    /// (as a verify of a long log does for as long as it reads), calls' writes go on,
+    /// and the next verify, once that snapshot is released, sees them.
+    #[tokio::test]
+    async fn writes_go_on_while_a_verify_holds_its_snapshot() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = SqliteStore::open(&dir.path().join("airlock.db"))
+            .await
+            .unwrap();
+        store
+            .append(NewAuditEvent::new(
+                AuditKind::Requested,
+                serde_json::json!({"n": 1}),
+            ))
+            .await
+            .unwrap();
+        let verifier = Arc::clone(&store.verifier);
+        let (held_tx, held_rx) = std::sync::mpsc::channel();
+        let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
+        let holder = std::thread::spawn(move || {
+            let mut conn = verifier.lock().unwrap();
+            let tx = conn.transaction().unwrap();
+            let seen: i64 = tx
+                .query_row("SELECT COUNT(*) FROM audit_events", [], |row| row.get(0))
+                .unwrap();
+            held_tx.send(seen).unwrap();
+            release_rx.recv_timeout(Duration::from_secs(60)).unwrap();
+            drop(tx);
+        });
+        assert_eq!(held_rx.recv_timeout(Duration::from_secs(60)).unwrap(), 1);
+        for n in 2..=5 {
+            tokio::time::timeout(
+                Duration::from_secs(60),
+                store.append(NewAuditEvent::new(
+                    AuditKind::Requested,
+                    serde_json::json!({"n": n}),
+                )),
+            )
+            .await
+            .expect("a write waited for the verify's snapshot")
+            .unwrap();
+        }
+        release_tx.send(()).unwrap();
+        holder.join().unwrap();
+        let report = store.verify().await.unwrap();
+        assert!(report.ok, "{report:?}");
+        assert_eq!(report.records, 5);
     }
 
     /// The gate counts a session's calls before every call: from an index alone, never
