@@ -137,7 +137,8 @@ async fn serve_one(
             break;
         }
         body.extend_from_slice(&chunk[..n]);
-        assert!(body.len() <= 16 * 1024 * 1024, "request body too large");
+        // The loop sends at most 32 MiB (its MAX_REQUEST_BYTES).
+        assert!(body.len() <= 32 * 1024 * 1024, "request body too large");
     }
     let body: Value = serde_json::from_slice(&body).expect("the loop sends JSON");
     recorded.lock().expect("lock").push(Recorded {
@@ -863,6 +864,42 @@ async fn limits_end_runs_and_the_cli_prints_the_run() {
     assert!(stdout.contains("All good."), "{stdout}");
     assert!(stderr.contains("completed: stop"), "{stderr}");
     assert!(!stdout.contains(KEY) && !stderr.contains(KEY));
+}
+
+/// A run's conversation is bounded by what one model request may carry (32 MiB): a
+/// provider whose every turn adds 20 MiB ends the run at its third request, which is
+/// never sent, instead of growing the orchestrator with it.
+#[tokio::test]
+async fn a_run_whose_conversation_outgrows_a_request_ends() {
+    let big = |id: &str| {
+        openai_message(
+            Some(&"w".repeat(20 << 20)),
+            json!([{"id": id, "type": "function", "function": {"name": "list_directory", "arguments": "{\"path\": \".\"}"}}]),
+            "tool_calls",
+        )
+    };
+    let provider = ScriptedProvider::start(vec![big("b1"), big("b2"), big("b3")]).await;
+    let config = format!(
+        "[agent]\nprovider = \"openai\"\nbase_url = \"{}/v1\"\napi_key_env = \"{KEY_VAR}\"\nstream = false\nmax_turns = 5\n",
+        provider.url()
+    );
+    let airlock = Airlock::start_with_env(&config, &[(KEY_VAR, KEY)]).await;
+    let (events, _) = run(&airlock, json!({"prompt": "grow"})).await;
+    let failed = of_kind(&events, "run.failed");
+    assert_eq!(failed.len(), 1, "{:?}", of_kind(&events, "run.completed"));
+    assert_eq!(failed[0]["reason"], "max_request_bytes", "{}", failed[0]);
+    assert!(
+        failed[0]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("33554432")),
+        "{}",
+        failed[0]
+    );
+    assert_eq!(
+        provider.requests().len(),
+        2,
+        "the third request was not sent"
+    );
 }
 
 #[tokio::test]

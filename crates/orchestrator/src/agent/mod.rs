@@ -13,7 +13,7 @@
 //! | `tool.pending_approval` | `id`, `call_id`, `approval_id` |
 //! | `tool.result` | `id`, `name`, `is_error`, `status`, `call_id`, `text` |
 //! | `run.completed` | `stop_reason`, `turns`, `tool_calls`, `usage`, `text` (the last turn's), `truncated` |
-//! | `run.failed` | `reason` (`max_turns`, `max_tool_calls`, `max_seconds`, `provider_error`), `message`, `turns`, `tool_calls`, `usage` |
+//! | `run.failed` | `reason` (`max_turns`, `max_tool_calls`, `max_seconds`, `max_request_bytes`, `provider_error`), `message`, `turns`, `tool_calls`, `usage` |
 //!
 //! The API key is read from the environment when a run starts and lives only in a
 //! request header marked sensitive; it is scrubbed from any provider error text before

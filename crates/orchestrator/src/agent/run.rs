@@ -42,6 +42,10 @@ use crate::auth::Principal;
 use crate::gate::{Gate, ToolUse};
 use crate::service::{Batch, CallHandle, CallService, OnDrop, Refused, Update};
 
+/// Largest model request: the run's whole conversation, which grows with every turn and
+/// tool result, may take no more (the hosted APIs refuse larger bodies too; Anthropic's
+/// limit is 32 MB). What a run holds in memory is bounded by it.
+const MAX_REQUEST_BYTES: usize = 32 * 1024 * 1024;
 /// Largest response (streamed or not) read from the provider.
 const MAX_RESPONSE_BYTES: usize = 64 * 1024 * 1024;
 /// Largest error body read.
@@ -248,6 +252,26 @@ impl Run {
                 }
                 ProviderKind::OpenAi => openai::request_body(&self.resolved, &history, &tools),
             };
+            // Serialised once, here: the run keeps its whole conversation, and what it
+            // may grow to is bounded by what one request may carry.
+            let body = match serde_json::to_vec(&body) {
+                Ok(bytes) if bytes.len() <= MAX_REQUEST_BYTES => bytes,
+                Ok(bytes) => {
+                    return Ending::Failed {
+                        reason: "max_request_bytes",
+                        message: format!(
+                            "the conversation has grown to {} bytes, more than the {MAX_REQUEST_BYTES} one model request may carry; start a new run with a narrower task",
+                            bytes.len()
+                        ),
+                    };
+                }
+                Err(e) => {
+                    return Ending::Failed {
+                        reason: "provider_error",
+                        message: format!("cannot encode the model request: {e}"),
+                    };
+                }
+            };
             let result = tokio::select! {
                 biased;
                 _ = self.events.closed() => return Ending::Cancelled,
@@ -380,7 +404,7 @@ impl Run {
 
     /// One model request in its span (OpenTelemetry's GenAI `chat`: provider, model and
     /// token counts; never the prompt or the answer).
-    async fn model_turn(&self, body: &Value) -> Result<Turn, String> {
+    async fn model_turn(&self, body: &[u8]) -> Result<Turn, String> {
         let span = tracing::span!(
             target: airlock_telemetry::TARGET,
             tracing::Level::TRACE,
@@ -416,18 +440,17 @@ impl Run {
 
     /// One model request, retried while the provider is overloaded; the error is a
     /// message fit for an event (the key scrubbed out).
-    async fn request_turn(&self, body: &Value) -> Result<Turn, String> {
+    async fn request_turn(&self, body: &[u8]) -> Result<Turn, String> {
         let url = match self.resolved.kind {
             ProviderKind::Anthropic => anthropic::endpoint(&self.resolved.base_url),
             ProviderKind::OpenAi => openai::endpoint(&self.resolved.base_url),
         };
-        let bytes = serde_json::to_vec(body).map_err(|e| e.to_string())?;
         let mut attempt = 0;
         loop {
             attempt += 1;
             let response = match self
                 .client
-                .post_json(&url, self.headers(), bytes.clone())
+                .post_json(&url, self.headers(), body.to_vec())
                 .await
             {
                 Ok(r) => r,
