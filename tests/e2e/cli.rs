@@ -622,3 +622,53 @@ fn the_binary_packs_its_relative_relocations_and_stays_position_independent() {
         "{relacount} relative relocations left unpacked"
     );
 }
+
+/// A component that cannot be started again (its binary replaced or removed by an
+/// upgrade under a running `airlock up`) stops the others in order — drained, their
+/// sockets and `endpoints.json` removed — and `airlock up` exits saying which one,
+/// rather than dying with its children killed on the way out.
+#[tokio::test]
+async fn a_component_that_cannot_restart_stops_airlock_up_in_order() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let exe = dir.path().join("airlock");
+    std::fs::copy(AIRLOCK, &exe).expect("copy the binary");
+    let config = dir.path().join("airlock.toml");
+    std::fs::write(
+        &config,
+        "[orchestrator]\nhttp_listen = \"127.0.0.1:0\"\ngrpc_listen = \"127.0.0.1:0\"\n",
+    )
+    .expect("config");
+    let data = dir.path().join("data");
+    let log_path = dir.path().join("airlock.log");
+    let log = std::fs::File::create(&log_path).expect("log file");
+    let mut child = Command::new(&exe)
+        .args(["up", "--config"])
+        .arg(&config)
+        .arg("--data-dir")
+        .arg(&data)
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .expect("spawn airlock up");
+    crate::support::wait_for_endpoints(&data.join("endpoints.json"), &mut child, &log_path).await;
+    let fs_worker = descendants(child.id())
+        .into_iter()
+        .find(|p| crate::support::cmdline(*p).contains("serve worker fs"))
+        .expect("the fs worker");
+    std::fs::remove_file(&exe).expect("remove the binary");
+    signal(fs_worker, rustix::process::Signal::KILL);
+    let status = wait_bounded(child, EXIT_BOUND).expect("airlock up exits");
+    let text = std::fs::read_to_string(&log_path).unwrap_or_default();
+    assert!(!status.success(), "{text}");
+    assert!(text.contains("cannot restart the fs worker"), "{text}");
+    let sockets: Vec<_> = std::fs::read_dir(data.join("sockets"))
+        .map(|entries| entries.flatten().map(|e| e.file_name()).collect())
+        .unwrap_or_default();
+    assert!(sockets.is_empty(), "sockets left behind: {sockets:?}");
+    assert!(
+        !data.join("endpoints.json").exists(),
+        "endpoints.json left behind"
+    );
+}

@@ -316,7 +316,16 @@ async fn supervise(loaded: Loaded) -> anyhow::Result<ExitCode> {
             _ = &mut shutdown => break,
             _ = tokio::time::sleep(backoff) => {}
         }
-        spawn(&exe, component)?;
+        if let Err(e) = spawn(&exe, component) {
+            // The binary replaced or gone, or no process to be had: the others stop in
+            // order (drained, their sockets removed) rather than killed on the way out.
+            let e = e.context(format!("cannot restart the {}", component.name));
+            tracing::error!(error = %format!("{e:#}"), "stopping every component");
+            stop_all(&mut components, drain).await;
+            remove_sockets(&loaded.data_dir);
+            let _ = std::fs::remove_file(loaded.data_dir.join("endpoints.json"));
+            return Err(e);
+        }
     }
     stop_all(&mut components, drain).await;
     remove_sockets(&loaded.data_dir);
