@@ -184,6 +184,11 @@ fn proxy_env() -> Vec<(String, String)> {
 struct CallSink {
     ctx: CallContext,
     proxy: Option<tokio::sync::oneshot::Sender<std::net::TcpListener>>,
+    /// When the sandbox's wall clock (or the call's deadline, if sooner) ends: a slow
+    /// reader of the stream is not waited for past it.
+    until: std::time::Instant,
+    /// The run's cancel: once it is set the stream is not waited for either.
+    cancel: Cancel,
 }
 
 impl OutputSink for CallSink {
@@ -192,7 +197,9 @@ impl OutputSink for CallSink {
             Stream::Stdout => OutputStream::Stdout,
             Stream::Stderr => OutputStream::Stderr,
         };
-        self.ctx.output_blocking(stream, data.to_vec());
+        let cancel = &self.cancel;
+        self.ctx
+            .output_until(stream, data.to_vec(), self.until, || cancel.is_cancelled());
     }
 
     fn proxy_listener(&mut self, listener: std::net::TcpListener) {
@@ -265,8 +272,10 @@ pub(crate) async fn run(
     };
     let sandbox = sandbox.clone();
     let mut sink = CallSink {
+        until: ctx.deadline.min(std::time::Instant::now() + spec.timeout),
         ctx: ctx.clone(),
         proxy: proxy_tx,
+        cancel: cancel.clone(),
     };
     // The sandbox's span, a child of the worker's execute span: its isolation level and
     // how the command ended; never the command.

@@ -77,10 +77,33 @@ impl CallContext {
     }
 
     /// A blocking-context variant of [`CallContext::output`], for tools that run on a
-    /// blocking thread (the sandbox's output pump).
-    pub fn output_blocking(&self, stream: OutputStream, data: Vec<u8>) {
-        let _ = self
-            .events
-            .blocking_send(ToolEvent::Output { stream, data });
+    /// blocking thread (the sandbox's output pump): waits while the caller is slow, but
+    /// not past `until` nor once `stop()` says the run is over, so that a slow reader
+    /// never holds up the thread that enforces the tool's own wall clock. A chunk not
+    /// sent by then is left out of the stream (the final result still holds the output,
+    /// within its caps); returns whether it was sent.
+    pub fn output_until(
+        &self,
+        stream: OutputStream,
+        data: Vec<u8>,
+        until: Instant,
+        stop: impl Fn() -> bool,
+    ) -> bool {
+        /// How often a full stream is tried again.
+        const RETRY: std::time::Duration = std::time::Duration::from_millis(5);
+        let mut event = ToolEvent::Output { stream, data };
+        loop {
+            match self.events.try_send(event) {
+                Ok(()) => return true,
+                Err(mpsc::error::TrySendError::Closed(_)) => return false,
+                Err(mpsc::error::TrySendError::Full(back)) => {
+                    if Instant::now() >= until || stop() {
+                        return false;
+                    }
+                    event = back;
+                    std::thread::sleep(RETRY);
+                }
+            }
+        }
     }
 }
