@@ -30,8 +30,9 @@ pub struct ShellConfig {
     pub timeout_seconds: u64,
     pub max_timeout_seconds: u64,
     /// The sandboxes' network (DESIGN §12): `"none"` (default; `false` means the same),
-    /// `"proxy"` (only the egress proxy, under `[sandbox.egress]`), or `"host"` (`true`:
-    /// the worker's whole network).
+    /// `"proxy"` (only the egress proxy, under `[sandbox.egress]`), or `"host"` (the
+    /// worker's whole network, no egress rules). `true` is refused: it could mean either
+    /// of the last two, and one of them has no rules at all.
     #[serde(deserialize_with = "network_setting")]
     pub network: Network,
     /// `[sandbox.egress]`: what a `network = "proxy"` sandbox may reach (DESIGN §12).
@@ -96,7 +97,7 @@ impl Default for ShellConfig {
     }
 }
 
-/// `network = false | true | "none" | "proxy" | "host"`.
+/// `network = false | "none" | "proxy" | "host"`; `true` is refused, naming both.
 fn network_setting<'de, D: serde::Deserializer<'de>>(de: D) -> Result<Network, D::Error> {
     #[derive(Deserialize)]
     #[serde(untagged)]
@@ -106,7 +107,9 @@ fn network_setting<'de, D: serde::Deserializer<'de>>(de: D) -> Result<Network, D
     }
     match Setting::deserialize(de)? {
         Setting::Switch(false) => Ok(Network::None),
-        Setting::Switch(true) => Ok(Network::Host),
+        Setting::Switch(true) => Err(serde::de::Error::custom(
+            "network = true: write \"proxy\" (only the hosts [sandbox.egress] allow, through the worker's egress proxy) or \"host\" (the worker's whole network, with no egress rules)",
+        )),
         Setting::Mode(mode) => match mode.as_str() {
             "none" => Ok(Network::None),
             "proxy" => Ok(Network::Proxy),
@@ -134,6 +137,31 @@ impl ShellConfig {
             cgroup_parent: self.cgroup_parent.clone(),
             max_concurrent: self.max_concurrent,
             prebuilt: self.prebuilt,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn network_true_is_refused_naming_both_meanings() {
+        let e = toml::from_str::<ShellConfig>("network = true")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("\"proxy\"") && e.contains("\"host\""), "{e}");
+        for (text, network) in [
+            ("network = false", Network::None),
+            ("network = \"none\"", Network::None),
+            ("network = \"proxy\"", Network::Proxy),
+            ("network = \"host\"", Network::Host),
+        ] {
+            assert_eq!(
+                toml::from_str::<ShellConfig>(text).unwrap().network,
+                network,
+                "{text}"
+            );
         }
     }
 }
