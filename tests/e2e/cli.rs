@@ -400,6 +400,14 @@ async fn the_default_async_threads_follow_the_cgroup_cpu_quota() {
 /// or read what is typed there — bubblewrap's CVE-2017-5226.
 #[test]
 fn a_sandboxed_command_cannot_reach_the_terminal_it_was_started_from() {
+    assert!(
+        Command::new("script")
+            .arg("--version")
+            .stdout(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success()),
+        "this test needs util-linux's `script` (Debian: bsdutils) for a pseudo-terminal"
+    );
     let probe = "( exec 3<>/dev/tty ) 2>/dev/null && echo TTY-OPENED || echo TTY-REFUSED";
     for profile in ["strict", "standard"] {
         let inner = format!("{AIRLOCK} sandbox run --profile {profile} -- sh -c '{probe}'");

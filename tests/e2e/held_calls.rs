@@ -936,8 +936,21 @@ async fn held_calls_do_not_keep_their_arguments_in_memory() {
     assert_eq!(done["status"], "ok", "{done}");
     let before = rss_bytes(orchestrator);
 
+    // Half of them with a caller that waits (10 minutes) on the open request, as the
+    // default `wait_ms` has it wait a minute: that door must not keep them either.
+    let client = reqwest::Client::new();
+    let mut waiting = Vec::new();
+    for n in (1..HELD_CALLS).step_by(2) {
+        let mut body = hold(n);
+        body["wait_ms"] = json!(600_000);
+        let request = client
+            .post(format!("{}/v1/tool_calls", airlock.url))
+            .bearer_auth(&airlock.token)
+            .json(&body);
+        waiting.push(tokio::spawn(async move { request.send().await }));
+    }
     let mut held = Vec::new();
-    for n in 1..=HELD_CALLS {
+    for n in (2..=HELD_CALLS).step_by(2) {
         let (status, body) = airlock.post("/v1/tool_calls", &hold(n)).await;
         assert_eq!(status, 200, "{body}");
         assert_eq!(body["calls"][0]["status"], "pending_approval", "{body}");
@@ -948,6 +961,31 @@ async fn held_calls_do_not_keep_their_arguments_in_memory() {
                 .expect("held")
                 .to_owned(),
         ));
+    }
+    // Every one of them held (the waiting ones too) before memory is read.
+    let deadline = std::time::Instant::now() + BOUND;
+    loop {
+        // Counted in the store: a page of the listing is bounded in bytes, and these
+        // approvals carry a megabyte each.
+        let count = {
+            let db =
+                rusqlite::Connection::open(airlock.data_dir().join("airlock.db")).expect("store");
+            db.busy_timeout(Duration::from_secs(10)).expect("timeout");
+            db.query_row(
+                "SELECT COUNT(*) FROM approvals WHERE status = 'pending'",
+                [],
+                |row| row.get::<_, i64>(0),
+            )
+            .expect("count") as usize
+        };
+        if count >= HELD_CALLS {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{count} of {HELD_CALLS} calls held"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let after = rss_bytes(orchestrator);
     let grown = after.saturating_sub(before);
@@ -979,4 +1017,7 @@ async fn held_calls_do_not_keep_their_arguments_in_memory() {
         written == content(HELD_CALLS),
         "the approved write lost its content"
     );
+    for request in waiting {
+        request.abort();
+    }
 }

@@ -423,8 +423,12 @@ async fn tool_calls(
     require_role(&principal, Role::Agent)?;
     let stream = query(q)?.stream()?;
     let gate = &state.gate;
-    let body = read_json(&headers, body, gate.limits().max_request_bytes).await?;
-    let request = wire::parse_tool_calls(&body, gate.limits().max_tool_uses_per_request)?;
+    // The parsed body goes once the calls are taken out of it: a held call's arguments
+    // must not wait in this handler for `wait_ms` (they wait in the store).
+    let request = {
+        let body = read_json(&headers, body, gate.limits().max_request_bytes).await?;
+        wire::parse_tool_calls(&body, gate.limits().max_tool_uses_per_request)?
+    };
     let wait = wire::wait_for(request.wait_ms, gate.default_wait());
     let shape = request.shape;
     let batch = Batch {

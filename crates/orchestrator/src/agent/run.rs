@@ -246,15 +246,16 @@ impl Run {
                 };
             }
             self.turns += 1;
-            let body = match self.resolved.kind {
+            // Built and serialised here, the built copy dropped at once: the run keeps
+            // its whole conversation, and what it may grow to is bounded by what one
+            // request may carry.
+            let encoded = serde_json::to_vec(&match self.resolved.kind {
                 ProviderKind::Anthropic => {
                     anthropic::request_body(&self.resolved, &history, &tools)
                 }
                 ProviderKind::OpenAi => openai::request_body(&self.resolved, &history, &tools),
-            };
-            // Serialised once, here: the run keeps its whole conversation, and what it
-            // may grow to is bounded by what one request may carry.
-            let body = match serde_json::to_vec(&body) {
+            });
+            let body = match encoded {
                 Ok(bytes) if bytes.len() <= MAX_REQUEST_BYTES => bytes,
                 Ok(bytes) => {
                     return Ending::Failed {

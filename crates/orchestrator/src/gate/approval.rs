@@ -17,6 +17,10 @@ use crate::store::{
     StoreError, now_millis,
 };
 
+/// How many times an approved call's arguments are read from the store (every `POLL`)
+/// before the call ends as a store error.
+const MAX_READ_FAILURES: u32 = 40;
+
 /// How often waiting calls look at the store (decisions made on other replicas).
 const POLL: Duration = Duration::from_millis(250);
 
@@ -139,6 +143,9 @@ impl Gate {
         // Set when a withdrawal found the approval decided: from then on the loop only
         // reads that decision (polling, should the store fail to give it at once).
         let mut decided_meanwhile = false;
+        // Reads of an approved call's arguments that failed: a store that cannot give
+        // them back within some seconds ends the call (as an error), never a loop.
+        let mut read_failures = 0u32;
         loop {
             match self.store.get_approval(&approval_id.as_str().into()).await {
                 Ok(Some(a)) => match a.status {
@@ -153,7 +160,15 @@ impl Gate {
                                 ctx.held = Some(Held::new(Some(&a), since.elapsed()));
                                 return Err(Rejection::ApprovalMissing);
                             }
+                            Err(error) if read_failures >= MAX_READ_FAILURES => {
+                                ctx.held = Some(Held::new(Some(&a), since.elapsed()));
+                                return Err(Rejection::Store {
+                                    doing: "read the approved call's arguments",
+                                    error,
+                                });
+                            }
                             Err(e) => {
+                                read_failures += 1;
                                 tracing::warn!(error = %e, "cannot read the approved call's arguments; retrying");
                                 tokio::time::sleep(POLL).await;
                                 continue;

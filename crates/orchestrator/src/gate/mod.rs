@@ -610,6 +610,13 @@ impl Gate {
             if let Some(stage) = how.recheck {
                 self.recheck(ctx, stage)?;
             }
+            // Cancelled while it waited (a cancel that came after its approval): it
+            // ends here, claimed and never sent, so the log does not say `dispatched`.
+            if ctx.cancel.is_cancelled() {
+                return Err(Rejection::Dispatch(
+                    crate::dispatch::DispatchError::Cancelled,
+                ));
+            }
         }
         let Some(group) = group else {
             return Err(Rejection::NoWorkerGroup {

@@ -48,7 +48,6 @@ const COOKIE: &str = "airlock_console";
 const CSRF_CONTEXT: &[u8] = b"airlock console csrf v1\0";
 /// Largest form body accepted (a reason is at most 4096 bytes).
 const MAX_FORM_BYTES: u64 = 16 * 1024;
-/// Largest reason, as `POST /v1/approvals/{id}/approve|deny` accepts.
 /// Pending approvals shown at once.
 const PENDING_PAGE: usize = 100;
 /// Previews computed at once (each is one or two reads on a worker).

@@ -977,6 +977,10 @@ fn standard_mode_works() {
     let outside = tempfile::tempdir().expect("temp dir");
     let named = outside.path().join("worker.sock");
     let _named = std::os::unix::net::UnixListener::bind(&named).expect("bind named");
+    // A datagram socket of the host's, as /dev/log is.
+    let log = outside.path().join("log.sock");
+    let log_socket = std::os::unix::net::UnixDatagram::bind(&log).expect("bind datagram");
+    log_socket.set_nonblocking(true).expect("non-blocking");
     let abstract_name = format!("airlock-test-{}", std::process::id());
     let _abstract = {
         use std::os::linux::net::SocketAddrExt as _;
@@ -989,8 +993,11 @@ fn standard_mode_works() {
         if (socket($named, AF_UNIX, SOCK_STREAM, 0)) {{ connect($named, pack_sockaddr_un("{}")) ? print("named-connected\n") : print("named: $!\n") }} else {{ print("named socket: $!\n") }}
         if (socket($abs, AF_UNIX, SOCK_STREAM, 0)) {{ connect($abs, pack_sockaddr_un("\0{abstract_name}")) ? print("abstract-connected\n") : print("abstract: $!\n") }} else {{ print("abstract socket: $!\n") }}
         socket($dgram, AF_UNIX, SOCK_DGRAM, 0) ? print("dgram-ok\n") : print("dgram socket: $!\n");
-        socketpair($x, $y, AF_UNIX, SOCK_STREAM, 0) ? print("pair-ok\n") : print("pair: $!\n");"#,
-        named.display()
+        socketpair($x, $y, AF_UNIX, SOCK_STREAM, 0) ? print("pair-ok\n") : print("pair: $!\n");
+        my ($p, $q);
+        if (socketpair($p, $q, AF_UNIX, SOCK_DGRAM, 0)) {{ send($p, "forged", 0, pack_sockaddr_un("{}")) ? print("dgram-sent\n") : print("dgram send: $!\n") }} else {{ print("dgram pair: $!\n") }}"#,
+        named.display(),
+        log.display()
     );
     let out = run(&sandbox, &spec(&["perl", "-e", &script], ws.path()));
     let stdout = text(&out.stdout);
@@ -999,9 +1006,12 @@ fn standard_mode_works() {
         "abstract socket: Operation not permitted",
         "dgram socket: Operation not permitted",
         "pair-ok",
+        "dgram pair: Operation not permitted",
     ] {
         assert!(stdout.contains(expected), "missing {expected}: {stdout} {}", text(&out.stderr));
     }
+    let mut got = [0u8; 64];
+    assert!(log_socket.recv(&mut got).is_err(), "the host's datagram socket received a message");
     assert_no_cgroup_left("standard");
 }
 
