@@ -424,20 +424,23 @@ async fn sandbox_run_as_an_ordinary_user_is_honest_about_its_level() {
         "no strict report before failing: {err}"
     );
 
-    let standard = user
-        .command(&user.airlock)
-        .args([
-            "sandbox",
-            "run",
-            "--profile",
-            "standard",
-            "--",
-            "sh",
-            "-c",
-            "grep CapBnd /proc/self/status",
-        ])
-        .output()
-        .expect("airlock sandbox run --profile standard");
+    // `sh -c <script>` in a standard sandbox, as the user.
+    let standard_sh = |script: &str| {
+        user.command(&user.airlock)
+            .args([
+                "sandbox",
+                "run",
+                "--profile",
+                "standard",
+                "--",
+                "sh",
+                "-c",
+                script,
+            ])
+            .output()
+            .expect("airlock sandbox run --profile standard")
+    };
+    let standard = standard_sh("grep CapBnd /proc/self/status");
     let err = String::from_utf8_lossy(&standard.stderr);
     assert!(standard.status.success(), "{err}");
     assert!(err.contains("\"level\": \"standard\""), "{err}");
@@ -447,20 +450,9 @@ async fn sandbox_run_as_an_ordinary_user_is_honest_about_its_level() {
     // Without a cgroup (an ordinary user's standard sandbox has none), what the command
     // leaves in the background still ends with it: its process group is killed.
     let marker = format!("airlock-left-behind-{}", std::process::id());
-    let left = user
-        .command(&user.airlock)
-        .args([
-            "sandbox",
-            "run",
-            "--profile",
-            "standard",
-            "--",
-            "sh",
-            "-c",
-            &format!("sh -c 'sleep 300; echo {marker}' >/dev/null 2>&1 & echo started"),
-        ])
-        .output()
-        .expect("airlock sandbox run --profile standard");
+    let left = standard_sh(&format!(
+        "sh -c 'sleep 300; echo {marker}' >/dev/null 2>&1 & echo started"
+    ));
     let err = String::from_utf8_lossy(&left.stderr);
     assert!(left.status.success(), "{err}");
     assert!(

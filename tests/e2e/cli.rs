@@ -35,7 +35,12 @@ fn wait_bounded(mut child: Child, bound: Duration) -> Option<ExitStatus> {
 
 /// An `airlock` command with no client or launcher settings from the test's environment.
 fn airlock() -> Command {
-    let mut command = Command::new(AIRLOCK);
+    airlock_at(Path::new(AIRLOCK))
+}
+
+/// The `airlock` binary at `exe`, with no client settings from the test's environment.
+fn airlock_at(exe: &Path) -> Command {
+    let mut command = Command::new(exe);
     for key in [
         "AIRLOCK_URL",
         "AIRLOCK_TOKEN",
@@ -133,8 +138,13 @@ struct Up {
 
 impl Up {
     fn start(dir: &Path, args: &[&str]) -> Self {
+        Self::start_with(airlock(), dir, args)
+    }
+
+    /// `command up <args>`, its log in `dir/up.log`.
+    fn start_with(mut command: Command, dir: &Path, args: &[&str]) -> Self {
         let log = dir.join("up.log");
-        let child = airlock()
+        let child = command
             .arg("up")
             .args(args)
             .stdout(Stdio::null())
@@ -647,20 +657,14 @@ async fn a_component_that_cannot_restart_stops_airlock_up_in_order() {
     )
     .expect("config");
     let data = dir.path().join("data");
-    let log_path = dir.path().join("airlock.log");
-    let log = std::fs::File::create(&log_path).expect("log file");
-    let mut child = Command::new(&exe)
-        .args(["up", "--config"])
-        .arg(&config)
-        .arg("--data-dir")
-        .arg(&data)
-        .env("RUST_LOG", "info")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(log)
-        .spawn()
-        .expect("spawn airlock up");
-    crate::support::wait_for_endpoints(&data.join("endpoints.json"), &mut child, &log_path).await;
+    let (config, data_arg) = (config.display().to_string(), data.display().to_string());
+    let mut up = Up::start_with(
+        airlock_at(&exe),
+        dir.path(),
+        &["--config", &config, "--data-dir", &data_arg],
+    );
+    up.endpoints(&data).await;
+    let child = up.child.take().expect("running");
     let fs_worker = descendants(child.id())
         .into_iter()
         .find(|p| crate::support::cmdline(*p).contains("serve worker fs"))
@@ -668,7 +672,7 @@ async fn a_component_that_cannot_restart_stops_airlock_up_in_order() {
     std::fs::remove_file(&exe).expect("remove the binary");
     signal(fs_worker, rustix::process::Signal::KILL);
     let status = wait_bounded(child, EXIT_BOUND).expect("airlock up exits");
-    let text = std::fs::read_to_string(&log_path).unwrap_or_default();
+    let text = std::fs::read_to_string(&up.log).unwrap_or_default();
     assert!(!status.success(), "{text}");
     assert!(text.contains("cannot restart the fs worker"), "{text}");
     let sockets: Vec<_> = std::fs::read_dir(data.join("sockets"))

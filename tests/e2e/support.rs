@@ -225,6 +225,17 @@ impl Airlock {
         std::fs::read_to_string(self.dir.path().join("airlock.log")).unwrap_or_default()
     }
 
+    /// The kinds of the audit events of `call_id`, in order.
+    pub async fn audit_kinds(&self, call_id: &str) -> Vec<String> {
+        let (_, audit) = self.get(&format!("/v1/audit?call_id={call_id}")).await;
+        audit["events"]
+            .as_array()
+            .expect("events")
+            .iter()
+            .filter_map(|e| e["kind"].as_str().map(str::to_owned))
+            .collect()
+    }
+
     pub fn pid(&self) -> u32 {
         self.child.as_ref().expect("running").id()
     }
