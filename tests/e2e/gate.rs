@@ -693,6 +693,42 @@ async fn budgets_rate_limits_and_the_cache() {
     assert_eq!(body["error"]["code"], "rate_limited");
 }
 
+/// The calls of one request are checked together: each counts those checked before it,
+/// so a request of eight calls in a session with room for three runs exactly three
+/// (before, all eight passed a count read before any of them was counted); a later
+/// request finds the session full.
+#[tokio::test]
+async fn one_requests_calls_cannot_overshoot_the_session_budget() {
+    let airlock =
+        Airlock::start_with("[budgets]\nmax_calls_per_session = 3\nrate_per_minute = 0\n").await;
+    std::fs::create_dir_all(airlock.workspace("burst")).expect("ws");
+    for round in 0..2 {
+        let uses: Vec<Value> = (0..8)
+            .map(|i| {
+                json!({"type": "tool_use", "id": format!("t{i}"), "name": "list_directory",
+                    "input": {"path": "."}})
+            })
+            .collect();
+        let (status, body) = airlock
+            .post(
+                "/v1/tool_calls",
+                &json!({"session_id": "burst", "tool_uses": uses}),
+            )
+            .await;
+        assert_eq!(status, 200, "{body}");
+        let results = body["tool_results"].as_array().expect("results");
+        assert_eq!(results.len(), 8, "{body}");
+        let ran = results.iter().filter(|r| r["is_error"] == false).count();
+        let refused = results
+            .iter()
+            .filter(|r| r["is_error"] == true && r.to_string().contains("session budget"))
+            .count();
+        let expected_ran = if round == 0 { 3 } else { 0 };
+        assert_eq!(ran, expected_ran, "round {round}: {body}");
+        assert_eq!(refused, 8 - expected_ran, "round {round}: {body}");
+    }
+}
+
 #[tokio::test]
 async fn approvals_are_decided_over_grpc_and_the_cli_too() {
     use airlock_proto::v1 as pb;

@@ -28,7 +28,7 @@ use opentelemetry_proto::tonic::logs::v1::LogRecord;
 use prost::Message as _;
 use serde_json::{Value, json};
 
-use crate::support::Airlock;
+use crate::support::{Airlock, signal};
 
 /// What the receiver got, over either protocol.
 #[derive(Default)]
@@ -115,6 +115,15 @@ async fn http_logs(
 
 impl Receiver {
     pub(crate) async fn start() -> Self {
+        let http = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        Self::start_on(http).await
+    }
+
+    /// A receiver whose HTTP side serves on `http`, a listener the test bound earlier
+    /// (whose connections waited in its backlog until now).
+    pub(crate) async fn start_on(http: tokio::net::TcpListener) -> Self {
         let received = Arc::new(Mutex::new(Received::default()));
         let collector = Collector(received.clone());
         let stop = tokio_util::sync::CancellationToken::new();
@@ -134,9 +143,6 @@ impl Receiver {
                 .await;
         });
 
-        let http = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
         let http_addr = http.local_addr().expect("addr");
         let app = axum::Router::new()
             .route("/v1/traces", axum::routing::post(http_traces))
@@ -813,30 +819,47 @@ async fn audit_export_sends_each_appended_record_with_its_seq_and_hash() {
     }
 }
 
-/// A collector that is down does not hold calls up: they succeed, the failures are
-/// counted and logged, and past `max_queue` records are dropped and counted.
+/// A collector that does not answer holds no call up and loses no record: calls
+/// succeed, the failures are counted and logged naming the endpoint, the exporter reads
+/// no further ahead than `max_queue`, and once a collector answers at the endpoint every
+/// record since the start arrives, without a gap — those appended before the
+/// orchestrator was killed and restarted too (the cursor is in the store).
 #[tokio::test]
-async fn a_collector_that_is_down_costs_records_never_calls() {
-    // A port nothing listens on.
-    let closed = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-    let endpoint = format!("http://{}", closed.local_addr().expect("addr"));
-    drop(closed);
+async fn a_collector_that_is_down_costs_neither_calls_nor_records() {
+    // Bound now, accepting nothing until the receiver starts on it: connections wait in
+    // the backlog and each send times out.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    listener.set_nonblocking(true).expect("nonblocking");
+    let endpoint = format!("http://{}", listener.local_addr().expect("addr"));
     let airlock = Airlock::start_with(&format!(
         "[audit]\nexport = {{ endpoint = \"{endpoint}\", max_queue = 3, timeout_ms = 500 }}\n"
     ))
     .await;
+    let mut calls = Vec::new();
+    let call = async |i: usize, client: &reqwest::Client| -> Option<String> {
+        let body = json!({"tool_uses": [{"type": "tool_use", "id": format!("t{i}"),
+            "name": "write_file", "input": {"path": format!("f{i}.txt"), "content": "x"}}]});
+        let answer: Value = client
+            .post(format!("{}/v1/tool_calls", airlock.url))
+            .bearer_auth(&airlock.token)
+            .json(&body)
+            .send()
+            .await
+            .ok()?
+            .json()
+            .await
+            .ok()?;
+        (answer["tool_results"][0]["is_error"] == false).then(|| {
+            answer["calls"][0]["call_id"]
+                .as_str()
+                .expect("call id")
+                .to_owned()
+        })
+    };
     for i in 0..5 {
-        let (is_error, _, call) = airlock
-            .call(
-                "write_file",
-                json!({"path": format!("f{i}.txt"), "content": "x"}),
-            )
-            .await;
-        assert!(!is_error, "{call}");
-        assert_eq!(call["status"], "ok");
+        calls.push(call(i, airlock.http()).await.expect("the call succeeds"));
     }
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
+    let metric = async |name: &str| -> f64 {
         let metrics = airlock
             .http()
             .get(format!("{}/metrics", airlock.url))
@@ -846,30 +869,92 @@ async fn a_collector_that_is_down_costs_records_never_calls() {
             .text()
             .await
             .expect("text");
-        let value = |name: &str| -> f64 {
-            metrics
-                .lines()
-                .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
-                .unwrap_or(0.0)
-        };
-        let failures = value("airlock_audit_export_failures_total");
-        let dropped = value("airlock_audit_export_dropped_total");
-        let queued = value("airlock_audit_export_queue");
-        if failures >= 1.0 && dropped >= 1.0 {
-            assert!(queued <= 3.0, "the queue keeps to max_queue: {queued}");
-            assert_eq!(value("airlock_audit_exported_total"), 0.0);
-            break;
-        }
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+            .unwrap_or(0.0)
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while metric("airlock_audit_export_failures_total").await < 1.0
+        || metric("airlock_audit_export_queue").await < 3.0
+    {
         assert!(
             Instant::now() < deadline,
-            "failures and drops were not counted within 30 s:\n{metrics}"
+            "failures were not counted within 30 s:\n{}",
+            airlock.log()
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+    assert_eq!(
+        metric("airlock_audit_export_queue").await,
+        3.0,
+        "read ahead no further than max_queue"
+    );
+    assert_eq!(metric("airlock_audit_exported_total").await, 0.0);
     let log = airlock.log();
     assert!(
         log.contains("[audit] export: cannot send audit records"),
         "the failure is logged:\n{log}"
     );
     assert!(log.contains(&endpoint), "naming the endpoint:\n{log}");
+
+    // The orchestrator dies with its queue unsent; the launcher starts another, which
+    // must resume from where the collector last accepted (nowhere yet).
+    let first = airlock.process("serve orchestrator");
+    signal(first, rustix::process::Signal::KILL);
+    let client = reqwest::Client::new();
+    let mut i = 5;
+    while calls.len() < 7 {
+        if let Some(id) = call(i, &client).await {
+            calls.push(id);
+            i += 1;
+        } else {
+            assert!(
+                Instant::now() < deadline + Duration::from_secs(30),
+                "the orchestrator did not come back:\n{}",
+                airlock.log()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    assert_ne!(airlock.process("serve orchestrator"), first);
+
+    let mut expected = Vec::new();
+    for id in &calls {
+        let (status, audit) = airlock
+            .get(&format!("/v1/audit?call_id={id}&limit=100"))
+            .await;
+        assert_eq!(status, 200);
+        for event in audit["events"].as_array().expect("events") {
+            expected.push(event["seq"].as_i64().expect("seq"));
+        }
+    }
+    let receiver =
+        Receiver::start_on(tokio::net::TcpListener::from_std(listener).expect("listener")).await;
+    let deadline = Instant::now() + Duration::from_secs(90);
+    let received = loop {
+        let received: std::collections::BTreeSet<i64> = receiver
+            .log_records()
+            .iter()
+            .map(|r| int_attribute(&r.attributes, "airlock.audit.seq").expect("seq"))
+            .collect();
+        if expected.iter().all(|seq| received.contains(seq)) {
+            break received;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "records were lost: expected {expected:?}, received {received:?}\n{}",
+            airlock.log()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let (first_seq, last_seq) = (
+        *received.first().expect("some"),
+        *received.last().expect("some"),
+    );
+    assert_eq!(
+        i64::try_from(received.len()).expect("count"),
+        last_seq - first_seq + 1,
+        "no gap in what arrived: {received:?}"
+    );
 }

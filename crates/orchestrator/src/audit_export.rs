@@ -2,16 +2,23 @@
 //! that forwards it to the SIEM.
 //!
 //! A task of its own follows the log in the store (as `airlock audit tail --follow`
-//! does) from the record that was last when the orchestrator started, and sends each
-//! new record, in `seq` order, with its `seq`, `prev_hash` and `hash`, so that the SIEM
-//! can check the chain. Nothing on a call's path waits for it: calls append to the
-//! store as always, and the exporter reads behind them.
+//! does) and sends each new record, in `seq` order, with its `seq`, `prev_hash` and
+//! `hash`, so that the SIEM can check the chain. Nothing on a call's path waits for it:
+//! calls append to the store as always, and the exporter reads behind them.
+//!
+//! Delivery is at least once and survives restarts: the store keeps, per destination
+//! (protocol and endpoint), the `seq` of the last record its collector accepted, and a
+//! restarted exporter resumes after it. The first time a destination is exported to,
+//! it starts after the record that is last then (what came before is read from the log
+//! itself: `GET /v1/audit`, `airlock audit tail`).
+//! A crash between a send and the cursor's write resends that one batch; `seq` tells
+//! duplicates apart.
 //!
 //! A collector that is down or refuses is retried with backoff (each failed attempt is
 //! logged when the failing starts and counted in `airlock_audit_export_failures_total`);
-//! meanwhile the exporter keeps reading into a queue of at most `max_queue` records,
-//! past which the oldest are dropped and counted (`airlock_audit_export_dropped_total`).
-//! The records stay in the audit log itself either way.
+//! meanwhile the exporter reads ahead into a queue of at most `max_queue` records and
+//! then stops reading: the log is the buffer, so nothing is dropped, and memory stays
+//! bounded however long the collector is away.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -23,7 +30,7 @@ use tokio_util::sync::CancellationToken;
 use crate::audit::{AuditQuery, AuditRecord};
 use crate::config::AuditExportConfig;
 use crate::metrics::AuditExportMetrics;
-use crate::store::Store;
+use crate::store::{Store, StoreError, now_millis};
 
 /// How often the log is read for new records.
 const POLL: Duration = Duration::from_millis(200);
@@ -43,8 +50,18 @@ pub enum AuditExportError {
 /// The exporter, built at start (a bad setting stops the start, naming it).
 pub struct AuditExporter {
     client: LogsClient,
+    /// The key of this destination's cursor in the store: protocol and endpoint.
+    destination: String,
     max_queue: usize,
     metrics: AuditExportMetrics,
+}
+
+/// Where the exporter is in the log: read up to `read_to`, of which the records after
+/// the last delivered one wait in `queue`.
+struct Follow {
+    read_to: u64,
+    queue: VecDeque<(u64, Record)>,
+    backoff: Backoff,
 }
 
 impl AuditExporter {
@@ -71,49 +88,27 @@ impl AuditExporter {
         )?;
         Ok(Self {
             client,
+            destination: format!(
+                "{} {}",
+                protocol.as_str(),
+                config.endpoint.trim().trim_end_matches('/')
+            ),
             max_queue: config.max_queue,
             metrics,
         })
     }
 
-    /// Follows the log until `stop`; what is queued then is sent once more.
-    pub async fn run(self, store: Arc<dyn Store>, stop: CancellationToken) {
-        let mut cursor = loop {
-            match last_seq(store.as_ref()).await {
-                Ok(seq) => break seq,
-                Err(e) => {
-                    tracing::warn!(error = %e, "[audit] export cannot read the audit log; trying again");
-                    tokio::select! {
-                        () = stop.cancelled() => return,
-                        () = tokio::time::sleep(POLL * 5) => {}
-                    }
-                }
-            }
+    /// Follows the log after `read_to` (from [`AuditExporter::start`]) until `stop`;
+    /// what is queued then is sent once more.
+    pub async fn run(self, store: Arc<dyn Store>, read_to: u64, stop: CancellationToken) {
+        let mut follow = Follow {
+            read_to,
+            queue: VecDeque::new(),
+            backoff: Backoff::default(),
         };
-        let mut queue: VecDeque<Record> = VecDeque::new();
-        let mut backoff = Backoff::default();
         loop {
             let stopping = stop.is_cancelled();
-            match store
-                .audit(AuditQuery {
-                    after: Some(cursor),
-                    limit: AuditQuery::MAX_LIMIT,
-                    ..AuditQuery::default()
-                })
-                .await
-            {
-                Ok(records) => {
-                    for record in records {
-                        cursor = cursor.max(record.seq);
-                        self.enqueue(&mut queue, record);
-                    }
-                }
-                Err(e) => tracing::warn!(error = %e, "[audit] export cannot read the audit log"),
-            }
-            if backoff.due() {
-                self.send_queued(&mut queue, &mut backoff).await;
-            }
-            self.set_queued(&queue);
+            self.poll(store.as_ref(), &mut follow).await;
             if stopping {
                 return;
             }
@@ -124,21 +119,75 @@ impl AuditExporter {
         }
     }
 
-    fn enqueue(&self, queue: &mut VecDeque<Record>, record: AuditRecord) {
-        if queue.len() >= self.max_queue {
-            queue.pop_front();
-            self.metrics.dropped.inc();
+    /// The `seq` to follow from: this destination's cursor, or the end of the log the
+    /// first time (recorded at once, so that a restart before the first delivery does
+    /// not skip what was appended meanwhile).
+    pub async fn start(&self, store: &dyn Store) -> Result<u64, StoreError> {
+        if let Some(seq) = store.export_cursor(&self.destination).await? {
+            return Ok(seq);
         }
-        queue.push_back(log_record(&record));
+        let seq = last_seq(store).await?;
+        store
+            .advance_export_cursor(&self.destination, seq, now_millis())
+            .await?;
+        Ok(seq)
     }
 
-    /// Sends the queue in batches, oldest first, until it is empty or a batch fails.
-    async fn send_queued(&self, queue: &mut VecDeque<Record>, backoff: &mut Backoff) {
+    /// Reads what fits in the queue, sends it when the backoff allows, and records how
+    /// far the collector has accepted.
+    async fn poll(&self, store: &dyn Store, follow: &mut Follow) {
+        let room = self.max_queue.saturating_sub(follow.queue.len());
+        if room > 0 {
+            match store
+                .audit(AuditQuery {
+                    after: Some(follow.read_to),
+                    limit: room.min(AuditQuery::MAX_LIMIT),
+                    ..AuditQuery::default()
+                })
+                .await
+            {
+                Ok(records) => {
+                    for record in records {
+                        follow.read_to = follow.read_to.max(record.seq);
+                        follow.queue.push_back((record.seq, log_record(&record)));
+                    }
+                }
+                Err(e) => tracing::warn!(error = %e, "[audit] export cannot read the audit log"),
+            }
+        }
+        if follow.backoff.due()
+            && let Some(delivered) = self
+                .send_queued(&mut follow.queue, &mut follow.backoff)
+                .await
+            && let Err(e) = store
+                .advance_export_cursor(&self.destination, delivered, now_millis())
+                .await
+        {
+            // The records are delivered; a restart before the next write resends them.
+            tracing::warn!(error = %e, "[audit] export cannot record how far it has sent");
+        }
+        self.metrics
+            .queued
+            .set(i64::try_from(follow.queue.len()).unwrap_or(i64::MAX));
+    }
+
+    /// Sends the queue in batches, oldest first, until it is empty or a batch fails;
+    /// the `seq` of the last record accepted, if any was.
+    async fn send_queued(
+        &self,
+        queue: &mut VecDeque<(u64, Record)>,
+        backoff: &mut Backoff,
+    ) -> Option<u64> {
+        let mut delivered = None;
         while !queue.is_empty() {
-            let batch: Vec<Record> = queue.iter().take(BATCH).cloned().collect();
+            let batch: Vec<Record> = queue
+                .iter()
+                .take(BATCH)
+                .map(|(_, record)| record.clone())
+                .collect();
             match self.client.send(&batch).await {
                 Ok(()) => {
-                    queue.drain(..batch.len());
+                    delivered = queue.drain(..batch.len()).last().map(|(seq, _)| seq);
                     self.metrics.exported.inc_by(batch.len() as u64);
                     if backoff.failing() {
                         tracing::info!("[audit] export: the collector accepts records again");
@@ -148,24 +197,19 @@ impl AuditExporter {
                 Err(e) => {
                     self.metrics.failures.inc();
                     if !backoff.failing() {
-                        tracing::warn!(error = %e, queued = queue.len(), max_queue = self.max_queue, "[audit] export: cannot send audit records; retrying with backoff (calls go on; the queue drops its oldest records when full)");
+                        tracing::warn!(error = %e, queued = queue.len(), max_queue = self.max_queue, "[audit] export: cannot send audit records; retrying with backoff (calls go on; the log keeps the records until the collector takes them)");
                     }
                     backoff.failed();
-                    return;
+                    break;
                 }
             }
         }
-    }
-
-    fn set_queued(&self, queue: &VecDeque<Record>) {
-        self.metrics
-            .queued
-            .set(i64::try_from(queue.len()).unwrap_or(i64::MAX));
+        delivered
     }
 }
 
 /// The `seq` of the last record in the log (0 when it is empty).
-async fn last_seq(store: &dyn Store) -> Result<u64, crate::store::StoreError> {
+async fn last_seq(store: &dyn Store) -> Result<u64, StoreError> {
     let last = store
         .audit(AuditQuery {
             limit: 1,
@@ -251,6 +295,7 @@ impl Backoff {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::audit::NewAuditEvent;
     use serde_json::json;
 
     fn record(seq: u64) -> AuditRecord {
@@ -288,26 +333,75 @@ mod tests {
         assert_eq!(body, record(7));
     }
 
+    /// With the collector down, the exporter reads no further than its queue holds,
+    /// drops nothing, and keeps its cursor where the collector last accepted; a new
+    /// exporter for the same destination starts there, one for another at the log's end.
     #[tokio::test]
-    async fn a_full_queue_drops_its_oldest_and_counts_them() {
+    async fn a_collector_that_is_down_holds_the_cursor_and_nothing_is_dropped() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = crate::store::open_sqlite_file(&dir.path().join("airlock.db"))
+            .await
+            .unwrap();
+        let append = |n: u64| {
+            let store = store.clone();
+            async move {
+                for i in 0..n {
+                    store
+                        .append(NewAuditEvent::new(
+                            crate::audit::AuditKind::Requested,
+                            json!({ "i": i }),
+                        ))
+                        .await
+                        .unwrap();
+                }
+            }
+        };
+        append(3).await;
+        let config = |endpoint: &str| AuditExportConfig {
+            endpoint: endpoint.into(),
+            protocol: "http/protobuf".into(),
+            max_queue: 2,
+            timeout_ms: 200,
+        };
         let metrics = AuditExportMetrics::default();
-        let exporter = AuditExporter::new(
-            &AuditExportConfig {
-                endpoint: "http://127.0.0.1:9".into(),
-                protocol: "http/protobuf".into(),
-                max_queue: 2,
-                timeout_ms: 100,
-            },
-            metrics.clone(),
-        )
-        .unwrap();
-        let mut queue = VecDeque::new();
-        for seq in 1..=5 {
-            exporter.enqueue(&mut queue, record(seq));
+        let exporter = AuditExporter::new(&config("http://127.0.0.1:9"), metrics.clone()).unwrap();
+        // First time: from the log's end, recorded at once.
+        let start = exporter.start(store.as_ref()).await.unwrap();
+        assert_eq!(start, 3);
+        assert_eq!(
+            store
+                .export_cursor("http/protobuf http://127.0.0.1:9")
+                .await
+                .unwrap(),
+            Some(3)
+        );
+        append(5).await;
+        let mut follow = Follow {
+            read_to: start,
+            queue: VecDeque::new(),
+            backoff: Backoff::default(),
+        };
+        for _ in 0..3 {
+            follow.backoff = Backoff::default();
+            exporter.poll(store.as_ref(), &mut follow).await;
         }
-        assert_eq!(metrics.dropped.get(), 3);
-        let kept: Vec<_> = queue.iter().map(|r| r.attributes[0].1.clone()).collect();
-        assert_eq!(kept, vec![Attribute::Int(4), Attribute::Int(5)]);
+        let queued: Vec<u64> = follow.queue.iter().map(|(seq, _)| *seq).collect();
+        assert_eq!(queued, vec![4, 5], "read only as far as the queue holds");
+        assert_eq!(follow.read_to, 5);
+        assert_eq!(metrics.failures.get(), 3);
+        assert_eq!(metrics.exported.get(), 0);
+        assert_eq!(metrics.queued.get(), 2);
+        // A restart resumes after the last record the collector accepted.
+        let again = AuditExporter::new(&config("http://127.0.0.1:9/"), metrics.clone()).unwrap();
+        assert_eq!(again.start(store.as_ref()).await.unwrap(), 3);
+        // The cursor never moves back; another destination has its own.
+        store
+            .advance_export_cursor("http/protobuf http://127.0.0.1:9", 2, now_millis())
+            .await
+            .unwrap();
+        assert_eq!(again.start(store.as_ref()).await.unwrap(), 3);
+        let other = AuditExporter::new(&config("http://127.0.0.1:10"), metrics).unwrap();
+        assert_eq!(other.start(store.as_ref()).await.unwrap(), 8);
     }
 
     #[test]

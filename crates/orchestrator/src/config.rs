@@ -240,7 +240,8 @@ pub struct AuditExportConfig {
     #[serde(default = "default_export_protocol")]
     pub protocol: String,
     /// Records read from the log and not yet accepted by the collector, at most; past
-    /// it the oldest are dropped and counted (`airlock_audit_export_dropped_total`).
+    /// it the exporter stops reading ahead until the collector takes some (the log keeps
+    /// them, so nothing is dropped).
     #[serde(default = "default_export_queue")]
     pub max_queue: usize,
     /// How long one send may take.

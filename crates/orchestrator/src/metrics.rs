@@ -104,11 +104,10 @@ pub struct Metrics {
 pub struct AuditExportMetrics {
     /// Records the collector accepted.
     pub exported: Counter,
-    /// Export attempts that failed (each is retried until its records are dropped).
+    /// Export attempts that failed (each is retried; the log keeps the records).
     pub failures: Counter,
-    /// Records dropped unsent because the queue was full (`[audit] export.max_queue`).
-    pub dropped: Counter,
-    /// Records read from the log and not yet accepted.
+    /// Records read from the log and not yet accepted (at most `[audit]
+    /// export.max_queue`: past it the exporter stops reading ahead).
     pub queued: Gauge,
 }
 
@@ -223,13 +222,8 @@ impl Metrics {
             audit_export.failures.clone(),
         );
         registry.register(
-            "airlock_audit_export_dropped",
-            "Audit records dropped unsent because the [audit] export queue was full",
-            audit_export.dropped.clone(),
-        );
-        registry.register(
             "airlock_audit_export_queue",
-            "Audit records waiting to be sent to the [audit] export collector",
+            "Audit records read from the log and waiting to be sent to the [audit] export collector",
             audit_export.queued.clone(),
         );
         Self {

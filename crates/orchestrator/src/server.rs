@@ -252,7 +252,10 @@ impl Orchestrator {
         tokio::spawn(gate.clone().prune_forever(stop.clone()));
         tokio::spawn(gate.clone().verify_forever(stop.clone()));
         if let Some((exporter, store)) = audit_export {
-            tokio::spawn(exporter.run(store, stop.clone()));
+            // Where to follow from is settled before the front doors open, so that no
+            // call's records come before it the first time an endpoint is exported to.
+            let read_to = exporter.start(store.as_ref()).await?;
+            tokio::spawn(exporter.run(store, read_to, stop.clone()));
         }
         {
             let gate = gate.clone();

@@ -177,6 +177,8 @@ both_backends!(
     // Pinned definitions of discovered tools (DESIGN §11).
     tool_pins_pin_the_first_definition_and_hold_a_change_until_accepted,
     tool_pins_of_racing_replicas_pin_one_definition_once,
+    // `[audit] export`'s cursor per destination.
+    export_cursors_move_forward_only_and_survive_reopening,
 );
 
 // ---------------------------------------------------------------------------------
@@ -2757,4 +2759,32 @@ async fn write_call_rolls_back_its_events_when_the_change_fails(backend: Backend
     let report = store.verify().await.unwrap();
     assert!(report.ok, "{report:?}");
     assert_eq!(report.records, 0);
+}
+
+/// Each destination has its own cursor; a cursor never moves back (replicas exporting
+/// to one place keep the furthest); a reopened store still has it.
+async fn export_cursors_move_forward_only_and_survive_reopening(backend: Backend) {
+    let store = backend.open().await;
+    let grpc = "grpc http://collector:4317";
+    let http = "http/protobuf http://collector:4318";
+    assert_eq!(store.export_cursor(grpc).await.unwrap(), None);
+    store.advance_export_cursor(grpc, 7, 1_000).await.unwrap();
+    store.advance_export_cursor(grpc, 5, 2_000).await.unwrap();
+    assert_eq!(store.export_cursor(grpc).await.unwrap(), Some(7));
+    store.advance_export_cursor(grpc, 12, 3_000).await.unwrap();
+    store.advance_export_cursor(http, 0, 3_000).await.unwrap();
+    // Racing replicas: the furthest wins whatever the order.
+    let racing: Vec<_> = (20..40u64)
+        .map(|seq| {
+            let store = store.clone();
+            tokio::spawn(async move { store.advance_export_cursor(grpc, seq, 4_000).await })
+        })
+        .collect();
+    for task in racing {
+        task.await.unwrap().unwrap();
+    }
+    drop(store);
+    let reopened = backend.open().await;
+    assert_eq!(reopened.export_cursor(grpc).await.unwrap(), Some(39));
+    assert_eq!(reopened.export_cursor(http).await.unwrap(), Some(0));
 }

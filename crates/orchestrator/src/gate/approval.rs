@@ -86,9 +86,12 @@ impl Gate {
     /// Until then the session's budget counts it here.
     pub(super) fn hold_row(&self, ctx: &mut CallCtx) {
         let call = new_call(ctx, CallState::Approved);
-        let slot = ctx.session_named.then(|| {
-            self.unrecorded
-                .hold(&ctx.principal.name, ctx.session.as_str(), call.created_at)
+        let slot = ctx.budget_slot.take().or_else(|| {
+            ctx.session_named.then(|| {
+                self.unrecorded
+                    .hold(&ctx.principal.name, ctx.session.as_str(), call.created_at)
+                    .0
+            })
         });
         ctx.row = Some(PendingRow { call, _slot: slot });
     }
@@ -131,6 +134,8 @@ impl Gate {
         })?;
         ctx.journal.clear();
         ctx.recorded = true;
+        // The store counts the call in its session now.
+        ctx.budget_slot = None;
         // The store holds the arguments now. A call may wait an hour and thousands may
         // wait at once, each with up to `[limits] max_argument_bytes` of arguments: the
         // wait does not keep them in memory, and an approved call reads them back.

@@ -45,17 +45,25 @@ impl Unrecorded {
             .map_or((0, None), |&(calls, first_at)| (calls, Some(first_at)))
     }
 
-    /// Counts one more until the returned slot is dropped.
-    pub(super) fn hold(&self, principal: &str, session: &str, created_at: Timestamp) -> Slot {
+    /// Counts one more until the returned slot is dropped; with how many were counted
+    /// before it.
+    pub(super) fn hold(
+        &self,
+        principal: &str,
+        session: &str,
+        created_at: Timestamp,
+    ) -> (Slot, u64) {
         let key = (principal.to_owned(), session.to_owned());
         let mut map = lock(&self.0);
         let entry = map.entry(key.clone()).or_insert((0, created_at));
+        let ahead = entry.0;
         entry.0 += 1;
         entry.1 = entry.1.min(created_at);
-        Slot {
+        let slot = Slot {
             map: Arc::clone(&self.0),
             key,
-        }
+        };
+        (slot, ahead)
     }
 }
 
@@ -79,10 +87,16 @@ impl Drop for Slot {
 }
 
 impl Gate {
-    pub(super) async fn check_budget(&self, ctx: &CallCtx) -> Result<RepeatKey, Rejection> {
+    pub(super) async fn check_budget(&self, ctx: &mut CallCtx) -> Result<RepeatKey, Rejection> {
         let key = RepeatKey::of(ctx);
         let over = |reason: String| Rejection::OverBudget { reason };
         if ctx.session_named {
+            // The call takes its place in the count before the store is read: calls
+            // checked at the same time (one request's, or several requests') each count
+            // those that came before it, so together they cannot overshoot the budget.
+            let (slot, ahead) =
+                self.unrecorded
+                    .hold(&ctx.principal.name, ctx.session.as_str(), now_millis());
             let usage = self
                 .store
                 .session_usage(&ctx.principal.name, ctx.session.as_str())
@@ -91,14 +105,18 @@ impl Gate {
             let (running, since) = self
                 .unrecorded
                 .usage(&ctx.principal.name, ctx.session.as_str());
+            // Those ahead of it still uncounted by the store: no more than are held now
+            // besides this one (one that was ahead may have been stored and let go since).
+            let others = ahead.min(running.saturating_sub(1));
             // An unrecorded call's creation time is when its row will say it was created.
             let first_at = match (usage.first_at, since) {
                 (Some(a), Some(b)) => Some(a.min(b)),
                 (a, b) => a.or(b),
             };
             self.budgets
-                .check_session(usage.calls + running, first_at, now_millis())
+                .check_session(usage.calls + others, first_at, now_millis())
                 .map_err(|e| over(e.to_string()))?;
+            ctx.budget_slot = Some(slot);
         }
         self.budgets
             .check_repeat(&key.0)
@@ -120,9 +138,12 @@ mod tests {
     fn unrecorded_calls_count_until_their_slots_drop() {
         let unrecorded = Unrecorded::default();
         assert_eq!(unrecorded.usage("alice", "s1"), (0, None));
-        let first = unrecorded.hold("alice", "s1", 2_000);
-        let second = unrecorded.hold("alice", "s1", 1_000);
-        let other = unrecorded.hold("alice", "s2", 5_000);
+        let (first, ahead) = unrecorded.hold("alice", "s1", 2_000);
+        assert_eq!(ahead, 0);
+        let (second, ahead) = unrecorded.hold("alice", "s1", 1_000);
+        assert_eq!(ahead, 1, "counted after the first");
+        let (other, ahead) = unrecorded.hold("alice", "s2", 5_000);
+        assert_eq!(ahead, 0, "sessions are counted apart");
         assert_eq!(unrecorded.usage("alice", "s1"), (2, Some(1_000)));
         assert_eq!(unrecorded.usage("bob", "s1"), (0, None));
         drop(second);

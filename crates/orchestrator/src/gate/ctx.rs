@@ -44,6 +44,10 @@ pub(super) struct CallCtx {
     /// log with the call's next store write, in the same transaction (see
     /// docs/decisions.md, "One durable write per call").
     pub journal: Vec<NewAuditEvent>,
+    /// The call's place in its session's count from the budget check until its row is
+    /// held ([`PendingRow`]) or in the store (a held call's approval): calls checked at
+    /// the same time each see the others.
+    pub budget_slot: Option<Slot>,
     /// The call's row while it is not in the store yet: set once the call may run, and
     /// taken by the write that stores it.
     pub row: Option<PendingRow>,

@@ -486,6 +486,7 @@ impl Gate {
             held: None,
             started: Instant::now(),
             journal: Vec::new(),
+            budget_slot: None,
             row: None,
             recorded: false,
             span: span.clone(),

@@ -140,6 +140,7 @@ impl Gate {
             held,
             started: Instant::now(),
             journal: vec![resumed],
+            budget_slot: None,
             row: None,
             recorded: true,
             // A resumed call continues no request's trace.

@@ -157,6 +157,8 @@ pub(super) const SESSION_USAGE_SQL: &str = "SELECT COUNT(*) AS calls, MIN(create
 /// `input_sha256` it approved (`[approvals] quorum`, DESIGN §14);
 /// `remembered_approvals` the approvals given with `"remember": "session"`, each
 /// covering later calls of the same principal, session, tool and input until it ends.
+/// `audit_export_cursors` holds, per `[audit] export` destination, the `seq` of the last
+/// audit record its collector accepted, so that a restarted exporter resumes there.
 const ADDED_TABLES_TEMPLATE: &str = "
 CREATE TABLE IF NOT EXISTS tool_pins (
     tool               TEXT PRIMARY KEY,
@@ -185,6 +187,11 @@ CREATE TABLE IF NOT EXISTS remembered_approvals (
     approval_id  TEXT NOT NULL,
     expires_at   {int} NOT NULL,
     PRIMARY KEY (principal, session_id, tool, input_sha256)
+);
+CREATE TABLE IF NOT EXISTS audit_export_cursors (
+    exporter   TEXT PRIMARY KEY,
+    seq        {int} NOT NULL,
+    updated_at {int} NOT NULL
 );
 ";
 
@@ -949,6 +956,19 @@ pub trait Store: Send + Sync {
     async fn pending_approvals(&self) -> Result<u64, StoreError>;
     /// The latest calls that match `filter`, newest first (the approvals console).
     async fn recent_calls(&self, filter: &CallListFilter) -> Result<Vec<StoredCall>, StoreError>;
+
+    /// The `seq` of the last audit record `[audit] export` delivered to `exporter` (its
+    /// protocol and endpoint), or `None` if it never recorded one.
+    async fn export_cursor(&self, exporter: &str) -> Result<Option<u64>, StoreError>;
+
+    /// Records that `exporter` delivered the log up to `seq`. Never moves back: of two
+    /// replicas exporting to the same place, the one further on is kept.
+    async fn advance_export_cursor(
+        &self,
+        exporter: &str,
+        seq: u64,
+        now: Timestamp,
+    ) -> Result<(), StoreError>;
 
     /// Calls recorded for `(principal, session_id)` and the time of the first.
     async fn session_usage(

@@ -1208,6 +1208,42 @@ impl Store for PostgresStore {
         self.commits.load(Ordering::Relaxed)
     }
 
+    async fn export_cursor(&self, exporter: &str) -> Result<Option<u64>, StoreError> {
+        let client = self.client().await?;
+        let row = client
+            .query_opt(
+                "SELECT seq FROM audit_export_cursors WHERE exporter = $1",
+                &[&exporter],
+            )
+            .await?;
+        row.map(|row| {
+            let seq: i64 = row.try_get(0)?;
+            to_u64(seq, "an export cursor")
+        })
+        .transpose()
+    }
+
+    async fn advance_export_cursor(
+        &self,
+        exporter: &str,
+        seq: u64,
+        now: Timestamp,
+    ) -> Result<(), StoreError> {
+        let client = self.client().await?;
+        let seq = to_i64(seq);
+        let written = client
+            .execute(
+                "INSERT INTO audit_export_cursors (exporter, seq, updated_at) \
+                 VALUES ($1, $2, $3) ON CONFLICT (exporter) DO UPDATE \
+                 SET seq = GREATEST(audit_export_cursors.seq, EXCLUDED.seq), \
+                 updated_at = EXCLUDED.updated_at",
+                &[&exporter, &seq, &now],
+            )
+            .await
+            .map_err(StoreError::from);
+        self.counted(written.map(|_| ()))
+    }
+
     async fn session_usage(
         &self,
         principal: &str,

@@ -1283,6 +1283,41 @@ impl Store for SqliteStore {
         self.commits.load(Ordering::Relaxed)
     }
 
+    async fn export_cursor(&self, exporter: &str) -> Result<Option<u64>, StoreError> {
+        let exporter = exporter.to_owned();
+        self.run(move |conn| {
+            let seq: Option<i64> = conn
+                .query_row(
+                    "SELECT seq FROM audit_export_cursors WHERE exporter = ?1",
+                    [exporter],
+                    |row| row.get(0),
+                )
+                .optional()?;
+            seq.map(|seq| to_u64(seq, "an export cursor")).transpose()
+        })
+        .await
+    }
+
+    async fn advance_export_cursor(
+        &self,
+        exporter: &str,
+        seq: u64,
+        now: Timestamp,
+    ) -> Result<(), StoreError> {
+        let exporter = exporter.to_owned();
+        let seq = to_i64(seq);
+        self.write(move |tx| {
+            tx.conn.execute(
+                "INSERT INTO audit_export_cursors (exporter, seq, updated_at) \
+                 VALUES (?1, ?2, ?3) ON CONFLICT (exporter) DO UPDATE \
+                 SET seq = MAX(seq, excluded.seq), updated_at = excluded.updated_at",
+                params![exporter, seq, now],
+            )?;
+            Ok(())
+        })
+        .await
+    }
+
     async fn session_usage(
         &self,
         principal: &str,
