@@ -408,6 +408,10 @@ async fn a_misbehaving_mcp_server_fails_only_the_call_at_hand() {
         .collect();
     assert_eq!(progress.len(), 3, "{text}");
     assert_eq!(progress[2].1["message"], "step 3", "{text}");
+    // A progress line is cut to 1000 characters, however long the server's.
+    let long = progress[1].1["message"].as_str().expect("message");
+    assert!(long.starts_with("step 2yyy"), "{long:.40}");
+    assert_eq!(long.chars().count(), 1000, "{long:.40}");
     assert!(text.contains("progressed"), "{text}");
 
     // A hang: the caller cancels, the server hears notifications/cancelled, and the
@@ -429,6 +433,24 @@ async fn a_misbehaving_mcp_server_fails_only_the_call_at_hand() {
         .await;
     assert!(!err, "{text}");
 
+    // A listing that pages for ever is given up after 100 pages (the last listing
+    // stays), and the server still answers.
+    let (err, text, _) = airlock.call_in(session, "flaky__endless", json!({})).await;
+    assert!(!err, "{text}");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !airlock.log().contains("tools/list goes on past 100 pages") {
+        assert!(
+            Instant::now() < deadline,
+            "an endless tools/list was not given up:\n{}",
+            airlock.log()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let (err, text, _) = airlock
+        .call_in(session, "flaky__echo", json!({"after": "endless"}))
+        .await;
+    assert!(!err, "{text}");
+
     // The orchestrator and the other tools never noticed.
     let (status, _) = airlock.get("/readyz").await;
     assert_eq!(status, 200);
@@ -436,6 +458,66 @@ async fn a_misbehaving_mcp_server_fails_only_the_call_at_hand() {
         .call("time__get_current_time", json!({"timezone": "UTC"}))
         .await;
     assert!(!err, "{text}");
+}
+
+/// A per-session server's instances stop when evicted (`max_sessions`) or idle
+/// (`idle_seconds`) although the server never says its tools changed (before, the
+/// watcher of its tool list kept each one alive for a day), and a start abandoned by a
+/// cancelled call leaves no process behind.
+#[tokio::test]
+async fn evicted_idle_and_abandoned_mcp_servers_stop() {
+    // The flaky server, marked so that its processes can be told from the others, and
+    // slow to start in a workspace that holds a file `sleep`.
+    let script = format!(
+        "# lean-server\nimport os, time\nif os.path.exists('/workspace/sleep'):\n    time.sleep(600)\n{FLAKY}"
+    );
+    let airlock = Airlock::start_with(&format!(
+        r#"
+[[mcp_servers]]
+name = "lean"
+command = ["/usr/bin/python3", "-c", '''{script}''']
+max_sessions = 1
+idle_seconds = 2
+start_timeout_seconds = 300
+"#
+    ))
+    .await;
+    wait_for_tools(&airlock, &["lean__echo"]).await;
+    let running = || processes(&airlock, "# lean-server").len();
+    let wait_until = async |count: usize, within: u64, what: &str| {
+        let deadline = Instant::now() + Duration::from_secs(within);
+        while running() != count {
+            assert!(
+                Instant::now() < deadline,
+                "{what}: {} lean servers run, expected {count}",
+                running()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    for session in ["a", "b"] {
+        let (err, text, _) = airlock
+            .call_in(session, "lean__echo", json!({"session": session}))
+            .await;
+        assert!(!err, "{text}");
+    }
+    wait_until(1, 10, "b's call evicts a's server").await;
+    wait_until(0, 30, "b's server stops once idle").await;
+
+    std::fs::create_dir_all(airlock.workspace("c")).expect("workspace");
+    std::fs::write(airlock.workspace("c").join("sleep"), "").expect("marker");
+    let (started, _) = airlock.propose("c", "lean__echo", json!({})).await;
+    let call_id = started["call_id"].as_str().expect("call id").to_owned();
+    wait_until(1, 30, "c's server starts").await;
+    let (status, body) = airlock
+        .post(&format!("/v1/calls/{call_id}/cancel"), &json!({}))
+        .await;
+    assert_eq!(status, 200, "{body}");
+    let (_, detail) = airlock
+        .get(&format!("/v1/calls/{call_id}?wait_ms=20000"))
+        .await;
+    assert_eq!(detail["status"], "cancelled", "{detail}");
+    wait_until(0, 15, "the abandoned start is stopped").await;
 }
 
 #[test]

@@ -6,6 +6,9 @@ use airlock_policy::SessionId;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
+/// The longest progress message passed on, in characters.
+pub const MAX_PROGRESS_CHARS: usize = 1000;
+
 /// Which output stream a chunk belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OutputStream {
@@ -63,11 +66,17 @@ impl CallContext {
 
     /// Reports progress. Never blocks the tool: when the caller is slow, events are
     /// dropped rather than stalling the call.
+    /// The message is cut to [`MAX_PROGRESS_CHARS`]: a progress line is a status, and
+    /// what a tool (or an MCP server it relays) sends here queues per call.
     pub fn progress(&self, progress: f64, total: Option<f64>, message: impl Into<String>) {
+        let mut message = message.into();
+        if let Some((cut, _)) = message.char_indices().nth(MAX_PROGRESS_CHARS) {
+            message.truncate(cut);
+        }
         let _ = self.events.try_send(ToolEvent::Progress {
             progress,
             total,
-            message: message.into(),
+            message,
         });
     }
 

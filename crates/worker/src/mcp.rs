@@ -20,6 +20,11 @@ pub use sessions::{IdleSince, ListedTools, SessionKey, SessionSlot, evict_idle, 
 /// Between a server's name and its tool's: `time__get_current_time`.
 pub const SEPARATOR: &str = "__";
 
+/// Most tools served of one server.
+pub const MAX_TOOLS: usize = 1000;
+/// Most `tools/list` pages read of one server.
+pub const MAX_PAGES: usize = 100;
+
 /// Longest server name: the tool names built from it must fit in 64 characters.
 const MAX_SERVER_NAME: usize = 32;
 

@@ -17,11 +17,11 @@ use std::time::{Duration, Instant};
 use airlock_policy::ToolOutcome;
 use airlock_sandbox::{AttachedStdio, Cancel, CommandSpec, Sandbox, Stream};
 use airlock_worker::CallContext;
-use airlock_worker::mcp::{IdleSince, McpServerEntry};
+use airlock_worker::mcp::{IdleSince, MAX_PAGES, MAX_TOOLS, McpServerEntry};
 use rmcp::model::{
     CallToolRequest, CallToolRequestParams, CancelledNotificationParam, ClientCapabilities,
-    ClientConfig, ClientRequest, Implementation, ProgressNotificationParam, ProgressToken,
-    ServerResult,
+    ClientConfig, ClientRequest, Implementation, PaginatedRequestParams,
+    ProgressNotificationParam, ProgressToken, ServerResult,
 };
 use rmcp::service::{NotificationContext, PeerRequestOptions, RunningService, ServiceError};
 use rmcp::transport::async_rw::AsyncRwTransport;
@@ -39,6 +39,9 @@ const STDERR_TAIL_BYTES: usize = 2048;
 const EXIT_REPORT_WAIT: Duration = Duration::from_secs(2);
 /// A server's process lives at most this long; idle ones are stopped long before.
 const MAX_LIFETIME: Duration = Duration::from_secs(24 * 3600);
+/// How long a listing the server asked for (`notifications/tools/list_changed`) may
+/// take, all its pages together.
+const RELIST_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Why a server could not be started or answered.
 #[derive(Debug, thiserror::Error)]
@@ -139,6 +142,9 @@ impl Instance {
             timeout: MAX_LIFETIME,
         };
         let cancel = Cancel::new();
+        // Until the instance owns it: a start abandoned half way (the call that started
+        // it dropped at its deadline) kills the process instead of leaving it running.
+        let mut abandoned = CancelOnDrop(Some(cancel.clone()));
         let (exit_tx, exited) = watch::channel(None);
         let stdio = AttachedStdio {
             stdin: OwnedFd::from(child_stdin),
@@ -181,9 +187,7 @@ impl Instance {
                 .serve(transport)
                 .await
                 .map_err(|e| format!("initialize failed: {e}"))?;
-            let tools = service
-                .peer()
-                .list_all_tools()
+            let tools = list_tools_bounded(service.peer())
                 .await
                 .map_err(|e| format!("tools/list failed: {e}"))?;
             Ok::<_, String>((service, tools))
@@ -214,10 +218,7 @@ impl Instance {
                 }));
             }
         };
-        let tools = tools
-            .into_iter()
-            .filter_map(|tool| serde_json::to_value(tool).ok())
-            .collect();
+        abandoned.0 = None;
         let instance = Arc::new(Instance {
             server,
             peer: service.peer().clone(),
@@ -235,22 +236,17 @@ impl Instance {
         self.exited.borrow().is_none()
     }
 
-    /// Resolves when the server says its tool list changed.
-    pub(super) async fn tools_changed(&self) {
-        self.bridge.tools_changed.notified().await;
+    /// What a watcher of the tool list needs without keeping the instance alive: the
+    /// signal that the list changed, and the process's end.
+    pub(super) fn change_signals(&self) -> (Arc<Notify>, watch::Receiver<Option<String>>) {
+        (self.bridge.tools_changed.clone(), self.exited.clone())
     }
 
-    /// The server's current `tools/list`.
+    /// The server's current `tools/list` (bounded in pages, tools and time).
     pub(super) async fn list_tools(&self) -> Result<Vec<Value>, String> {
-        let tools = self
-            .peer
-            .list_all_tools()
+        tokio::time::timeout(RELIST_TIMEOUT, list_tools_bounded(&self.peer))
             .await
-            .map_err(|e| e.to_string())?;
-        Ok(tools
-            .into_iter()
-            .filter_map(|tool| serde_json::to_value(tool).ok())
-            .collect())
+            .map_err(|_| format!("tools/list took longer than {}s", RELIST_TIMEOUT.as_secs()))?
     }
 
     /// One `tools/call`, with the call's progress relayed and its cancellation (or
@@ -355,7 +351,47 @@ impl Drop for Forget<'_> {
 }
 
 /// Resolves with how the process ended.
-async fn wait_exit(exited: &mut watch::Receiver<Option<String>>) -> String {
+/// Every page of the server's `tools/list`, as JSON `Tool` objects: at most
+/// [`MAX_PAGES`] pages and [`MAX_TOOLS`] tools (a server that goes on past either is
+/// refused rather than followed: each page is held until the last).
+async fn list_tools_bounded(peer: &Peer<RoleClient>) -> Result<Vec<Value>, String> {
+    let mut tools = Vec::new();
+    let mut cursor = None;
+    for _ in 0..MAX_PAGES {
+        let page = peer
+            .list_tools(Some(PaginatedRequestParams::default().with_cursor(cursor)))
+            .await
+            .map_err(|e| e.to_string())?;
+        tools.extend(
+            page.tools
+                .into_iter()
+                .filter_map(|tool| serde_json::to_value(tool).ok()),
+        );
+        if tools.len() > MAX_TOOLS {
+            return Err(format!(
+                "it lists more than {MAX_TOOLS} tools, the most served of one server"
+            ));
+        }
+        match page.next_cursor {
+            Some(next) => cursor = Some(next),
+            None => return Ok(tools),
+        }
+    }
+    Err(format!("tools/list goes on past {MAX_PAGES} pages (nextCursor)"))
+}
+
+/// Cancels the sandbox when dropped while it still holds it.
+struct CancelOnDrop(Option<Cancel>);
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        if let Some(cancel) = &self.0 {
+            cancel.cancel();
+        }
+    }
+}
+
+pub(super) async fn wait_exit(exited: &mut watch::Receiver<Option<String>>) -> String {
     match exited.wait_for(Option::is_some).await {
         Ok(how) => how.clone().unwrap_or_default(),
         Err(_) => "stopped".to_owned(),

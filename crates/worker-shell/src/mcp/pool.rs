@@ -92,22 +92,32 @@ impl McpPool {
         self.tools.learn(&self.entry, tools, "shell");
     }
 
-    /// Re-lists the tools whenever the instance says they changed.
+    /// Re-lists the tools whenever the instance says they changed, until its process
+    /// ends. The watcher holds the instance only while it lists: waiting, it holds the
+    /// signals alone, so an instance evicted or idle is dropped (and its process
+    /// stopped) even when its server never says its tools changed.
     fn watch_tools(self: &Arc<Self>, instance: &Arc<Instance>) {
         let pool = Arc::downgrade(self);
         let watched = Arc::downgrade(instance);
+        let (changed, mut exited) = instance.change_signals();
         tokio::spawn(async move {
             loop {
+                tokio::select! {
+                    () = changed.notified() => {}
+                    _ = super::instance::wait_exit(&mut exited) => return,
+                }
                 let Some(instance) = watched.upgrade() else {
                     return;
                 };
-                instance.tools_changed().await;
                 let listed = instance.list_tools().await;
                 drop(instance);
-                let (Some(pool), Ok(tools)) = (pool.upgrade(), listed) else {
+                let Some(pool) = pool.upgrade() else {
                     return;
                 };
-                pool.learn(&tools);
+                match listed {
+                    Ok(tools) => pool.learn(&tools),
+                    Err(e) => tracing::warn!(server = %pool.entry.name, error = %e, "cannot list the MCP server's changed tools; keeping the last listing"),
+                }
             }
         });
     }
