@@ -234,6 +234,63 @@ fn sse_messages(body: &str) -> Vec<Value> {
 
 const LIST: &str = r#"{"jsonrpc":"2.0","id":1,"method":"tools/list"}"#;
 
+/// `notifications/cancelled` names a request by its id, which clients number from 0 or
+/// 1: one sent in another session (`?session_id=`) does not stop a call with the same
+/// id, one sent in the call's own session does.
+#[tokio::test]
+async fn a_cancel_from_another_session_leaves_the_call_running() {
+    let airlock = Airlock::start().await;
+    let call = json!({"jsonrpc": "2.0", "id": 5, "method": "tools/call", "params": {
+        "name": "execute_shell", "arguments": {"command": "sleep 30; echo cancel-test"}}});
+    let running = mcp_post(&airlock, "/mcp?session_id=s1", &call)
+        .bearer_auth(&airlock.token)
+        .send();
+    // The response stream is read to its end: a client that closes it cancels the call.
+    let running = tokio::spawn(async move { running.await?.text().await });
+    // The call's id, once it is recorded.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let call_id = loop {
+        let (_, audit) = airlock.get("/v1/audit?session_id=s1&limit=100").await;
+        let requested = audit["events"].as_array().and_then(|events| {
+            events
+                .iter()
+                .find(|e| e["kind"] == "requested" || e["kind"] == "dispatched")
+                .and_then(|e| e["call_id"].as_str().map(str::to_owned))
+        });
+        if let Some(id) = requested {
+            break id;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the call was not recorded: {audit}\n{}",
+            airlock.log()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let cancel = |session: &str| {
+        mcp_post(
+            &airlock,
+            &format!("/mcp?session_id={session}"),
+            &json!({"jsonrpc": "2.0", "method": "notifications/cancelled",
+                "params": {"requestId": 5, "reason": "test"}}),
+        )
+        .bearer_auth(&airlock.token)
+        .send()
+    };
+    let status = cancel("s2").await.expect("send").status();
+    assert!(status.is_success(), "{status}");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let (_, detail) = airlock.get(&format!("/v1/calls/{call_id}")).await;
+    assert_eq!(detail["status"], "running", "another session's cancel stopped it: {detail}");
+
+    cancel("s1").await.expect("send");
+    let (_, detail) = airlock
+        .get(&format!("/v1/calls/{call_id}?wait_ms=20000"))
+        .await;
+    assert_eq!(detail["status"], "cancelled", "{detail}");
+    running.abort();
+}
+
 #[tokio::test]
 async fn bearer_token_and_origin_are_checked() {
     let airlock = Airlock::start().await;

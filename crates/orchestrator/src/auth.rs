@@ -29,6 +29,10 @@ pub enum AuthError {
     BadDigest { name: String },
     #[error("principals {first:?} and {second:?} have the same token")]
     DuplicateToken { first: String, second: String },
+    #[error(
+        "principal {name:?} is configured twice with different roles; give each principal one set of roles (several entries of one name are for rotating its token)"
+    )]
+    ConflictingRoles { name: String },
     #[error("cannot read or create the token file {path}: {source}")]
     TokenFile {
         path: PathBuf,
@@ -41,7 +45,7 @@ pub enum AuthError {
 }
 
 /// What a principal may do.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Role {
     /// Calls tools.
     Agent,
@@ -197,8 +201,26 @@ impl Table {
             );
             return Ok(table);
         }
+        // A name is who a principal is (approvals, quorum, audit): several entries of
+        // one name may each carry a token (rotation), never different roles, or "bob"
+        // would be an agent or an approver depending on which entry a lookup met first.
+        let mut roles_by_name: HashMap<String, Vec<Role>> = HashMap::new();
         for config in configs {
             let principal = principal_from_config(config)?;
+            let mut roles = principal.roles.clone();
+            roles.sort();
+            roles.dedup();
+            match roles_by_name.get(&principal.name) {
+                Some(known) if *known != roles => {
+                    return Err(AuthError::ConflictingRoles {
+                        name: principal.name,
+                    });
+                }
+                Some(_) => {}
+                None => {
+                    roles_by_name.insert(principal.name.clone(), roles);
+                }
+            }
             let token_digest = config_digest(config)?;
             if let Some(existing) = table.by_digest.insert(token_digest, principal) {
                 return Err(AuthError::DuplicateToken {
@@ -367,6 +389,32 @@ mod tests {
             Principals::load(&missing_env, dir.path()),
             Err(AuthError::MissingTokenEnv { .. })
         ));
+    }
+
+    /// One name, two tokens: fine with the same roles (a token being rotated), refused
+    /// with different ones, whose lookup by name would depend on hash order.
+    #[test]
+    fn a_name_configured_twice_keeps_one_set_of_roles() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = |token: &str, roles: &[&str]| PrincipalConfig {
+            name: "bob".into(),
+            token_env: None,
+            token_sha256: Some(hex::encode(digest(token))),
+            roles: roles.iter().map(|r| (*r).to_owned()).collect(),
+        };
+        let rotating = [
+            config("old", &["agent", "approver"]),
+            config("new", &["approver", "agent"]),
+        ];
+        let table = Principals::load(&rotating, dir.path()).unwrap();
+        assert_eq!(table.authenticate("old").unwrap().name, "bob");
+        assert_eq!(table.authenticate("new").unwrap().name, "bob");
+        let conflicting = [config("a", &["agent"]), config("b", &["approver"])];
+        let e = Principals::load(&conflicting, dir.path())
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("\"bob\" is configured twice"), "{e}");
     }
 
     #[test]

@@ -174,6 +174,7 @@ async fn check_request(State(guard): State<Guard>, request: Request, next: Next)
         Ok(c) => c,
         Err(e) => return e.into_response(),
     };
+    let session = chosen.session.clone();
     let (mut parts, body) = request.into_parts();
     parts.extensions.insert(principal.clone());
     parts.extensions.insert(chosen);
@@ -187,7 +188,7 @@ async fn check_request(State(guard): State<Guard>, request: Request, next: Next)
         for request_id in cancelled_request_ids(&bytes) {
             guard
                 .inflight
-                .cancel(&guard.state, &principal.name, &request_id);
+                .cancel(&guard.state, &principal.name, &session, &request_id);
         }
         Body::from(bytes)
     } else {
@@ -336,15 +337,20 @@ fn split_origin(origin: &str) -> Option<(&str, &str, Option<&str>)> {
     Some((scheme, host, port))
 }
 
-/// Calls in flight on `/mcp`, by principal and JSON-RPC request id, for
-/// `notifications/cancelled`.
+/// Who sent a JSON-RPC request on `/mcp`: the principal, the Airlock session it chose
+/// (`?session_id=`) and the request's id. Clients number their requests from 0 or 1, so
+/// two clients of one principal in different sessions reuse ids all the time: a
+/// `notifications/cancelled` stops only a call of the session it was sent in.
+type InflightKey = (String, String, String);
+
+/// Calls in flight on `/mcp`, by [`InflightKey`], for `notifications/cancelled`.
 #[derive(Default)]
 struct Inflight {
-    calls: Mutex<HashMap<(String, String), Vec<String>>>,
+    calls: Mutex<HashMap<InflightKey, Vec<String>>>,
 }
 
 impl Inflight {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(String, String), Vec<String>>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<InflightKey, Vec<String>>> {
         match self.calls.lock() {
             Ok(g) => g,
             Err(poisoned) => poisoned.into_inner(),
@@ -354,10 +360,15 @@ impl Inflight {
     fn register(
         self: &Arc<Self>,
         principal: &str,
+        session: &SessionId,
         request_id: String,
         call_id: &str,
     ) -> Registered {
-        let key = (principal.to_owned(), request_id);
+        let key = (
+            principal.to_owned(),
+            session.as_str().to_owned(),
+            request_id,
+        );
         self.lock()
             .entry(key.clone())
             .or_default()
@@ -369,8 +380,12 @@ impl Inflight {
         }
     }
 
-    fn cancel(&self, state: &HttpState, principal: &str, request_id: &str) {
-        let key = (principal.to_owned(), request_id.to_owned());
+    fn cancel(&self, state: &HttpState, principal: &str, session: &SessionId, request_id: &str) {
+        let key = (
+            principal.to_owned(),
+            session.as_str().to_owned(),
+            request_id.to_owned(),
+        );
         let target = match self.lock().get(&key).map(Vec::as_slice) {
             Some([one]) => one.clone(),
             Some(many) if many.len() > 1 => {
@@ -391,7 +406,7 @@ impl Inflight {
 /// Removes its call from [`Inflight`] when the request ends.
 struct Registered {
     inflight: Arc<Inflight>,
-    key: (String, String),
+    key: InflightKey,
     call_id: String,
 }
 
@@ -453,6 +468,7 @@ impl AirlockMcp {
             name: request.name.to_string(),
             input: Value::Object(request.arguments.unwrap_or_default()),
         };
+        let session = chosen.session.clone();
         let batch = Batch {
             session: chosen.named.then_some(chosen.session),
             calls: vec![Ok(tool_use)],
@@ -485,7 +501,7 @@ impl AirlockMcp {
         let call_id = handle.call_id().to_owned();
         let _registered = self
             .inflight
-            .register(&principal.name, request_id, &call_id);
+            .register(&principal.name, &session, request_id, &call_id);
         let mut progress = Progress {
             token: progress_token,
             context: &context,

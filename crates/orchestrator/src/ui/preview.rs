@@ -98,9 +98,12 @@ async fn edit_preview(gate: &Gate, approval: &Approval) -> Preview {
         Err(why) => return Preview::Unavailable(why),
     };
     match apply_edits(&old, edits) {
-        Some(new) => diff(gate, &old, &new, path, summary),
-        None => Preview::Unavailable(format!(
+        Ok(new) => diff(gate, &old, &new, path, summary),
+        Err(EditsMiss::NoLongerApply) => Preview::Unavailable(format!(
             "the file changed since the dry run ({summary}); reload to see it again"
+        )),
+        Err(EditsMiss::TooLarge) => Preview::Unavailable(format!(
+            "the edited file would be more than the {MAX_PREVIEW_BYTES} bytes a diff is shown for ({summary})"
         )),
     }
 }
@@ -211,13 +214,28 @@ async fn current_text(gate: &Gate, approval: &Approval, path: &str) -> Result<Cu
     Ok(Current::Text(text))
 }
 
+/// Why `edits` give no text to show.
+#[derive(Debug, PartialEq, Eq)]
+enum EditsMiss {
+    /// One of them does not apply to the file as it is now.
+    NoLongerApply,
+    /// The result would be larger than a diff is shown for.
+    TooLarge,
+}
+
 /// `edits` applied to `text` as `edit_file` applies them: in order, each `old_text`
-/// found exactly once unless `replace_all`. `None` when one does not apply.
-fn apply_edits(text: &str, edits: &[Value]) -> Option<String> {
+/// found exactly once unless `replace_all`. The file is read after the dry run and may
+/// have changed since, so the worker's own bound on the result does not hold here: each
+/// edit's result is measured before it is built, and one past [`MAX_PREVIEW_BYTES`]
+/// stops (chained `replace_all` edits that double the text would otherwise grow it
+/// exponentially in the orchestrator's memory).
+fn apply_edits(text: &str, edits: &[Value]) -> Result<String, EditsMiss> {
     let mut current = text.to_owned();
     for edit in edits {
-        let old = edit.get("old_text")?.as_str()?;
-        let new = edit.get("new_text")?.as_str()?;
+        let field = |name: &str| edit.get(name).and_then(Value::as_str);
+        let (Some(old), Some(new)) = (field("old_text"), field("new_text")) else {
+            return Err(EditsMiss::NoLongerApply);
+        };
         let all = edit
             .get("replace_all")
             .and_then(Value::as_bool)
@@ -227,14 +245,20 @@ fn apply_edits(text: &str, edits: &[Value]) -> Option<String> {
         } else {
             current.matches(old).count()
         };
-        current = match count {
-            0 => return None,
-            1 => current.replacen(old, new, 1),
-            _ if all => current.replace(old, new),
-            _ => return None,
+        let replaced = match count {
+            0 => return Err(EditsMiss::NoLongerApply),
+            1 => 1,
+            _ if all => count,
+            _ => return Err(EditsMiss::NoLongerApply),
         };
+        let size = (current.len() - replaced * old.len()) as u64
+            + (replaced as u64).saturating_mul(new.len() as u64);
+        if size > MAX_PREVIEW_BYTES {
+            return Err(EditsMiss::TooLarge);
+        }
+        current = current.replacen(old, new, replaced);
     }
-    Some(current)
+    Ok(current)
 }
 
 /// The unified diff of `old` and `new`, each redacted first.
@@ -272,15 +296,29 @@ mod tests {
         let edit = |old: &str, new: &str, all: bool| json!({"old_text": old, "new_text": new, "replace_all": all});
         assert_eq!(
             apply_edits(text, &[edit("c", "d", false), edit("d", "e", false)]).as_deref(),
-            Some("a b a\ne\n")
+            Ok("a b a\ne\n")
         );
-        assert_eq!(apply_edits(text, &[edit("a", "x", false)]), None);
+        let missed = Err(EditsMiss::NoLongerApply);
+        assert_eq!(apply_edits(text, &[edit("a", "x", false)]), missed);
         assert_eq!(
             apply_edits(text, &[edit("a", "x", true)]).as_deref(),
-            Some("x b x\nc\n")
+            Ok("x b x\nc\n")
         );
-        assert_eq!(apply_edits(text, &[edit("zz", "y", false)]), None);
-        assert_eq!(apply_edits(text, &[edit("", "y", false)]), None);
+        assert_eq!(apply_edits(text, &[edit("zz", "y", false)]), missed);
+        assert_eq!(apply_edits(text, &[edit("", "y", false)]), missed);
+        assert_eq!(apply_edits(text, &[json!({"old_text": "a"})]), missed);
+    }
+
+    /// Chained `replace_all` edits that double the text: 24 of them on 256 KiB would
+    /// ask for 2^42 bytes. The preview stops at its bound before building the result.
+    #[test]
+    fn doubling_edits_stop_at_the_preview_bound() {
+        let text = "x".repeat(256 * 1024);
+        let doubling = vec![json!({"old_text": "x", "new_text": "xx", "replace_all": true}); 24];
+        assert_eq!(apply_edits(&text, &doubling), Err(EditsMiss::TooLarge));
+        // Within the bound they apply.
+        let small = vec![json!({"old_text": "x", "new_text": "xx", "replace_all": true}); 3];
+        assert_eq!(apply_edits("x", &small).map(|t| t.len()), Ok(8));
     }
 
     #[test]
