@@ -119,7 +119,7 @@ for component in orchestrator worker-shell worker-fs worker-http worker-db; do
 done
 mkdir -p "$state/pg-ca" "$state/pg-server"
 install -m 0644 "$pki/pg/pki/ca.crt" "$state/pg-ca/ca.crt"
-# Any certificate of that CA carries the --san; the orchestrator's is taken as the server's.
+# A plain --san goes on the orchestrator's certificate alone, taken here as the server's.
 install -m 0644 "$pki/pg/pki/orchestrator.crt" "$state/pg-server/server.crt"
 install -m 0600 "$pki/pg/pki/orchestrator.key" "$state/pg-server/server.key"
 

@@ -516,7 +516,9 @@ fn sandbox_run_with_a_data_dir_uses_its_workspaces() {
 }
 
 /// `airlock certs init`: the files DESIGN §9 names, keys private, each certificate
-/// valid for its own name and the `--san`s, as a third party (OpenSSL) checks them.
+/// valid for its own name and the `--san`s meant for it — a plain one for the
+/// orchestrator, `COMPONENT=NAME` for that component — and for no other's, as a third
+/// party (OpenSSL) checks them.
 #[test]
 fn certs_init_writes_a_ca_and_component_certificates_that_openssl_accepts() {
     assert!(
@@ -536,7 +538,14 @@ fn certs_init_writes_a_ca_and_component_certificates_that_openssl_accepts() {
             .output()
             .expect("run airlock certs init")
     };
-    let first = run(&["--san", "airlock.internal", "--san", "10.0.0.7"]);
+    let first = run(&[
+        "--san",
+        "airlock.internal",
+        "--san",
+        "10.0.0.7",
+        "--san",
+        "worker-fs=fs-1.internal",
+    ]);
     assert!(
         first.status.success(),
         "{}",
@@ -588,12 +597,27 @@ fn certs_init_writes_a_ca_and_component_certificates_that_openssl_accepts() {
             .output()
             .expect("openssl x509");
         let sans = String::from_utf8_lossy(&text.stdout).into_owned();
-        for needle in [
-            format!("DNS:{component}"),
-            "DNS:airlock.internal".to_owned(),
-            "IP Address:10.0.0.7".to_owned(),
+        assert!(
+            sans.contains(&format!("DNS:{component}")),
+            "{component}: its own name in {sans}"
+        );
+        for (owner, needle) in [
+            ("orchestrator", "DNS:airlock.internal"),
+            ("orchestrator", "IP Address:10.0.0.7"),
+            ("worker-fs", "DNS:fs-1.internal"),
         ] {
-            assert!(sans.contains(&needle), "{component}: {needle} in {sans}");
+            assert_eq!(
+                sans.contains(needle),
+                component == owner,
+                "{component}: {needle} belongs to {owner}'s certificate alone: {sans}"
+            );
+        }
+        // No other component's name either: each key passes for one component only.
+        for other in components.iter().filter(|c| **c != component) {
+            assert!(
+                !sans.contains(&format!("DNS:{other}")),
+                "{component}: {other} in {sans}"
+            );
         }
     }
     // A second run changes nothing and says why.

@@ -440,7 +440,7 @@ async fn the_confined_orchestrator_reaches_its_store_over_verified_tls() {
     let scratch = tempfile::tempdir().expect("temp dir");
     let pki = scratch.path().join("pki");
     let status = Command::new(AIRLOCK)
-        .args(["certs", "init", "--san", "localhost", "--out"])
+        .args(["certs", "init", "--san", "worker-db=localhost", "--out"])
         .arg(&pki)
         .stdout(Stdio::null())
         .status()

@@ -259,8 +259,10 @@ enum CertsAction {
         /// overwritten.
         #[arg(long)]
         out: PathBuf,
-        /// An extra DNS name or IP address for every certificate (repeatable), e.g. the
-        /// host names the components are reached by.
+        /// An extra DNS name or IP address (repeatable): `NAME` for the orchestrator's
+        /// certificate (the name callers reach it by), `COMPONENT=NAME` for one
+        /// component's (e.g. `worker-fs=fs-1.internal`). Never on every certificate: a
+        /// name is an identity.
         #[arg(long = "san")]
         sans: Vec<String>,
     },

@@ -3,9 +3,13 @@
 //! certificates elsewhere (cert-manager); these are made to be thrown away.
 //!
 //! Every certificate carries its component's name as a DNS SAN (what `allowed_peers` and
-//! the orchestrator's server-name check match), plus the `--san` names given, and may act
-//! as client and as server: the orchestrator is a client of the workers and a server to
-//! callers, and a worker could be reached either way in a lab.
+//! the orchestrator's server-name check match) and may act as client and as server: the
+//! orchestrator is a client of the workers and a server to callers, and a worker could
+//! be reached either way in a lab. A `--san NAME` goes on the orchestrator's certificate
+//! alone (the one callers of the gRPC front door, or a database it serves as, verify);
+//! `--san COMPONENT=NAME` on that component's alone. A name is an identity: were one name
+//! on every certificate, any component's key would pass for the orchestrator (or a
+//! worker) under that name.
 
 use std::io::Write as _;
 use std::os::unix::fs::OpenOptionsExt as _;
@@ -44,6 +48,11 @@ pub enum DevPkiError {
         path: PathBuf,
         source: std::io::Error,
     },
+    #[error(
+        "{} is not a safe place for keys: {why}; choose a directory of your own that only you may write to, or a new path",
+        path.display()
+    )]
+    UnsafeDir { path: PathBuf, why: String },
     #[error("cannot write {}: {source}", path.display())]
     Write {
         path: PathBuf,
@@ -51,6 +60,10 @@ pub enum DevPkiError {
     },
     #[error("--san {name:?} is neither a DNS name nor an IP address: {message}")]
     BadSan { name: String, message: String },
+    #[error(
+        "--san {given:?} names no component; write NAME (the orchestrator's certificate) or COMPONENT=NAME with COMPONENT one of orchestrator, worker-shell, worker-fs, worker-http, worker-db"
+    )]
+    UnknownComponent { given: String },
     #[error("cannot make the {what}: {source}")]
     Generate {
         what: &'static str,
@@ -78,10 +91,7 @@ pub fn init(out: &Path, extra_sans: &[String]) -> Result<Written, DevPkiError> {
             }
         }
     }
-    let extra: Vec<SanType> = extra_sans
-        .iter()
-        .map(|name| san(name))
-        .collect::<Result<_, _>>()?;
+    let extra = scoped_sans(extra_sans)?;
     create_dir(out)?;
     let (year, month, day) = today();
 
@@ -112,7 +122,12 @@ pub fn init(out: &Path, extra_sans: &[String]) -> Result<Written, DevPkiError> {
         let mut params = CertificateParams::default();
         params.distinguished_name = name(component);
         params.subject_alt_names = vec![san(component)?];
-        params.subject_alt_names.extend(extra.iter().cloned());
+        params.subject_alt_names.extend(
+            extra
+                .iter()
+                .filter(|(owner, _)| *owner == component)
+                .map(|(_, name)| name.clone()),
+        );
         params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
         params.extended_key_usages = vec![
             ExtendedKeyUsagePurpose::ServerAuth,
@@ -151,6 +166,29 @@ fn name(common_name: &str) -> DistinguishedName {
     name
 }
 
+/// Each `--san` with the component whose certificate carries it: `COMPONENT=NAME`, or
+/// `NAME` for the orchestrator's.
+fn scoped_sans(given: &[String]) -> Result<Vec<(&'static str, SanType)>, DevPkiError> {
+    given
+        .iter()
+        .map(|text| {
+            let (component, name) = match text.split_once('=') {
+                Some((component, name)) => {
+                    let component = COMPONENTS
+                        .iter()
+                        .find(|c| **c == component)
+                        .ok_or_else(|| DevPkiError::UnknownComponent {
+                            given: text.clone(),
+                        })?;
+                    (*component, name)
+                }
+                None => ("orchestrator", text.as_str()),
+            };
+            Ok((component, san(name)?))
+        })
+        .collect()
+}
+
 /// A SAN: an IP address when it parses as one, else a DNS name.
 fn san(name: &str) -> Result<SanType, DevPkiError> {
     if let Ok(ip) = name.parse::<std::net::IpAddr>() {
@@ -187,8 +225,12 @@ fn today() -> (i32, u8, u8) {
     )
 }
 
+/// Creates `out` (mode 0700) or takes an existing directory that is this user's own and
+/// that no one else may write to: the owner of a directory, or anyone who may write to
+/// it, can swap a `ca.crt` and a component's pair for their own after they are written,
+/// and a peer that trusts that `ca.crt` trusts them.
 fn create_dir(out: &Path) -> Result<(), DevPkiError> {
-    use std::os::unix::fs::DirBuilderExt as _;
+    use std::os::unix::fs::{DirBuilderExt as _, MetadataExt as _};
     std::fs::DirBuilder::new()
         .recursive(true)
         .mode(0o700)
@@ -196,7 +238,35 @@ fn create_dir(out: &Path) -> Result<(), DevPkiError> {
         .map_err(|source| DevPkiError::Create {
             path: out.to_owned(),
             source,
-        })
+        })?;
+    let unsafe_dir = |why: String| DevPkiError::UnsafeDir {
+        path: out.to_owned(),
+        why,
+    };
+    let meta = std::fs::symlink_metadata(out).map_err(|source| DevPkiError::Create {
+        path: out.to_owned(),
+        source,
+    })?;
+    if !meta.is_dir() {
+        return Err(unsafe_dir("it is not a directory (a symbolic link?)".into()));
+    }
+    if meta.mode() & 0o022 != 0 {
+        return Err(unsafe_dir(format!(
+            "others may write to it (mode {:o})",
+            meta.mode() & 0o777
+        )));
+    }
+    // The owner of /proc/self is this process's user.
+    let me = std::fs::metadata("/proc/self")
+        .map_err(|e| unsafe_dir(format!("cannot tell who owns it (/proc/self: {e})")))?
+        .uid();
+    if meta.uid() != me {
+        return Err(unsafe_dir(format!(
+            "it belongs to uid {}, not to this user (uid {me})",
+            meta.uid()
+        )));
+    }
+    Ok(())
 }
 
 /// Writes a new file with `mode` from its creation (never a key readable by others,

@@ -32,7 +32,15 @@ fn valid_for(dir: &Path, component: &str, name: &str) -> bool {
 fn init_writes_a_ca_and_a_certificate_per_component_that_load_and_chain() {
     let scratch = tempfile::tempdir().unwrap();
     let out = scratch.path().join("pki");
-    let written = devpki::init(&out, &["airlock.test".into(), "127.0.0.1".into()]).unwrap();
+    let written = devpki::init(
+        &out,
+        &[
+            "airlock.test".into(),
+            "127.0.0.1".into(),
+            "worker-http=http-1.test".into(),
+        ],
+    )
+    .unwrap();
     assert_eq!(written.files.len(), 2 + 2 * COMPONENTS.len());
     assert_eq!(mode(&out), 0o700);
     assert_eq!(mode(&out.join("ca.key")), 0o600);
@@ -45,10 +53,16 @@ fn init_writes_a_ca_and_a_certificate_per_component_that_load_and_chain() {
         );
         let identity = files(&out, component).load().unwrap();
         assert_eq!(identity.chain.len(), 1);
-        // Its own name and the extra SANs, and no other component's name.
+        // Its own name and the extra SANs meant for it (plain ones: the orchestrator's),
+        // and no other component's name nor extra SAN.
         assert!(valid_for(&out, component, component));
-        assert!(valid_for(&out, component, "airlock.test"));
-        assert!(valid_for(&out, component, "127.0.0.1"));
+        let orchestrator = component == "orchestrator";
+        assert_eq!(valid_for(&out, component, "airlock.test"), orchestrator);
+        assert_eq!(valid_for(&out, component, "127.0.0.1"), orchestrator);
+        assert_eq!(
+            valid_for(&out, component, "http-1.test"),
+            component == "worker-http"
+        );
         for other in COMPONENTS.iter().filter(|c| **c != component) {
             assert!(
                 !valid_for(&out, component, other),
@@ -93,6 +107,26 @@ fn init_never_overwrites_and_refuses_a_bad_san_before_writing() {
         .unwrap_err()
         .to_string();
     assert!(error.contains("--san \"not a name!\""), "{error}");
+    assert!(!bad.exists(), "nothing written");
+    // A directory others may write to (or that is not a directory).
+    let open = scratch.path().join("open");
+    std::fs::create_dir(&open).unwrap();
+    std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let error = devpki::init(&open, &[]).unwrap_err().to_string();
+    assert!(error.contains("others may write to it (mode 777)"), "{error}");
+    assert_eq!(std::fs::read_dir(&open).unwrap().count(), 0, "nothing written");
+    let target = scratch.path().join("target");
+    std::fs::create_dir(&target).unwrap();
+    let link = scratch.path().join("link");
+    std::os::unix::fs::symlink(&target, &link).unwrap();
+    let error = devpki::init(&link, &[]).unwrap_err().to_string();
+    assert!(error.contains("not a directory"), "{error}");
+    assert_eq!(std::fs::read_dir(&target).unwrap().count(), 0, "nothing written");
+    // A scope that names no component.
+    let error = devpki::init(&bad, &["worker-sql=db.internal".into()])
+        .unwrap_err()
+        .to_string();
+    assert!(error.contains("names no component"), "{error}");
     assert!(!bad.exists(), "nothing written");
 }
 

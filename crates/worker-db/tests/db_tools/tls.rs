@@ -1,7 +1,8 @@
 //! `[[databases]]` over TLS (`sslmode=verify-full&sslrootcert=`), against a TLS-only
 //! server of this module's own (tests/support/postgres.rs `start_tls`: `ssl = on`,
 //! `hostssl` lines only) whose certificate is the db worker's from
-//! `airlock certs init --san localhost` (DNS SANs `worker-db` and `localhost`, no IP).
+//! `airlock certs init --san worker-db=localhost` (DNS SANs `worker-db` and `localhost`,
+//! no IP).
 //! Role `airlock_ro` logs in with its password (SCRAM inside TLS).
 
 use std::path::{Path, PathBuf};
@@ -21,7 +22,7 @@ static TLS_PG: OnceLock<TlsPg> = OnceLock::new();
 
 fn start() -> TlsPg {
     let certs = tempfile::tempdir().unwrap();
-    airlock_tls::devpki::init(certs.path(), &["localhost".to_owned()]).unwrap();
+    airlock_tls::devpki::init(certs.path(), &["worker-db=localhost".to_owned()]).unwrap();
     let server = postgres::start_tls(
         &certs.path().join("worker-db.crt"),
         &certs.path().join("worker-db.key"),
