@@ -684,7 +684,25 @@ per_session = false
         "{pin}"
     );
 
-    // The CLI shows it hidden, and the admin accepts it.
+    // An acceptance bound to a digest that is not the pending one (what the admin
+    // reviewed changed again since) is refused and changes nothing; a malformed one is
+    // a bad request.
+    let (status, body) = airlock
+        .post(
+            "/v1/tools/flaky__echo/accept",
+            &json!({"digest": first_digest}),
+        )
+        .await;
+    assert_eq!(status, 409, "{body}");
+    assert!(body.to_string().contains("changed again"), "{body}");
+    let (status, body) = airlock
+        .post("/v1/tools/flaky__echo/accept", &json!({"digest": "zz"}))
+        .await;
+    assert_eq!(status, 400, "{body}");
+    assert!(audit_events_of(&airlock, "tool_accepted", "flaky__echo").await.is_empty());
+    let pending_digest = pending["digest"].as_str().expect("digest").to_owned();
+
+    // The CLI shows it hidden, and the admin accepts what was reviewed.
     let pins_cli = airlock
         .cli(&["tools", "pins", "--token", "root-token"])
         .output()
@@ -698,7 +716,15 @@ per_session = false
         "{shown}"
     );
     let accepted = airlock
-        .cli(&["tools", "accept", "flaky__echo", "--token", "root-token"])
+        .cli(&[
+            "tools",
+            "accept",
+            "flaky__echo",
+            "--digest",
+            &pending_digest,
+            "--token",
+            "root-token",
+        ])
         .output()
         .expect("airlock tools accept");
     assert!(

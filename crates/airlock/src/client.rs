@@ -132,7 +132,7 @@ pub fn tool_pins(connection: &Connection, action: &crate::ToolsAction) -> anyhow
                     .to_string();
                 match pin.get("pending").filter(|p| !p.is_null()) {
                     Some(pending) => println!(
-                        "{tool:<32} HIDDEN  pinned {} changed to {} since {}: review with --json, then `airlock tools accept {tool}`",
+                        "{tool:<32} HIDDEN  pinned {} changed to {} since {}: review with --json, then `airlock tools accept {tool} --digest <its pending digest>`",
                         short(&pin["pinned"]["digest"]),
                         short(&pending["digest"]),
                         pin["pending_since"].as_str().unwrap_or("?"),
@@ -151,10 +151,14 @@ pub fn tool_pins(connection: &Connection, action: &crate::ToolsAction) -> anyhow
             }
             Ok(ExitCode::SUCCESS)
         }
-        ToolsAction::Accept { name } => {
+        ToolsAction::Accept { name, digest } => {
             airlock_policy::validate_tool_name(name)?;
             let url = format!("{}/v1/tools/{name}/accept", target.url);
-            let body = runtime.block_on(target.send(client.post(url)))?;
+            let request = match digest {
+                Some(digest) => client.post(url).json(&serde_json::json!({"digest": digest})),
+                None => client.post(url),
+            };
+            let body = runtime.block_on(target.send(request))?;
             println!(
                 "accepted {name}: pinned to digest {}; it is served as its worker lists it now",
                 body["pin"]["pinned"]["digest"].as_str().unwrap_or("?"),

@@ -202,7 +202,13 @@ pub enum ToolsAction {
     },
     /// Serve a tool whose definition changed since it was pinned, as it is now (admin
     /// role; audited as tool_accepted).
-    Accept { name: String },
+    Accept {
+        name: String,
+        /// The pending definition's digest, as reviewed (`airlock tools pins --json`):
+        /// refused if the definition changed again since.
+        #[arg(long)]
+        digest: Option<String>,
+    },
 }
 
 #[derive(Debug, Subcommand)]

@@ -788,23 +788,56 @@ async fn list_tool_pins(
 }
 
 /// Serves a discovered tool's changed definition from now on (`airlock tools accept`).
+/// `POST /v1/tools/{name}/accept`, with an optional body `{"digest": "<pending
+/// digest>"}`: the digest the admin reviewed, so that a definition that changed again
+/// since is refused (409) instead of accepted unseen.
 async fn accept_tool(
     State(state): State<HttpState>,
     axum::Extension(principal): axum::Extension<Principal>,
     Path(name): Path<String>,
+    body: axum::body::Bytes,
 ) -> Result<axum::Json<Value>, ApiError> {
     require_role(&principal, Role::Admin)?;
-    match state.gate.accept_tool(&name, &principal.name).await {
+    let reviewed = accept_digest(&body)?;
+    match state
+        .gate
+        .accept_tool(&name, &principal.name, reviewed.as_deref())
+        .await
+    {
         Ok(pin) => Ok(axum::Json(json!({"pin": pin}))),
         Err(StoreError::NotFound { .. }) => Err(ApiError::not_found(format!(
             "no pinned definition of tool {name:?}: only tools that external workers or MCP servers list are pinned; see GET /v1/tools/pins"
         ))),
-        Err(e @ StoreError::NothingToAccept { .. }) => Err(ApiError::new(
-            StatusCode::CONFLICT,
-            "conflict",
-            e.to_string(),
-        )),
+        Err(e @ (StoreError::NothingToAccept { .. } | StoreError::PendingChanged { .. })) => Err(
+            ApiError::new(StatusCode::CONFLICT, "conflict", e.to_string()),
+        ),
         Err(e) => Err(store_error(e)),
+    }
+}
+
+/// The `digest` of an accept's body: none for an empty body, else a JSON object whose
+/// only field is `digest`, 64 hex characters.
+fn accept_digest(body: &[u8]) -> Result<Option<String>, ApiError> {
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Accept {
+        digest: Option<String>,
+    }
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Ok(None);
+    }
+    let bad = |why: &str| {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request",
+            format!("the body is {why}; send nothing, or {{\"digest\": \"<the pending definition's digest from GET /v1/tools/pins>\"}}"),
+        )
+    };
+    let accept: Accept = serde_json::from_slice(body).map_err(|_| bad("not that JSON object"))?;
+    match accept.digest {
+        Some(d) if d.len() == 64 && d.bytes().all(|b| b.is_ascii_hexdigit()) => Ok(Some(d)),
+        Some(_) => Err(bad("a digest that is not 64 hex characters")),
+        None => Ok(None),
     }
 }
 

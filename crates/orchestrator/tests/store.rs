@@ -1312,7 +1312,7 @@ async fn tool_pins_pin_the_first_definition_and_hold_a_change_until_accepted(bac
 
     // Nothing to accept for a tool never seen.
     let err = store
-        .accept_tool_pin("crm__send", "root")
+        .accept_tool_pin("crm__send", "root", None)
         .await
         .unwrap_err();
     assert!(matches!(err, StoreError::NotFound { .. }), "{err}");
@@ -1321,7 +1321,7 @@ async fn tool_pins_pin_the_first_definition_and_hold_a_change_until_accepted(bac
     assert_eq!(check(&honest).await.unwrap(), PinCheck::FirstSeen);
     assert_eq!(check(&honest).await.unwrap(), PinCheck::Pinned);
     let err = store
-        .accept_tool_pin("crm__send", "root")
+        .accept_tool_pin("crm__send", "root", None)
         .await
         .unwrap_err();
     assert!(matches!(err, StoreError::NothingToAccept { .. }), "{err}");
@@ -1345,7 +1345,7 @@ async fn tool_pins_pin_the_first_definition_and_hold_a_change_until_accepted(bac
     assert_eq!(check(&honest).await.unwrap(), PinCheck::Pinned);
     assert_eq!(store.tool_pins().await.unwrap()[0].pending, None);
     let err = store
-        .accept_tool_pin("crm__send", "root")
+        .accept_tool_pin("crm__send", "root", None)
         .await
         .unwrap_err();
     assert!(matches!(err, StoreError::NothingToAccept { .. }), "{err}");
@@ -1359,7 +1359,19 @@ async fn tool_pins_pin_the_first_definition_and_hold_a_change_until_accepted(bac
             .len(),
         3
     );
-    let pin = store.accept_tool_pin("crm__send", "root").await.unwrap();
+    // The admin reviewed `poisoned`, which changed to `worse` meanwhile: refused, and
+    // nothing changes; accepting the digest that is pending now works.
+    let err = store
+        .accept_tool_pin("crm__send", "root", Some(&poisoned.digest))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, StoreError::PendingChanged { .. }), "{err}");
+    assert_eq!(store.tool_pins().await.unwrap()[0].pending.as_ref(), Some(&worse));
+    assert!(events_of(&store, AuditKind::ToolAccepted).await.is_empty());
+    let pin = store
+        .accept_tool_pin("crm__send", "root", Some(&worse.digest))
+        .await
+        .unwrap();
     assert_eq!(pin.pinned, worse);
     assert_eq!(pin.accepted_by.as_deref(), Some("root"));
     assert_eq!(pin.pending, None);

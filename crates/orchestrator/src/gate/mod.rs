@@ -353,14 +353,16 @@ impl Gate {
         self.store.tool_pins().await
     }
 
-    /// Accepts the changed definition of `tool` (audited as `by`) and asks its group for
-    /// its tools at once, so that the tool is served again before this answers.
+    /// Accepts the changed definition of `tool` (audited as `by`) — only if it is still
+    /// the one with digest `reviewed`, when given — and asks its group for its tools at
+    /// once, so that the tool is served again before this answers.
     pub async fn accept_tool(
         &self,
         tool: &str,
         by: &str,
+        reviewed: Option<&str>,
     ) -> Result<crate::store::ToolPin, StoreError> {
-        let pin = self.store.accept_tool_pin(tool, by).await?;
+        let pin = self.store.accept_tool_pin(tool, by, reviewed).await?;
         if let Some(group) = self.catalog.group(&pin.pinned.group) {
             self.catalog.refresh_group(&group).await;
         }

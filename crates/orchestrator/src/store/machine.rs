@@ -400,6 +400,7 @@ pub(super) async fn accept_tool_pin(
     tx: &mut impl Tx,
     tool: &str,
     accepted_by: &str,
+    reviewed: Option<&str>,
 ) -> Result<ToolPin, StoreError> {
     tx.chain_head().await?.ok_or_else(head_missing)?;
     let mut pin = tx
@@ -415,6 +416,15 @@ pub(super) async fn accept_tool_pin(
         .ok_or_else(|| StoreError::NothingToAccept {
             tool: tool.to_owned(),
         })?;
+    if let Some(reviewed) = reviewed
+        && !reviewed.eq_ignore_ascii_case(&pending.digest)
+    {
+        return Err(StoreError::PendingChanged {
+            tool: tool.to_owned(),
+            expected: reviewed.to_owned(),
+            pending: pending.digest,
+        });
+    }
     let event = NewAuditEvent::new(
         AuditKind::ToolAccepted,
         serde_json::json!({

@@ -308,6 +308,14 @@ pub enum StoreError {
         "tool {tool} has no changed definition waiting to be accepted (its workers list the definition pinned for it)"
     )]
     NothingToAccept { tool: String },
+    #[error(
+        "tool {tool:?} changed again: the definition waiting now has digest {pending}, not the {expected} that was reviewed; review it (GET /v1/tools/pins) and accept that digest"
+    )]
+    PendingChanged {
+        tool: String,
+        expected: String,
+        pending: String,
+    },
 }
 
 /// Where a call is in its life (see the module docs).
@@ -945,8 +953,16 @@ pub trait Store: Send + Sync {
 
     /// Makes the pending definition of `tool` its pin (audited `tool_accepted`, by
     /// `accepted_by`). [`StoreError::NotFound`] without a pin,
-    /// [`StoreError::NothingToAccept`] without a pending definition.
-    async fn accept_tool_pin(&self, tool: &str, accepted_by: &str) -> Result<ToolPin, StoreError>;
+    /// [`StoreError::NothingToAccept`] without a pending definition,
+    /// [`StoreError::PendingChanged`] when `reviewed` (the digest the admin looked at)
+    /// is not the pending one's: a definition that changed between the review and the
+    /// acceptance is not accepted unseen.
+    async fn accept_tool_pin(
+        &self,
+        tool: &str,
+        accepted_by: &str,
+        reviewed: Option<&str>,
+    ) -> Result<ToolPin, StoreError>;
 
     /// Every pin, by tool name.
     async fn tool_pins(&self) -> Result<Vec<ToolPin>, StoreError>;

@@ -813,10 +813,17 @@ impl Store for PostgresStore {
         Ok(check)
     }
 
-    async fn accept_tool_pin(&self, tool: &str, accepted_by: &str) -> Result<ToolPin, StoreError> {
+    async fn accept_tool_pin(
+        &self,
+        tool: &str,
+        accepted_by: &str,
+        reviewed: Option<&str>,
+    ) -> Result<ToolPin, StoreError> {
         let mut client = self.client().await?;
         let tx = client.transaction().await?;
-        let pin = machine::accept_tool_pin(&mut PgTx { client: &tx }, tool, accepted_by).await?;
+        let pin =
+            machine::accept_tool_pin(&mut PgTx { client: &tx }, tool, accepted_by, reviewed)
+                .await?;
         self.counted(tx.commit().await.map_err(StoreError::from))?;
         Ok(pin)
     }

@@ -1226,10 +1226,23 @@ impl Store for SqliteStore {
             .await
     }
 
-    async fn accept_tool_pin(&self, tool: &str, accepted_by: &str) -> Result<ToolPin, StoreError> {
+    async fn accept_tool_pin(
+        &self,
+        tool: &str,
+        accepted_by: &str,
+        reviewed: Option<&str>,
+    ) -> Result<ToolPin, StoreError> {
         let (tool, by) = (tool.to_owned(), accepted_by.to_owned());
-        self.write(move |tx| drive(machine::accept_tool_pin(tx, &tool, &by)))
-            .await
+        let reviewed = reviewed.map(str::to_owned);
+        self.write(move |tx| {
+            drive(machine::accept_tool_pin(
+                tx,
+                &tool,
+                &by,
+                reviewed.as_deref(),
+            ))
+        })
+        .await
     }
 
     async fn pending_approvals(&self) -> Result<u64, StoreError> {
