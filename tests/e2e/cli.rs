@@ -283,6 +283,45 @@ async fn the_orchestrator_runs_on_the_async_threads_it_is_given() {
     );
 }
 
+/// `airlock up` (root here) refuses a data dir another user owns or others may write to:
+/// such a user could plant `airlock.lock` (truncated, then written) or the token file as
+/// a link to a file of root's. Each attempt is refused naming the cause, and the file the
+/// link points to is unchanged.
+#[test]
+fn up_refuses_a_data_dir_others_can_plant_links_in() {
+    assert!(
+        rustix::process::geteuid().is_root(),
+        "this test plants links as another user and needs root (CI runs as root)"
+    );
+    let scratch = tempfile::tempdir().expect("temp dir");
+    let config = scratch.path().join("airlock.toml");
+    std::fs::write(&config, "").expect("config");
+    let victim = scratch.path().join("victim");
+    std::fs::write(&victim, "root's data\n").expect("victim");
+    let cases: [(&str, u32, u32, &str); 2] = [
+        ("owned-by-nobody", 65534, 0o700, "belongs to uid 65534"),
+        ("world-writable", 0, 0o777, "may be written by others (mode 777)"),
+    ];
+    for (name, uid, mode, expected) in cases {
+        let data = scratch.path().join(name);
+        std::fs::create_dir(&data).expect("data dir");
+        for planted in ["airlock.lock", "token"] {
+            std::os::unix::fs::symlink(&victim, data.join(planted)).expect("plant");
+        }
+        std::os::unix::fs::lchown(&data, Some(uid), Some(uid)).expect("chown");
+        std::fs::set_permissions(&data, std::os::unix::fs::PermissionsExt::from_mode(mode))
+            .expect("chmod");
+        let text = crate::support::up_refused(&config, &data);
+        assert!(text.contains(expected), "{name}: {text}");
+        assert_eq!(
+            std::fs::read_to_string(&victim).expect("victim"),
+            "root's data\n",
+            "{name}: the planted link was followed"
+        );
+        assert!(!data.join("endpoints.json").exists(), "{name}: nothing started");
+    }
+}
+
 /// A cgroup with a CPU quota of half a CPU (a pod's `limits.cpu: 500m`), on the cgroup v1
 /// `cpu` hierarchy or a v2 hierarchy with the `cpu` controller; removed when dropped.
 struct HalfCpu {

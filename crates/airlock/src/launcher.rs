@@ -87,6 +87,7 @@ pub fn up(location: &Location, listen: Listen) -> anyhow::Result<ExitCode> {
         .mode(0o700)
         .create(&loaded.data_dir)
         .with_context(|| format!("cannot create data dir {}", loaded.data_dir.display()))?;
+    check_data_dir_owner(&loaded.data_dir)?;
     // Taken before anything in the data dir is touched, so a second launcher on the same
     // dir changes nothing of the first's (its endpoints.json, sockets, token); held until
     // this function returns, after the children have stopped.
@@ -116,6 +117,34 @@ async fn with_volumes(loaded: Loaded) -> anyhow::Result<ExitCode> {
     result
 }
 
+/// Refuses a data dir that is not the running user's own or that others may write to.
+/// The launcher often runs as root (the workspace volumes need it) and writes its lock,
+/// token and run files there: whoever owns the directory, or may write to it, could
+/// plant a symbolic link by one of those names and have root truncate or overwrite the
+/// file it points to. (A data dir reached through a symbolic link is fine: what is
+/// checked is the directory itself.)
+fn check_data_dir_owner(dir: &Path) -> anyhow::Result<()> {
+    use std::os::unix::fs::MetadataExt as _;
+    let meta = std::fs::metadata(dir)
+        .with_context(|| format!("cannot read data dir {}", dir.display()))?;
+    let me = rustix::process::geteuid().as_raw();
+    if meta.uid() != me {
+        bail!(
+            "data dir {} belongs to uid {}, not to this user (uid {me}): another user could              plant links in it that this launcher would follow; give this launcher a data dir              of its own (--data-dir), or chown it",
+            dir.display(),
+            meta.uid()
+        );
+    }
+    if meta.mode() & 0o022 != 0 {
+        bail!(
+            "data dir {} may be written by others (mode {:o}); `chmod 700` it or choose              another --data-dir",
+            dir.display(),
+            meta.mode() & 0o777
+        );
+    }
+    Ok(())
+}
+
 /// Takes the exclusive lock of the data dir, or says which launcher holds it.
 ///
 /// An advisory `flock`, not a pid file: the kernel drops it when the launcher dies, even
@@ -130,6 +159,8 @@ fn lock_data_dir(dir: &Path) -> anyhow::Result<File> {
         .create(true)
         .truncate(false)
         .mode(0o600)
+        // Never through a link: the file is truncated below.
+        .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits().cast_signed())
         .open(&path)
         .with_context(|| format!("cannot open {}", path.display()))?;
     match rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
