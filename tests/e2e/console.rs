@@ -588,6 +588,69 @@ async fn console_shows_diffs_from_dry_runs_with_secrets_redacted() {
     assert!(shown.contains("<code>sub</code>"), "{shown}");
 }
 
+/// More pending approvals than a page holds: the console says so (and the count says
+/// "+") instead of silently showing the oldest page as if it were all, and the notice
+/// goes once the backlog fits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_backlog_larger_than_a_page_is_announced() {
+    let airlock = start().await;
+    // 101 held calls of alice's, in two requests (at most 64 calls each) and two
+    // sessions (a session's budget is 100 calls).
+    for (first, count) in [(0, 64), (64, 37)] {
+        let uses: Vec<Value> = (first..first + count)
+            .map(|i| json!({"type": "tool_use", "id": format!("t{i}"), "name": "write_file",
+                "input": {"path": format!("f{i}.txt"), "content": "x"}}))
+            .collect();
+        let (status, body, _) = send(
+            &airlock,
+            token("alice"),
+            reqwest::Method::POST,
+            "/v1/tool_calls",
+            Some(json!({"session_id": format!("backlog-{first}"), "wait_ms": 0, "tool_uses": uses})),
+        )
+        .await;
+        assert_eq!(status, 200, "{body}");
+    }
+    let shown = |body: &str| {
+        let notice = body.find(r#"id="pending-more""#).expect("the notice");
+        let tag = &body[body[..notice].rfind('<').expect("tag")..];
+        !tag[..tag.find('>').expect("tag end")].contains("hidden")
+    };
+    let cookie = sign_in(&airlock, token("bob")).await;
+    let (status, body, _) = page(&airlock, "/ui", Some(&cookie)).await;
+    assert_eq!(status, 200);
+    assert_eq!(body.matches("data-approval-id=").count(), 100, "one page");
+    assert!(shown(&body), "the notice is shown");
+    assert!(body.contains(r#"id="pending-count">100+<"#), "the count says more");
+
+    // One decided: 100 left, all on the page, the notice hidden.
+    let (_, listed, _) = send(
+        &airlock,
+        token("bob"),
+        reqwest::Method::GET,
+        "/v1/approvals?status=pending&limit=1",
+        None,
+    )
+    .await;
+    let first = listed["approvals"][0]["approval_id"]
+        .as_str()
+        .expect("approval id")
+        .to_owned();
+    let (status, body, _) = send(
+        &airlock,
+        token("bob"),
+        reqwest::Method::POST,
+        &format!("/v1/approvals/{first}/deny"),
+        Some(json!({"reason": "backlog test"})),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    let (_, body, _) = page(&airlock, "/ui", Some(&cookie)).await;
+    assert_eq!(body.matches("data-approval-id=").count(), 100);
+    assert!(body.contains(r#"id="pending-count">100<"#), "the count is exact");
+    assert!(!shown(&body), "the notice is hidden");
+}
+
 /// Under a quorum the console lists the approvers so far, and tells an approver who
 /// already approved why approving again is disabled; a second approver completes it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

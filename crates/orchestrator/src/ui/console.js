@@ -71,8 +71,12 @@
     });
     var empty = document.getElementById('pending-empty');
     if (empty) empty.hidden = incoming.length > 0;
+    var more = document.getElementById('pending-more');
+    var moreFresh = doc.getElementById('pending-more');
+    var hasMore = !!moreFresh && !moreFresh.hidden;
+    if (more) more.hidden = !hasMore;
     var count = document.getElementById('pending-count');
-    if (count) count.textContent = String(incoming.length);
+    if (count) count.textContent = String(incoming.length) + (hasMore ? '+' : '');
     tick();
   }
 

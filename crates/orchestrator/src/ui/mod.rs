@@ -335,7 +335,7 @@ async fn home(
         None => None,
     }
     .filter(|a| viewer.may_see_approval(a));
-    let approvals = visible_pending(&state, &viewer)
+    let (approvals, more) = visible_pending(&state, &viewer)
         .await
         .map_err(|error| Refused {
             error,
@@ -344,12 +344,18 @@ async fn home(
     let pending = with_previews(&state, approvals).await;
     Ok(html(
         StatusCode::OK,
-        pages::console(&viewer, &pending, decided.as_ref()),
+        pages::console(&viewer, &pending, more, decided.as_ref()),
     ))
 }
 
-/// The pending approvals `viewer` may see, as stored (inputs not yet redacted).
-async fn visible_pending(state: &HttpState, viewer: &Viewer) -> Result<Vec<Approval>, UiError> {
+/// The pending approvals `viewer` may see, as stored (inputs not yet redacted), oldest
+/// first, and whether more wait than the page holds ([`PENDING_PAGE`], or the store's
+/// byte budget for the arguments a page carries): the page says so, rather than let a
+/// few large approvals hide every later one.
+async fn visible_pending(
+    state: &HttpState,
+    viewer: &Viewer,
+) -> Result<(Vec<Approval>, bool), UiError> {
     let page = state
         .gate
         .approvals_page(&ApprovalQuery {
@@ -358,11 +364,13 @@ async fn visible_pending(state: &HttpState, viewer: &Viewer) -> Result<Vec<Appro
             ..ApprovalQuery::default()
         })
         .await?;
-    Ok(page
+    let more = page.next_cursor.is_some();
+    let visible = page
         .approvals
         .into_iter()
         .filter(|a| viewer.may_see_approval(a))
-        .collect())
+        .collect();
+    Ok((visible, more))
 }
 
 /// Each approval with why it was held and what it would do, its input redacted.
@@ -557,13 +565,13 @@ async fn events(State(state): State<HttpState>, headers: HeaderMap) -> Result<Re
                 return;
             };
             // The previews (reads on workers) only when the list changed.
-            if let Ok(approvals) = visible_pending(&state, &viewer).await {
-                let version = pages::list_version(&approvals);
+            if let Ok((approvals, more)) = visible_pending(&state, &viewer).await {
+                let version = format!("{}{}", pages::list_version(&approvals), u8::from(more));
                 if last.as_ref() != Some(&version) {
                     let pending = with_previews(&state, approvals).await;
                     // An SSE line ends at a CR too: as a character reference it stays
                     // text (a CRLF file's diff) without breaking the event.
-                    let fragment = pages::pending_list(&viewer, &pending)
+                    let fragment = pages::pending_list(&viewer, &pending, more)
                         .into_string()
                         .replace('\r', "&#13;");
                     if tx

@@ -200,7 +200,12 @@ pub fn error_page(viewer: Option<&Viewer>, status: StatusCode, message: &str) ->
 }
 
 /// `/ui`: the pending approvals (live) and the outcome of a decision just taken.
-pub fn console(viewer: &Viewer, pending: &[Pending], decided: Option<&Approval>) -> Markup {
+pub fn console(
+    viewer: &Viewer,
+    pending: &[Pending],
+    more: bool,
+    decided: Option<&Approval>,
+) -> Markup {
     layout(
         "Approvals",
         Some(viewer),
@@ -221,22 +226,27 @@ pub fn console(viewer: &Viewer, pending: &[Pending], decided: Option<&Approval>)
                 p.alert.info #cannot-decide { (why) "." }
             }
             section #pending {
-                h1 { "Pending approvals " span.count #pending-count { (pending.len()) } }
+                h1 { "Pending approvals " span.count #pending-count { (pending.len()) @if more { "+" } } }
                 p.live #live-state { "Updates live." }
-                (pending_list(viewer, pending))
+                (pending_list(viewer, pending, more))
             }
         },
     )
 }
 
 /// The list the live updates replace, item by item (`data-version` says when one
-/// changed).
-pub fn pending_list(viewer: &Viewer, pending: &[Pending]) -> Markup {
+/// changed); `more` when further approvals wait than the page holds.
+pub fn pending_list(viewer: &Viewer, pending: &[Pending], more: bool) -> Markup {
     html! {
         div #pending-list {
             p #pending-empty hidden[!pending.is_empty()] { "Nothing waits for a decision." }
             @for item in pending {
                 (pending_item(viewer, item))
+            }
+            p.alert.info #pending-more hidden[!more] {
+                "More approvals wait than this page holds (the oldest 100, or as many as 8 MiB of arguments): "
+                "they appear here as these are decided; to see every one now, use "
+                code { "airlock approvals list" } " or " code { "GET /v1/approvals" } "."
             }
         }
     }
