@@ -313,6 +313,87 @@ async fn a_policy_reload_that_forbids_the_requester_denies_its_pending_calls() {
     );
 }
 
+/// An approver removed by a reload takes back what they set up: their vote no longer
+/// counts toward a quorum (another approver's vote leaves the call pending), and an
+/// approval they remembered for the session no longer lets its calls through.
+#[tokio::test]
+async fn a_removed_approvers_votes_and_remembered_approvals_no_longer_count() {
+    let mallory = principal_block("mallory", "mallory-token", "[\"approver\"]");
+    let config = format!(
+        "{}{mallory}{}{}[approvals]\ntools = [\"execute_shell\", \"write_file\"]\nquorum = {{ write_file = 2 }}\n",
+        principal_block("alice", "alice-token", "[\"agent\"]"),
+        principal_block("bob", "bob-token", "[\"approver\"]"),
+        principal_block("root", "root-token", "[\"admin\"]"),
+    );
+    let airlock = Airlock::start_with(&config).await;
+    let ws = airlock.data_dir().join("workspaces/alice/revoked");
+    let approve = async |token: &str, approval_id: &str, body: Value| {
+        send(
+            &airlock,
+            token,
+            reqwest::Method::POST,
+            &format!("/v1/approvals/{approval_id}/approve"),
+            Some(body),
+        )
+        .await
+    };
+
+    // mallory casts the first of two votes; and approves a command for the session.
+    let quorum = held(
+        &propose(
+            &airlock,
+            "alice-token",
+            "revoked",
+            "write_file",
+            json!({"path": "q.txt", "content": "two said yes"}),
+        )
+        .await,
+    );
+    let (status, body) = approve("mallory-token", &quorum.1, json!({})).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["status"], "pending", "{body}");
+    let command = json!({"command": "echo hi >> remembered.txt"});
+    let first = held(
+        &propose(&airlock, "alice-token", "revoked", "execute_shell", command.clone()).await,
+    );
+    let (status, body) = approve("mallory-token", &first.1, json!({"remember": "session"})).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(final_call(&airlock, "alice-token", &first.0).await["status"], "ok");
+    // While mallory is an approver, the same command runs without asking again.
+    let again = propose(&airlock, "alice-token", "revoked", "execute_shell", command.clone()).await;
+    assert_ne!(again["status"], "pending_approval", "{again}");
+
+    // mallory is removed.
+    let path = config_path(&airlock);
+    let text = std::fs::read_to_string(&path).expect("config");
+    std::fs::write(&path, text.replace(&mallory, "")).expect("new config");
+    reload(&airlock, "root-token", "principals_reloaded", |e| {
+        e["data"]["principals"] == json!(["alice", "bob", "root"])
+    })
+    .await;
+
+    // bob's vote is now the only one: the call still waits for a second approver.
+    let (status, body) = approve("bob-token", &quorum.1, json!({})).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["status"], "pending", "mallory's vote still counted: {body}");
+    assert_eq!(body["approved_by"], json!(["bob"]), "{body}");
+    assert!(!ws.join("q.txt").exists(), "the quorum was not reached");
+    let event = wait_audit(&airlock, "root-token", "partially_approved", |e| {
+        e["data"]["votes_withdrawn"] == json!(["mallory"])
+    })
+    .await;
+    assert_eq!(event["data"]["decided_by"], "bob", "{event}");
+
+    // The remembered approval no longer covers the command: it waits for a human.
+    let after = propose(&airlock, "alice-token", "revoked", "execute_shell", command).await;
+    assert_eq!(
+        after["status"], "pending_approval",
+        "mallory's remembered approval still counted: {after}"
+    );
+    let runs = std::fs::read_to_string(ws.join("remembered.txt")).unwrap_or_default();
+    assert_eq!(runs.lines().count(), 2, "{runs:?}");
+}
+
 #[tokio::test]
 async fn removing_a_principal_or_its_role_denies_its_pending_calls_wherever_they_are_decided() {
     let alice = principal_block("alice", "alice-token", "[\"agent\"]");

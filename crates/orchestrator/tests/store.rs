@@ -1668,6 +1668,19 @@ async fn a_quorum_needs_distinct_approvers_and_approves_once(backend: Backend) {
         Some(first),
         "a refused approval changes nothing"
     );
+    // A vote taken back (its approver is gone) no longer counts; it may be given again.
+    let taken = store
+        .withdraw_votes(&aid("ap-1"), &["bob".to_owned(), "nobody".to_owned()])
+        .await
+        .unwrap();
+    assert_eq!(taken, 1);
+    let withdrawn = store.get_approval(&aid("ap-1")).await.unwrap().unwrap();
+    assert!(withdrawn.approved_by.is_empty(), "{withdrawn:?}");
+    assert_eq!(withdrawn.status, ApprovalStatus::Pending);
+    store
+        .approve_approval(&aid("ap-1"), "bob", Some("one"), &digest, 2, now + 1)
+        .await
+        .unwrap();
     let second = store
         .approve_approval(&aid("ap-1"), "carol", Some("two"), &digest, 2, now + 2)
         .await
@@ -1679,6 +1692,14 @@ async fn a_quorum_needs_distinct_approvers_and_approves_once(backend: Backend) {
     );
     assert_eq!(second.decided_by.as_deref(), Some("carol"));
     assert_eq!(call_state(&store, "call-1").await, CallState::Approved);
+    // Votes are taken back only from an approval still pending.
+    assert_eq!(
+        store
+            .withdraw_votes(&aid("ap-1"), &["bob".to_owned()])
+            .await
+            .unwrap(),
+        0
+    );
     let third = store
         .approve_approval(&aid("ap-1"), "dave", None, &digest, 2, now + 3)
         .await;

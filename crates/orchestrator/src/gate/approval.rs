@@ -73,12 +73,38 @@ impl Gate {
             )
             .await
         {
-            Ok(found) => found,
+            Ok(Some(found)) => self.still_given(found).await,
+            Ok(None) => None,
             Err(e) => {
                 tracing::warn!(error = %e, "cannot read remembered approvals; holding the call");
                 None
             }
         }
+    }
+
+    /// A remembered approval counts only while whoever gave it is still an approver: a
+    /// principal removed (or stripped of the role) by a reload takes back what they
+    /// remembered. Read from the approval itself; one that cannot be read covers nothing.
+    async fn still_given(&self, found: RememberedApproval) -> Option<RememberedApproval> {
+        let approval = match self.store.get_approval(&found.approval_id).await {
+            Ok(Some(approval)) => approval,
+            Ok(None) => return None,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read a remembered approval; holding the call");
+                return None;
+            }
+        };
+        let givers: Vec<String> = if approval.approved_by.is_empty() {
+            approval.decided_by.into_iter().collect()
+        } else {
+            approval.approved_by
+        };
+        let gone = super::decisions::no_longer_approvers(self, &givers);
+        if givers.is_empty() || !gone.is_empty() {
+            tracing::info!(approval_id = %found.approval_id, no_longer_approvers = ?gone, "a remembered approval no longer counts: its approver is gone; holding the call");
+            return None;
+        }
+        Some(found)
     }
 
     /// Keeps the call's row (state `approved`) for its first store write: ahead of the

@@ -63,6 +63,20 @@ pub const REVOKED_BY: &str = "system:revoked";
 /// the approval, written into the audit log and shown to the model on a denial.
 pub const MAX_REASON_BYTES: usize = 4096;
 
+/// Those of `names` who are not approvers in the principals in force.
+pub(super) fn no_longer_approvers(gate: &Gate, names: &[String]) -> Vec<String> {
+    names
+        .iter()
+        .filter(|name| {
+            !gate
+                .principals
+                .by_name(name)
+                .is_some_and(|p| p.has(crate::auth::Role::Approver))
+        })
+        .cloned()
+        .collect()
+}
+
 /// Approves or denies; the caller has checked the approver role. An approval is
 /// checked against the principals and the policy in force first
 /// ([`Gate::reauthorize`]); one that no longer holds denies the call instead
@@ -99,6 +113,21 @@ pub async fn decide(
             actual: approval.input_sha256,
         });
     }
+    // Votes given by principals who are no longer approvers (removed, or stripped of
+    // the role, by a reload) are taken back before this one is counted: revoking an
+    // approver revokes what they set up.
+    let withdrawn = if approve && approval.status == ApprovalStatus::Pending {
+        let gone = no_longer_approvers(gate, &approval.approved_by);
+        if !gone.is_empty() {
+            gate.store
+                .withdraw_votes(approval_id, &gone)
+                .await
+                .map_err(DecideError::Store)?;
+        }
+        gone
+    } else {
+        Vec::new()
+    };
     let policy_sha256 = gate.policy_sha256();
     let store_error = |e| match e {
         StoreError::NotFound { .. } => DecideError::NotFound,
@@ -189,6 +218,9 @@ pub async fn decide(
     if approve {
         data["approved_by"] = json!(decided.approved_by);
         data["quorum"] = json!(quorum);
+        if !withdrawn.is_empty() {
+            data["votes_withdrawn"] = json!(withdrawn);
+        }
     }
     if remember && decided.status == ApprovalStatus::Approved {
         data["remember"] = json!("session");

@@ -865,6 +865,15 @@ pub trait Store: Send + Sync {
         now: Timestamp,
     ) -> Result<Approval, StoreError>;
 
+    /// Takes back the votes of `approvers` on an approval that is still pending (they
+    /// are no longer approvers: their votes must not count toward its quorum); how many
+    /// were taken back. An approval decided meanwhile keeps its votes.
+    async fn withdraw_votes(
+        &self,
+        approval_id: &ApprovalId,
+        approvers: &[String],
+    ) -> Result<u64, StoreError>;
+
     /// Remembers an approval for its session (replacing an earlier one for the same
     /// principal, session, tool and input), and forgets those that ended by `now`.
     async fn remember_approval(

@@ -1071,6 +1071,24 @@ impl Store for PostgresStore {
         answer
     }
 
+    async fn withdraw_votes(
+        &self,
+        approval_id: &ApprovalId,
+        approvers: &[String],
+    ) -> Result<u64, StoreError> {
+        let client = self.client().await?;
+        let taken = client
+            .execute(
+                "DELETE FROM approval_votes WHERE approval_id = $1 AND approver = ANY($2) \
+                 AND EXISTS (SELECT 1 FROM approvals \
+                 WHERE approval_id = $1 AND status = 'pending')",
+                &[&approval_id.as_str(), &approvers],
+            )
+            .await
+            .map_err(StoreError::from);
+        self.counted_if(taken, |n| *n > 0)
+    }
+
     async fn remember_approval(
         &self,
         remembered: &RememberedApproval,

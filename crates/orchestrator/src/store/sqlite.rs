@@ -1055,6 +1055,29 @@ impl Store for SqliteStore {
         .await?
     }
 
+    async fn withdraw_votes(
+        &self,
+        approval_id: &ApprovalId,
+        approvers: &[String],
+    ) -> Result<u64, StoreError> {
+        let id = approval_id.as_str().to_owned();
+        let approvers = approvers.to_vec();
+        self.write(move |tx| {
+            let mut taken = 0u64;
+            for approver in &approvers {
+                let n = tx.conn.execute(
+                    "DELETE FROM approval_votes WHERE approval_id = ?1 AND approver = ?2 \
+                     AND EXISTS (SELECT 1 FROM approvals \
+                     WHERE approval_id = ?1 AND status = 'pending')",
+                    params![id, approver],
+                )?;
+                taken += n as u64;
+            }
+            Ok(taken)
+        })
+        .await
+    }
+
     async fn remember_approval(
         &self,
         remembered: &RememberedApproval,
