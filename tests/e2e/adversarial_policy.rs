@@ -354,13 +354,30 @@ async fn a_removed_approvers_votes_and_remembered_approvals_no_longer_count() {
     assert_eq!(body["status"], "pending", "{body}");
     let command = json!({"command": "echo hi >> remembered.txt"});
     let first = held(
-        &propose(&airlock, "alice-token", "revoked", "execute_shell", command.clone()).await,
+        &propose(
+            &airlock,
+            "alice-token",
+            "revoked",
+            "execute_shell",
+            command.clone(),
+        )
+        .await,
     );
     let (status, body) = approve("mallory-token", &first.1, json!({"remember": "session"})).await;
     assert_eq!(status, 200, "{body}");
-    assert_eq!(final_call(&airlock, "alice-token", &first.0).await["status"], "ok");
+    assert_eq!(
+        final_call(&airlock, "alice-token", &first.0).await["status"],
+        "ok"
+    );
     // While mallory is an approver, the same command runs without asking again.
-    let again = propose(&airlock, "alice-token", "revoked", "execute_shell", command.clone()).await;
+    let again = propose(
+        &airlock,
+        "alice-token",
+        "revoked",
+        "execute_shell",
+        command.clone(),
+    )
+    .await;
     assert_ne!(again["status"], "pending_approval", "{again}");
 
     // mallory is removed.
@@ -375,7 +392,10 @@ async fn a_removed_approvers_votes_and_remembered_approvals_no_longer_count() {
     // bob's vote is now the only one: the call still waits for a second approver.
     let (status, body) = approve("bob-token", &quorum.1, json!({})).await;
     assert_eq!(status, 200, "{body}");
-    assert_eq!(body["status"], "pending", "mallory's vote still counted: {body}");
+    assert_eq!(
+        body["status"], "pending",
+        "mallory's vote still counted: {body}"
+    );
     assert_eq!(body["approved_by"], json!(["bob"]), "{body}");
     assert!(!ws.join("q.txt").exists(), "the quorum was not reached");
     let event = wait_audit(&airlock, "root-token", "partially_approved", |e| {

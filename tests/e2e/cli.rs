@@ -300,7 +300,12 @@ fn up_refuses_a_data_dir_others_can_plant_links_in() {
     std::fs::write(&victim, "root's data\n").expect("victim");
     let cases: [(&str, u32, u32, &str); 2] = [
         ("owned-by-nobody", 65534, 0o700, "belongs to uid 65534"),
-        ("world-writable", 0, 0o777, "may be written by others (mode 777)"),
+        (
+            "world-writable",
+            0,
+            0o777,
+            "may be written by others (mode 777)",
+        ),
     ];
     for (name, uid, mode, expected) in cases {
         let data = scratch.path().join(name);
@@ -318,7 +323,10 @@ fn up_refuses_a_data_dir_others_can_plant_links_in() {
             "root's data\n",
             "{name}: the planted link was followed"
         );
-        assert!(!data.join("endpoints.json").exists(), "{name}: nothing started");
+        assert!(
+            !data.join("endpoints.json").exists(),
+            "{name}: nothing started"
+        );
     }
 }
 

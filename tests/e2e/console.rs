@@ -598,15 +598,19 @@ async fn a_backlog_larger_than_a_page_is_announced() {
     // sessions (a session's budget is 100 calls).
     for (first, count) in [(0, 64), (64, 37)] {
         let uses: Vec<Value> = (first..first + count)
-            .map(|i| json!({"type": "tool_use", "id": format!("t{i}"), "name": "write_file",
-                "input": {"path": format!("f{i}.txt"), "content": "x"}}))
+            .map(|i| {
+                json!({"type": "tool_use", "id": format!("t{i}"), "name": "write_file",
+                "input": {"path": format!("f{i}.txt"), "content": "x"}})
+            })
             .collect();
         let (status, body, _) = send(
             &airlock,
             token("alice"),
             reqwest::Method::POST,
             "/v1/tool_calls",
-            Some(json!({"session_id": format!("backlog-{first}"), "wait_ms": 0, "tool_uses": uses})),
+            Some(
+                json!({"session_id": format!("backlog-{first}"), "wait_ms": 0, "tool_uses": uses}),
+            ),
         )
         .await;
         assert_eq!(status, 200, "{body}");
@@ -621,7 +625,10 @@ async fn a_backlog_larger_than_a_page_is_announced() {
     assert_eq!(status, 200);
     assert_eq!(body.matches("data-approval-id=").count(), 100, "one page");
     assert!(shown(&body), "the notice is shown");
-    assert!(body.contains(r#"id="pending-count">100+<"#), "the count says more");
+    assert!(
+        body.contains(r#"id="pending-count">100+<"#),
+        "the count says more"
+    );
 
     // One decided: 100 left, all on the page, the notice hidden.
     let (_, listed, _) = send(
@@ -647,7 +654,10 @@ async fn a_backlog_larger_than_a_page_is_announced() {
     assert_eq!(status, 200, "{body}");
     let (_, body, _) = page(&airlock, "/ui", Some(&cookie)).await;
     assert_eq!(body.matches("data-approval-id=").count(), 100);
-    assert!(body.contains(r#"id="pending-count">100<"#), "the count is exact");
+    assert!(
+        body.contains(r#"id="pending-count">100<"#),
+        "the count is exact"
+    );
     assert!(!shown(&body), "the notice is hidden");
 }
 

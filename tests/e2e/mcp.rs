@@ -281,7 +281,10 @@ async fn a_cancel_from_another_session_leaves_the_call_running() {
     assert!(status.is_success(), "{status}");
     tokio::time::sleep(Duration::from_secs(2)).await;
     let (_, detail) = airlock.get(&format!("/v1/calls/{call_id}")).await;
-    assert_eq!(detail["status"], "running", "another session's cancel stopped it: {detail}");
+    assert_eq!(
+        detail["status"], "running",
+        "another session's cancel stopped it: {detail}"
+    );
 
     cancel("s1").await.expect("send");
     let (_, detail) = airlock

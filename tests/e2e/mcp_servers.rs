@@ -699,7 +699,11 @@ per_session = false
         .post("/v1/tools/flaky__echo/accept", &json!({"digest": "zz"}))
         .await;
     assert_eq!(status, 400, "{body}");
-    assert!(audit_events_of(&airlock, "tool_accepted", "flaky__echo").await.is_empty());
+    assert!(
+        audit_events_of(&airlock, "tool_accepted", "flaky__echo")
+            .await
+            .is_empty()
+    );
     let pending_digest = pending["digest"].as_str().expect("digest").to_owned();
 
     // The CLI shows it hidden, and the admin accepts what was reviewed.

@@ -155,7 +155,9 @@ pub fn tool_pins(connection: &Connection, action: &crate::ToolsAction) -> anyhow
             airlock_policy::validate_tool_name(name)?;
             let url = format!("{}/v1/tools/{name}/accept", target.url);
             let request = match digest {
-                Some(digest) => client.post(url).json(&serde_json::json!({"digest": digest})),
+                Some(digest) => client
+                    .post(url)
+                    .json(&serde_json::json!({"digest": digest})),
                 None => client.post(url),
             };
             let body = runtime.block_on(target.send(request))?;

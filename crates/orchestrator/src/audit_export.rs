@@ -187,7 +187,7 @@ impl AuditExporter {
                 .collect();
             match self.client.send(&batch).await {
                 Ok(()) => {
-                    delivered = queue.drain(..batch.len()).last().map(|(seq, _)| seq);
+                    delivered = queue.drain(..batch.len()).next_back().map(|(seq, _)| seq);
                     self.metrics.exported.inc_by(batch.len() as u64);
                     if backoff.failing() {
                         tracing::info!("[audit] export: the collector accepts records again");

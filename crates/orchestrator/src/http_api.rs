@@ -830,7 +830,9 @@ fn accept_digest(body: &[u8]) -> Result<Option<String>, ApiError> {
         ApiError::new(
             StatusCode::BAD_REQUEST,
             "invalid_request",
-            format!("the body is {why}; send nothing, or {{\"digest\": \"<the pending definition's digest from GET /v1/tools/pins>\"}}"),
+            format!(
+                "the body is {why}; send nothing, or {{\"digest\": \"<the pending definition's digest from GET /v1/tools/pins>\"}}"
+            ),
         )
     };
     let accept: Accept = serde_json::from_slice(body).map_err(|_| bad("not that JSON object"))?;

@@ -1366,7 +1366,10 @@ async fn tool_pins_pin_the_first_definition_and_hold_a_change_until_accepted(bac
         .await
         .unwrap_err();
     assert!(matches!(err, StoreError::PendingChanged { .. }), "{err}");
-    assert_eq!(store.tool_pins().await.unwrap()[0].pending.as_ref(), Some(&worse));
+    assert_eq!(
+        store.tool_pins().await.unwrap()[0].pending.as_ref(),
+        Some(&worse)
+    );
     assert!(events_of(&store, AuditKind::ToolAccepted).await.is_empty());
     let pin = store
         .accept_tool_pin("crm__send", "root", Some(&worse.digest))

@@ -174,12 +174,13 @@ fn scoped_sans(given: &[String]) -> Result<Vec<(&'static str, SanType)>, DevPkiE
         .map(|text| {
             let (component, name) = match text.split_once('=') {
                 Some((component, name)) => {
-                    let component = COMPONENTS
-                        .iter()
-                        .find(|c| **c == component)
-                        .ok_or_else(|| DevPkiError::UnknownComponent {
-                            given: text.clone(),
-                        })?;
+                    let component =
+                        COMPONENTS
+                            .iter()
+                            .find(|c| **c == component)
+                            .ok_or_else(|| DevPkiError::UnknownComponent {
+                                given: text.clone(),
+                            })?;
                     (*component, name)
                 }
                 None => ("orchestrator", text.as_str()),
@@ -248,7 +249,9 @@ fn create_dir(out: &Path) -> Result<(), DevPkiError> {
         source,
     })?;
     if !meta.is_dir() {
-        return Err(unsafe_dir("it is not a directory (a symbolic link?)".into()));
+        return Err(unsafe_dir(
+            "it is not a directory (a symbolic link?)".into(),
+        ));
     }
     if meta.mode() & 0o022 != 0 {
         return Err(unsafe_dir(format!(

@@ -113,15 +113,26 @@ fn init_never_overwrites_and_refuses_a_bad_san_before_writing() {
     std::fs::create_dir(&open).unwrap();
     std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
     let error = devpki::init(&open, &[]).unwrap_err().to_string();
-    assert!(error.contains("others may write to it (mode 777)"), "{error}");
-    assert_eq!(std::fs::read_dir(&open).unwrap().count(), 0, "nothing written");
+    assert!(
+        error.contains("others may write to it (mode 777)"),
+        "{error}"
+    );
+    assert_eq!(
+        std::fs::read_dir(&open).unwrap().count(),
+        0,
+        "nothing written"
+    );
     let target = scratch.path().join("target");
     std::fs::create_dir(&target).unwrap();
     let link = scratch.path().join("link");
     std::os::unix::fs::symlink(&target, &link).unwrap();
     let error = devpki::init(&link, &[]).unwrap_err().to_string();
     assert!(error.contains("not a directory"), "{error}");
-    assert_eq!(std::fs::read_dir(&target).unwrap().count(), 0, "nothing written");
+    assert_eq!(
+        std::fs::read_dir(&target).unwrap().count(),
+        0,
+        "nothing written"
+    );
     // A scope that names no component.
     let error = devpki::init(&bad, &["worker-sql=db.internal".into()])
         .unwrap_err()

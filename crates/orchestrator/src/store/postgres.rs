@@ -821,9 +821,8 @@ impl Store for PostgresStore {
     ) -> Result<ToolPin, StoreError> {
         let mut client = self.client().await?;
         let tx = client.transaction().await?;
-        let pin =
-            machine::accept_tool_pin(&mut PgTx { client: &tx }, tool, accepted_by, reviewed)
-                .await?;
+        let pin = machine::accept_tool_pin(&mut PgTx { client: &tx }, tool, accepted_by, reviewed)
+            .await?;
         self.counted(tx.commit().await.map_err(StoreError::from))?;
         Ok(pin)
     }

@@ -20,8 +20,8 @@ use airlock_worker::CallContext;
 use airlock_worker::mcp::{IdleSince, MAX_PAGES, MAX_TOOLS, McpServerEntry};
 use rmcp::model::{
     CallToolRequest, CallToolRequestParams, CancelledNotificationParam, ClientCapabilities,
-    ClientConfig, ClientRequest, Implementation, PaginatedRequestParams,
-    ProgressNotificationParam, ProgressToken, ServerResult,
+    ClientConfig, ClientRequest, Implementation, PaginatedRequestParams, ProgressNotificationParam,
+    ProgressToken, ServerResult,
 };
 use rmcp::service::{NotificationContext, PeerRequestOptions, RunningService, ServiceError};
 use rmcp::transport::async_rw::AsyncRwTransport;
@@ -377,7 +377,9 @@ async fn list_tools_bounded(peer: &Peer<RoleClient>) -> Result<Vec<Value>, Strin
             None => return Ok(tools),
         }
     }
-    Err(format!("tools/list goes on past {MAX_PAGES} pages (nextCursor)"))
+    Err(format!(
+        "tools/list goes on past {MAX_PAGES} pages (nextCursor)"
+    ))
 }
 
 /// Cancels the sandbox when dropped while it still holds it.

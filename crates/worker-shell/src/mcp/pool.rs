@@ -116,7 +116,9 @@ impl McpPool {
                 };
                 match listed {
                     Ok(tools) => pool.learn(&tools),
-                    Err(e) => tracing::warn!(server = %pool.entry.name, error = %e, "cannot list the MCP server's changed tools; keeping the last listing"),
+                    Err(e) => {
+                        tracing::warn!(server = %pool.entry.name, error = %e, "cannot list the MCP server's changed tools; keeping the last listing")
+                    }
                 }
             }
         });
