@@ -109,6 +109,26 @@ for name in "${names[@]}"; do
   fi
 done
 
+# --- the CA keeps its key ----------------------------------------------------------
+# Every pod trusts only its own Secret's ca.crt: a CA renewed with a new key splits the
+# components in two until every leaf is renewed (see overlays/production/certificates.yaml).
+for name in production production-strict; do
+  if ! python3 - "$out/rendered/$name/all.yaml" <<'PY'
+import sys, yaml
+docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
+cas = [d for d in docs if d["kind"] == "Certificate" and d["spec"].get("isCA")]
+bad = [d["metadata"]["name"] for d in cas
+       if d["spec"].get("privateKey", {}).get("rotationPolicy") != "Never"]
+if not cas or bad:
+    print(f"CA certificates {bad or 'missing'} must keep their key (privateKey.rotationPolicy: Never)")
+    sys.exit(1)
+PY
+  then
+    echo "FAIL: $name renews its CA with a new key" >&2
+    status=1
+  fi
+done
+
 if [ "$status" -ne 0 ]; then
   exit "$status"
 fi
