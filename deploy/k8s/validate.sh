@@ -129,6 +129,44 @@ PY
   fi
 done
 
+# --- the dev overlay's secrets never pass through a command line ------------------------
+# secrets.sh against stand-ins for kubectl and airlock that log their arguments: no
+# generated value (64 hex digits) may be among them, where /proc/<pid>/cmdline shows it.
+stubs="$out/stubs"
+mkdir -p "$stubs"
+cat > "$stubs/kubectl" <<'SH'
+#!/bin/sh
+printf '%s\n' "$*" >> "$ARGV_LOG"
+case "$*" in
+  *" get secret "*) exit 1 ;;
+  *"apply -f -"*) cat > /dev/null ;;
+esac
+SH
+cat > "$stubs/airlock" <<'SH'
+#!/bin/sh
+printf '%s\n' "$*" >> "$ARGV_LOG"
+out=$4
+mkdir -p "$out"
+for f in ca orchestrator worker-shell worker-fs worker-http worker-db; do
+  : > "$out/$f.crt"; : > "$out/$f.key"
+done
+SH
+chmod +x "$stubs/kubectl" "$stubs/airlock"
+echo "== dev secrets.sh keeps values off command lines"
+if ! ARGV_LOG="$out/argv.log" PATH="$stubs:$PATH" AIRLOCK="$stubs/airlock" \
+    "$here/overlays/dev/secrets.sh" "$out/dev-certs" > "$out/secrets.txt" 2>&1; then
+  cat "$out/secrets.txt"
+  echo "FAIL: overlays/dev/secrets.sh failed against the stand-ins" >&2
+  status=1
+elif ! grep -q 'create secret generic airlock-principals' "$out/argv.log"; then
+  cat "$out/argv.log"
+  echo "FAIL: overlays/dev/secrets.sh did not create the principals' Secret" >&2
+  status=1
+elif grep -E '[0-9a-f]{64}' "$out/argv.log"; then
+  echo "FAIL: overlays/dev/secrets.sh put a generated secret on a command line (above)" >&2
+  status=1
+fi
+
 if [ "$status" -ne 0 ]; then
   exit "$status"
 fi

@@ -22,8 +22,9 @@ components=(orchestrator worker-shell worker-fs worker-http worker-db)
 kubectl create namespace "$ns" --dry-run=client -o yaml | kubectl apply -f -
 
 if [ ! -e "$certs/ca.crt" ]; then
-  # Each certificate carries its component's name (what the peers check) plus these:
-  # the front door's Service name, for clients of the TLS gRPC port.
+  # Each certificate carries its component's name (what the peers check); the
+  # orchestrator's also these: the front door's Service names, for clients of the TLS
+  # gRPC port.
   "$airlock" certs init --out "$certs" \
     --san airlock-orchestrator.airlock.svc.cluster.local \
     --san airlock-orchestrator.airlock.svc \
@@ -38,7 +39,11 @@ for c in "${components[@]}"; do
 done
 
 # A Secret that exists is left alone, so tokens and passwords survive a second run.
-random() { openssl rand -hex 32; }
+# Values go through files in a private directory, never on a command line (which any
+# local user can read in /proc/<pid>/cmdline).
+secrets_tmp=$(umask 077 && mktemp -d)
+trap 'rm -rf "$secrets_tmp"' EXIT
+random() { (umask 077 && openssl rand -hex 32 | tr -d '\n' >"$secrets_tmp/$1") && echo "$secrets_tmp/$1"; }
 create_once() {
   local name=$1
   shift
@@ -49,10 +54,10 @@ create_once() {
   fi
 }
 create_once airlock-principals \
-  --from-literal=agent-token="$(random)" \
-  --from-literal=approver-token="$(random)"
-create_once airlock-store --from-literal=password="$(random)"
-create_once airlock-databases --from-literal=sandbox-password="$(random)"
+  --from-file=agent-token="$(random agent-token)" \
+  --from-file=approver-token="$(random approver-token)"
+create_once airlock-store --from-file=password="$(random password)"
+create_once airlock-databases --from-file=sandbox-password="$(random sandbox-password)"
 
 cat <<MSG
 Secrets are in namespace $ns. The agent's token:
