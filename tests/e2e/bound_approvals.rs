@@ -488,4 +488,35 @@ async fn a_remembered_approval_ends_with_its_session() {
         until.as_str() > decided["created_at"].as_str().expect("created_at"),
         "{until}"
     );
+
+    // A call that names no session runs in "default", which never ends: remembering its
+    // approval is refused (409) and the approval is left undecided.
+    let body = json!({"wait_ms": 0, "tool_uses": [{"type": "tool_use", "id": "t1",
+        "name": "write_file", "input": {"path": "d.txt", "content": "x"}}]});
+    let (status, body, _) = send(
+        &airlock,
+        "alice-token",
+        reqwest::Method::POST,
+        "/v1/tool_calls",
+        Some(body),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    let unnamed = body["calls"][0]["approval_id"].as_str().expect("approval id");
+    let (status, refused) = decide(
+        &airlock,
+        "bob-token",
+        unnamed,
+        "approve",
+        json!({"remember": "session"}),
+    )
+    .await;
+    assert_eq!(status, 409, "{refused}");
+    assert_eq!(refused["error"]["code"], "cannot_remember", "{refused}");
+    assert!(
+        refused.to_string().contains("named no session"),
+        "{refused}"
+    );
+    let listed = approval(&airlock, unnamed).await;
+    assert_eq!(listed["status"], "pending", "{listed}");
 }

@@ -26,12 +26,11 @@ pub enum DecideError {
     /// Under a quorum, the same approver again: only distinct approvers count.
     #[error("{0}")]
     AlreadyApproved(StoreError),
-    /// `"remember": "session"` on an approval that needs more than one approver: one
-    /// approver must not approve the calls after it alone.
-    #[error(
-        "this call needs {0} distinct approvers, so its approval cannot be remembered for the session"
-    )]
-    CannotRemember(u32),
+    /// `"remember": "session"` where it cannot hold: on an approval that needs more than
+    /// one approver (one approver must not approve the calls after it alone), or for a
+    /// call that named no session (the session `default` never ends).
+    #[error("{0}")]
+    CannotRemember(String),
     #[error("{0}")]
     Conflict(StoreError),
     /// The requester lost the right to the call since it asked: the approval was
@@ -189,7 +188,22 @@ pub async fn decide(
         _ => 1,
     };
     if approve && remember && quorum > 1 {
-        return Err(DecideError::CannotRemember(quorum));
+        return Err(DecideError::CannotRemember(format!(
+            "this call needs {quorum} distinct approvers, so its approval cannot be remembered for the session"
+        )));
+    }
+    // A call that names no session runs in `default`, which every unnamed call of the
+    // principal shares and which never ends: "for the session" would mean for good.
+    if approve
+        && remember
+        && approval
+            .session_id
+            .as_deref()
+            .is_none_or(|s| s == airlock_policy::SessionId::DEFAULT)
+    {
+        return Err(DecideError::CannotRemember(
+            "the call named no session (session_id), and calls without one share the session \"default\", which never ends: an approval is remembered only for a named session".to_owned(),
+        ));
     }
     let decided = if approve {
         gate.store
