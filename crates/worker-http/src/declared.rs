@@ -86,6 +86,9 @@ pub struct HttpTemplate {
     /// Path segments of the URL with every field filled in by a plain value: a call
     /// whose URL has fewer lost one to a `.` or `..` segment.
     segments: usize,
+    /// Scheme, host and port of the URL: every call's URL must have exactly these, a
+    /// second check behind the one on the template's text.
+    origin: url::Origin,
     headers: SecretHeaders,
     body: Option<BodyKind>,
     url_fields: BTreeSet<String>,
@@ -134,7 +137,7 @@ impl HttpTemplate {
         let method = Method::from_bytes(upper.as_bytes())
             .map_err(|e| invalid(format!("http.method {:?}: {e}", table.method)))?;
 
-        let (url, segments) =
+        let (url, segments, origin) =
             compile_url(&table.url).map_err(|e| invalid(format!("http.url: {e}")))?;
         let required: BTreeSet<&str> = entry
             .input_schema
@@ -183,6 +186,7 @@ impl HttpTemplate {
             method,
             url,
             segments,
+            origin,
             headers,
             body: table.body,
             url_fields,
@@ -338,8 +342,9 @@ impl SecretHeaders {
     }
 }
 
-/// The URL template's parts and how many path segments it has once filled in.
-fn compile_url(raw: &str) -> Result<(Vec<UrlPart>, usize), String> {
+/// The URL template's parts, how many path segments it has once filled in, and its
+/// scheme, host and port.
+fn compile_url(raw: &str) -> Result<(Vec<UrlPart>, usize, url::Origin), String> {
     let scheme_end = ["http://", "https://"]
         .iter()
         .find(|s| {
@@ -348,12 +353,29 @@ fn compile_url(raw: &str) -> Result<(Vec<UrlPart>, usize), String> {
         })
         .map(|s| s.len())
         .ok_or("must be an absolute http:// or https:// URL")?;
-    // The authority ends at the first '/', '?' or '#' (the URL parser also ends it at
-    // '\'; this end is never earlier than the parser's, so nothing the parser takes for
-    // the host escapes the check below).
+    // The authority ends at the first '/', '?', '#' or '\' (where the URL parser's ends
+    // too: it takes '\' for '/' in http and https URLs).
     let authority_end = raw[scheme_end..]
-        .find(['/', '?', '#'])
+        .find(['/', '?', '#', '\\'])
         .map_or(raw.len(), |i| scheme_end + i);
+    // The parser skips every '/' and '\' after the scheme (and drops tabs and line
+    // breaks anywhere), so after an empty authority or a '\' the host would be read
+    // from what follows: a placeholder there would let the model choose the host.
+    let authority = &raw[scheme_end..authority_end];
+    if authority.chars().all(|c| matches!(c, '\t' | '\n' | '\r')) {
+        return Err(
+            "no host between the scheme and the path (the URL parser would read the host from \
+             the path); write https://host/…, so that the model cannot choose the host"
+                .into(),
+        );
+    }
+    if raw[authority_end..].starts_with('\\') {
+        return Err(
+            "a '\\' where the host ends (the URL parser reads it as '/' and may read the host \
+             from what follows); write '/', so that the model cannot choose the host"
+                .into(),
+        );
+    }
     if raw[..authority_end].contains(['{', '}']) {
         return Err(
             "a placeholder (or brace) in the scheme, user info, host or port; only the path \
@@ -396,7 +418,7 @@ fn compile_url(raw: &str) -> Result<(Vec<UrlPart>, usize), String> {
     if url.host().is_none() {
         return Err("the URL has no host".into());
     }
-    Ok((parts, segment_count(&url)))
+    Ok((parts, segment_count(&url), url.origin()))
 }
 
 /// Literal text and `${env:NAME}` / `${file:/path}` references of one header value.
@@ -549,7 +571,7 @@ impl Redactor {
 
     /// [`Self::bytes`] for a body cut at the size limit: a secret cut in two leaves its
     /// start at the end, which is redacted too.
-    fn truncated(&self, haystack: &[u8]) -> Vec<u8> {
+    pub(crate) fn truncated(&self, haystack: &[u8]) -> Vec<u8> {
         let mut out = self.bytes(haystack);
         let cut = self
             .needles
@@ -657,6 +679,15 @@ impl DeclaredHttpTool {
             Ok(percent_encode(&text))
         })?;
         let url = crate::resolve::parse_url(&built).map_err(|e| e.to_string())?;
+        // The template's check makes this impossible; should a spelling slip past it,
+        // the secret headers still never go to a host the arguments chose.
+        if url.origin() != t.origin || !url.username().is_empty() || url.password().is_some() {
+            return Err(
+                "the arguments would change the url's scheme, host or port; the tool only \
+                 reaches the host its url names"
+                    .into(),
+            );
+        }
         if segment_count(&url) != t.segments {
             return Err(
                 "the arguments would change the url's path (a '.' or '..' segment); pass the \
@@ -830,6 +861,14 @@ mod tests {
             "{user_id}://example.com/",
             "http://example.com{user_id}",
             "http://example.com{user_id}/x",
+            // The URL parser skips any run of '/' and '\' after the scheme, so the
+            // first segment would become the host.
+            "https:///{user_id}/v1",
+            "https://\\/{user_id}/v1",
+            "https://\\{user_id}/v1",
+            "https://\t/{user_id}/v1",
+            "https:////{user_id}/v1",
+            "https://@/{user_id}/v1",
         ] {
             let e = compile_err(json!({"method": "GET", "url": url}), user_schema());
             assert!(
@@ -849,6 +888,37 @@ mod tests {
             user_schema(),
         );
         assert!(e.contains("absolute http:// or https://"), "{e}");
+    }
+
+    #[test]
+    fn a_call_never_reaches_another_host_than_the_templates() {
+        // Should a template spelling slip past the load check (as `https:///{field}` once
+        // did), the built URL is still compared with the template's scheme, host and port.
+        let mut tool = tool(
+            json!({"method": "GET", "url": "https://crm.example.com/{user_id}/v1"}),
+            user_schema(),
+        );
+        let ok = tool.request(&json!({"user_id": "evil.example"})).unwrap();
+        assert_eq!(ok.url.as_str(), "https://crm.example.com/evil.example/v1");
+        for prefix in ["https:///", "https://\\", "http://crm.example.com:8080@"] {
+            tool.resolved.template.url = vec![
+                UrlPart::Literal(prefix.into()),
+                UrlPart::Field {
+                    name: "user_id".into(),
+                    in_path: true,
+                },
+                UrlPart::Literal("/v1".into()),
+            ];
+            // As such a template would count them: the field is taken for the host.
+            tool.resolved.template.segments = 1;
+            let e = tool
+                .request(&json!({"user_id": "evil.example"}))
+                .unwrap_err();
+            assert!(
+                e.contains("would change the url's scheme, host or port"),
+                "{prefix}: {e}"
+            );
+        }
     }
 
     #[test]

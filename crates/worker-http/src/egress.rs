@@ -189,7 +189,9 @@ impl HostPattern {
         }
     }
 
-    /// Does the pattern match one address the host resolved to (or is)?
+    /// Does the pattern match one address the host resolved to (or is)? Only the
+    /// address's own form: an allow entry is never widened by what an address carries
+    /// (see [`Self::denies_addr`]).
     fn matches_addr(&self, addr: IpAddr, port: u16) -> bool {
         if !self.port_matches(port) {
             return false;
@@ -200,6 +202,26 @@ impl HostPattern {
             HostMatcher::Net(net) => net.contains(&addr),
             _ => false,
         }
+    }
+
+    /// Does this deny entry refuse the address? It does when it matches the address or
+    /// the IPv4 address a NAT64 or 6to4 address carries, which a translator or relay on
+    /// the path connects to (the special-purpose table judges them by it too). Without
+    /// this, `deny = ["10.0.5.0/24"]` would still let `[64:ff9b::a00:510]` reach
+    /// 10.0.5.16. Allow entries get no such second form: a carried address can refuse,
+    /// never admit, so an IPv4 entry admits only IPv4 (or IPv4-mapped) addresses, and
+    /// NAT64 or 6to4 ones need an entry of their own. Both choices fail closed. `Some`
+    /// holds what the refusal adds to name the address (empty, or the carried form).
+    fn denies_addr(&self, addr: IpAddr, port: u16) -> Option<String> {
+        if self.matches_addr(addr, port) {
+            return Some(String::new());
+        }
+        let IpAddr::V6(v6) = addr else {
+            return None;
+        };
+        let (form, v4) = embedded_v4(v6)?;
+        self.matches_addr(IpAddr::V4(v4), port)
+            .then(|| format!(", {form} form of {v4}"))
     }
 
     /// An entry that names one exact host (or address) and port, the only kind that opens
@@ -348,24 +370,32 @@ fn special_v4(ip: Ipv4Addr) -> Option<&'static str> {
     })
 }
 
-fn special_v6(ip: Ipv6Addr) -> Option<String> {
+/// The IPv4 address an IPv6 address stands for, with the name of its form:
+/// IPv4-mapped (`::ffff:0:0/96`, which the kernel connects to as IPv4), NAT64
+/// (`64:ff9b::/96`, which a translator on the path does) and 6to4 (`2002::/16`, which a
+/// relay does). The special-purpose table and the deny entries both judge by it.
+fn embedded_v4(ip: Ipv6Addr) -> Option<(&'static str, Ipv4Addr)> {
     let s = ip.segments();
     let embedded = |hi: u16, lo: u16| {
         let [a, b] = hi.to_be_bytes();
         let [c, d] = lo.to_be_bytes();
         Ipv4Addr::new(a, b, c, d)
     };
-    let form = |what: &str, v4: Ipv4Addr| {
-        special_v4(v4).map(|kind| format!("{what} form of {v4}, {kind}"))
-    };
     if let Some(v4) = ip.to_ipv4_mapped() {
-        return form("an IPv4-mapped", v4);
+        return Some(("an IPv4-mapped", v4));
     }
     if s[..6] == [0x64, 0xff9b, 0, 0, 0, 0] {
-        return form("a NAT64", embedded(s[6], s[7]));
+        return Some(("a NAT64", embedded(s[6], s[7])));
     }
     if s[0] == 0x2002 {
-        return form("a 6to4", embedded(s[1], s[2]));
+        return Some(("a 6to4", embedded(s[1], s[2])));
+    }
+    None
+}
+
+fn special_v6(ip: Ipv6Addr) -> Option<String> {
+    if let Some((form, v4)) = embedded_v4(ip) {
+        return special_v4(v4).map(|kind| format!("{form} form of {v4}, {kind}"));
     }
     SPECIAL_V6.iter().find_map(|&((net, len), kind)| {
         Ipv6Net::new(net, len)
@@ -419,9 +449,14 @@ impl EgressPolicy {
             Host::Domain(_) => None,
         };
         for p in &self.deny {
-            if p.matches_name(host, port) || literal.is_some_and(|a| p.matches_addr(a, port)) {
+            let via_addr = literal.and_then(|a| p.denies_addr(a, port));
+            if p.matches_name(host, port) || via_addr.is_some() {
                 return Err(Refusal::Denied {
-                    subject: format!("host {}", host_port(host, port)),
+                    subject: format!(
+                        "host {}{}",
+                        host_port(host, port),
+                        via_addr.unwrap_or_default()
+                    ),
                     pattern: p.as_str().to_owned(),
                 });
             }
@@ -453,9 +488,13 @@ impl EgressPolicy {
             _ => String::new(),
         };
         for &addr in addrs {
-            if let Some(p) = self.deny.iter().find(|p| p.matches_addr(addr, port)) {
+            if let Some((p, form)) = self
+                .deny
+                .iter()
+                .find_map(|p| p.denies_addr(addr, port).map(|form| (p, form)))
+            {
                 return Err(Refusal::Denied {
-                    subject: format!("address {}{}", addr_port(addr, port), via),
+                    subject: format!("address {}{form}{via}", addr_port(addr, port)),
                     pattern: p.as_str().to_owned(),
                 });
             }
@@ -758,5 +797,51 @@ mod tests {
             e.contains("is an IPv4-mapped form of 127.0.0.1, a loopback address"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn deny_entries_match_the_ipv4_address_of_nat64_and_6to4_forms() {
+        let parse = |v: &[&str]| v.iter().map(|p| HostPattern::parse(p).unwrap()).collect();
+        let p = EgressPolicy::new(vec![], parse(&["10.0.5.0/24"]), PrivateAddresses::Allow);
+        for (a, form) in [
+            ("64:ff9b::a00:510", "a NAT64 form of 10.0.5.16"),
+            ("2002:a00:510::1", "a 6to4 form of 10.0.5.16"),
+        ] {
+            let e = p.check_name(&host(&format!("[{a}]")), 80).unwrap_err();
+            assert_eq!(
+                e.to_string(),
+                format!(
+                    "refused: host [{a}]:80, {form} matches [http] deny pattern \"10.0.5.0/24\""
+                )
+            );
+            let e = p
+                .check_addrs(&host("nat64.example"), 80, &[ip(a)], NameVerdict::Allowed)
+                .unwrap_err();
+            assert!(
+                e.to_string().contains(&format!(
+                    "address [{a}]:80, {form} (address of nat64.example) matches"
+                )),
+                "{e}"
+            );
+        }
+        for outside in ["64:ff9b::a00:610", "2002:a00:610::1"] {
+            assert!(
+                p.check_addrs(&host("x.example"), 80, &[ip(outside)], NameVerdict::Allowed)
+                    .is_ok(),
+                "{outside}"
+            );
+        }
+        // A carried address never admits: an IPv4 allow entry does not open its NAT64 or
+        // 6to4 forms, which need an entry of their own.
+        let p = EgressPolicy::new(parse(&["10.0.5.0/24"]), vec![], PrivateAddresses::Allow);
+        for a in ["64:ff9b::a00:510", "2002:a00:510::1"] {
+            let h = host(&format!("[{a}]"));
+            assert!(p.check_name(&h, 80).is_ok());
+            assert!(
+                p.check_addrs(&h, 80, &[ip(a)], NameVerdict::NeedsAddressMatch)
+                    .is_err(),
+                "{a}"
+            );
+        }
     }
 }

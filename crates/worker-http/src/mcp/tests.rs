@@ -216,6 +216,14 @@ async fn answer(state: &Mock, seen: &Seen, stream: &mut tokio::net::TcpStream) -
                     b"\n\n".to_vec()
                 }
                 "status" => http("500 Internal Server Error", &[], b"boom"),
+                // The bearer token sent, placed so that the quote's cut at 300 bytes
+                // falls inside it.
+                "status-secret" => {
+                    let auth = seen.header("authorization").unwrap_or_default();
+                    let token = auth.strip_prefix("Bearer ").unwrap_or(&auth);
+                    let body = format!("{}{token}", "x".repeat(294));
+                    http("500 Internal Server Error", &[], body.as_bytes())
+                }
                 "html" => http(
                     "200 OK",
                     &[("Content-Type", "text/html".into())],
@@ -527,6 +535,19 @@ async fn header_secrets_are_sent_and_never_returned() {
     assert!(
         seen.iter()
             .all(|s| s.header("authorization").as_deref() == Some("Bearer tok-3f9a71c2"))
+    );
+    // A refusal's body is quoted up to 300 bytes; a token cut there leaves no prefix.
+    let out = run(
+        tool(&tools, "mock__echo"),
+        "a",
+        json!({"mode": "status-secret"}),
+    )
+    .await;
+    assert!(out.is_error, "{out:?}");
+    let text = out.content.join("\n");
+    assert!(
+        text.contains("HTTP 500") && text.ends_with("x[redacted]") && !text.contains("tok-3f"),
+        "{out:?}"
     );
     let _ = std::fs::remove_file(&file);
     // A missing variable names the variable, at start.

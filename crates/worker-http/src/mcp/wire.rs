@@ -195,10 +195,15 @@ impl Endpoint {
                 _ => break,
             }
         }
-        body.truncate(BODY_QUOTE_BYTES);
-        let text = String::from_utf8_lossy(&self.redactor.bytes(&body))
-            .trim()
-            .to_owned();
+        // A body cut here may end with the start of a secret, which no longer matches
+        // the whole secret: `truncated` redacts such a start too.
+        let clean = if body.len() >= BODY_QUOTE_BYTES {
+            body.truncate(BODY_QUOTE_BYTES);
+            self.redactor.truncated(&body)
+        } else {
+            self.redactor.bytes(&body)
+        };
+        let text = String::from_utf8_lossy(&clean).trim().to_owned();
         if text.is_empty() {
             String::new()
         } else {
