@@ -502,7 +502,9 @@ async fn a_remembered_approval_ends_with_its_session() {
     )
     .await;
     assert_eq!(status, 200, "{body}");
-    let unnamed = body["calls"][0]["approval_id"].as_str().expect("approval id");
+    let unnamed = body["calls"][0]["approval_id"]
+        .as_str()
+        .expect("approval id");
     let (status, refused) = decide(
         &airlock,
         "bob-token",
