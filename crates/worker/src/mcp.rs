@@ -24,6 +24,12 @@ pub const SEPARATOR: &str = "__";
 pub const MAX_TOOLS: usize = 1000;
 /// Most `tools/list` pages read of one server.
 pub const MAX_PAGES: usize = 100;
+/// Longest definition of one tool served (its `tools/list` entry as JSON). A worker
+/// lists all its tools in one gRPC answer of at most 32 MiB: a server must not be able
+/// to grow it past that (the orchestrator would then count the whole group as down).
+pub const MAX_DEFINITION_BYTES: usize = 64 * 1024;
+/// Most bytes of definitions served of one server, all its tools together.
+pub const MAX_SERVER_DEFINITIONS_BYTES: usize = 2 * 1024 * 1024;
 
 /// Longest server name: the tool names built from it must fit in 64 characters.
 const MAX_SERVER_NAME: usize = 32;
@@ -208,6 +214,12 @@ impl McpServerEntry {
             .get("name")
             .and_then(Value::as_str)
             .ok_or("the tool has no name")?;
+        let size = json_size(tool);
+        if size > MAX_DEFINITION_BYTES {
+            return Err(format!(
+                "its definition is {size} bytes, more than the {MAX_DEFINITION_BYTES} a tool may take"
+            ));
+        }
         let name = self.tool_name(mcp_name)?;
         let schema = tool
             .get("inputSchema")
@@ -343,12 +355,58 @@ fn describe_block(kind: &str, block: &Value) -> String {
     }
 }
 
+/// The length of `value` as compact JSON.
+pub(crate) fn json_size(value: &impl serde::Serialize) -> usize {
+    serde_json::to_vec(value).map_or(usize::MAX, |bytes| bytes.len())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn entry(text: &str) -> McpServerEntry {
         toml::from_str(text).unwrap()
+    }
+
+    /// A server cannot grow what its worker lists past the gRPC answer's bound: one
+    /// tool's definition is at most 64 KiB, a server's together at most 2 MiB (the
+    /// tools past that are left out, a known tool keeps its last definition).
+    #[test]
+    fn definitions_are_bounded_per_tool_and_per_server() {
+        let server = entry("name = \"big\"\ncommand = [\"x\"]");
+        let tool = |name: &str, description_bytes: usize| {
+            json!({"name": name, "description": "d".repeat(description_bytes),
+                "inputSchema": {"type": "object"}})
+        };
+        let e = server.definition(&tool("huge", 70 * 1024)).unwrap_err();
+        assert!(e.contains("more than the 65536"), "{e}");
+        let listed = ListedTools::default();
+        let tools: Vec<Value> = (0..120)
+            .map(|i| tool(&format!("t{i:03}"), 20 * 1024))
+            .collect();
+        listed.learn(&server, &tools, "shell");
+        let served = listed.names().len();
+        assert!((90..120).contains(&served), "{served} of 120 served");
+        let total: usize = listed
+            .names()
+            .iter()
+            .filter_map(|n| listed.definition(n))
+            .map(|d| json_size(&d))
+            .sum();
+        assert!(total <= MAX_SERVER_DEFINITIONS_BYTES, "{total}");
+        // A known tool that would grow past the server's budget keeps its last
+        // definition; new tools wait for a restart anyway.
+        let room = MAX_SERVER_DEFINITIONS_BYTES - total;
+        let before = listed.definition("t000").unwrap();
+        let mut relisted = tools.clone();
+        relisted[0] = tool("t000", 20 * 1024 + room + 1);
+        relisted.push(tool("t999", 10));
+        listed.learn(&server, &relisted, "shell");
+        assert_eq!(listed.definition("t000").unwrap(), before);
+        assert!(
+            listed.definition("t999").is_none(),
+            "new tools wait for a restart"
+        );
     }
 
     #[test]

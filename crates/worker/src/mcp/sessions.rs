@@ -10,7 +10,7 @@ use std::time::Instant;
 use airlock_policy::ToolDefinition;
 use serde_json::Value;
 
-use super::McpServerEntry;
+use super::{MAX_SERVER_DEFINITIONS_BYTES, McpServerEntry, json_size};
 use crate::CallContext;
 
 /// Which session a call uses: its principal's and session's own, or (`None`) the one
@@ -84,13 +84,16 @@ impl ListedTools {
     }
 
     /// Takes in a `tools/list` of `entry`'s server (run by the `worker` named in the
-    /// log); a tool that cannot be served is logged and left out.
+    /// log); a tool that cannot be served is logged and left out, and so is one that
+    /// would take the server's definitions past [`MAX_SERVER_DEFINITIONS_BYTES`] (its
+    /// last accepted definition, if any, stays).
     pub fn learn(&self, entry: &McpServerEntry, tools: &[Value], worker: &str) {
         let mut definitions = self
             .definitions
             .write()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
         let first = definitions.is_empty();
+        let mut total: usize = definitions.values().map(json_size).sum();
         for tool in tools {
             let mcp_name = tool
                 .get("name")
@@ -99,6 +102,13 @@ impl ListedTools {
                 .to_owned();
             match entry.definition(tool) {
                 Ok(definition) if first || definitions.contains_key(&mcp_name) => {
+                    let before = definitions.get(&mcp_name).map_or(0, json_size);
+                    let after = total - before + json_size(&definition);
+                    if after > MAX_SERVER_DEFINITIONS_BYTES {
+                        tracing::warn!(server = %entry.name, tool = %mcp_name, bytes = after, "not serving an MCP tool: the server's tool definitions would take more than {MAX_SERVER_DEFINITIONS_BYTES} bytes together");
+                        continue;
+                    }
+                    total = after;
                     definitions.insert(mcp_name, definition);
                 }
                 Ok(_) => {
