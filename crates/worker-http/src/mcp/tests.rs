@@ -233,6 +233,24 @@ async fn answer(state: &Mock, seen: &Seen, stream: &mut tokio::net::TcpStream) -
                     &id,
                     json!({"isError": true, "content": [{"type": "text", "text": "no such city"}]}),
                 ),
+                // The bearer token sent, in a refusal's message, its letters escaped
+                // as JSON allows (`\u0074` for `t`, `\/`).
+                "rpc-error-escaped" => {
+                    let auth = seen.header("authorization").unwrap_or_default();
+                    let token = auth.strip_prefix("Bearer ").unwrap_or(&auth);
+                    let escaped: String = token
+                        .chars()
+                        .map(|c| format!("\\u{:04x}", c as u32))
+                        .collect();
+                    let body = format!(
+                        r#"{{"jsonrpc":"2.0","id":{id},"error":{{"code":-32000,"message":"bad key \/ {escaped}"}}}}"#
+                    );
+                    http(
+                        "200 OK",
+                        &[("Content-Type", "application/json".into())],
+                        body.as_bytes(),
+                    )
+                }
                 "rpc-error" => {
                     let body = json!({"jsonrpc": "2.0", "id": id,
                         "error": {"code": -32602, "message": "unknown tool"}})
@@ -547,6 +565,19 @@ async fn header_secrets_are_sent_and_never_returned() {
     let text = out.content.join("\n");
     assert!(
         text.contains("HTTP 500") && text.ends_with("x[redacted]") && !text.contains("tok-3f"),
+        "{out:?}"
+    );
+    // A refusal that spells the token with JSON escapes: decoded, then redacted.
+    let out = run(
+        tool(&tools, "mock__echo"),
+        "a",
+        json!({"mode": "rpc-error-escaped"}),
+    )
+    .await;
+    assert!(out.is_error, "{out:?}");
+    let text = out.content.join("\n");
+    assert!(
+        text.contains("bad key / [redacted]") && !text.contains("tok-3f9a71c2"),
         "{out:?}"
     );
     let _ = std::fs::remove_file(&file);

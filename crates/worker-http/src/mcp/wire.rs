@@ -279,15 +279,41 @@ impl Endpoint {
         }
     }
 
-    /// A message's JSON, read after its secrets are taken out.
+    /// A message's JSON, read after its secrets are taken out — from the bytes, and
+    /// again from every decoded string: JSON may spell a secret with escapes (`\/`,
+    /// `\u0074`) that only decoding turns back into it.
     fn parse(&self, bytes: &[u8]) -> Result<Value, WireError> {
         let clean = self.redactor.bytes(bytes);
-        serde_json::from_slice(&clean).map_err(|e| {
+        let mut message: Value = serde_json::from_slice(&clean).map_err(|e| {
             let start = String::from_utf8_lossy(&clean[..clean.len().min(80)]).into_owned();
             WireError::Failed(format!(
                 "it answered with something that is not JSON ({e}): {start:?}"
             ))
-        })
+        })?;
+        self.redact_strings(&mut message);
+        Ok(message)
+    }
+
+    /// Redacts every string of `value`, keys included (serde_json's nesting limit of 128
+    /// bounds the recursion).
+    fn redact_strings(&self, value: &mut Value) {
+        match value {
+            Value::String(text) => {
+                let clean = self.redactor.text(text);
+                if clean != *text {
+                    *text = clean;
+                }
+            }
+            Value::Array(items) => items.iter_mut().for_each(|item| self.redact_strings(item)),
+            Value::Object(map) => {
+                let entries = std::mem::take(map);
+                for (key, mut item) in entries {
+                    self.redact_strings(&mut item);
+                    map.insert(self.redactor.text(&key), item);
+                }
+            }
+            _ => {}
+        }
     }
 
     /// The `result` of a response, or its error.
