@@ -586,6 +586,19 @@ async fn console_shows_diffs_from_dry_runs_with_secrets_redacted() {
         "{shown}"
     );
     assert!(shown.contains("<code>sub</code>"), "{shown}");
+
+    // The requester sees its own approvals, but no preview: a preview reads the file as
+    // it is now, which policy may forbid the requester to read.
+    let alice = sign_in(&airlock, token("alice")).await;
+    let (status, body, _) = page(&airlock, "/ui", Some(&alice)).await;
+    assert_eq!(status, 200);
+    let shown = item(&body, edit["approval_id"].as_str().unwrap());
+    assert!(shown.contains("shown to approvers only"), "{shown}");
+    assert!(!body.contains(r#"class="diff""#), "no diff for alice");
+    assert!(
+        !body.contains("alpha") && !body.contains("MODE=dev"),
+        "a file's current text is in alice's page"
+    );
 }
 
 /// More pending approvals than a page holds: the console says so (and the count says

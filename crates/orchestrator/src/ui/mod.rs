@@ -341,7 +341,7 @@ async fn home(
             error,
             viewer: Some(viewer.clone()),
         })?;
-    let pending = with_previews(&state, approvals).await;
+    let pending = with_previews(&state, &viewer, approvals).await;
     Ok(html(
         StatusCode::OK,
         pages::console(&viewer, &pending, more, decided.as_ref()),
@@ -374,12 +374,27 @@ async fn visible_pending(
 }
 
 /// Each approval with why it was held and what it would do, its input redacted.
-async fn with_previews(state: &HttpState, approvals: Vec<Approval>) -> Vec<pages::Pending> {
+/// Previews only for a viewer who may decide: a preview reads the file as it is now, with
+/// no policy check of the viewer's own (a requester may be allowed to write a file that
+/// policy forbids it to read), and costs reads on workers.
+async fn with_previews(
+    state: &HttpState,
+    viewer: &Viewer,
+    approvals: Vec<Approval>,
+) -> Vec<pages::Pending> {
     let gate = &state.gate;
+    let approver = viewer.cannot_decide().is_none();
     futures::stream::iter(approvals)
         .map(|approval| async move {
             let hold = gate.hold_reasons(&approval).await.unwrap_or_default();
-            let preview = preview::preview(gate, &approval).await;
+            let preview = if approver {
+                preview::preview(gate, &approval).await
+            } else {
+                preview::Preview::Unavailable(
+                    "the preview reads the files as they are now and is shown to approvers only"
+                        .to_owned(),
+                )
+            };
             let mut shown = approval;
             shown.input = gate.redact_input(&shown.tool, &shown.input);
             pages::Pending {
@@ -568,7 +583,7 @@ async fn events(State(state): State<HttpState>, headers: HeaderMap) -> Result<Re
             if let Ok((approvals, more)) = visible_pending(&state, &viewer).await {
                 let version = format!("{}{}", pages::list_version(&approvals), u8::from(more));
                 if last.as_ref() != Some(&version) {
-                    let pending = with_previews(&state, approvals).await;
+                    let pending = with_previews(&state, &viewer, approvals).await;
                     // An SSE line ends at a CR too: as a character reference it stays
                     // text (a CRLF file's diff) without breaking the event.
                     let fragment = pages::pending_list(&viewer, &pending, more)
