@@ -674,6 +674,51 @@ async fn a_backlog_larger_than_a_page_is_announced() {
     assert!(!shown(&body), "the notice is hidden");
 }
 
+/// A principal holds at most 8 live views (`/ui/events`) at once: the 9th is refused
+/// with 429, another principal's is not, and closing one makes room again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn live_views_are_bounded_per_principal() {
+    let airlock = start().await;
+    let alice = sign_in(&airlock, token("alice")).await;
+    let bob = sign_in(&airlock, token("bob")).await;
+    let open = |cookie: String| {
+        let url = format!("{}/ui/events", airlock.url);
+        async move {
+            client()
+                .get(url)
+                .header("cookie", cookie)
+                .send()
+                .await
+                .expect("send")
+        }
+    };
+    let mut streams = Vec::new();
+    for _ in 0..8 {
+        let stream = open(alice.clone()).await;
+        assert_eq!(stream.status(), 200);
+        streams.push(stream);
+    }
+    let refused = open(alice.clone()).await;
+    assert_eq!(refused.status(), 429);
+    let text = refused.text().await.expect("body");
+    assert!(text.contains("8 live views are open for alice"), "{text}");
+    assert_eq!(open(bob.clone()).await.status(), 200, "bob has his own");
+    drop(streams.pop());
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        let again = open(alice.clone()).await;
+        if again.status() == 200 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "a closed view was not given back: {}",
+            again.status()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 /// Under a quorum the console lists the approvers so far, and tells an approver who
 /// already approved why approving again is disabled; a second approver completes it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

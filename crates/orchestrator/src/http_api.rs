@@ -36,6 +36,8 @@ pub struct HttpState {
     pub agent: Arc<crate::agent::AgentConfig>,
     /// Fires when the front door stops serving.
     pub stopping: tokio_util::sync::CancellationToken,
+    /// The approvals console's live views open, by principal.
+    pub live_streams: Arc<crate::ui::LiveStreams>,
 }
 
 /// An error response.

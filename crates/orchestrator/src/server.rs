@@ -308,6 +308,7 @@ impl Orchestrator {
             principals: prepared.principals,
             agent,
             stopping: shutting_down.clone(),
+            live_streams: Arc::default(),
         });
 
         let endpoints = listeners.endpoints(config.grpc_tls.is_some());

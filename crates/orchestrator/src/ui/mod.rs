@@ -87,6 +87,8 @@ pub enum UiError {
     Conflict(String),
     #[error("the store is unavailable: {0}; try again shortly")]
     Unavailable(String),
+    #[error("{0}")]
+    TooMany(String),
 }
 
 impl UiError {
@@ -96,6 +98,7 @@ impl UiError {
             UiError::Forgery | UiError::Forbidden(_) => StatusCode::FORBIDDEN,
             UiError::NotFound(_) => StatusCode::NOT_FOUND,
             UiError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            UiError::TooMany(_) => StatusCode::TOO_MANY_REQUESTS,
             UiError::Conflict(_) => StatusCode::CONFLICT,
             UiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
         }
@@ -141,6 +144,48 @@ fn html(status: StatusCode, markup: Markup) -> Response {
         markup.into_string(),
     )
         .into_response()
+}
+
+/// Most live views (`/ui/events` streams) one principal may hold open at once.
+pub const MAX_LIVE_STREAMS: usize = 8;
+
+/// The live views open, by principal.
+#[derive(Debug, Default)]
+pub struct LiveStreams(std::sync::Mutex<std::collections::HashMap<String, usize>>);
+
+impl LiveStreams {
+    /// A slot for one more of `principal`'s streams, held until dropped; `None` at
+    /// [`MAX_LIVE_STREAMS`].
+    fn open(self: &std::sync::Arc<Self>, principal: &str) -> Option<LiveSlot> {
+        let mut open = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let count = open.entry(principal.to_owned()).or_default();
+        if *count >= MAX_LIVE_STREAMS {
+            return None;
+        }
+        *count += 1;
+        Some(LiveSlot {
+            streams: std::sync::Arc::clone(self),
+            principal: principal.to_owned(),
+        })
+    }
+}
+
+/// One open live view.
+struct LiveSlot {
+    streams: std::sync::Arc<LiveStreams>,
+    principal: String,
+}
+
+impl Drop for LiveSlot {
+    fn drop(&mut self) {
+        let mut open = self.streams.0.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(count) = open.get_mut(&self.principal) {
+            *count = count.saturating_sub(1);
+            if *count == 0 {
+                open.remove(&self.principal);
+            }
+        }
+    }
 }
 
 /// The console's routes, merged into the HTTP front door's router.
@@ -567,9 +612,21 @@ async fn decide(
 /// with the list's HTML whenever it changes (and once at the start), until the client
 /// goes away or its token stops being valid (then `signed_out`).
 async fn events(State(state): State<HttpState>, headers: HeaderMap) -> Result<Response, Refused> {
-    signed_in(&state, &headers)?;
+    let viewer = signed_in(&state, &headers)?;
+    // Each stream reads the pending approvals every second; a principal gets a few
+    // (tabs, a second screen), not as many as it can open.
+    let Some(slot) = state.live_streams.open(&viewer.principal().name) else {
+        return Err(Refused {
+            error: UiError::TooMany(format!(
+                "{} live views are open for {} already: close one (each console tab holds one)",
+                MAX_LIVE_STREAMS, viewer.principal().name
+            )),
+            viewer: Some(viewer),
+        });
+    };
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<Event, Infallible>>(4);
     tokio::spawn(async move {
+        let _slot = slot;
         let mut last: Option<String> = None;
         loop {
             // Checked every round: a token removed by a reload ends the stream.
