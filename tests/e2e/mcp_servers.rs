@@ -99,6 +99,18 @@ pub(crate) async fn wait_for_tools(airlock: &Airlock, names: &[&str]) -> String 
     }
 }
 
+/// Cancels the call and waits (bounded) until it has ended as cancelled.
+async fn cancel_and_wait(airlock: &Airlock, call_id: &str) {
+    let (status, body) = airlock
+        .post(&format!("/v1/calls/{call_id}/cancel"), &json!({}))
+        .await;
+    assert_eq!(status, 200, "{body}");
+    let (_, detail) = airlock
+        .get(&format!("/v1/calls/{call_id}?wait_ms=20000"))
+        .await;
+    assert_eq!(detail["status"], "cancelled", "{detail}");
+}
+
 /// The workspace's commits, as the host's git sees them.
 fn host_git_log(repo: &Path) -> String {
     let log = std::process::Command::new("git")
@@ -418,14 +430,7 @@ async fn a_misbehaving_mcp_server_fails_only_the_call_at_hand() {
     // server still answers the next call.
     let (started, _) = airlock.propose(session, "flaky__hang", json!({})).await;
     let call_id = started["call_id"].as_str().expect("call id").to_owned();
-    let (status, body) = airlock
-        .post(&format!("/v1/calls/{call_id}/cancel"), &json!({}))
-        .await;
-    assert_eq!(status, 200, "{body}");
-    let (_, detail) = airlock
-        .get(&format!("/v1/calls/{call_id}?wait_ms=20000"))
-        .await;
-    assert_eq!(detail["status"], "cancelled", "{detail}");
+    cancel_and_wait(&airlock, &call_id).await;
     let log = wait_for_file(&airlock.workspace(session).join("cancelled.log")).await;
     assert!(log.starts_with("cancelled "), "{log}");
     let (err, text, _) = airlock
@@ -509,14 +514,7 @@ start_timeout_seconds = 300
     let (started, _) = airlock.propose("c", "lean__echo", json!({})).await;
     let call_id = started["call_id"].as_str().expect("call id").to_owned();
     wait_until(1, 30, "c's server starts").await;
-    let (status, body) = airlock
-        .post(&format!("/v1/calls/{call_id}/cancel"), &json!({}))
-        .await;
-    assert_eq!(status, 200, "{body}");
-    let (_, detail) = airlock
-        .get(&format!("/v1/calls/{call_id}?wait_ms=20000"))
-        .await;
-    assert_eq!(detail["status"], "cancelled", "{detail}");
+    cancel_and_wait(&airlock, &call_id).await;
     wait_until(0, 15, "the abandoned start is stopped").await;
 }
 
