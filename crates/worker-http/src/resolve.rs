@@ -53,7 +53,17 @@ pub fn url_parts(url: &Url) -> Result<(Host<String>, u16), Refusal> {
         return Err(Refusal::Userinfo);
     }
     let host = match url.host() {
-        Some(Host::Domain(d)) => Host::Domain(d.trim_end_matches('.').to_ascii_lowercase()),
+        // Without its trailing dots a "name" may be an address (`93.184.216.34..`, which
+        // the URL parser takes for a name because it does not end in a number): parsed
+        // again, it is one, and is judged as one.
+        Some(Host::Domain(d)) => {
+            let name = d.trim_end_matches('.').to_ascii_lowercase();
+            match Host::parse(&name) {
+                Ok(Host::Ipv4(ip)) => Host::Ipv4(ip),
+                Ok(Host::Ipv6(ip)) => Host::Ipv6(ip),
+                _ => Host::Domain(name),
+            }
+        }
         Some(Host::Ipv4(ip)) => Host::Ipv4(ip),
         Some(Host::Ipv6(ip)) => Host::Ipv6(ip),
         None => return Err(Refusal::NoHost),
@@ -177,6 +187,28 @@ mod tests {
             let url = parse_url(raw).unwrap();
             assert_eq!(url.host_str(), Some("127.0.0.1"), "{raw}");
         }
+    }
+
+    /// Trailing dots make the URL parser read an address as a name; without them it is
+    /// an address again, and is judged as one (an address entry, the special ranges).
+    #[test]
+    fn an_address_spelled_with_trailing_dots_is_an_address() {
+        for (raw, expected) in [
+            ("http://93.184.216.34../", "93.184.216.34"),
+            ("http://93.184.216.34.../", "93.184.216.34"),
+            ("http://0x7f.1../", "127.0.0.1"),
+            ("http://2130706433../", "127.0.0.1"),
+        ] {
+            let (host, port) = url_parts(&parse_url(raw).unwrap()).unwrap();
+            assert_eq!(
+                host,
+                Host::<String>::Ipv4(expected.parse().unwrap()),
+                "{raw}"
+            );
+            assert_eq!(port, 80);
+        }
+        let (host, _) = url_parts(&parse_url("http://Example.COM../").unwrap()).unwrap();
+        assert_eq!(host, Host::Domain("example.com".to_owned()));
     }
 
     #[test]
