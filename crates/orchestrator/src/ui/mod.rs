@@ -619,7 +619,8 @@ async fn events(State(state): State<HttpState>, headers: HeaderMap) -> Result<Re
         return Err(Refused {
             error: UiError::TooMany(format!(
                 "{} live views are open for {} already: close one (each console tab holds one)",
-                MAX_LIVE_STREAMS, viewer.principal().name
+                MAX_LIVE_STREAMS,
+                viewer.principal().name
             )),
             viewer: Some(viewer),
         });
