@@ -593,11 +593,41 @@ async fn console_shows_diffs_from_dry_runs_with_secrets_redacted() {
     let (status, body, _) = page(&airlock, "/ui", Some(&alice)).await;
     assert_eq!(status, 200);
     let shown = item(&body, edit["approval_id"].as_str().unwrap());
-    assert!(shown.contains("shown to approvers only"), "{shown}");
+    assert!(
+        shown.contains("shown only to those who may decide"),
+        "{shown}"
+    );
     assert!(!body.contains(r#"class="diff""#), "no diff for alice");
     assert!(
         !body.contains("alpha") && !body.contains("MODE=dev"),
         "a file's current text is in alice's page"
+    );
+
+    // carol is an approver too, but under distinct_approver not of her own call: no
+    // preview of it either.
+    let own = airlock.data_dir().join("workspaces/carol/s1");
+    std::fs::create_dir_all(&own).unwrap();
+    std::fs::write(own.join("mine.txt"), "carol's text\n").unwrap();
+    let carols = propose(
+        &airlock,
+        "carol",
+        "s1",
+        "edit_file",
+        json!({"path": "mine.txt", "edits": [{"old_text": "text", "new_text": "TEXT"}]}),
+    )
+    .await;
+    let carol = sign_in(&airlock, token("carol")).await;
+    let (_, body, _) = page(&airlock, "/ui", Some(&carol)).await;
+    let shown = item(&body, carols["approval_id"].as_str().unwrap());
+    assert!(
+        shown.contains("shown only to those who may decide"),
+        "{shown}"
+    );
+    assert!(!shown.contains("carol's text"), "{shown}");
+    let theirs = item(&body, edit["approval_id"].as_str().unwrap());
+    assert!(
+        theirs.contains(r#"class="diff""#),
+        "alice's call: carol may decide it"
     );
 }
 

@@ -130,14 +130,14 @@ fn check_data_dir_owner(dir: &Path) -> anyhow::Result<()> {
     let me = rustix::process::geteuid().as_raw();
     if meta.uid() != me {
         bail!(
-            "data dir {} belongs to uid {}, not to this user (uid {me}): another user could              plant links in it that this launcher would follow; give this launcher a data dir              of its own (--data-dir), or chown it",
+            "data dir {} belongs to uid {}, not to this user (uid {me}): another user could plant links in it that this launcher would follow; give this launcher a data dir of its own (--data-dir), or chown it",
             dir.display(),
             meta.uid()
         );
     }
     if meta.mode() & 0o022 != 0 {
         bail!(
-            "data dir {} may be written by others (mode {:o}); `chmod 700` it or choose              another --data-dir",
+            "data dir {} may be written by others (mode {:o}); `chmod 700` it or choose another --data-dir",
             dir.display(),
             meta.mode() & 0o777
         );

@@ -802,6 +802,15 @@ mod tests {
                     )
                     .repeat(levels / 50 + 2),
             ),
+            // The adoption agency moves a block's children under a formatting element
+            // it has not attached yet: they must be measured where they end up.
+            (
+                "adoption agency",
+                format!(
+                    "<body>{}",
+                    format!("<b>{}</b>", "<div>".repeat(9)).repeat(levels / 9 + 2)
+                ),
+            ),
             // `p` and `li` around an SVG integration point.
             (
                 "integration point",

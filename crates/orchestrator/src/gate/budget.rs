@@ -97,14 +97,16 @@ impl Gate {
             let (slot, ahead) =
                 self.unrecorded
                     .hold(&ctx.principal.name, ctx.session.as_str(), now_millis());
+            // Read before the store: a call held now and stored after the store's read
+            // is then counted here; one stored before it may be counted twice (stricter).
+            let (running, since) = self
+                .unrecorded
+                .usage(&ctx.principal.name, ctx.session.as_str());
             let usage = self
                 .store
                 .session_usage(&ctx.principal.name, ctx.session.as_str())
                 .await
                 .map_err(|e| over(format!("the store cannot count this session's calls: {e}")))?;
-            let (running, since) = self
-                .unrecorded
-                .usage(&ctx.principal.name, ctx.session.as_str());
             // Those ahead of it still uncounted by the store: no more than are held now
             // besides this one (one that was ahead may have been stored and let go since).
             let others = ahead.min(running.saturating_sub(1));

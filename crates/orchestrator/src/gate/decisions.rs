@@ -112,21 +112,6 @@ pub async fn decide(
             actual: approval.input_sha256,
         });
     }
-    // Votes given by principals who are no longer approvers (removed, or stripped of
-    // the role, by a reload) are taken back before this one is counted: revoking an
-    // approver revokes what they set up.
-    let withdrawn = if approve && approval.status == ApprovalStatus::Pending {
-        let gone = no_longer_approvers(gate, &approval.approved_by);
-        if !gone.is_empty() {
-            gate.store
-                .withdraw_votes(approval_id, &gone)
-                .await
-                .map_err(DecideError::Store)?;
-        }
-        gone
-    } else {
-        Vec::new()
-    };
     let policy_sha256 = gate.policy_sha256();
     let store_error = |e| match e {
         StoreError::NotFound { .. } => DecideError::NotFound,
@@ -205,6 +190,36 @@ pub async fn decide(
             "the call named no session (session_id), and calls without one share the session \"default\", which never ends: an approval is remembered only for a named session".to_owned(),
         ));
     }
+    // Votes given by principals who are no longer approvers (removed, or stripped of
+    // the role, by a reload) are taken back before this one is counted: revoking an
+    // approver revokes what they set up. Audited at once (`revoked`, stage "votes"),
+    // whatever becomes of this approval.
+    let withdrawn = if approve && approval.status == ApprovalStatus::Pending {
+        let gone = no_longer_approvers(gate, &approval.approved_by);
+        if !gone.is_empty() {
+            let taken = gate
+                .store
+                .withdraw_votes(approval_id, &gone)
+                .await
+                .map_err(DecideError::Store)?;
+            if taken > 0 {
+                gate.audit(
+                    NewAuditEvent::new(
+                        AuditKind::Revoked,
+                        json!({"stage": "votes", "approval_id": approval_id,
+                            "votes_withdrawn": gone, "noticed_by": approver.name}),
+                    )
+                    .call_id(approval.call_id.clone())
+                    .principal(approval.principal.clone())
+                    .session_id(approval.session_id.clone()),
+                )
+                .await;
+            }
+        }
+        gone
+    } else {
+        Vec::new()
+    };
     let decided = if approve {
         gate.store
             .approve_approval(

@@ -419,24 +419,23 @@ async fn visible_pending(
 }
 
 /// Each approval with why it was held and what it would do, its input redacted.
-/// Previews only for a viewer who may decide: a preview reads the file as it is now, with
-/// no policy check of the viewer's own (a requester may be allowed to write a file that
-/// policy forbids it to read), and costs reads on workers.
+/// Previews only for a viewer who may decide the approval: a preview reads the file as it
+/// is now, with no policy check of the viewer's own (a requester may be allowed to write
+/// a file that policy forbids it to read), and costs reads on workers.
 async fn with_previews(
     state: &HttpState,
     viewer: &Viewer,
     approvals: Vec<Approval>,
 ) -> Vec<pages::Pending> {
     let gate = &state.gate;
-    let approver = viewer.cannot_decide().is_none();
     futures::stream::iter(approvals)
         .map(|approval| async move {
             let hold = gate.hold_reasons(&approval).await.unwrap_or_default();
-            let preview = if approver {
+            let preview = if viewer.may_decide(&approval) {
                 preview::preview(gate, &approval).await
             } else {
                 preview::Preview::Unavailable(
-                    "the preview reads the files as they are now and is shown to approvers only"
+                    "the preview reads the files as they are now and is shown only to those who may decide the call"
                         .to_owned(),
                 )
             };

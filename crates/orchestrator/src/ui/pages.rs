@@ -54,6 +54,13 @@ impl Viewer {
         })
     }
 
+    /// Whether this viewer may decide `approval`: an approver, and not its requester when
+    /// `[approvals] distinct_approver` is set.
+    pub fn may_decide(&self, approval: &Approval) -> bool {
+        self.cannot_decide().is_none()
+            && !(self.distinct_approver && approval.principal == self.principal.name)
+    }
+
     /// Approvers see every approval; anyone else the approvals of their own calls.
     pub fn may_see_approval(&self, approval: &Approval) -> bool {
         self.principal.has(Role::Approver) || approval.principal == self.principal.name

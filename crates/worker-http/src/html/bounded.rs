@@ -5,14 +5,16 @@
 //! `<div>`s keep a thread busy for minutes. No guess made before parsing can know that
 //! depth (the tree builder reopens formatting elements, closes some implicitly, treats
 //! SVG and MathML apart); the tree builder itself does. So the page is fed to it in
-//! small chunks through a sink that records each element's depth as it is inserted, and
-//! parsing stops at the end of the chunk in which the tree first grew deeper than the
-//! limit. A chunk adds at most a chunk's worth of elements, so the stack the parser ever
+//! small chunks through a sink that measures, in the tree as it stands, the depth of
+//! every node it inserts (walking up its ancestors, at most the limit and one more:
+//! nodes the parser moves — the adoption agency's reparenting, which happens under
+//! elements not yet in the tree — are measured where they are when something is inserted
+//! under them), and parsing stops at the end of the chunk in which the tree first grew
+//! deeper than the limit. A chunk adds at most a chunk's worth of elements, so the stack the parser ever
 //! walks is at most the limit plus one chunk: the work stays linear in the page's length.
 
 use std::borrow::Cow;
-use std::cell::{Cell, RefCell};
-use std::collections::HashMap;
+use std::cell::Cell;
 use std::rc::Rc;
 
 use ego_tree::NodeId;
@@ -29,7 +31,7 @@ pub(super) fn parse_within_depth(html: &str, limit: usize) -> Option<Html> {
     let deepest = Rc::new(Cell::new(0usize));
     let sink = DepthSink {
         inner: HtmlTreeSink::new(Html::new_document()),
-        depths: RefCell::new(HashMap::new()),
+        limit,
         deepest: Rc::clone(&deepest),
     };
     let mut parser = html5ever::parse_document(sink, Default::default());
@@ -50,25 +52,27 @@ pub(super) fn parse_within_depth(html: &str, limit: usize) -> Option<Html> {
     (deepest.get() <= limit).then_some(parsed)
 }
 
-/// scraper's sink, and the depth of every node inserted in the tree (the document is 0).
+/// scraper's sink, and the deepest a node was found when it was inserted.
 struct DepthSink {
     inner: HtmlTreeSink,
-    depths: RefCell<HashMap<NodeId, usize>>,
+    limit: usize,
     deepest: Rc<Cell<usize>>,
 }
 
 impl DepthSink {
-    fn depth(&self, node: &NodeId) -> usize {
-        self.depths.borrow().get(node).copied().unwrap_or(0)
-    }
-
-    /// Records that `child`, if it is a node, now sits at `depth`.
-    fn placed(&self, child: &NodeOrText<NodeId>, depth: usize) {
-        if let NodeOrText::AppendNode(node) = child {
-            self.depths.borrow_mut().insert(*node, depth);
-            if depth > self.deepest.get() {
-                self.deepest.set(depth);
-            }
+    /// Measures `child` where it now is in the tree: its ancestors, counted up to one
+    /// past the limit (the walk is bounded; a deeper node stops the parse anyway).
+    fn inserted(&self, node: Option<NodeId>) {
+        let Some(node) = node else {
+            return;
+        };
+        let html = self.inner.0.borrow();
+        let depth = html
+            .tree
+            .get(node)
+            .map_or(0, |n| n.ancestors().take(self.limit + 1).count());
+        if depth > self.deepest.get() {
+            self.deepest.set(depth);
         }
     }
 }
@@ -107,8 +111,9 @@ impl TreeSink for DepthSink {
     }
 
     fn append(&self, parent: &NodeId, child: NodeOrText<NodeId>) {
-        self.placed(&child, self.depth(parent) + 1);
+        let measured = node_of(&child);
         self.inner.append(parent, child);
+        self.inserted(measured);
     }
 
     fn append_based_on_parent_node(
@@ -117,11 +122,10 @@ impl TreeSink for DepthSink {
         prev_element: &NodeId,
         child: NodeOrText<NodeId>,
     ) {
-        // Beside `element` when it has a parent, else under `prev_element`: the deeper.
-        let depth = self.depth(element).max(self.depth(prev_element) + 1);
-        self.placed(&child, depth);
+        let measured = node_of(&child);
         self.inner
             .append_based_on_parent_node(element, prev_element, child);
+        self.inserted(measured);
     }
 
     fn append_doctype_to_document(
@@ -155,8 +159,9 @@ impl TreeSink for DepthSink {
     }
 
     fn append_before_sibling(&self, sibling: &NodeId, new_node: NodeOrText<NodeId>) {
-        self.placed(&new_node, self.depth(sibling));
+        let measured = node_of(&new_node);
         self.inner.append_before_sibling(sibling, new_node);
+        self.inserted(measured);
     }
 
     fn add_attrs_if_missing(&self, target: &NodeId, attrs: Vec<Attribute>) {
@@ -176,19 +181,10 @@ impl TreeSink for DepthSink {
         self.inner.remove_from_parent(target);
     }
 
-    /// The moved children take their new parent's depth plus one (their own
-    /// descendants keep theirs: what matters is where the parser inserts next, and it
-    /// inserts under elements it appended, each recorded when it was).
+    /// Measured where they land only once something is inserted under them: the new
+    /// parent is often not in the tree yet (the adoption agency attaches it after).
     fn reparent_children(&self, node: &NodeId, new_parent: &NodeId) {
         self.inner.reparent_children(node, new_parent);
-        let depth = self.depth(new_parent) + 1;
-        let moved: Vec<NodeId> = match self.inner.0.borrow().tree.get(*new_parent) {
-            Some(parent) => parent.children().map(|child| child.id()).collect(),
-            None => Vec::new(),
-        };
-        for child in moved {
-            self.placed(&NodeOrText::AppendNode(child), depth);
-        }
     }
 
     fn is_mathml_annotation_xml_integration_point(&self, handle: &NodeId) -> bool {
@@ -198,5 +194,13 @@ impl TreeSink for DepthSink {
 
     fn set_current_line(&self, line_number: u64) {
         self.inner.set_current_line(line_number);
+    }
+}
+
+/// The node `child` inserts, if it is one (text adds no level the parser walks).
+fn node_of(child: &NodeOrText<NodeId>) -> Option<NodeId> {
+    match child {
+        NodeOrText::AppendNode(node) => Some(*node),
+        NodeOrText::AppendText(_) => None,
     }
 }
