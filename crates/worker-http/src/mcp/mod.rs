@@ -41,15 +41,12 @@ use crate::declared::SecretHeaders;
 use wire::{Endpoint, SessionHeaders, WireError};
 
 pub use airlock_worker::mcp::McpEntryError;
+use airlock_worker::mcp::{MAX_PAGES, MAX_TOOLS};
 
 /// The protocol version asked for in `initialize`.
 const PROTOCOL_VERSION: &str = "2025-06-18";
 /// The versions whose Streamable HTTP transport this client speaks.
 const KNOWN_VERSIONS: [&str; 4] = ["2024-11-05", "2025-03-26", "2025-06-18", "2025-11-25"];
-/// Most tools served of one server.
-const MAX_TOOLS: usize = 1000;
-/// Most `tools/list` pages read.
-const MAX_PAGES: usize = 100;
 /// Calls give up this long before the call's deadline so their own answer gets back.
 const DEADLINE_MARGIN: Duration = Duration::from_millis(200);
 /// How long a notification (cancelled, a session's DELETE) may take.
@@ -502,7 +499,8 @@ impl Pool {
                 .get("message")
                 .and_then(Value::as_str)
                 .unwrap_or_default();
-            progress_ctx.progress(progress, total, text.chars().take(1000).collect::<String>());
+            // Cut to a status line's length by `progress` itself.
+            progress_ctx.progress(progress, total, text);
         };
         let deadline = tokio::time::Instant::from_std(ctx.deadline)
             .checked_sub(DEADLINE_MARGIN)
