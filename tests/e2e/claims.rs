@@ -212,6 +212,102 @@ async fn approvals_expire_after_timeout_seconds_and_can_no_longer_be_decided() {
     );
 }
 
+/// A decision (or a withdrawal) that arrives after an approval's deadline, before any
+/// sweep or waiting task has noticed it, makes the store expire the approval; that
+/// expiry is audited like the sweep's — once — or the log would show a call that
+/// ended with no word on why.
+#[tokio::test]
+async fn a_decision_after_the_deadline_audits_the_expiry_it_finds() {
+    // Approvals that live an hour: only the test's own edit of the store makes them
+    // overdue, so neither the sweep nor a waiting task expires them first.
+    let airlock =
+        Airlock::start_with("[approvals]\ntools = [\"write_file\"]\ntimeout_seconds = 3600\n")
+            .await;
+    let ws = airlock.workspace("expiry");
+    // Held approvals whose orchestrator is then killed: the one the launcher starts
+    // has no task waiting on them, so nothing polls them every 250 ms.
+    let late = [
+        held_write(&airlock, "late-approve.txt").await,
+        held_write(&airlock, "late-deny.txt").await,
+    ];
+    let pid = airlock.process("serve orchestrator");
+    signal(pid, Signal::STOP);
+    signal(pid, Signal::KILL);
+    airlock.wait_ready().await;
+    for (_, approval_id) in &late {
+        assert_eq!(stored_approval(&airlock, approval_id).0, "pending");
+    }
+
+    for ((call_id, approval_id), decision) in late.iter().zip(["approve", "deny"]) {
+        // Overdue by a second, then decided at once: the sweep, every 2 s, has a few
+        // milliseconds to get there first (and would audit the expiry itself).
+        {
+            let db = rusqlite::Connection::open(airlock.data_dir().join("airlock.db"))
+                .expect("open the store");
+            db.busy_timeout(Duration::from_secs(30))
+                .expect("busy timeout");
+            let past = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .expect("clock")
+                .as_millis() as i64
+                - 1000;
+            db.execute(
+                "UPDATE approvals SET expires_at = ?1 WHERE approval_id = ?2",
+                rusqlite::params![past, approval_id],
+            )
+            .expect("make the approval overdue");
+        }
+        let (status, body) = airlock
+            .post(
+                &format!("/v1/approvals/{approval_id}/{decision}"),
+                &json!({"reason": "late"}),
+            )
+            .await;
+        assert_eq!(status, 409, "{decision} after the deadline: {body}");
+        assert_eq!(body["error"]["code"], "conflict", "{body}");
+        assert!(
+            body["error"]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("expired")),
+            "{body}"
+        );
+        assert_eq!(stored_approval(&airlock, approval_id).0, "expired");
+        let found = wait_for_audit(
+            &airlock,
+            &format!("the expiry a late {decision} found was never audited"),
+            1,
+            |e| e["kind"] == "expired" && e["data"]["approval_id"] == approval_id.as_str(),
+        )
+        .await;
+        assert_eq!(found[0]["call_id"], call_id.as_str(), "{found:?}");
+        assert_eq!(found[0]["session_id"], "expiry", "{found:?}");
+    }
+    // Once each, also after the sweep has run again (every 2 s), and nothing else
+    // was decided: no approval or denial was recorded for either.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let events = audit_events(&airlock).await;
+    for (_, approval_id) in &late {
+        let about = |kind: &str| {
+            events
+                .iter()
+                .filter(|e| e["kind"] == kind && e["data"]["approval_id"] == approval_id.as_str())
+                .count()
+        };
+        assert_eq!(about("expired"), 1, "{events:?}");
+        assert_eq!(
+            about("approved") + about("approval_denied"),
+            0,
+            "{events:?}"
+        );
+    }
+    assert!(
+        std::fs::read_dir(&ws)
+            .map(|entries| entries.count() == 0)
+            .unwrap_or(true),
+        "an expired write happened"
+    );
+}
+
 // ------------------------------------------------------------------ SIGHUP reload
 
 /// The default policy plus one forbid of `write_file` below `dir/`, with that id.

@@ -13,8 +13,8 @@ use super::ending::{Held, Rejection};
 use super::policy::Verdict;
 use crate::audit::AuditKind;
 use crate::store::{
-    ApprovalStatus, CallChange, CallState, CallWrite, NewApproval, NewCall, RememberedApproval,
-    StoreError, now_millis,
+    ApprovalStatus, CallChange, CallState, CallWrite, ExpiredApproval, NewApproval, NewCall,
+    RememberedApproval, StoreError, now_millis,
 };
 
 /// How many times an approved call's arguments are read from the store (every `POLL`)
@@ -234,7 +234,13 @@ impl Gate {
             tokio::select! {
                 _ = ctx.cancel.cancelled(), if !decided_meanwhile => {
                     // Withdraw the request so that a later approval cannot run it.
-                    match self.withdraw(&approval_id).await {
+                    let whose = ExpiredApproval {
+                        approval_id: approval_id.as_str().into(),
+                        call_id: ctx.call_id.as_str().into(),
+                        principal: ctx.principal.name.clone(),
+                        session_id: Some(ctx.session.as_str().to_owned()),
+                    };
+                    match self.withdraw(whose).await {
                         // Decided before the withdrawal (by a replica or a decision this
                         // one has not polled yet): the decision stands. Read again, an
                         // approval goes on to the claim as a cancelled call — stopped
@@ -258,19 +264,28 @@ impl Gate {
     }
 
     /// Denies a pending approval on the caller's behalf (it cancelled the call).
+    /// `approval` says whose it is, for the `expired` event should the withdrawal come
+    /// after the deadline (the store expires the approval instead, and the sweep never
+    /// sees it again).
     pub(super) async fn withdraw(
         &self,
-        approval_id: &str,
+        approval: ExpiredApproval,
     ) -> Result<crate::store::Approval, crate::store::StoreError> {
-        self.store
+        let result = self
+            .store
             .decide_approval(
-                &approval_id.into(),
+                &approval.approval_id,
                 false,
                 "system:cancelled",
                 Some("the caller cancelled the call"),
                 now_millis(),
             )
-            .await
+            .await;
+        if let Err(StoreError::Expired { .. }) = &result {
+            self.audit_expired(approval).await;
+            self.notify_decided();
+        }
+        result
     }
 }
 

@@ -6,8 +6,8 @@ use super::Gate;
 use crate::audit::{AuditKind, NewAuditEvent, redact};
 use crate::auth::Principal;
 use crate::store::{
-    Approval, ApprovalPage, ApprovalQuery, ApprovalStatus, RememberedApproval, StoreError,
-    now_millis,
+    Approval, ApprovalPage, ApprovalQuery, ApprovalStatus, ExpiredApproval, RememberedApproval,
+    StoreError, now_millis,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -140,6 +140,8 @@ pub async fn decide(
         let denied = gate
             .store
             .decide_approval(approval_id, false, REVOKED_BY, Some(&denial), now_millis())
+            .await;
+        let denied = audit_if_expired(gate, &approval, denied)
             .await
             .map_err(store_error)?;
         gate.audit(
@@ -235,8 +237,10 @@ pub async fn decide(
         gate.store
             .decide_approval(approval_id, false, &approver.name, reason, now_millis())
             .await
-    }
-    .map_err(store_error)?;
+    };
+    let decided = audit_if_expired(gate, &approval, decided)
+        .await
+        .map_err(store_error)?;
     let kind = match decided.status {
         ApprovalStatus::Pending => AuditKind::PartiallyApproved,
         _ if approve => AuditKind::Approved,
@@ -271,6 +275,27 @@ pub async fn decide(
     .await;
     gate.notify_decided();
     Ok(decided)
+}
+
+/// `result` of a decision, after auditing the expiry it found: a decision that comes
+/// after the deadline, before the sweep, makes the store expire the approval (the
+/// answer is [`StoreError::Expired`]), and the sweep never sees it again.
+pub(super) async fn audit_if_expired<T>(
+    gate: &Gate,
+    approval: &Approval,
+    result: Result<T, StoreError>,
+) -> Result<T, StoreError> {
+    if let Err(StoreError::Expired { .. }) = &result {
+        gate.audit_expired(ExpiredApproval {
+            approval_id: approval.approval_id.clone(),
+            call_id: approval.call_id.clone(),
+            principal: approval.principal.clone(),
+            session_id: approval.session_id.clone(),
+        })
+        .await;
+        gate.notify_decided();
+    }
+    result
 }
 
 /// Stores an approval given with `"remember": "session"`: it covers later calls until

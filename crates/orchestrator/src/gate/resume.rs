@@ -17,7 +17,7 @@ use crate::audit::{AuditKind, NewAuditEvent};
 use crate::auth::Principal;
 use crate::calls::CallRecord;
 use crate::dispatch;
-use crate::store::{CallState, StoreError, StoredCall, now_millis};
+use crate::store::{CallState, ExpiredApproval, StoreError, StoredCall, now_millis};
 
 /// Approvals one expiry sweep transaction takes at most.
 const EXPIRE_BATCH: usize = 256;
@@ -36,22 +36,29 @@ impl Gate {
             let batch = self.store.expire_approvals(now, EXPIRE_BATCH).await?;
             let full = batch.len() >= EXPIRE_BATCH;
             for approval in batch {
-                self.audit(
-                    NewAuditEvent::new(
-                        AuditKind::Expired,
-                        json!({"approval_id": approval.approval_id}),
-                    )
-                    .call_id(approval.call_id)
-                    .principal(approval.principal)
-                    .session_id(approval.session_id),
-                )
-                .await;
+                self.audit_expired(approval).await;
             }
             self.notify_decided();
             if !full {
                 return Ok(());
             }
         }
+    }
+
+    /// The `expired` audit event of one approval that the store has just moved to
+    /// `expired`: by the sweep, or by a decision or withdrawal that came after the
+    /// deadline (the store expires it then, and the sweep never sees it again).
+    pub(super) async fn audit_expired(&self, approval: ExpiredApproval) {
+        self.audit(
+            NewAuditEvent::new(
+                AuditKind::Expired,
+                json!({"approval_id": approval.approval_id}),
+            )
+            .call_id(approval.call_id)
+            .principal(approval.principal)
+            .session_id(approval.session_id),
+        )
+        .await;
     }
 
     /// Resumes calls that no live task will finish: approved while their orchestrator
@@ -173,7 +180,13 @@ impl Gate {
                 let Some(approval_id) = stored.approval_id else {
                     return;
                 };
-                if self.withdraw(&approval_id).await.is_ok() {
+                let whose = ExpiredApproval {
+                    approval_id: approval_id.clone(),
+                    call_id: stored.call_id.clone(),
+                    principal: stored.principal.clone(),
+                    session_id: stored.session_id.clone(),
+                };
+                if self.withdraw(whose).await.is_ok() {
                     self.audit(
                         NewAuditEvent::new(
                             AuditKind::ApprovalWithdrawn,

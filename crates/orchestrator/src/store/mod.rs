@@ -480,8 +480,8 @@ pub struct NewApproval {
     pub expires_at: Timestamp,
 }
 
-/// An approval the sweep expired: who and what it was for, without the call's input
-/// (which may be megabytes, and the sweep has no use for it).
+/// An approval by who and what it was for, without the call's input (which may be
+/// megabytes): one the sweep expired, or one whose expiry a late decision may find.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ExpiredApproval {
     pub approval_id: ApprovalId,
