@@ -13,6 +13,8 @@ pub mod tool;
 
 #[cfg(feature = "cedar")]
 pub mod authz;
+#[cfg(feature = "url")]
+pub mod http_url;
 mod mcp;
 #[cfg(feature = "proto")]
 pub mod wire;

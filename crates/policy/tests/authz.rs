@@ -432,6 +432,19 @@ fn host_rules_on_http_urls() {
         "http-payments-read-only",
     );
     assert_allow(&request("GET", "https://payments.example.com/charges"));
+    // The same host spelled with trailing dots, in capitals or behind whitespace is the
+    // host the worker reaches (DNS, SNI and `Host` drop the dots): the rules hold.
+    for spelled in [
+        "https://payments.example.com./charge",
+        "https://PAYMENTS.example.com../charge",
+        " https://payments.example.com./charge\t",
+    ] {
+        assert_deny(&request("POST", spelled), "http-payments-read-only");
+    }
+    assert_deny(
+        &request("GET", "https://api.example.com./v2/x"),
+        "http-api-prefix",
+    );
     assert_approval(
         &request("GET", "https://www.example.com:8443/"),
         "http-odd-port-needs-approval",

@@ -35,9 +35,9 @@ pub struct Target {
     pub addrs: Vec<SocketAddr>,
 }
 
-/// Parses `raw` as an absolute URL.
+/// Parses `raw` as an absolute URL, as policy read it for `context.url`.
 pub fn parse_url(raw: &str) -> Result<Url, ResolveError> {
-    Url::parse(raw.trim()).map_err(|e| ResolveError::Url {
+    airlock_policy::http_url::parse(raw).map_err(|e| ResolveError::Url {
         url: raw.to_owned(),
         reason: e.to_string(),
     })
@@ -52,25 +52,9 @@ pub fn url_parts(url: &Url) -> Result<(Host<String>, u16), Refusal> {
     if !url.username().is_empty() || url.password().is_some() {
         return Err(Refusal::Userinfo);
     }
-    let host = match url.host() {
-        // Without its trailing dots a "name" may be an address (`93.184.216.34..`, which
-        // the URL parser takes for a name because it does not end in a number): parsed
-        // again, it is one, and is judged as one.
-        Some(Host::Domain(d)) => {
-            let name = d.trim_end_matches('.').to_ascii_lowercase();
-            match Host::parse(&name) {
-                Ok(Host::Ipv4(ip)) => Host::Ipv4(ip),
-                Ok(Host::Ipv6(ip)) => Host::Ipv6(ip),
-                _ => Host::Domain(name),
-            }
-        }
-        Some(Host::Ipv4(ip)) => Host::Ipv4(ip),
-        Some(Host::Ipv6(ip)) => Host::Ipv6(ip),
-        None => return Err(Refusal::NoHost),
-    };
-    if matches!(&host, Host::Domain(d) if d.is_empty()) {
-        return Err(Refusal::NoHost);
-    }
+    // The host as policy saw it in `context.url` (one function for both): without its
+    // trailing dots a "name" may be an address (`93.184.216.34..`), judged as one.
+    let host = airlock_policy::http_url::host(url).ok_or(Refusal::NoHost)?;
     let port = url.port_or_known_default().ok_or(Refusal::NoHost)?;
     Ok((host, port))
 }

@@ -504,14 +504,17 @@ fn command_program(command: &str) -> String {
         .unwrap_or_default()
 }
 
+/// `context.url`: the URL read as the http worker reads it (trimmed; the host as it
+/// connects to it), so that a rule on a host or a path holds for every spelling of it.
 fn parse_url(tool: &str, raw: &str) -> Result<Value, ArgumentError> {
-    let url = url::Url::parse(raw).map_err(|error| ArgumentError::BadUrl {
+    let url = crate::http_url::parse(raw).map_err(|error| ArgumentError::BadUrl {
         tool: tool.to_owned(),
         message: error.to_string(),
     })?;
+    let host = crate::http_url::host(&url).map(|h| h.to_string());
     Ok(json!({
         "scheme": url.scheme(),
-        "host": url.host_str().unwrap_or_default(),
+        "host": host.unwrap_or_default(),
         "port": url.port_or_known_default().map_or(0, i64::from),
         "path": url.path(),
         "query": url.query().unwrap_or_default(),
