@@ -16,7 +16,8 @@
 //! - `body = "json"` sends the arguments the URL does not use as a JSON object; without
 //!   `body` there is none, and every argument must then be used in the URL.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::ops::Range;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -517,11 +518,13 @@ impl std::fmt::Debug for Secret {
 }
 
 /// Replaces every secret, and the encodings a server is likely to echo it in, with
-/// [`REDACTED`].
+/// [`REDACTED`]: as the bytes spell it, and as their JSON string escapes (`\/`,
+/// `\u0074`, a surrogate pair…) decode to it, which any JSON parser on the model's side
+/// would do.
 #[derive(Clone, Default)]
 pub(crate) struct Redactor {
     /// Longest first, so a secret that contains another is replaced whole.
-    needles: Vec<Vec<u8>>,
+    needles: Vec<Needle>,
 }
 
 impl std::fmt::Debug for Redactor {
@@ -556,7 +559,11 @@ impl Redactor {
                 }
             }
         }
-        let mut needles: Vec<Vec<u8>> = needles.into_iter().filter(|n| !n.is_empty()).collect();
+        let mut needles: Vec<Needle> = needles
+            .into_iter()
+            .filter(|n| !n.is_empty())
+            .map(Needle::new)
+            .collect();
         needles.sort_by_key(|n| std::cmp::Reverse(n.len()));
         Self { needles }
     }
@@ -566,24 +573,38 @@ impl Redactor {
         for needle in &self.needles {
             out = replace_all(&out, needle, REDACTED.as_bytes());
         }
+        // Without a backslash there is no escape, and the bytes are what they decode to.
+        if !self.needles.is_empty() && out.contains(&b'\\') {
+            out = self.unescaped(out);
+        }
         out
     }
 
     /// [`Self::bytes`] for a body cut at the size limit: a secret cut in two leaves its
-    /// start at the end, which is redacted too.
+    /// start at the end, which is redacted too — spelled as it is, or with JSON escapes;
+    /// an escape the cut leaves unfinished could be spelling the secret's next
+    /// character, so it goes too.
     pub(crate) fn truncated(&self, haystack: &[u8]) -> Vec<u8> {
         let mut out = self.bytes(haystack);
-        let cut = self
+        let mut cut = self
             .needles
             .iter()
             .filter_map(|needle| {
                 (1..needle.len())
                     .rev()
-                    .find(|&n| out.ends_with(&needle[..n]))
+                    .find(|&n| out.ends_with(&needle.bytes[..n]))
             })
-            .max();
-        if let Some(n) = cut {
-            out.truncate(out.len() - n);
+            .max()
+            .map(|n| out.len() - n);
+        if !self.needles.is_empty() && out.contains(&b'\\') {
+            let escaped = self.escaped_cut(&out);
+            cut = match (cut, escaped) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
+        }
+        if let Some(at) = cut {
+            out.truncate(at);
             out.extend_from_slice(REDACTED.as_bytes());
         }
         out
@@ -592,21 +613,286 @@ impl Redactor {
     pub(crate) fn text(&self, text: &str) -> String {
         String::from_utf8_lossy(&self.bytes(text.as_bytes())).into_owned()
     }
+
+    /// `raw` with every needle its JSON escapes decode to replaced: the whole spelling,
+    /// from the start of the escape of the match's first byte to the end of its last
+    /// one's. One pass over `raw`, every needle's matcher fed each decoded byte, so the
+    /// work is linear in `raw` however a server arranges its near-matches.
+    fn unescaped(&self, raw: Vec<u8>) -> Vec<u8> {
+        let longest = self.needles.first().map_or(0, Needle::len);
+        let mut matched = vec![0; self.needles.len()];
+        // Where the escape of each of the last `longest` decoded bytes starts: a match's
+        // raw start, without keeping a map of the whole body.
+        let mut starts = VecDeque::with_capacity(longest);
+        // Sorted and disjoint. A match ends no earlier than any before it, so it can
+        // overlap only the last few, which it absorbs.
+        let mut ranges: Vec<Range<usize>> = Vec::new();
+        for unit in Unescape::new(&raw) {
+            for &byte in unit.bytes() {
+                if starts.len() == longest {
+                    starts.pop_front();
+                }
+                starts.push_back(unit.raw.start);
+                for (needle, m) in self.needles.iter().zip(&mut matched) {
+                    *m = needle.step(*m, byte);
+                    if *m < needle.len() {
+                        continue;
+                    }
+                    *m = 0;
+                    let first = starts
+                        .len()
+                        .checked_sub(needle.len())
+                        .and_then(|i| starts.get(i));
+                    let Some(&first) = first else {
+                        continue;
+                    };
+                    let mut range = first..unit.raw.end;
+                    while let Some(last) = ranges.last().filter(|last| last.end > range.start) {
+                        range.start = range.start.min(last.start);
+                        ranges.pop();
+                    }
+                    ranges.push(range);
+                }
+            }
+        }
+        if ranges.is_empty() {
+            return raw;
+        }
+        let mut out = Vec::with_capacity(raw.len());
+        let mut at = 0;
+        for range in ranges {
+            out.extend_from_slice(&raw[at..range.start]);
+            out.extend_from_slice(REDACTED.as_bytes());
+            at = range.end;
+        }
+        out.extend_from_slice(&raw[at..]);
+        out
+    }
+
+    /// Where a needle's start, spelled with JSON escapes, ends `raw` (a cut body): the
+    /// raw offset to redact from, or `None`. An escape the end cuts off may be spelling
+    /// any character, so it counts as the start of every needle.
+    fn escaped_cut(&self, raw: &[u8]) -> Option<usize> {
+        let longest = self.needles.first().map_or(0, Needle::len);
+        let mut tail: VecDeque<(u8, usize)> = VecDeque::with_capacity(longest);
+        let mut unfinished = None;
+        for unit in Unescape::new(raw) {
+            if unit.is_lone_backslash() && is_cut_escape(&raw[unit.raw.start..]) {
+                // It runs to the end: nothing after it decodes on its own.
+                unfinished = Some(unit.raw.start);
+                break;
+            }
+            for &byte in unit.bytes() {
+                if tail.len() == longest {
+                    tail.pop_front();
+                }
+                tail.push_back((byte, unit.raw.start));
+            }
+        }
+        let shortest = if unfinished.is_some() { 0 } else { 1 };
+        let decoded: Vec<u8> = tail.iter().map(|&(byte, _)| byte).collect();
+        let n = self
+            .needles
+            .iter()
+            .filter_map(|needle| {
+                (shortest..needle.len())
+                    .rev()
+                    .find(|&n| decoded.ends_with(&needle.bytes[..n]))
+            })
+            .max()?;
+        match n {
+            0 => unfinished,
+            n => tail
+                .len()
+                .checked_sub(n)
+                .and_then(|i| tail.get(i))
+                .map(|&(_, start)| start),
+        }
+    }
 }
 
-fn replace_all(haystack: &[u8], needle: &[u8], with: &[u8]) -> Vec<u8> {
+/// One form of a secret to find, with its KMP table: finding it takes time linear in
+/// the haystack, which a remote server chose, whatever near-matches it holds.
+#[derive(Clone)]
+struct Needle {
+    bytes: Vec<u8>,
+    /// `border[i]`: the length of the longest proper prefix of `bytes[..=i]` that also
+    /// ends it.
+    border: Vec<usize>,
+}
+
+impl Needle {
+    fn new(bytes: Vec<u8>) -> Self {
+        let mut border = vec![0; bytes.len()];
+        let mut k = 0;
+        for i in 1..bytes.len() {
+            while k > 0 && bytes[i] != bytes[k] {
+                k = border[k - 1];
+            }
+            if bytes[i] == bytes[k] {
+                k += 1;
+            }
+            border[i] = k;
+        }
+        Self { bytes, border }
+    }
+
+    fn len(&self) -> usize {
+        self.bytes.len()
+    }
+
+    /// How many of the needle's first bytes end the text once `byte` follows a text
+    /// that `matched` of them ended; [`Self::len`] is a match.
+    fn step(&self, mut matched: usize, byte: u8) -> usize {
+        loop {
+            if self.bytes.get(matched) == Some(&byte) {
+                return matched + 1;
+            }
+            match matched.checked_sub(1).and_then(|i| self.border.get(i)) {
+                Some(&shorter) => matched = shorter,
+                None => return 0,
+            }
+        }
+    }
+}
+
+/// `haystack` with `needle` replaced by `with`, leftmost first, matches not overlapping.
+fn replace_all(haystack: &[u8], needle: &Needle, with: &[u8]) -> Vec<u8> {
     let mut out = Vec::with_capacity(haystack.len());
-    let mut i = 0;
-    while i < haystack.len() {
-        if haystack[i..].starts_with(needle) {
+    let mut matched = 0;
+    for &byte in haystack {
+        out.push(byte);
+        matched = needle.step(matched, byte);
+        if matched == needle.len() {
+            // The match's bytes are the last pushed: none of an earlier `with`.
+            out.truncate(out.len() - matched);
             out.extend_from_slice(with);
-            i += needle.len();
-        } else {
-            out.push(haystack[i]);
-            i += 1;
+            matched = 0;
         }
     }
     out
+}
+
+/// A piece of raw text and the bytes a JSON parser reads it as: a valid escape and the
+/// UTF-8 of its character, or any other byte (a backslash that starts no valid escape
+/// too) as itself.
+struct Unit {
+    raw: Range<usize>,
+    decoded: [u8; 4],
+    len: usize,
+}
+
+impl Unit {
+    fn bytes(&self) -> &[u8] {
+        &self.decoded[..self.len]
+    }
+
+    fn is_lone_backslash(&self) -> bool {
+        self.raw.len() == 1 && self.bytes() == b"\\"
+    }
+}
+
+/// The [`Unit`]s of a raw text, front to back, as a JSON parser reads a string's text.
+struct Unescape<'a> {
+    raw: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Unescape<'a> {
+    fn new(raw: &'a [u8]) -> Self {
+        Self { raw, at: 0 }
+    }
+}
+
+impl Iterator for Unescape<'_> {
+    type Item = Unit;
+
+    fn next(&mut self) -> Option<Unit> {
+        let start = self.at;
+        let rest = self.raw.get(start..)?;
+        let &first = rest.first()?;
+        let mut decoded = [first, 0, 0, 0];
+        let escaped = if first == b'\\' { escape(rest) } else { None };
+        let (len, raw_len) = match escaped {
+            Some((c, raw_len)) => (c.encode_utf8(&mut decoded).len(), raw_len),
+            None => (1, 1),
+        };
+        self.at = start + raw_len;
+        Some(Unit {
+            raw: start..self.at,
+            decoded,
+            len,
+        })
+    }
+}
+
+/// The character a valid JSON escape at the start of `raw` stands for, and the escape's
+/// length.
+fn escape(raw: &[u8]) -> Option<(char, usize)> {
+    let c = match raw.get(1)? {
+        b'"' => '"',
+        b'\\' => '\\',
+        b'/' => '/',
+        b'b' => '\u{8}',
+        b'f' => '\u{c}',
+        b'n' => '\n',
+        b'r' => '\r',
+        b't' => '\t',
+        b'u' => return unicode_escape(raw),
+        _ => return None,
+    };
+    Some((c, 2))
+}
+
+/// `\uXXXX`, or the surrogate pair `\uD83D\uDE00` of a character beyond the BMP; a
+/// lone surrogate is no character.
+fn unicode_escape(raw: &[u8]) -> Option<(char, usize)> {
+    let unit = hex4(raw.get(2..6)?)?;
+    if !(0xD800..0xDC00).contains(&unit) {
+        return char::from_u32(unit).map(|c| (c, 6));
+    }
+    if raw.get(6..8)? != b"\\u" {
+        return None;
+    }
+    let low = hex4(raw.get(8..12)?)?;
+    if !(0xDC00..0xE000).contains(&low) {
+        return None;
+    }
+    char::from_u32(0x10000 + ((unit - 0xD800) << 10) + (low - 0xDC00)).map(|c| (c, 12))
+}
+
+/// Four hex digits, either case.
+fn hex4(digits: &[u8]) -> Option<u32> {
+    digits
+        .iter()
+        .try_fold(0, |n, &d| Some(n * 16 + char::from(d).to_digit(16)?))
+}
+
+/// Whether `rest`, which runs to the end of the text, is an escape the end cut off: `\`,
+/// `\u` and fewer than four hex digits, or a high surrogate's escape and none or the
+/// start of the low one's.
+fn is_cut_escape(rest: &[u8]) -> bool {
+    let short_hex = |digits: &[u8]| digits.len() < 4 && digits.iter().all(u8::is_ascii_hexdigit);
+    if rest == b"\\" {
+        return true;
+    }
+    let Some(after) = rest.strip_prefix(b"\\u") else {
+        return false;
+    };
+    if short_hex(after) {
+        return true;
+    }
+    let (Some(high), Some(low)) = (after.get(..4).and_then(hex4), after.get(4..)) else {
+        return false;
+    };
+    if !(0xD800..0xDC00).contains(&high) {
+        return false;
+    }
+    match low {
+        [] | [b'\\'] => true,
+        [b'\\', b'u', digits @ ..] => short_hex(digits),
+        _ => false,
+    }
 }
 
 /// An [`HttpTemplate`] with its secrets read: only the http worker holds one.
@@ -1175,5 +1461,134 @@ mod tests {
         assert_eq!(String::from_utf8(cut).unwrap(), "body: [redacted]");
         assert_eq!(r.truncated(b"body: t"), b"body: [redacted]".to_vec());
         assert_eq!(format!("{:?}", Secret(b"x".to_vec())), "[redacted]");
+    }
+
+    fn redactor(secret: &[u8]) -> Redactor {
+        Redactor::new(&[Secret(secret.to_vec())])
+    }
+
+    #[test]
+    fn a_secret_spelled_with_json_escapes_is_redacted_whole() {
+        let r = redactor(b"tok/en");
+        for (body, expected) in [
+            // PHP's encoder writes every '/' as '\/'.
+            (r#"{"echo":"tok\/en"}"#, r#"{"echo":"[redacted]"}"#),
+            (r#"{"echo":"\u0074ok/en"}"#, r#"{"echo":"[redacted]"}"#),
+            (r#"{"echo":"t\u006Fk/en"}"#, r#"{"echo":"[redacted]"}"#),
+            (r#"{"echo":"t\u006fk/en"}"#, r#"{"echo":"[redacted]"}"#),
+            (r#"\u0074\u006F\u006b\/\u0065n"#, "[redacted]"),
+            (
+                r#"a tok\/en, b \u0074ok/en."#,
+                "a [redacted], b [redacted].",
+            ),
+            // An escaped backslash is a backslash: what follows it is no escape.
+            (r#"tok\\/en \\u0074ok/en"#, r#"tok\\/en \\u0074ok/en"#),
+        ] {
+            assert_eq!(r.text(body), expected, "{body}");
+        }
+        // Quotes, backslashes and control characters escaped another way than
+        // serde_json's.
+        let r = redactor(b"a\"b\\c\td");
+        assert_eq!(r.text(r#"x a\u0022b\u005Cc\u0009d y"#), "x [redacted] y");
+        assert_eq!(r.text(r#"x a\"b\\c\td y"#), "x [redacted] y");
+    }
+
+    #[test]
+    fn a_surrogate_pair_spells_a_character_beyond_the_bmp() {
+        let r = redactor("k\u{1F600}y".as_bytes());
+        assert_eq!(r.text(r#"["k\ud83d\ude00y"]"#), r#"["[redacted]"]"#);
+        assert_eq!(r.text(r#"["k\uD83D\uDE00y"]"#), r#"["[redacted]"]"#);
+        // A lone surrogate is no character, and no secret.
+        assert_eq!(r.text(r#"["k\ud83dy"]"#), r#"["k\ud83dy"]"#);
+    }
+
+    #[test]
+    fn an_escape_at_the_secrets_edge_goes_whole() {
+        let r = redactor(b"tok/en");
+        assert_eq!(r.text(r#"x\u0074ok/e\u006Ey"#), "x[redacted]y");
+        assert_eq!(r.text(r#"xtok\/e\u006e\/"#), r#"x[redacted]\/"#);
+        // The secret starts inside the two bytes "\u00e9" decodes to: the escape goes
+        // whole, never half of it.
+        let r = redactor(b"\xA9ok");
+        assert_eq!(r.bytes(br"caf\u00e9ok!"), b"caf[redacted]!".to_vec());
+    }
+
+    #[test]
+    fn many_overlapping_near_matches_are_handled() {
+        // Every position of the body starts a near-match, which a naive matcher would
+        // compare with the whole secret: the KMP matcher reads each decoded byte once.
+        let secret = format!("{}x", "t".repeat(1000));
+        let r = redactor(secret.as_bytes());
+        let body = format!("{}x", r"\u0074".repeat(100_000));
+        let expected = format!("{}[redacted]", r"\u0074".repeat(99_000));
+        assert!(r.bytes(body.as_bytes()) == expected.as_bytes());
+        let plain = format!("\\/{}", "t".repeat(1_000_000));
+        assert!(r.bytes(plain.as_bytes()) == plain.as_bytes());
+        // A match found after a longer partial one.
+        let r = redactor(b"abac");
+        assert_eq!(r.text(r"ab\u0061b\u0061c!"), "ab[redacted]!");
+        assert_eq!(r.text("abababac!"), "abab[redacted]!");
+    }
+
+    #[test]
+    fn a_body_without_a_backslash_is_returned_byte_for_byte() {
+        let r = redactor(b"tok/en");
+        let body: Vec<u8> = (0..=255u8)
+            .filter(|&b| b != b'\\')
+            .cycle()
+            .take(4096)
+            .collect();
+        assert_eq!(r.bytes(&body), body);
+        assert_eq!(r.truncated(&body), body);
+        assert_eq!(Redactor::default().bytes(br"tok\/en"), br"tok\/en".to_vec());
+    }
+
+    #[test]
+    fn invalid_and_cut_escapes_stand_for_themselves() {
+        let r = redactor(b"tok/en");
+        for body in [
+            r"\u12",
+            r#"\u12""#,
+            r"\u12G4",
+            r"\x",
+            r"\",
+            r"a\",
+            r"\\\",
+            r"\ud83d",
+            r"\ud83d\u",
+            r"\ud83d\ud83d",
+            r"\udc00",
+            r"\u{74}",
+        ] {
+            assert_eq!(r.text(body), body, "{body}");
+            let _ = r.truncated(body.as_bytes());
+        }
+        assert_eq!(r.bytes(b"\\u00\xff\\\xff"), b"\\u00\xff\\\xff".to_vec());
+        assert_eq!(r.text(r"tok\/en\u12"), r"[redacted]\u12");
+        assert_eq!(r.text(r"\u0074ok/en\"), r"[redacted]\");
+        assert_eq!(r.text(r"\utok\/en"), r"\u[redacted]");
+    }
+
+    #[test]
+    fn an_escaped_secret_cut_at_the_end_is_redacted() {
+        let r = redactor(b"tok/en");
+        for body in [
+            r"body: tok\/e",
+            r"body: \u0074o",
+            r"body: \u0074ok\/",
+            // Cut inside the escape of the secret's next character, or of its first.
+            r"body: tok\",
+            r"body: tok\u00",
+            r"body: \u007",
+        ] {
+            assert_eq!(r.truncated(body.as_bytes()), b"body: [redacted]", "{body}");
+        }
+        let r = redactor("k\u{1F600}y".as_bytes());
+        assert_eq!(r.truncated(br"x: k\ud83d\ude"), b"x: [redacted]".to_vec());
+        assert_eq!(r.truncated(br"x: k\ud83d"), b"x: [redacted]".to_vec());
+        assert_eq!(r.truncated(br"x: k\ud83d\ude00"), b"x: [redacted]".to_vec());
+        // Nothing of a secret at the end: only an unfinished escape goes.
+        assert_eq!(r.truncated(br"x: a\/b"), br"x: a\/b".to_vec());
+        assert_eq!(r.truncated(br"x: z\u00"), b"x: z[redacted]".to_vec());
     }
 }

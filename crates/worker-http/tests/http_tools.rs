@@ -10,7 +10,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use airlock_worker::{CallContext, CancellationToken, SessionId, ToolOutcome};
-use airlock_worker_http::{HttpConfig, check_egress, tools, tools_with_resolver};
+use airlock_worker_http::declared::{HttpTemplate, ToolEntry};
+use airlock_worker_http::{
+    HttpConfig, check_egress, tools, tools_with_declared, tools_with_resolver,
+};
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -1241,5 +1244,54 @@ async fn a_page_nested_too_deep_is_an_error_result_not_a_crash() {
             .as_str()
             .is_some_and(|c| c.contains("# Fine") && c.contains("still here")),
         "{fine}"
+    );
+}
+
+/// A declared tool's upstream that echoes the secret header back with JSON escapes
+/// (`\/`, as PHP's encoder writes '/', and `\u0074`): any JSON parser would turn either
+/// back into the secret, so the result holds neither spelling, only `[redacted]`.
+#[tokio::test]
+async fn a_declared_tool_redacts_a_secret_its_upstream_spells_with_json_escapes() {
+    let server = Server::start(|req| {
+        let key = req.header("x-key").unwrap_or_default();
+        let slashed = key.replace('/', "\\/");
+        let unicode = format!("\\u0074{}", key.strip_prefix('t').unwrap_or(&key));
+        ok(
+            "application/json",
+            format!("{{\"slashed\":\"{slashed}\",\"unicode\":\"{unicode}\"}}"),
+        )
+    })
+    .await;
+    let dir = std::env::temp_dir().join(format!("airlock-http-escaped-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("key");
+    std::fs::write(&file, "tok/en\n").unwrap();
+    let entry: ToolEntry = toml::from_str(&format!(
+        "name = \"echo_key\"\n\
+         description = \"Echoes the key it is sent with.\"\n\
+         input_schema = {{ type = \"object\" }}\n\
+         http = {{ method = \"GET\", url = \"{}\", headers = {{ X-Key = \"${{file:{}}}\" }} }}\n",
+        server.url("/echo"),
+        file.display()
+    ))
+    .unwrap();
+    let resolved = HttpTemplate::compile(&entry).unwrap().resolve().unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+    let set = tools_with_declared(allowing(&[&server]), vec![resolved]).unwrap();
+    let out = set
+        .get("echo_key")
+        .unwrap()
+        .execute(json!({}), ctx_with(CancellationToken::new()))
+        .await;
+    assert!(!out.is_error, "{:?}", out.content);
+    assert_eq!(server.seen()[0].header("x-key").as_deref(), Some("tok/en"));
+    let text = out.content.join("\n");
+    for spelling in ["tok/en", "tok\\/en", "tok\\\\/en", "u0074ok"] {
+        assert!(!text.contains(spelling), "{spelling}: {text}");
+    }
+    let result: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(
+        result["body"], r#"{"slashed":"[redacted]","unicode":"[redacted]"}"#,
+        "{result}"
     );
 }
