@@ -6,7 +6,8 @@
 //! only its lifetime differs. Everything it sends is untrusted: one message is at most
 //! [`MAX_MESSAGE_BYTES`] (a longer line is dropped, the call it should answer runs into
 //! its deadline), unparsable lines are ignored, and its stderr is kept only as a short
-//! tail for the error a crash gives.
+//! tail for the error a crash gives. What it is sent is bounded too: a server that
+//! stops reading its stdin is held back, then stopped (see `outbound.rs`).
 
 use std::collections::HashMap;
 use std::os::fd::OwnedFd;
@@ -30,6 +31,7 @@ use serde_json::Value;
 use tokio::sync::{Notify, watch};
 
 use super::lock;
+use super::outbound::Outbound;
 
 /// Longest message a server may send (one JSON-RPC line).
 pub(super) const MAX_MESSAGE_BYTES: usize = 4 << 20;
@@ -42,6 +44,10 @@ const MAX_LIFETIME: Duration = Duration::from_secs(24 * 3600);
 /// How long a listing the server asked for (`notifications/tools/list_changed`) may
 /// take, all its pages together.
 const RELIST_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a cancelled call waits to queue its `notifications/cancelled`.
+const CANCEL_NOTICE_WAIT: Duration = Duration::from_secs(1);
+/// A server's stdin full for this long is named in a cancelled call's error.
+const STALL_WORTH_SAYING: Duration = Duration::from_secs(1);
 
 /// Why a server could not be started or answered.
 #[derive(Debug, thiserror::Error)]
@@ -97,6 +103,8 @@ pub(super) struct Instance {
     cancel: Cancel,
     /// `Some(how)` once the process is gone.
     exited: watch::Receiver<Option<String>>,
+    /// What is written to the server: bounded, and given up when it stops reading.
+    outbound: Arc<Outbound>,
     /// When the last call ended (or the instance started), and calls running now.
     usage: Mutex<(Instant, usize)>,
 }
@@ -145,6 +153,7 @@ impl Instance {
         // Until the instance owns it: a start abandoned half way (the call that started
         // it dropped at its deadline) kills the process instead of leaving it running.
         let mut abandoned = CancelOnDrop(Some(cancel.clone()));
+        let outbound = Outbound::new(server.clone(), cancel.clone());
         let (exit_tx, exited) = watch::channel(None);
         let stdio = AttachedStdio {
             stdin: OwnedFd::from(child_stdin),
@@ -153,6 +162,7 @@ impl Instance {
         let sandbox = launch.sandbox.clone();
         let run_cancel = cancel.clone();
         let name = server.clone();
+        let given_up = outbound.clone();
         tokio::task::spawn_blocking(move || {
             let mut tail = Vec::new();
             let mut sink = |_: Stream, data: &[u8]| keep_tail(&mut tail, data);
@@ -172,13 +182,19 @@ impl Instance {
                 }
                 Err(e) => format!("could not run in the sandbox: {e}"),
             };
+            let how = match given_up.cause() {
+                Some(cause) => format!("{cause} and was stopped (the process then {how})"),
+                None => how,
+            };
             tracing::info!(server = %name, how = %how, "MCP server process ended");
             let _ = exit_tx.send(Some(how));
         });
 
         let bridge = Bridge::default();
-        let transport = AsyncRwTransport::<RoleClient, _, _>::new(reader, writer)
-            .with_max_line_length(MAX_MESSAGE_BYTES);
+        let transport = outbound.transport(
+            AsyncRwTransport::<RoleClient, _, _>::new(reader, outbound.writer(writer))
+                .with_max_line_length(MAX_MESSAGE_BYTES),
+        );
         let limit = Duration::from_secs(launch.entry.start_timeout_seconds);
         let mut exit_watch = exited.clone();
         let started = async {
@@ -206,6 +222,11 @@ impl Instance {
             Ok(started) => started,
             Err(reason) => {
                 cancel.cancel();
+                if let Some(cause) = outbound.cause() {
+                    return Err(fail(format!(
+                        "it {cause} while starting (a stdio MCP server must keep reading its stdin)"
+                    )));
+                }
                 // The exit report, when the process died first, says more than EOF.
                 let how = tokio::time::timeout(EXIT_REPORT_WAIT, wait_exit(&mut exit_watch))
                     .await
@@ -226,14 +247,15 @@ impl Instance {
             _service: service,
             cancel,
             exited,
+            outbound,
             usage: Mutex::new((Instant::now(), 0)),
         });
         Ok((instance, tools))
     }
 
-    /// Whether the process still runs.
+    /// Whether the process still runs (and was not given up for not reading its stdin).
     pub(super) fn is_alive(&self) -> bool {
-        self.exited.borrow().is_none()
+        self.exited.borrow().is_none() && self.outbound.failure().is_none()
     }
 
     /// What a watcher of the tool list needs without keeping the instance alive: the
@@ -288,13 +310,25 @@ impl Instance {
             },
             () = ctx.cancel.cancelled() => {
                 let notice = CancelledNotificationParam::new(Some(id), Some("the call was cancelled or ran out of time".into()));
-                let _ = self.peer.notify_cancelled(notice).await;
-                ToolOutcome::error(format!("the call of {tool} on the MCP server {} was cancelled", self.server))
+                // Not awaited past a moment: with the server's stdin full, the notice
+                // waits behind what is already queued.
+                let _ = tokio::time::timeout(CANCEL_NOTICE_WAIT, self.peer.notify_cancelled(notice)).await;
+                let stalled = match self.outbound.stalled_for() {
+                    Some(stalled) if stalled >= STALL_WORTH_SAYING => format!(
+                        " (the server has not read its stdin for {} s)",
+                        stalled.as_secs()
+                    ),
+                    _ => String::new(),
+                };
+                ToolOutcome::error(format!("the call of {tool} on the MCP server {} was cancelled{stalled}", self.server))
             }
-            how = wait_exit(&mut exit_watch) => ToolOutcome::error(format!(
-                "the MCP server {} {how} before answering; the next call starts it again",
-                self.server
-            )),
+            how = wait_exit(&mut exit_watch) => match self.outbound.failure() {
+                Some(failure) => ToolOutcome::error(failure),
+                None => ToolOutcome::error(format!(
+                    "the MCP server {} {how} before answering; the next call starts it again",
+                    self.server
+                )),
+            },
         }
     }
 
@@ -305,6 +339,10 @@ impl Instance {
                 self.server, e.message
             )),
             _ => {
+                // Given up for not reading its stdin: that is why the transport failed.
+                if let Some(failure) = self.outbound.failure() {
+                    return ToolOutcome::error(failure);
+                }
                 // A closed transport usually means the process is ending: its exit
                 // status and last words say more than the transport does.
                 let mut exit_watch = self.exited.clone();

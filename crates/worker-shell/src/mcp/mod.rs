@@ -6,9 +6,12 @@
 //! `tools/call` on the session's instance, with progress and cancellation passed on.
 //!
 //! The server is a stranger: its messages are bounded, its crash or hang is an
-//! `is_error` result for the call at hand, and the next call starts it again.
+//! `is_error` result for the call at hand, and the next call starts it again. What the
+//! worker writes to it is bounded too (see `outbound.rs`): a server that stops reading
+//! its stdin is held back, then stopped.
 
 mod instance;
+mod outbound;
 mod pool;
 mod tool;
 
