@@ -1159,3 +1159,74 @@ async fn a_run_is_one_trace_with_a_chat_span_per_model_request() {
         );
     }
 }
+
+/// Runs a principal may have going at once are bounded (`[agent]
+/// max_runs_per_principal`): each holds a conversation and spends the operator's key,
+/// and tool calls are rate-limited while runs otherwise were not. A slot comes back
+/// when its run ends — here, when its client closes the stream.
+#[tokio::test]
+async fn runs_going_at_once_are_bounded_per_principal() {
+    // A provider that takes every request and never answers: runs stay going.
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let port = listener.local_addr().expect("addr").port();
+    let silent = tokio::spawn(async move {
+        let mut held = Vec::new();
+        for _ in 0..16 {
+            let Ok((stream, _)) = listener.accept().await else {
+                return;
+            };
+            held.push(stream);
+        }
+    });
+    let airlock = Airlock::start_with_env(
+        &format!(
+            "[agent]\nprovider = \"anthropic\"\nmodel = \"claude-test\"\nbase_url = \"http://127.0.0.1:{port}\"\napi_key_env = \"{KEY_VAR}\"\nmax_runs_per_principal = 2\n"
+        ),
+        &[(KEY_VAR, KEY)],
+    )
+    .await;
+    // Two runs, each read up to its first event: they are going.
+    let mut going = Vec::new();
+    for n in 0..2 {
+        let mut response = airlock
+            .request(reqwest::Method::POST, "/v1/agent/runs")
+            .json(&json!({"prompt": format!("run {n}")}))
+            .send()
+            .await
+            .expect("send");
+        assert_eq!(response.status().as_u16(), 200);
+        let first = tokio::time::timeout(Duration::from_secs(30), response.chunk())
+            .await
+            .expect("the run's first event within 30 s")
+            .expect("read");
+        let first = String::from_utf8_lossy(&first.unwrap_or_default()).into_owned();
+        assert!(first.contains("run.started"), "{first}");
+        going.push(response);
+    }
+    let (status, text, _) = run_raw(&airlock, json!({"prompt": "a third"})).await;
+    assert_eq!(status, 429, "{text}");
+    assert!(text.contains("max_runs_per_principal"), "{text}");
+    assert!(!text.contains(KEY), "{text}");
+
+    // One stream closed: its run is cancelled and its slot given back.
+    drop(going.pop());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let response = airlock
+            .request(reqwest::Method::POST, "/v1/agent/runs")
+            .json(&json!({"prompt": "after one ended"}))
+            .send()
+            .await
+            .expect("send");
+        if response.status().as_u16() == 200 {
+            break;
+        }
+        assert_eq!(response.status().as_u16(), 429);
+        assert!(
+            Instant::now() < deadline,
+            "the closed run's slot never came back"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    silent.abort();
+}

@@ -445,3 +445,73 @@ async fn pending_approval_waits_then_names_the_approval() {
         .expect("the approved write happened");
     assert_eq!(written, "yes");
 }
+
+/// A tool name or id with control characters: PostgreSQL cannot store a NUL as text (the
+/// call's records would be lost) and others make log lines and the console lie. `/v1`
+/// answers 400; the MCP door, which takes names as they come, has the gate refuse the
+/// call as an error result that is audited, the name recorded escaped.
+#[tokio::test]
+async fn names_and_ids_with_control_characters_are_refused_and_audited() {
+    let airlock = Airlock::start().await;
+    for (id, name) in [("a\u{0}b", "read_file"), ("ok", "read_file\u{1b}[2K")] {
+        let body = json!({"session_id": "ctl", "tool_uses": [
+            {"type": "tool_use", "id": id, "name": name, "input": {"path": "x"}}]});
+        let (status, answer) = airlock.post("/v1/tool_calls", &body).await;
+        assert_eq!(status, 400, "{answer}");
+        assert!(
+            answer["error"]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("control characters")),
+            "{answer}"
+        );
+    }
+    for (n, name) in ["read_file\u{0}", "read\u{1b}[31m_file", "read_file\n"]
+        .into_iter()
+        .enumerate()
+    {
+        let call = json!({"jsonrpc": "2.0", "id": 10 + n, "method": "tools/call", "params": {
+            "name": name, "arguments": {"path": "x"}}});
+        let response = mcp_post(&airlock, "/mcp?session_id=ctl", &call)
+            .bearer_auth(&airlock.token)
+            .send()
+            .await
+            .expect("send");
+        assert!(response.status().is_success(), "{}", response.status());
+        let text = response.text().await.expect("body");
+        let result = sse_messages(&text)
+            .into_iter()
+            .find(|m| m["id"] == 10 + n)
+            .unwrap_or_else(|| panic!("no answer to the call: {text}"));
+        assert_eq!(result["result"]["isError"], true, "{result}");
+        let said = result["result"]["content"][0]["text"]
+            .as_str()
+            .unwrap_or_default();
+        assert!(
+            said.contains("must be 1 to 256 characters without control characters"),
+            "{result}"
+        );
+    }
+    let (status, audit) = airlock.get("/v1/audit?session_id=ctl&limit=100").await;
+    assert_eq!(status, 200, "{audit}");
+    let events = audit["events"].as_array().expect("events");
+    let of = |kind: &'static str| events.iter().filter(move |e| e["kind"] == kind);
+    let rejected: Vec<_> = of("rejected")
+        .filter(|e| e["data"]["reason"] == "malformed_tool_use")
+        .collect();
+    assert_eq!(rejected.len(), 3, "{audit}");
+    let mut names: Vec<&str> = of("requested")
+        .filter_map(|e| e["data"]["tool"].as_str())
+        .collect();
+    names.sort_unstable();
+    assert_eq!(
+        names,
+        ["read\\u{1b}[31m_file", "read_file\\0", "read_file\\n"],
+        "{audit}"
+    );
+    assert!(
+        !audit.to_string().contains("\\u0000") && !audit.to_string().contains("\\u001b"),
+        "a control character was recorded: {audit}"
+    );
+    // Nothing of it ran.
+    assert_eq!(of("dispatched").count(), 0, "{audit}");
+}

@@ -470,6 +470,10 @@ fn check_agent(config: &AirlockConfig) -> anyhow::Result<()> {
     for (key, value) in [
         ("max_turns", u64::from(agent.max_turns)),
         ("max_tokens", u64::from(agent.max_tokens)),
+        (
+            "max_runs_per_principal",
+            u64::from(agent.max_runs_per_principal),
+        ),
         ("max_seconds", agent.max_seconds),
         ("tool_wait_seconds", agent.tool_wait_seconds),
     ] {

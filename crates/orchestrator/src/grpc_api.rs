@@ -78,6 +78,16 @@ fn tool_use(index: usize, wire: pb::ToolUse) -> Result<Proposed, Status> {
             "tool_uses[{index}]: id and name must be at most 256 characters"
         )));
     }
+    if wire
+        .id
+        .chars()
+        .chain(wire.name.chars())
+        .any(char::is_control)
+    {
+        return Err(Status::invalid_argument(format!(
+            "tool_uses[{index}]: id and name must not contain control characters"
+        )));
+    }
     let input_json = if wire.input_json.trim().is_empty() {
         "{}"
     } else {
@@ -297,8 +307,14 @@ impl Orchestrator for GrpcFrontDoor {
             body["max_turns"] = serde_json::json!(request.max_turns);
         }
         let run = crate::agent::http::parse_request(&body).map_err(Status::invalid_argument)?;
-        let events = crate::agent::start(self.gate.clone(), &self.agent, principal, run)
-            .map_err(|e| Status::failed_precondition(e.to_string()))?;
+        let events = crate::agent::start(self.gate.clone(), &self.agent, principal, run).map_err(
+            |e| match e {
+                crate::agent::AgentError::TooManyRuns { .. } => {
+                    Status::resource_exhausted(e.to_string())
+                }
+                e => Status::failed_precondition(e.to_string()),
+            },
+        )?;
         // Dropping the stream (the client cancelled) drops the receiver: the run stops.
         let stream = tokio_stream::wrappers::ReceiverStream::new(events).map(|e| {
             Ok(pb::AgentEvent {

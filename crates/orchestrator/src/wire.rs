@@ -204,6 +204,9 @@ fn expect_type(item: &Map<String, Value>, expected: &str, at: &str) -> Result<()
 
 fn string(item: &Map<String, Value>, field: &str, at: &str) -> Result<String, BadRequest> {
     match item.get(field) {
+        Some(Value::String(s)) if s.chars().any(char::is_control) => Err(BadRequest(format!(
+            "{at} must not contain control characters"
+        ))),
         Some(Value::String(s)) if !s.is_empty() && s.len() <= 256 => Ok(s.clone()),
         Some(Value::String(_)) => Err(BadRequest(format!("{at} must be 1 to 256 characters"))),
         Some(_) => Err(BadRequest(format!("{at} must be a string"))),

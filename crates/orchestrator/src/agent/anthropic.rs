@@ -106,7 +106,9 @@ fn read_usage(usage: &Value, into: &mut Usage) {
     ]
     .iter()
     .filter_map(|k| n(k))
-    .reduce(|a, b| a + b);
+    // The provider's numbers: a sum that overflows is clamped, never a panic that
+    // would end the run without its `run.failed` and audit record.
+    .reduce(u64::saturating_add);
     if let Some(input) = input.filter(|i| *i > 0) {
         into.input_tokens = input;
     }
@@ -346,6 +348,18 @@ pub fn error_text(body: &Value) -> String {
 mod tests {
     use super::*;
     use crate::agent::sse::SseParser;
+
+    #[test]
+    fn token_counts_that_overflow_are_clamped() {
+        let mut usage = Usage::default();
+        read_usage(
+            &json!({"input_tokens": u64::MAX, "cache_read_input_tokens": 1,
+                "cache_creation_input_tokens": u64::MAX, "output_tokens": 7}),
+            &mut usage,
+        );
+        assert_eq!(usage.input_tokens, u64::MAX);
+        assert_eq!(usage.output_tokens, 7);
+    }
 
     fn sse(events: &[Value]) -> String {
         events

@@ -64,6 +64,13 @@ pub fn parse_request(body: &Value) -> Result<RunRequest, String> {
 
 /// The HTTP answer to a run that could not start.
 pub fn start_error(e: &AgentError) -> ApiError {
+    if let AgentError::TooManyRuns { .. } = e {
+        return ApiError::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "too_many_runs",
+            e.to_string(),
+        );
+    }
     ApiError::new(
         StatusCode::SERVICE_UNAVAILABLE,
         "agent_unavailable",

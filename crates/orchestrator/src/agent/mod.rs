@@ -108,6 +108,10 @@ pub struct AgentConfig {
     /// How long one tool call may take, approval included, before the loop withdraws it
     /// and answers the model with an error result.
     pub tool_wait_seconds: u64,
+    /// Runs one principal may have going at once on this orchestrator. Each holds a
+    /// conversation of up to 32 MiB and spends the operator's API key; tool calls are
+    /// rate-limited, runs otherwise would not be.
+    pub max_runs_per_principal: u32,
 }
 
 impl Default for AgentConfig {
@@ -124,6 +128,7 @@ impl Default for AgentConfig {
             max_tool_calls: 100,
             max_seconds: 600,
             tool_wait_seconds: 300,
+            max_runs_per_principal: 4,
         }
     }
 }
@@ -176,6 +181,66 @@ pub enum AgentError {
     Protocol(String),
     #[error("the provider reported an error: {0}")]
     Provider(String),
+    #[error(
+        "{principal} already has {limit} agent runs going on this orchestrator ([agent] max_runs_per_principal): wait for one to end, or close its stream"
+    )]
+    TooManyRuns { principal: String, limit: u32 },
+}
+
+/// The agent runs going per principal, in this process: a slot is taken when a run
+/// starts and given back when its task ends, however it ends.
+#[derive(Debug, Default)]
+pub struct RunSlots {
+    going: std::sync::Mutex<std::collections::HashMap<String, u32>>,
+}
+
+impl RunSlots {
+    /// A slot for `principal`, unless it has `limit` runs going already.
+    pub fn take(
+        self: &std::sync::Arc<Self>,
+        principal: &str,
+        limit: u32,
+    ) -> Result<RunSlot, AgentError> {
+        let mut going = self
+            .going
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let count = going.entry(principal.to_owned()).or_default();
+        if *count >= limit {
+            return Err(AgentError::TooManyRuns {
+                principal: principal.to_owned(),
+                limit,
+            });
+        }
+        *count += 1;
+        Ok(RunSlot {
+            slots: self.clone(),
+            principal: principal.to_owned(),
+        })
+    }
+}
+
+/// One run's slot; dropping it gives it back.
+#[derive(Debug)]
+pub struct RunSlot {
+    slots: std::sync::Arc<RunSlots>,
+    principal: String,
+}
+
+impl Drop for RunSlot {
+    fn drop(&mut self) {
+        let mut going = self
+            .slots
+            .going
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(count) = going.get_mut(&self.principal) {
+            *count = count.saturating_sub(1);
+            if *count == 0 {
+                going.remove(&self.principal);
+            }
+        }
+    }
 }
 
 impl AgentConfig {

@@ -75,6 +75,11 @@ pub fn start(
     request: RunRequest,
 ) -> Result<mpsc::Receiver<AgentEvent>, AgentError> {
     let resolved = config.resolve(|name| std::env::var(name).ok())?;
+    // Held by the run's task until it ends, however it ends (the stream closed, a limit,
+    // the provider's error).
+    let slot = gate
+        .agent_runs
+        .take(&principal.name, config.max_runs_per_principal)?;
     // Without a session the run works where `airlock call` does (DESIGN §16), so the
     // model sees the user's files. Its calls then count like any call that names no
     // session: not against the session budgets, which would otherwise soon refuse every
@@ -116,7 +121,13 @@ pub fn start(
         gen_ai.request.model = %run.resolved.model,
         airlock.run_id = %run.run_id,
     );
-    tokio::spawn(run.drive(request.prompt).instrument(span));
+    tokio::spawn(
+        async move {
+            let _slot = slot;
+            run.drive(request.prompt).await;
+        }
+        .instrument(span),
+    );
     Ok(rx)
 }
 

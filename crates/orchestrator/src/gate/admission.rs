@@ -20,9 +20,21 @@ use crate::catalog::CatalogTool;
 impl Gate {
     /// The tool the call is for, with `ctx`'s input in the tool's own spelling.
     pub(super) fn admit(&self, ctx: &mut CallCtx) -> Result<Arc<CatalogTool>, Rejection> {
+        let size = json_size(&ctx.tool_use.input);
+        // An id or a name that a front door with no checks of its own passed on (an MCP
+        // request id, a model's call in the agent loop): one with a NUL cannot be stored
+        // as text by PostgreSQL, so the call's records would be lost, and other control
+        // characters make log lines and the console lie. Refused, and recorded in an
+        // escaped spelling, so that the refusal is audited like any other.
+        if let Some(what) = malformed(&ctx.tool_use) {
+            ctx.tool_use.id = escaped(&ctx.tool_use.id);
+            ctx.tool_use.name = escaped(&ctx.tool_use.name);
+            let requested = self.requested(None, &ctx.tool_use, true, size);
+            ctx.note(AuditKind::Requested, requested);
+            return Err(Rejection::MalformedToolUse { what });
+        }
         // Unknown and hidden tools get the same answer (no catalog probing).
         let tool = self.visible_tool(&ctx.principal, &ctx.tool_use.name);
-        let size = json_size(&ctx.tool_use.input);
         let oversized = size > self.limits.max_argument_bytes;
         // From here on (audit redaction, schema, policy, worker) the tool's own spelling
         // of the arguments is used.
@@ -94,6 +106,33 @@ fn json_size(value: &Value) -> u64 {
         Ok(()) => count.0,
         Err(_) => u64::MAX,
     }
+}
+
+/// Which of the call's id and tool name is not 1 to 256 characters free of control
+/// characters (what `/v1` and gRPC accept), if any.
+fn malformed(tool_use: &ToolUse) -> Option<&'static str> {
+    let bad = |text: &str| {
+        text.is_empty() || text.chars().count() > 256 || text.chars().any(char::is_control)
+    };
+    if bad(&tool_use.id) {
+        Some("id")
+    } else if bad(&tool_use.name) {
+        Some("name")
+    } else {
+        None
+    }
+}
+
+/// A malformed id or name as it is recorded: control characters escaped (`\0`,
+/// `\u{1b}`), at most 256 characters.
+fn escaped(text: &str) -> String {
+    bounded(
+        &text
+            .chars()
+            .take(256)
+            .flat_map(char::escape_debug)
+            .collect::<String>(),
+    )
 }
 
 /// A caller-chosen name or id as the audit log records it: at most 256 characters (what

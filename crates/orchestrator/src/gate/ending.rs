@@ -84,6 +84,12 @@ impl Ending {
 pub(super) enum Rejection {
     #[error("unknown tool {name:?}; list the available tools with GET /v1/tools")]
     UnknownTool { name: String },
+    /// The call's id or tool name (`what`) is empty, too long, or holds control
+    /// characters.
+    #[error(
+        "the tool call's {what} must be 1 to 256 characters without control characters; send it as such"
+    )]
+    MalformedToolUse { what: &'static str },
     #[error(
         "arguments of {tool} are {bytes} bytes, over the limit of {limit} bytes; send less data per call"
     )]
@@ -150,6 +156,7 @@ impl Rejection {
             }
             Self::Dispatch(DispatchError::DeadlineExceeded { .. }) => CallStatus::Timeout,
             Self::UnknownTool { .. }
+            | Self::MalformedToolUse { .. }
             | Self::ArgumentsTooLarge { .. }
             | Self::InvalidArguments { .. }
             | Self::OverBudget { .. }
@@ -166,6 +173,10 @@ impl Rejection {
     pub fn audit(&self) -> Option<(AuditKind, Value)> {
         Some(match self {
             Self::UnknownTool { .. } => (AuditKind::Rejected, json!({"reason": "unknown_tool"})),
+            Self::MalformedToolUse { what } => (
+                AuditKind::Rejected,
+                json!({"reason": "malformed_tool_use", "field": what}),
+            ),
             Self::ArgumentsTooLarge { bytes, .. } => (
                 AuditKind::Rejected,
                 json!({"reason": "arguments_too_large", "bytes": bytes}),

@@ -129,6 +129,8 @@ pub struct Gate {
     visibility: std::sync::Mutex<HashMap<VisibilityKey, bool>>,
     /// Calls that count against their session but are not in the store yet.
     unrecorded: budget::Unrecorded,
+    /// The agent runs going per principal (`[agent] max_runs_per_principal`).
+    pub(crate) agent_runs: Arc<crate::agent::RunSlots>,
 }
 
 type VisibilityKey = (String, String, airlock_policy::ToolAnnotations);
@@ -204,6 +206,7 @@ impl Gate {
             decided: Notify::new(),
             visibility: std::sync::Mutex::default(),
             unrecorded: budget::Unrecorded::default(),
+            agent_runs: Arc::default(),
         }
     }
 
