@@ -167,6 +167,34 @@ elif grep -E '[0-9a-f]{64}' "$out/argv.log"; then
   status=1
 fi
 
+# --- the dev overlay's certificates are made again as they near their expiry ------------
+# Real certificates that live two days: kept when renewal looks one day ahead, made
+# again (the old directory moved aside) when it looks thirty days ahead.
+echo "== dev secrets.sh renews certificates that near their expiry"
+near="$out/near-certs"
+mkdir -p "$near"
+for f in ca orchestrator worker-shell worker-fs worker-http worker-db; do
+  openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 2 \
+    -subj "/CN=$f" -keyout "$near/$f.key" -out "$near/$f.crt" >/dev/null 2>&1
+done
+renewals() { grep -c '^certs init' "$out/argv-renew.log" 2>/dev/null || true; }
+: > "$out/argv-renew.log"
+if ! ARGV_LOG="$out/argv-renew.log" PATH="$stubs:$PATH" AIRLOCK="$stubs/airlock" AIRLOCK_DEV_CERT_RENEW_DAYS=1 \
+    "$here/overlays/dev/secrets.sh" "$near" > "$out/renew.txt" 2>&1 || [ "$(renewals)" != 0 ]; then
+  cat "$out/renew.txt" "$out/argv-renew.log"
+  echo "FAIL: overlays/dev/secrets.sh made again certificates valid for longer than its window" >&2
+  status=1
+elif ! ARGV_LOG="$out/argv-renew.log" PATH="$stubs:$PATH" AIRLOCK="$stubs/airlock" AIRLOCK_DEV_CERT_RENEW_DAYS=30 \
+    "$here/overlays/dev/secrets.sh" "$near" > "$out/renew.txt" 2>&1 || [ "$(renewals)" != 1 ]; then
+  cat "$out/renew.txt" "$out/argv-renew.log"
+  echo "FAIL: overlays/dev/secrets.sh kept certificates that expire within its window" >&2
+  status=1
+elif ! ls -d "$near".old-* >/dev/null 2>&1 || ! grep -q 'rollout restart' "$out/renew.txt"; then
+  cat "$out/renew.txt"
+  echo "FAIL: overlays/dev/secrets.sh did not keep the old certificates aside or say to restart" >&2
+  status=1
+fi
+
 if [ "$status" -ne 0 ]; then
   exit "$status"
 fi

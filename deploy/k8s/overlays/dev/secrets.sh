@@ -5,7 +5,8 @@
 #   airlock-principals        agent-token, approver-token (random)
 #   airlock-store             password (random; the store's role, and PostgreSQL's)
 #   airlock-databases         sandbox-password (random; the db worker's role)
-# Safe to run again: existing certificates, tokens and passwords are kept.
+# Safe to run again: existing tokens and passwords are kept, and certificates until
+# they near their expiry.
 #
 #   deploy/k8s/overlays/dev/secrets.sh [CERT_DIR]   (default ./airlock-dev-certs)
 #
@@ -21,6 +22,22 @@ components=(orchestrator worker-shell worker-fs worker-http worker-db)
 
 kubectl create namespace "$ns" --dry-run=client -o yaml | kubectl apply -f -
 
+# Certificates that expire within AIRLOCK_DEV_CERT_RENEW_DAYS (default 30; the leaves
+# live a year, the CA five) or that openssl cannot read are made again, all of them with
+# a new CA, after the old directory is moved aside: a dev cluster left running for a year
+# would otherwise be handed its expired certificates again, and every TLS hop would fail.
+renew_days=${AIRLOCK_DEV_CERT_RENEW_DAYS:-30}
+if [ -e "$certs/ca.crt" ]; then
+  for c in ca "${components[@]}"; do
+    if ! openssl x509 -noout -checkend "$((renew_days * 86400))" -in "$certs/$c.crt" >/dev/null 2>&1; then
+      old="$certs.old-$(date -u +%Y%m%dT%H%M%SZ)"
+      mv "$certs" "$old"
+      echo "$c.crt expires within $renew_days days (or cannot be read): new certificates replace those now in $old;" \
+        "restart the pods to load them: kubectl -n $ns rollout restart deployment,statefulset" >&2
+      break
+    fi
+  done
+fi
 if [ ! -e "$certs/ca.crt" ]; then
   # Each certificate carries its component's name (what the peers check); the
   # orchestrator's also these: the front door's Service names, for clients of the TLS
