@@ -798,6 +798,40 @@ async fn approvals_are_decided_over_grpc_and_the_cli_too() {
         .expect_err("a reason over 4096 bytes");
     assert_eq!(long.code(), tonic::Code::InvalidArgument, "{long:?}");
     assert!(long.message().contains("4096"), "{long:?}");
+    // And free of control characters (PostgreSQL cannot store a NUL as text), on gRPC
+    // and on HTTP: a 4xx that says so, the approval still pending.
+    for reason in ["no\u{0}pe", "no\u{1b}[2Jpe"] {
+        let control = client
+            .decide_approval(authed_request(
+                &airlock.token,
+                pb::DecideApprovalRequest {
+                    approval_id: first_approval.clone(),
+                    approve: false,
+                    reason: reason.into(),
+                    ..Default::default()
+                },
+            ))
+            .await
+            .expect_err("a reason with a control character");
+        assert_eq!(control.code(), tonic::Code::InvalidArgument, "{control:?}");
+        assert!(
+            control.message().contains("control characters"),
+            "{control:?}"
+        );
+        let (status, body) = airlock
+            .post(
+                &format!("/v1/approvals/{first_approval}/deny"),
+                &json!({"reason": reason}),
+            )
+            .await;
+        assert_eq!(status, 400, "{body}");
+        assert!(
+            body["error"]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("control characters")),
+            "{body}"
+        );
+    }
     let decided = client
         .decide_approval(authed_request(
             &airlock.token,

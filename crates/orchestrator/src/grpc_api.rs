@@ -13,7 +13,7 @@ use tonic::{Request, Response, Status};
 use crate::auth::{Principal, Role};
 use crate::calls::CallRecord;
 use crate::dispatch::WorkerEvent;
-use crate::gate::decisions::{DecideError, MAX_REASON_BYTES};
+use crate::gate::decisions::DecideError;
 use crate::gate::{Gate, ToolUse};
 use crate::service::{AdmitError, Batch, CallService, OnDrop, Proposed, Refused, Update};
 use crate::store::{ApprovalQuery, ApprovalStatus, StoreError};
@@ -380,11 +380,7 @@ impl Orchestrator for GrpcFrontDoor {
             ));
         }
         let request = request.into_inner();
-        if request.reason.len() > MAX_REASON_BYTES {
-            return Err(Status::invalid_argument(format!(
-                "reason must be at most {MAX_REASON_BYTES} bytes"
-            )));
-        }
+        crate::gate::decisions::check_reason(&request.reason).map_err(Status::invalid_argument)?;
         let reason = (!request.reason.is_empty()).then_some(request.reason.as_str());
         let input_sha256 = match request.input_sha256.as_str() {
             "" => None,

@@ -21,7 +21,7 @@ use crate::authn::{AuthLayer, JsonRefusal};
 use crate::budget::BudgetError;
 use crate::calls::wait_final;
 use crate::gate::Gate;
-use crate::gate::decisions::{self as approvals, DecideError, MAX_REASON_BYTES};
+use crate::gate::decisions::{self as approvals, DecideError};
 use crate::service::{AdmitError, Batch, CallService, OnDrop, Refused};
 use crate::store::{ApprovalQuery, ApprovalStatus, MAX_APPROVAL_PAGE, StoreError};
 use crate::wire::{self, BadRequest, CatalogFormat};
@@ -687,12 +687,11 @@ async fn decide_approval(
     };
     let reason = match body.get("reason") {
         None | Some(Value::Null) => None,
-        Some(Value::String(r)) if r.len() <= MAX_REASON_BYTES => Some(r.clone()),
-        Some(_) => {
-            return Err(ApiError::bad_request(format!(
-                "reason must be a string of at most {MAX_REASON_BYTES} bytes"
-            )));
+        Some(Value::String(r)) => {
+            approvals::check_reason(r).map_err(ApiError::bad_request)?;
+            Some(r.clone())
         }
+        Some(_) => return Err(ApiError::bad_request("reason must be a string")),
     };
     let input_sha256 = match body.get("input_sha256") {
         None | Some(Value::Null) => None,

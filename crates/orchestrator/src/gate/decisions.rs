@@ -62,6 +62,27 @@ pub const REVOKED_BY: &str = "system:revoked";
 /// the approval, written into the audit log and shown to the model on a denial.
 pub const MAX_REASON_BYTES: usize = 4096;
 
+/// Checks an approver's reason, the same on every door: at most [`MAX_REASON_BYTES`],
+/// and no control characters but newlines and tabs — it is stored as text (PostgreSQL
+/// refuses a NUL, which would fail the decision as a store error), written into the
+/// audit log and shown to the model and in the console. The error says what to change.
+pub fn check_reason(reason: &str) -> Result<(), String> {
+    if reason.len() > MAX_REASON_BYTES {
+        return Err(format!(
+            "reason must be at most {MAX_REASON_BYTES} bytes; shorten it"
+        ));
+    }
+    if reason
+        .chars()
+        .any(|c| c.is_control() && !matches!(c, '\n' | '\r' | '\t'))
+    {
+        return Err(
+            "reason must not contain control characters other than newlines and tabs".to_owned(),
+        );
+    }
+    Ok(())
+}
+
 /// Those of `names` who are not approvers in the principals in force.
 pub(super) fn no_longer_approvers(gate: &Gate, names: &[String]) -> Vec<String> {
     names

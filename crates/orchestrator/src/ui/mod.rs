@@ -34,7 +34,7 @@ use sha2::{Digest, Sha256};
 
 use crate::audit::AuditQuery;
 use crate::auth::Role;
-use crate::gate::decisions::{self as approvals, DecideError, MAX_REASON_BYTES};
+use crate::gate::decisions::{self as approvals, DecideError};
 use crate::http_api::HttpState;
 use crate::store::{Approval, ApprovalQuery, ApprovalStatus, CallListFilter};
 
@@ -565,10 +565,8 @@ async fn decide(
         }
     };
     let reason = form.reason.trim();
-    if reason.len() > MAX_REASON_BYTES {
-        return Err(refuse(UiError::BadRequest(format!(
-            "the reason is longer than {MAX_REASON_BYTES} bytes"
-        ))));
+    if let Err(why) = approvals::check_reason(reason) {
+        return Err(refuse(UiError::BadRequest(why)));
     }
     let digest = form.input_sha256.trim();
     let well_formed = digest.len() == 64 && digest.chars().all(|c| c.is_ascii_hexdigit());
