@@ -564,6 +564,49 @@ async fn an_approved_call_survives_an_orchestrator_crash_and_runs_once() {
     assert_eq!(lines, "ran\nran\n", "each approved call ran exactly once");
 }
 
+/// A call policy allowed is sent to its worker attached: when the orchestrator dies
+/// while it runs, the worker stops it and keeps no record of it. The resume loop must
+/// not send it again (it would run twice); the call ends as an error saying that it
+/// may have run.
+#[tokio::test]
+async fn an_allowed_call_whose_orchestrator_died_is_not_run_again() {
+    let airlock = Airlock::start_with("[approvals]\ntools = []\n").await;
+    let ws = airlock.workspace("lost");
+    let marker = format!("airlock-lost-{}", std::process::id());
+    let command = format!("echo ran >> lost.txt\nsleep 5 # {marker}");
+    let body = json!({"session_id": "lost", "wait_ms": 300, "tool_uses": [one_use("execute_shell", json!({"command": command}))]});
+    let (status, running) = airlock.post("/v1/tool_calls", &body).await;
+    assert_eq!(status, 200, "{running}");
+    let call_id = running["calls"][0]["call_id"]
+        .as_str()
+        .expect("id")
+        .to_owned();
+    airlock.wait_started(&marker, "the allowed command").await;
+    signal(
+        airlock.process("serve orchestrator"),
+        rustix::process::Signal::KILL,
+    );
+    airlock.wait_ready().await;
+    // The new orchestrator's resume loop finds the call's lapsed claim (15 s).
+    let (status, done) = airlock
+        .get(&format!("/v1/calls/{call_id}?wait_ms=60000"))
+        .await;
+    assert_eq!(status, 200, "{done}");
+    assert_eq!(done["status"], "error", "{done}");
+    let text = done["tool_result"]["content"][0]["text"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(text.contains("may have run"), "{done}");
+    airlock
+        .wait_gone(&marker, "the allowed command kept running")
+        .await;
+    let lines = std::fs::read_to_string(ws.join("lost.txt")).expect("lost.txt");
+    assert_eq!(
+        lines, "ran\n",
+        "the call ran again after its orchestrator died"
+    );
+}
+
 #[tokio::test]
 async fn the_audit_log_detects_edits_to_the_store() {
     let airlock = Airlock::start().await;

@@ -135,6 +135,11 @@ pub(super) enum Rejection {
     },
     #[error("no worker group serves {tool}")]
     NoWorkerGroup { tool: String },
+    /// Sent to its worker by a replica that went away before recording its end.
+    #[error(
+        "the orchestrator that sent this call to its worker stopped before recording how it ended, and the worker kept no record of it: the call may have run, in part or whole; check its effects before calling it again"
+    )]
+    LostInFlight,
     #[error("the store cannot {doing}: {error}")]
     Store {
         doing: &'static str,
@@ -162,6 +167,7 @@ impl Rejection {
             | Self::OverBudget { .. }
             | Self::ApprovalMissing
             | Self::NoWorkerGroup { .. }
+            | Self::LostInFlight
             | Self::Store { .. }
             | Self::Dispatch(_) => CallStatus::Error,
         }
@@ -198,6 +204,7 @@ impl Rejection {
             | Self::ApprovalExpired
             | Self::ApprovalMissing
             | Self::NoWorkerGroup { .. }
+            | Self::LostInFlight
             | Self::Store { .. }
             | Self::Dispatch(_) => return None,
         })

@@ -184,6 +184,10 @@ struct Dispatch {
     recheck: Option<&'static str>,
     /// What the worker's spans are children of: the `gate.dispatch` stage.
     trace: StageParent,
+    /// The call was sent to its worker attached before, by a replica that went away
+    /// (or could not record its end): the worker kept no record of it, so sending it
+    /// again would run it a second time. Claimed, it ends as [`Rejection::LostInFlight`].
+    sent_attached: bool,
 }
 
 impl Gate {
@@ -585,6 +589,7 @@ impl Gate {
             durable: approved,
             recheck: approved.then_some("dispatch"),
             trace: dispatch.parent().clone(),
+            sent_attached: false,
         };
         let result = self.claim_and_dispatch(ctx, &tool, how).await;
         dispatch.end(result.is_err());
@@ -612,6 +617,9 @@ impl Gate {
         if how.record == Record::Stored {
             if let claim::Claim::Lost(ending) = self.claim(ctx, group.as_deref()).await? {
                 return Ok(ending);
+            }
+            if how.sent_attached {
+                return Err(Rejection::LostInFlight);
             }
             if let Some(stage) = how.recheck {
                 self.recheck(ctx, stage)?;

@@ -129,6 +129,12 @@ impl Gate {
         // A call that never reached a worker is checked again like a fresh dispatch; one
         // that did is joined on its worker, where it started while it was allowed.
         let recheck = (call.state == CallState::Approved).then_some("resume");
+        // Only approved calls are sent detached (the worker keeps them, and one sent
+        // again joins its run). A call policy allowed was sent attached: it ran, or was
+        // stopped, when its replica's stream went away, and the worker kept nothing of
+        // it. Sent again it would run twice (`echo >> file` twice); it ends instead,
+        // saying that it may have run.
+        let sent_attached = call.state == CallState::Dispatched && call.approval_id.is_none();
         let mut ctx = CallCtx {
             call_id: call.call_id.into(),
             principal: Principal {
@@ -162,6 +168,7 @@ impl Gate {
                     durable: true,
                     recheck,
                     trace: StageParent::current(),
+                    sent_attached,
                 },
             )
             .await;
