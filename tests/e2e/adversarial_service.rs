@@ -524,6 +524,79 @@ async fn mcp_and_grpc_apply_the_same_argument_and_request_caps() {
     assert!(grown < 4 * MIB as u64, "the store grew by {grown} bytes");
 }
 
+/// Arguments nested as deep as a JSON reader takes (127 levels, which gRPC's and the
+/// agent loop's parsers accept): the audit log wraps them in its own objects, and a
+/// record past 128 levels could no longer be read — `GET /v1/audit` failed and
+/// `audit verify` called the log tampered from there on. Refused like oversized
+/// arguments, recorded as their digest; the log stays readable and verified.
+#[tokio::test]
+async fn arguments_nested_too_deep_are_refused_and_the_log_stays_readable() {
+    let airlock = Airlock::start().await;
+    let mut client = grpc_client(&airlock).await;
+    let nested = |depth: usize| format!("{}1{}", "[".repeat(depth), "]".repeat(depth));
+    // An unknown tool is refused as such; its arguments are still recorded as their
+    // digest.
+    for (name, input, said) in [
+        (
+            "read_file",
+            format!("{{\"path\":{}}}", nested(126)),
+            "levels deep",
+        ),
+        (
+            "no_such_tool",
+            format!("{{\"x\":{}}}", nested(126)),
+            "unknown tool",
+        ),
+        (
+            "read_file",
+            format!("{{\"path\":{}}}", nested(65)),
+            "levels deep",
+        ),
+    ] {
+        let answer = client
+            .call_tools(authed(
+                pb::CallToolsRequest {
+                    session_id: "deep".into(),
+                    tool_uses: vec![pb::ToolUse {
+                        id: "d".into(),
+                        name: name.into(),
+                        input_json: input,
+                    }],
+                    wait_ms: None,
+                },
+                &airlock.token,
+            ))
+            .await
+            .expect("CallTools")
+            .into_inner();
+        let result = &answer.tool_results[0];
+        assert!(result.is_error, "{result:?}");
+        assert!(result.content.join("").contains(said), "{result:?}");
+    }
+    let (status, audit) = airlock.get("/v1/audit?session_id=deep&limit=100").await;
+    assert_eq!(status, 200, "the log cannot be read: {audit}");
+    let deep: Vec<&Value> = audit["events"]
+        .as_array()
+        .expect("events")
+        .iter()
+        .filter(|e| e["kind"] == "rejected" && e["data"]["reason"] == "arguments_too_deep")
+        .collect();
+    assert_eq!(deep.len(), 2, "{audit}");
+    let requested: Vec<&Value> = audit["events"]
+        .as_array()
+        .expect("events")
+        .iter()
+        .filter(|e| e["kind"] == "requested")
+        .collect();
+    assert_eq!(requested.len(), 3, "{audit}");
+    for event in requested {
+        assert!(event["data"]["arguments"].is_null(), "{event}");
+        assert!(event["data"]["arguments_sha256"].is_string(), "{event}");
+    }
+    let (_, verify) = airlock.get("/v1/audit/verify").await;
+    assert_eq!(verify["ok"], true, "{verify}");
+}
+
 #[tokio::test]
 async fn a_lowered_request_cap_holds_on_grpc_as_on_http() {
     let airlock = Airlock::start_with("[limits]\nmax_request_bytes = 1048576\n").await;

@@ -35,7 +35,12 @@ impl Gate {
         }
         // Unknown and hidden tools get the same answer (no catalog probing).
         let tool = self.visible_tool(&ctx.principal, &ctx.tool_use.name);
-        let oversized = size > self.limits.max_argument_bytes;
+        let depth = json_depth(&ctx.tool_use.input);
+        // Too deep is refused like too large, and recorded the same way (digest and
+        // size): the audit log wraps the arguments in its own objects, and a record
+        // nested past what the JSON reader accepts (128) would make the log unreadable
+        // from that record on — `audit verify` would call it tampered.
+        let oversized = size > self.limits.max_argument_bytes || depth > MAX_ARGUMENT_DEPTH;
         // From here on (audit redaction, schema, policy, worker) the tool's own spelling
         // of the arguments is used.
         if let Some(input) = tool
@@ -52,6 +57,13 @@ impl Gate {
                 name: bounded(&ctx.tool_use.name),
             });
         };
+        if depth > MAX_ARGUMENT_DEPTH {
+            return Err(Rejection::ArgumentsTooDeep {
+                tool: ctx.tool_use.name.clone(),
+                depth,
+                limit: MAX_ARGUMENT_DEPTH,
+            });
+        }
         // Size cap before the schema, so a huge argument is never walked.
         if oversized {
             return Err(Rejection::ArgumentsTooLarge {
@@ -87,6 +99,28 @@ impl Gate {
         }
         requested
     }
+}
+
+/// How deep a call's arguments may nest (objects and arrays). Tool schemas nest a few
+/// levels; the audit log adds its own around them and must stay well under the 128
+/// levels its JSON reader accepts.
+pub(super) const MAX_ARGUMENT_DEPTH: usize = 64;
+
+/// How deep `value` nests (a scalar is 0, `{}` or `[]` is 1), walked without recursion
+/// so that no input can exhaust the stack.
+fn json_depth(value: &Value) -> usize {
+    let mut deepest = 0;
+    let mut stack = vec![(value, 0usize)];
+    while let Some((value, depth)) = stack.pop() {
+        let children: Box<dyn Iterator<Item = &Value>> = match value {
+            Value::Array(items) => Box::new(items.iter()),
+            Value::Object(fields) => Box::new(fields.values()),
+            _ => continue,
+        };
+        deepest = deepest.max(depth + 1);
+        stack.extend(children.map(|child| (child, depth + 1)));
+    }
+    deepest
 }
 
 /// The length of `value`'s compact JSON text, counted without building the text.

@@ -99,6 +99,14 @@ pub(super) enum Rejection {
         limit: u64,
     },
     #[error(
+        "arguments of {tool} nest {depth} levels deep, over the limit of {limit}; flatten them"
+    )]
+    ArgumentsTooDeep {
+        tool: String,
+        depth: usize,
+        limit: usize,
+    },
+    #[error(
         "invalid arguments for {tool}: {}. Fix the arguments to match the tool's input_schema and call again",
         violations.join("; ")
     )]
@@ -163,6 +171,7 @@ impl Rejection {
             Self::UnknownTool { .. }
             | Self::MalformedToolUse { .. }
             | Self::ArgumentsTooLarge { .. }
+            | Self::ArgumentsTooDeep { .. }
             | Self::InvalidArguments { .. }
             | Self::OverBudget { .. }
             | Self::ApprovalMissing
@@ -186,6 +195,10 @@ impl Rejection {
             Self::ArgumentsTooLarge { bytes, .. } => (
                 AuditKind::Rejected,
                 json!({"reason": "arguments_too_large", "bytes": bytes}),
+            ),
+            Self::ArgumentsTooDeep { depth, .. } => (
+                AuditKind::Rejected,
+                json!({"reason": "arguments_too_deep", "depth": depth}),
             ),
             Self::InvalidArguments { audited, .. } => {
                 (AuditKind::RejectedSchema, json!({"violations": audited}))
