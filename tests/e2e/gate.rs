@@ -952,6 +952,24 @@ async fn approvals_are_decided_over_grpc_and_the_cli_too() {
     let list = cli(&["approvals", "list"]);
     assert!(list.status.success());
     assert!(String::from_utf8_lossy(&list.stdout).contains(&second_approval));
+    // An id is one path segment: a `deny` whose id carries `/approve?` must not become
+    // an approval (the CLI percent-encodes it; the server finds no such approval).
+    let smuggled = format!("{second_approval}/approve?");
+    let deny = cli(&["approvals", "deny", &smuggled]);
+    assert!(
+        !deny.status.success(),
+        "{}",
+        String::from_utf8_lossy(&deny.stdout)
+    );
+    let (_, still) = airlock.get("/v1/approvals?status=pending").await;
+    assert!(
+        still["approvals"]
+            .as_array()
+            .expect("approvals")
+            .iter()
+            .any(|a| a["approval_id"] == second_approval.as_str()),
+        "the smuggled id decided the approval: {still}"
+    );
     let deny = cli(&[
         "approvals",
         "deny",

@@ -98,7 +98,9 @@ pub fn tools(connection: &Connection, raw: bool, format: &str) -> anyhow::Result
             .or_else(|| tool["function"]["description"].as_str())
             .unwrap_or_default();
         let first_line = description.lines().next().unwrap_or_default();
-        println!("{name:<18} {first_line}");
+        // An MCP server writes its tools' names and descriptions: shown, never obeyed
+        // by the terminal.
+        println!("{:<18} {}", shown(name), shown(first_line));
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -153,7 +155,7 @@ pub fn tool_pins(connection: &Connection, action: &crate::ToolsAction) -> anyhow
         }
         ToolsAction::Accept { name, digest } => {
             airlock_policy::validate_tool_name(name)?;
-            let url = format!("{}/v1/tools/{name}/accept", target.url);
+            let url = format!("{}/v1/tools/{}/accept", target.url, encoded(name));
             let request = match digest {
                 Some(digest) => client
                     .post(url)
@@ -281,7 +283,11 @@ pub fn call(
             let wait_ms = left.map_or(FOLLOW_CHUNK_MS, |l| {
                 (l.as_millis() as u64).clamp(1, FOLLOW_CHUNK_MS)
             });
-            let url = format!("{}/v1/calls/{call_id}?wait_ms={wait_ms}", target.url);
+            let url = format!(
+                "{}/v1/calls/{}?wait_ms={wait_ms}",
+                target.url,
+                encoded(&call_id)
+            );
             let detail = target
                 .send(client.get(url))
                 .await
@@ -596,7 +602,7 @@ pub fn approvals(
             for _ in 0..MAX_APPROVAL_PAGES {
                 let cursor = after
                     .as_deref()
-                    .map(|c| format!("&after={c}"))
+                    .map(|c| format!("&after={}", encoded(c)))
                     .unwrap_or_default();
                 let url = format!("{}/v1/approvals?{status}limit=100{cursor}", target.url);
                 let body = runtime.block_on(target.send(client.get(url)))?;
@@ -664,7 +670,7 @@ pub fn approvals(
             };
             let body =
                 json!({"reason": reason, "input_sha256": input_sha256, "remember": remember});
-            let url = format!("{}/v1/approvals/{id}/{verb}", target.url);
+            let url = format!("{}/v1/approvals/{}/{verb}", target.url, encoded(id));
             let decided = runtime.block_on(target.send(client.post(url).json(&body)))?;
             println!(
                 "{} {} (call {})",
@@ -692,7 +698,7 @@ pub fn audit(connection: &Connection, action: &crate::AuditAction) -> anyhow::Re
         } => {
             let session = session
                 .as_ref()
-                .map(|s| format!("&session_id={s}"))
+                .map(|s| format!("&session_id={}", encoded(s)))
                 .unwrap_or_default();
             let url = format!("{}/v1/audit?latest=true&limit={limit}{session}", target.url);
             let body = runtime.block_on(target.send(client.get(url)))?;
@@ -847,6 +853,21 @@ struct AgentPrinter {
     mid_line: bool,
 }
 
+/// `text` for a terminal: control characters but newlines and tabs escaped (`\u{1b}`),
+/// so that text from a model, a provider or an MCP server cannot move the cursor,
+/// retitle the window or rewrite what was printed before.
+fn shown(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        if c.is_control() && !matches!(c, '\n' | '\t') {
+            out.extend(c.escape_debug());
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
 fn one_line(text: &str, max: usize) -> String {
     let flat: String = text
         .chars()
@@ -869,7 +890,9 @@ impl AgentPrinter {
     }
 
     fn print(&mut self, kind: &str, data: &Value) {
-        let s = |k: &str| data[k].as_str().unwrap_or("?").to_owned();
+        // The model and the provider write these: escape sequences are shown, not
+        // obeyed by the operator's terminal.
+        let s = |k: &str| shown(data[k].as_str().unwrap_or("?"));
         match kind {
             "run.started" => {
                 eprintln!(
@@ -881,7 +904,7 @@ impl AgentPrinter {
                 );
             }
             "model.text" => {
-                let text = data["text"].as_str().unwrap_or_default();
+                let text = shown(data["text"].as_str().unwrap_or_default());
                 print!("{text}");
                 self.mid_line = !text.ends_with('\n');
             }
@@ -945,8 +968,39 @@ impl AgentPrinter {
     }
 }
 
+/// `text` as one URL path segment or query value: every byte but the unreserved ones
+/// (RFC 3986) percent-encoded, so that an id or a session given on the command line
+/// cannot add a path segment or a query parameter (`apr_x/approve?` as the id of a
+/// `deny` would otherwise have approved).
+fn encoded(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for byte in text.bytes() {
+        if byte.is_ascii_alphanumeric() || matches!(byte, b'-' | b'.' | b'_' | b'~') {
+            out.push(char::from(byte));
+        } else {
+            out.push_str(&format!("%{byte:02X}"));
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn ids_and_sessions_go_into_urls_encoded() {
+        assert_eq!(super::encoded("apr_0a-Z.~"), "apr_0a-Z.~");
+        assert_eq!(super::encoded("apr_x/approve?"), "apr_x%2Fapprove%3F");
+        assert_eq!(super::encoded("s&limit=1"), "s%26limit%3D1");
+        assert_eq!(super::encoded("é"), "%C3%A9");
+    }
+
+    #[test]
+    fn text_from_servers_is_shown_not_obeyed() {
+        assert_eq!(super::shown("a\u{1b}]0;x\u{7}b"), "a\\u{1b}]0;x\\u{7}b");
+        assert_eq!(super::shown("line\n\tnext"), "line\n\tnext");
+        assert_eq!(super::shown("\r\u{9b}2J"), "\\r\\u{9b}2J");
+    }
+
     use super::*;
 
     #[test]
