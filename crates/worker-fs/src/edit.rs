@@ -8,6 +8,14 @@ use crate::atomic::{AtomicError, write_atomic};
 use crate::resolve::{ResolveError, Workspace, open_beneath};
 use crate::text::{FileError, escape_name, kind_name, looks_binary, read_capped};
 
+/// The most edits one call applies (the schema's `maxItems` of `edits`). Every edit scans
+/// the whole text, up to `[fs] max_write_bytes`, and replaces every match: a call of tens
+/// of thousands of `replace_all` edits of a 4 MiB file was most of an hour of CPU. An
+/// agent's edit is a handful of replacements, a mechanical change across a file a few
+/// hundred; past a thousand, several calls or one write_file do the same, and each call
+/// also stops at its deadline.
+pub const MAX_EDITS: usize = 1000;
+
 #[derive(Debug, thiserror::Error)]
 pub enum EditError {
     #[error(transparent)]
@@ -27,6 +35,23 @@ pub enum EditError {
     NotText { path: String },
     #[error("edits must hold at least one edit")]
     NoEdits,
+    #[error(
+        "edits holds {count} edits; edit_file applies at most {MAX_EDITS} in one call and \
+         nothing was changed. Split them over several edit_file calls, or write the whole \
+         file with write_file"
+    )]
+    TooManyEdits { count: usize },
+    #[error(
+        "edit_file stopped before edit {index} of {count}: the call was cancelled or reached \
+         its deadline; nothing was changed. Send fewer edits in one call (fewer replace_all \
+         edits of a large file), or write the whole file with write_file"
+    )]
+    Stopped { index: usize, count: usize },
+    #[error(
+        "edit_file stopped before writing {path:?}: the call was cancelled or reached its \
+         deadline; nothing was changed. Call it again, with fewer edits or a smaller file"
+    )]
+    StoppedBeforeWrite { path: String },
     #[error("edit {index}: old_text is empty; give the exact text to replace")]
     EmptyOldText { index: usize },
     #[error(
@@ -71,25 +96,42 @@ pub struct EditArgs {
     pub dry_run: bool,
 }
 
+/// Refuses an empty list of edits and one longer than [`MAX_EDITS`].
+fn check_count(edits: &[Edit]) -> Result<(), EditError> {
+    match edits.len() {
+        0 => Err(EditError::NoEdits),
+        count if count > MAX_EDITS => Err(EditError::TooManyEdits { count }),
+        _ => Ok(()),
+    }
+}
+
 /// Applies `edits` in order to `text`, never building a text longer than `max_bytes`.
 /// Edit numbers in errors are 1-based.
 ///
 /// The size each edit would give is computed from its match count before anything is
 /// allocated: chained `replace_all` edits double the text each time, so checking only the
 /// final result would let a dry run of a few edits allocate gigabytes first.
+///
+/// `stop` (the call's cancellation or deadline) is asked before every edit: one edit of
+/// a text within `max_bytes` is bounded, their number times the text is what takes long.
 pub fn apply_edits(
     text: &str,
     edits: &[Edit],
     path: &str,
     max_bytes: u64,
+    stop: &dyn Fn() -> bool,
 ) -> Result<(String, usize), EditError> {
-    if edits.is_empty() {
-        return Err(EditError::NoEdits);
-    }
+    check_count(edits)?;
     let mut current = text.to_owned();
     let mut replacements = 0;
     for (i, edit) in edits.iter().enumerate() {
         let index = i + 1;
+        if stop() {
+            return Err(EditError::Stopped {
+                index,
+                count: edits.len(),
+            });
+        }
         if edit.old_text.is_empty() {
             return Err(EditError::EmptyOldText { index });
         }
@@ -181,13 +223,18 @@ fn bounded_diff(mut diff: String, max: u64) -> String {
 }
 
 /// Applies `args.edits` to a file of at most `max_bytes`; the answer's diff is at most
-/// `max_answer_bytes`.
+/// `max_answer_bytes`. `stop` ends the call, with nothing written, when it is cancelled
+/// or reaches its deadline.
 pub fn edit_file(
     ws: &Workspace,
     args: &EditArgs,
     max_bytes: u64,
     max_answer_bytes: u64,
+    stop: &dyn Fn() -> bool,
 ) -> Result<String, EditError> {
+    // Before the file is opened: the worker refuses what its schema refuses, whatever
+    // validated the arguments on the way.
+    check_count(&args.edits)?;
     let display = args.path.as_str();
     let (dir, name) = ws.parent_and_name(display, "edit_file needs a file path")?;
 
@@ -243,7 +290,7 @@ pub fn edit_file(
         path: display.to_owned(),
     })?;
 
-    let (new, replacements) = apply_edits(&old, &args.edits, display, max_bytes)?;
+    let (new, replacements) = apply_edits(&old, &args.edits, display, max_bytes, stop)?;
     let diff = bounded_diff(unified_diff(&old, &new, display), max_answer_bytes);
     let shown = escape_name(display);
     let edits = args.edits.len();
@@ -263,6 +310,13 @@ pub fn edit_file(
         return Ok(format!(
             "dry run: {summary} would change {shown}; nothing was written\n{diff}"
         ));
+    }
+    // The diff of two large texts takes time too: a caller that has given up on the call
+    // by now is not told of a change it did not see made.
+    if stop() {
+        return Err(EditError::StoppedBeforeWrite {
+            path: display.to_owned(),
+        });
     }
     write_atomic(&dir, &name, new.as_bytes(), display)?;
     Ok(format!("applied {summary} to {shown}\n{diff}"))
@@ -290,11 +344,12 @@ mod tests {
             &[edit("c", "d", false), edit("d", "e", false)],
             "f",
             MAX,
+            &|| false,
         )
         .unwrap();
         assert_eq!(out, "a b a\ne\n");
         assert_eq!(n, 2);
-        let err = apply_edits(text, &[edit("a", "x", false)], "f", MAX).unwrap_err();
+        let err = apply_edits(text, &[edit("a", "x", false)], "f", MAX, &|| false).unwrap_err();
         assert!(
             matches!(
                 err,
@@ -306,22 +361,23 @@ mod tests {
             ),
             "{err}"
         );
-        let (out, n) = apply_edits(text, &[edit("a", "x", true)], "f", MAX).unwrap();
+        let (out, n) = apply_edits(text, &[edit("a", "x", true)], "f", MAX, &|| false).unwrap();
         assert_eq!((out.as_str(), n), ("x b x\nc\n", 2));
         let err = apply_edits(
             text,
             &[edit("c", "d", false), edit("zz", "y", false)],
             "f",
             MAX,
+            &|| false,
         )
         .unwrap_err();
         assert!(matches!(err, EditError::NotFound { index: 2, .. }), "{err}");
         assert!(matches!(
-            apply_edits(text, &[], "f", MAX),
+            apply_edits(text, &[], "f", MAX, &|| false),
             Err(EditError::NoEdits)
         ));
         assert!(matches!(
-            apply_edits(text, &[edit("", "x", false)], "f", MAX),
+            apply_edits(text, &[edit("", "x", false)], "f", MAX, &|| false),
             Err(EditError::EmptyOldText { index: 1 })
         ));
     }
@@ -330,7 +386,7 @@ mod tests {
     fn growth_is_refused_before_it_is_built() {
         // Each edit doubles the text: the fourth would pass 64 bytes.
         let doubling: Vec<Edit> = (0..20).map(|_| edit("a", "aa", true)).collect();
-        let err = apply_edits(&"a".repeat(8), &doubling, "f", 64).unwrap_err();
+        let err = apply_edits(&"a".repeat(8), &doubling, "f", 64, &|| false).unwrap_err();
         assert!(
             matches!(
                 err,
@@ -343,13 +399,35 @@ mod tests {
             "{err}"
         );
         // Exactly at the cap is allowed, and the text is what str::replace gives.
-        let (out, n) = apply_edits("xaxa", &[edit("a", "bbb", true)], "f", 8).unwrap();
+        let (out, n) = apply_edits("xaxa", &[edit("a", "bbb", true)], "f", 8, &|| false).unwrap();
         assert_eq!((out.as_str(), n), ("xbbbxbbb", 2));
         // A huge count times a huge new_text does not overflow the projection.
         let e = edit("a", "b", true);
         assert_eq!(projected_len(usize::MAX, usize::MAX, &e), u64::MAX);
         // Shrinking edits project below the original length.
         assert_eq!(projected_len(10, 2, &edit("abc", "", true)), 4);
+    }
+
+    #[test]
+    fn edits_are_counted_and_stop_between_them() {
+        let many: Vec<Edit> = (0..=MAX_EDITS).map(|_| edit("a", "a", true)).collect();
+        assert!(matches!(
+            apply_edits("a", &many, "f", MAX, &|| false),
+            Err(EditError::TooManyEdits { count }) if count == MAX_EDITS + 1
+        ));
+        let (out, n) = apply_edits("a", &many[..MAX_EDITS], "f", MAX, &|| false).unwrap();
+        assert_eq!((out.as_str(), n), ("a", MAX_EDITS));
+        // The third question is answered "stop": two edits were applied, none returned.
+        let asked = std::cell::Cell::new(0);
+        let stop = || {
+            asked.set(asked.get() + 1);
+            asked.get() > 2
+        };
+        let err = apply_edits("a", &many[..5], "f", MAX, &stop).unwrap_err();
+        assert!(
+            matches!(err, EditError::Stopped { index: 3, count: 5 }),
+            "{err}"
+        );
     }
 
     #[test]

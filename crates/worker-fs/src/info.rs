@@ -1,14 +1,16 @@
 //! `get_file_info`: type, size, permissions, modification time, link target.
 
+use std::ffi::OsStr;
 use std::io::Read;
+use std::os::unix::ffi::OsStrExt;
 
 use rustix::fs::{AtFlags, FileType, Mode, OFlags, Stat};
 use rustix::io::Errno;
 
 use crate::resolve::{
-    Last, ResolveError, Workspace, map_errno, open_beneath, open_following, split_last,
+    Last, ResolveError, Workspace, lexical_components, map_errno, open_beneath, split_last,
 };
-use crate::text::{escape_name, kind_name, looks_binary};
+use crate::text::{escape_name, escape_os, kind_name, looks_binary};
 
 /// Regular text files up to this size get a line count.
 const LINE_COUNT_LIMIT: u64 = 1024 * 1024;
@@ -117,12 +119,16 @@ pub fn get_file_info(ws: &Workspace, args: &InfoArgs) -> Result<String, InfoErro
         }
         FileType::Symlink => {
             let target = rustix::fs::readlinkat(&dir, name, Vec::new())
-                .map(|t| escape_name(&t.to_string_lossy()).into_owned())
+                .map(|t| escape_os(OsStr::from_bytes(t.as_bytes())).into_owned())
                 .map_err(io)?;
             lines.push(format!("target: {target}"));
             // Described by following the link (inside the workspace only); every tool
-            // that reads or changes refuses to go through it.
-            let points = match open_following(&dir, name) {
+            // that reads or changes refuses to go through it. Followed from the workspace
+            // root, not from `dir`: beneath `dir`, a target in a sibling directory
+            // (`../f.txt`) would be refused as if it were outside. Its parent was just
+            // opened without following a link, so the lexical path is that link.
+            let link = lexical_components(&rel, display)?.join("/");
+            let points = match ws.open_following(&link) {
                 Ok(fd) => match rustix::fs::fstat(&fd) {
                     Ok(t) => format!(
                         "a {} inside the workspace",

@@ -1,10 +1,13 @@
 //! `list_directory`: the entries of a directory, optionally recursive.
 
+use std::ffi::OsStr;
+use std::os::unix::ffi::OsStrExt;
+
 use rustix::fs::FileType;
 use rustix::io::Errno;
 
 use crate::resolve::{ResolveError, Workspace};
-use crate::text::escape_name;
+use crate::text::escape_os;
 use crate::walk::{MAX_DEPTH, Visit, WalkError, open_directory, walk};
 
 pub const DEFAULT_MAX_ENTRIES: usize = 1000;
@@ -30,14 +33,14 @@ pub struct ListArgs {
 }
 
 /// Formats one entry: `dir/`, `link -> target`, a special file with its kind, or a name.
-/// Names and link targets are escaped ([`escape_name`]), so each entry is one line.
+/// Names and link targets are escaped ([`escape_os`]), so each entry is one line.
 pub fn describe(entry: &crate::walk::Entry<'_>) -> String {
-    let rel = escape_name(entry.rel);
+    let rel = escape_os(entry.rel);
     match entry.kind {
         FileType::Directory => format!("{rel}/"),
         FileType::Symlink => {
             let target = rustix::fs::readlinkat(entry.dir, entry.name, Vec::new())
-                .map(|t| escape_name(&t.to_string_lossy()).into_owned())
+                .map(|t| escape_os(OsStr::from_bytes(t.as_bytes())).into_owned())
                 .unwrap_or_else(|_| "?".to_owned());
             format!("{rel} -> {target}")
         }

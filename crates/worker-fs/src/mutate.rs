@@ -6,7 +6,7 @@ use std::os::fd::OwnedFd;
 use rustix::fs::{AtFlags, FileType, RenameFlags};
 use rustix::io::Errno;
 
-use crate::resolve::{Last, ResolveError, Workspace, map_errno, open_child_dir, split_last};
+use crate::resolve::{ResolveError, Workspace, map_errno, open_child_dir};
 use crate::text::escape_name;
 use crate::walk::{Visit, read_entries};
 
@@ -80,7 +80,8 @@ pub struct DeleteArgs {
 pub fn create_directory(ws: &Workspace, args: &CreateDirArgs) -> Result<String, MutateError> {
     let display = args.path.as_str();
     let rel = ws.relative(display)?;
-    if split_last(&rel) == Last::Root {
+    // `new/..` too names the root: resolved lexically, as `make_dirs` resolves it.
+    if crate::resolve::lexical_components(&rel, display)?.is_empty() {
         return Ok(format!(
             "{display:?} is the workspace root, which already exists"
         ));
@@ -228,8 +229,9 @@ fn refuse_hidden_inside(
     let hidden = ws.hidden_beneath(&rel);
     let mut found = None;
     let mut visit = |entry: &crate::walk::Entry<'_>| {
-        if hidden(entry.rel) {
-            found = Some(entry.rel.to_owned());
+        let rel = entry.rel.to_string_lossy();
+        if hidden(&rel) {
+            found = Some(rel.into_owned());
             return Visit::Stop;
         }
         Visit::Continue
@@ -278,28 +280,32 @@ fn remove_contents(
             if stop() {
                 return Err(MutateError::Stopped { deleted: *deleted });
             }
-            let child_path = format!("{path}/{name}");
+            // Entries are unlinked by the bytes of their names; only the path in an error
+            // is text (quoted with its other bytes as U+FFFD).
+            let name = name.as_os_str();
+            let child_path = format!("{path}/{}", name.to_string_lossy());
             let del = |errno| MutateError::Delete {
                 path: child_path.clone(),
                 errno,
             };
             if kind == FileType::Directory {
-                match open_child_dir(dir, &name) {
+                match open_child_dir(dir, name) {
                     Ok(child) => {
                         remove_contents(&child, &child_path, depth + 1, deleted, stop)?;
-                        rustix::fs::unlinkat(dir, name.as_str(), AtFlags::REMOVEDIR)
-                            .map_err(del)?;
+                        rustix::fs::unlinkat(dir, name, AtFlags::REMOVEDIR).map_err(del)?;
                     }
                     // Swapped for a link or a file since it was listed: remove the entry itself.
                     Err(Errno::LOOP | Errno::NOTDIR) => {
-                        rustix::fs::unlinkat(dir, name.as_str(), AtFlags::empty()).map_err(del)?;
+                        rustix::fs::unlinkat(dir, name, AtFlags::empty()).map_err(del)?;
                     }
                     Err(Errno::NOENT) => continue,
                     Err(e) => return Err(del(e)),
                 }
             } else {
-                match rustix::fs::unlinkat(dir, name.as_str(), AtFlags::empty()) {
-                    Ok(()) | Err(Errno::NOENT) => {}
+                match rustix::fs::unlinkat(dir, name, AtFlags::empty()) {
+                    Ok(()) => {}
+                    // Removed by someone else since it was listed: not counted.
+                    Err(Errno::NOENT) => continue,
                     Err(e) => return Err(del(e)),
                 }
             }

@@ -140,7 +140,7 @@ fn resolve_flags() -> ResolveFlags {
 
 /// Opens `path` beneath `dir` following symlinks that stay inside: only to describe
 /// where a link points (get_file_info), never to act on or read what is there.
-pub fn open_following(dir: impl AsFd, path: &str) -> Result<OwnedFd, Errno> {
+fn open_following(dir: impl AsFd, path: &str) -> Result<OwnedFd, Errno> {
     let dir = dir.as_fd();
     let mut attempt = 0;
     loop {
@@ -158,9 +158,9 @@ pub fn open_following(dir: impl AsFd, path: &str) -> Result<OwnedFd, Errno> {
 }
 
 /// `openat2` beneath `dir`, retried while the kernel reports a concurrent rename.
-pub fn open_beneath(
+pub fn open_beneath<P: rustix::path::Arg + Copy>(
     dir: impl AsFd,
-    path: &str,
+    path: P,
     flags: OFlags,
     mode: Mode,
 ) -> Result<OwnedFd, Errno> {
@@ -174,8 +174,12 @@ pub fn open_beneath(
     }
 }
 
-/// Opens a child directory by its single-component `name` without following a symlink.
-pub fn open_child_dir(dir: impl AsFd, name: &str) -> Result<OwnedFd, Errno> {
+/// Opens a child directory by its single-component `name` (the bytes on disk, which
+/// need not be UTF-8) without following a symlink.
+pub fn open_child_dir<P: rustix::path::Arg + Copy>(
+    dir: impl AsFd,
+    name: P,
+) -> Result<OwnedFd, Errno> {
     let dir = dir.as_fd();
     let mut attempt = 0;
     loop {
@@ -380,6 +384,14 @@ impl Workspace {
         None
     }
 
+    /// Opens `rel` from the workspace root following the symbolic links that stay inside
+    /// the workspace ([`open_following`]): a link is resolved from its own directory, so
+    /// `sub/l -> ../f.txt` reaches `f.txt`, and never past the root. Only to describe
+    /// where a link points.
+    pub fn open_following(&self, rel: &str) -> Result<OwnedFd, Errno> {
+        open_following(&self.root, rel)
+    }
+
     /// Opens the directory `rel` for reading.
     pub fn open_dir(&self, rel: &str, display: &str) -> Result<OwnedFd, ResolveError> {
         self.open(rel, OFlags::RDONLY | OFlags::DIRECTORY, display)
@@ -411,35 +423,32 @@ impl Workspace {
 
     /// `mkdir -p` beneath the workspace, one component at a time on dirfds. Returns the
     /// final directory and whether any directory was created.
+    ///
+    /// `rel` is first resolved lexically ([`lexical_components`]): `new/../x` makes
+    /// nothing, where making `new` and then opening `..` beneath it would be refused by
+    /// the kernel (a `..` leaves the directory it is resolved from) and leave `new`
+    /// behind.
     pub fn make_dirs(&self, rel: &str, display: &str) -> Result<(OwnedFd, bool), ResolveError> {
+        let components = lexical_components(rel, display)?;
         let mut cur = open_beneath(&self.root, ".", dir_flags(), Mode::empty())
             .map_err(|e| map_errno(e, display))?;
         let mut created = false;
         let mut walked = String::new();
-        for component in rel.split('/') {
-            if component.is_empty() || component == "." {
-                continue;
-            }
+        for component in components {
             if !walked.is_empty() {
                 walked.push('/');
             }
             walked.push_str(component);
             let next = match open_beneath(&cur, component, dir_flags(), Mode::empty()) {
                 Ok(fd) => fd,
-                Err(Errno::NOENT) if component != ".." => {
+                Err(Errno::NOENT) => {
                     match rustix::fs::mkdirat(&cur, component, Mode::from_raw_mode(0o755)) {
                         Ok(()) => created = true,
                         Err(Errno::EXIST) => {}
                         Err(e) => return Err(map_errno(e, &walked)),
                     }
-                    open_beneath(&cur, component, dir_flags(), Mode::empty()).map_err(
-                        |e| match e {
-                            Errno::XDEV => ResolveError::Outside {
-                                path: display.to_owned(),
-                            },
-                            e => map_errno(e, &walked),
-                        },
-                    )?
+                    open_beneath(&cur, component, dir_flags(), Mode::empty())
+                        .map_err(|e| map_errno(e, &walked))?
                 }
                 Err(Errno::NOTDIR) => {
                     return Err(ResolveError::NotADirectoryAt { path: walked });
@@ -466,6 +475,30 @@ impl Workspace {
 
 fn dir_flags() -> OFlags {
     OFlags::RDONLY | OFlags::DIRECTORY
+}
+
+/// The plain components of `rel` once `.` is dropped and each `..` has taken back the
+/// component before it, as the policy normalises the path it judges
+/// (`airlock_policy::paths::normalize_path`); a `..` above the workspace root is refused.
+/// For a path whose directories exist this is where the kernel's resolution ends too:
+/// no symbolic link is followed inside a path, so `a/..` is where `a` was opened from.
+/// A write also resolves components it is about to create, which the kernel cannot.
+pub fn lexical_components<'a>(rel: &'a str, display: &str) -> Result<Vec<&'a str>, ResolveError> {
+    let mut components = Vec::new();
+    for component in rel.split('/') {
+        match component {
+            "" | "." => {}
+            ".." => {
+                if components.pop().is_none() {
+                    return Err(ResolveError::Outside {
+                        path: display.to_owned(),
+                    });
+                }
+            }
+            name => components.push(name),
+        }
+    }
+    Ok(components)
 }
 
 #[cfg(test)]
@@ -522,6 +555,25 @@ mod tests {
                 name: "x"
             }
         );
+    }
+
+    #[test]
+    fn write_paths_are_resolved_lexically() {
+        fn ok(rel: &str) -> Vec<&str> {
+            lexical_components(rel, rel).unwrap()
+        }
+        assert_eq!(ok("new/.."), Vec::<&str>::new());
+        assert_eq!(ok("./a//b/../c/."), ["a", "c"]);
+        assert_eq!(ok("."), Vec::<&str>::new());
+        for escaping in ["..", "../x", "a/../..", "a/b/../../../c"] {
+            assert!(
+                matches!(
+                    lexical_components(escaping, escaping),
+                    Err(ResolveError::Outside { .. })
+                ),
+                "{escaping}"
+            );
+        }
     }
 
     #[test]

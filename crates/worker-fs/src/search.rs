@@ -3,7 +3,7 @@
 use rustix::fs::{FileType, Mode, OFlags};
 
 use crate::resolve::{ResolveError, Workspace, open_beneath};
-use crate::text::{SNIFF_BYTES, escape_name, read_capped};
+use crate::text::{SNIFF_BYTES, escape_name, escape_os, read_capped};
 use crate::walk::{Entry, Visit, WalkError, open_directory, walk};
 
 pub const DEFAULT_MAX_RESULTS: usize = 100;
@@ -76,6 +76,7 @@ impl NameMatcher {
         })
     }
 
+    /// Matched on the bytes on disk: globset matches a path's bytes, UTF-8 or not.
     fn is_match(&self, entry: &Entry<'_>) -> bool {
         if self.whole_path {
             self.matcher.is_match(entry.rel)
@@ -158,7 +159,7 @@ pub fn search_files(
         if matcher.as_ref().is_some_and(|m| !m.is_match(entry)) {
             return Visit::Continue;
         }
-        let shown = escape_name(&format!("{prefix}{}", entry.rel)).into_owned();
+        let shown = format!("{}{}", escape_name(&prefix), escape_os(entry.rel));
         let Some(regex) = regex.as_ref() else {
             if tally.results.len() >= max_results {
                 tally.more_results = true;

@@ -1,7 +1,10 @@
 //! Opening regular files for reading, telling text from binary, and printing file names.
 
+use std::borrow::Cow;
+use std::ffi::OsStr;
 use std::fs::File;
 use std::io::{BufRead, Read};
+use std::os::unix::ffi::OsStrExt;
 
 use rustix::fs::{FileType, OFlags};
 use rustix::io::Errno;
@@ -100,6 +103,26 @@ pub fn escape_name(name: &str) -> std::borrow::Cow<'_, str> {
         }
     }
     std::borrow::Cow::Owned(out)
+}
+
+/// As [`escape_name`], for a name as the bytes on disk, which need not be UTF-8: each
+/// byte that is not part of a UTF-8 character is written `\xFF`, as Rust's `Debug` of
+/// an `OsStr` writes it. A name's own backslash is doubled, so a name that holds the four
+/// characters `\xFF` prints differently, and every printed name still reads back to
+/// exactly one name.
+pub fn escape_os(name: &OsStr) -> Cow<'_, str> {
+    let bytes = name.as_bytes();
+    if let Ok(text) = std::str::from_utf8(bytes) {
+        return escape_name(text);
+    }
+    let mut out = String::with_capacity(bytes.len() * 2);
+    for chunk in bytes.utf8_chunks() {
+        out.push_str(&escape_name(chunk.valid()));
+        for byte in chunk.invalid() {
+            out.push_str(&format!("\\x{byte:02X}"));
+        }
+    }
+    Cow::Owned(out)
 }
 
 fn needs_escape(c: char) -> bool {
@@ -294,6 +317,27 @@ mod tests {
         // What is printed is what Rust's Debug prints, without the quotes.
         for name in ["a\nb", "\u{1b}x", "q\u{202e}", "\\", "t\tu"] {
             assert_eq!(format!("\"{}\"", escape_name(name)), format!("{name:?}"));
+        }
+    }
+
+    #[test]
+    fn raw_names_are_escaped_unambiguously() {
+        let raw = |b: &[u8]| OsStr::from_bytes(b).to_owned();
+        assert_eq!(escape_os(&raw(b"plain.txt")), "plain.txt");
+        assert!(matches!(escape_os(&raw(b"x")), Cow::Borrowed(_)));
+        assert_eq!(escape_os(&raw(b"\xff")), "\\xFF");
+        assert_eq!(escape_os(&raw(b"a\xfe\nb\xc3")), "a\\xFE\\nb\\xC3");
+        // A name spelling a backslash, x, F, F is a different name, printed differently.
+        assert_eq!(escape_os(&raw(b"\\xFF")), "\\\\xFF");
+        // What is printed is what Rust's Debug prints, without the quotes.
+        for name in [
+            &b"a\xffb"[..],
+            b"\xe2\x82",
+            b"\n\xff\\",
+            "é\u{202e}".as_bytes(),
+        ] {
+            let name = raw(name);
+            assert_eq!(format!("\"{}\"", escape_os(&name)), format!("{name:?}"));
         }
     }
 

@@ -138,8 +138,10 @@ impl FsTool {
                      Every `old_text` must match the file exactly (including whitespace and \
                      indentation) and exactly once, unless `replace_all` is true; if any edit \
                      fails, nothing is changed. With `dry_run` true, only the diff is returned. \
-                     The write is atomic. Files up to {} bytes. {PATHS}",
-                    c.max_write_bytes
+                     The write is atomic. Files up to {} bytes, at most {} edits per call. \
+                     {PATHS}",
+                    c.max_write_bytes,
+                    edit::MAX_EDITS
                 ),
                 object(
                     json!({
@@ -147,6 +149,7 @@ impl FsTool {
                         "edits": {
                             "type": "array",
                             "minItems": 1,
+                            "maxItems": edit::MAX_EDITS,
                             "description": "Replacements to apply, in order.",
                             "items": object(
                                 json!({
@@ -321,6 +324,7 @@ fn run(
                 &args,
                 config.max_write_bytes,
                 config.max_read_bytes,
+                stop,
             )
             .map_err(|e| e.to_string())
         }

@@ -1,6 +1,8 @@
 //! Directory walking on dirfds: sorted, bounded, never following symlinks.
 
+use std::ffi::{OsStr, OsString};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
 
 use rustix::fs::{AtFlags, Dir, FileType, Mode, OFlags};
 use rustix::io::Errno;
@@ -28,12 +30,14 @@ pub enum WalkError {
     Io { path: String, errno: Errno },
 }
 
-/// One directory entry as the walk reports it.
+/// One directory entry as the walk reports it. Names are the bytes on disk, which need
+/// not be UTF-8 (a file made by the shell, or cloned): they are used as they are to open
+/// the entry, and escaped only where they are printed ([`crate::text::escape_os`]).
 #[derive(Debug)]
 pub struct Entry<'a> {
     /// Path relative to the directory the walk started in.
-    pub rel: &'a str,
-    pub name: &'a str,
+    pub rel: &'a OsStr,
+    pub name: &'a OsStr,
     pub kind: FileType,
     /// The directory holding the entry.
     pub dir: BorrowedFd<'a>,
@@ -81,17 +85,19 @@ pub fn open_directory(
         .map_err(|e| crate::resolve::map_errno(e, display).into())
 }
 
-/// The entries of `dir`, sorted by name, without `.` and `..`. The bool is true when the
-/// directory had more than [`MAX_DIR_ENTRIES`].
-pub fn read_entries(dir: impl AsFd) -> Result<(Vec<(String, FileType)>, bool), Errno> {
+/// The entries of `dir`, sorted by name (byte order), without `.` and `..`. Names are
+/// kept as the bytes on disk: a name made UTF-8 by replacing its other bytes names
+/// nothing, so what is opened or deleted by it would be missed. The bool is true when
+/// the directory had more than [`MAX_DIR_ENTRIES`].
+pub fn read_entries(dir: impl AsFd) -> Result<(Vec<(OsString, FileType)>, bool), Errno> {
     let dir = dir.as_fd();
     let mut stream = Dir::read_from(dir)?;
     let mut entries = Vec::new();
     let mut cut = false;
     while let Some(entry) = stream.read() {
         let entry = entry?;
-        let name = entry.file_name().to_string_lossy().into_owned();
-        if name == "." || name == ".." {
+        let name = entry.file_name();
+        if matches!(name.to_bytes(), b"." | b"..") {
             continue;
         }
         if entries.len() >= MAX_DIR_ENTRIES {
@@ -100,11 +106,11 @@ pub fn read_entries(dir: impl AsFd) -> Result<(Vec<(String, FileType)>, bool), E
         }
         let mut kind = entry.file_type();
         if kind == FileType::Unknown
-            && let Ok(st) = rustix::fs::statat(dir, name.as_str(), AtFlags::SYMLINK_NOFOLLOW)
+            && let Ok(st) = rustix::fs::statat(dir, name, AtFlags::SYMLINK_NOFOLLOW)
         {
             kind = FileType::from_raw_mode(st.st_mode);
         }
-        entries.push((name, kind));
+        entries.push((OsStr::from_bytes(name.to_bytes()).to_owned(), kind));
     }
     entries.sort_by(|a, b| a.0.cmp(&b.0));
     Ok((entries, cut))
@@ -114,7 +120,9 @@ pub fn read_entries(dir: impl AsFd) -> Result<(Vec<(String, FileType)>, bool), E
 /// reported, never followed; subdirectories are opened by name with `O_NOFOLLOW` and
 /// `RESOLVE_NO_SYMLINKS`, so a directory swapped for a link is skipped, not entered.
 /// Entries for which `hidden` holds (by their path relative to `dir`) are neither
-/// visited nor entered: `[fs] hidden` subtrees stay out of listings and searches.
+/// visited nor entered: `[fs] hidden` subtrees stay out of listings and searches. The
+/// patterns are UTF-8, and a path is matched with its other bytes read as U+FFFD,
+/// which a wildcard matches as it matches any character.
 pub fn walk(
     dir: &OwnedFd,
     recursive: bool,
@@ -130,7 +138,7 @@ pub fn walk(
         hidden,
         end: &mut end,
     };
-    walker.walk_dir(dir, "", 0)?;
+    walker.walk_dir(dir, OsStr::new(""), 0)?;
     Ok(end)
 }
 
@@ -143,7 +151,7 @@ struct Walker<'a, 'b> {
 }
 
 impl Walker<'_, '_> {
-    fn walk_dir(&mut self, dir: &OwnedFd, prefix: &str, depth: usize) -> Result<bool, Errno> {
+    fn walk_dir(&mut self, dir: &OwnedFd, prefix: &OsStr, depth: usize) -> Result<bool, Errno> {
         let (recursive, stop, hidden) = (self.recursive, self.stop, self.hidden);
         let (entries, cut) = match read_entries(dir) {
             Ok(read) => read,
@@ -160,9 +168,12 @@ impl Walker<'_, '_> {
             let rel = if prefix.is_empty() {
                 name.clone()
             } else {
-                format!("{prefix}/{name}")
+                let mut rel = prefix.to_owned();
+                rel.push("/");
+                rel.push(&name);
+                rel
             };
-            if hidden(&rel) {
+            if hidden(&rel.to_string_lossy()) {
                 continue;
             }
             let entry = Entry {
@@ -180,7 +191,7 @@ impl Walker<'_, '_> {
                     self.end.depth_limited = true;
                     continue;
                 }
-                let Ok(child) = open_child_dir(dir, &name) else {
+                let Ok(child) = open_child_dir(dir, name.as_os_str()) else {
                     continue;
                 };
                 if !self.walk_dir(&child, &rel, depth + 1)? {

@@ -73,12 +73,29 @@ impl Env {
     }
 
     async fn call_as(&self, principal: &str, tool: &str, args: Value) -> ToolOutcome {
+        self.call_until(
+            principal,
+            tool,
+            args,
+            Instant::now() + Duration::from_secs(30),
+        )
+        .await
+    }
+
+    /// A call whose deadline is `deadline`.
+    async fn call_until(
+        &self,
+        principal: &str,
+        tool: &str,
+        args: Value,
+        deadline: Instant,
+    ) -> ToolOutcome {
         let (tx, _rx) = tokio::sync::mpsc::channel(16);
         let ctx = CallContext::new(
             "call-1".into(),
             principal.into(),
             SessionId::parse("s1").unwrap(),
-            Instant::now() + Duration::from_secs(30),
+            deadline,
             CancellationToken::new(),
             tx,
         );
@@ -510,6 +527,54 @@ async fn write_creates_replaces_and_leaves_no_temp() {
     assert!(err.contains("workspace root"), "{err}");
 }
 
+/// `..` in a path that is written is resolved lexically, as the policy normalises it
+/// and as reads resolve it (no link is followed, so both agree), before anything is
+/// created: it never leaves a directory behind, and above the root it is refused.
+#[tokio::test]
+async fn write_paths_with_dots_are_resolved_before_anything_is_made() {
+    let env = Env::new();
+    let out = env
+        .ok(
+            "write_file",
+            json!({"path": "new/../x.txt", "content": "x"}),
+        )
+        .await;
+    assert!(out.starts_with("created new/../x.txt:"), "{out}");
+    assert_eq!(env.get("x.txt"), "x");
+    assert!(!env.ws().join("new").exists());
+    env.ok(
+        "write_file",
+        json!({"path": "a/b/../../c/./y.txt", "content": "y"}),
+    )
+    .await;
+    assert_eq!(env.get("c/y.txt"), "y");
+    assert!(!env.ws().join("a").exists());
+    let out = env
+        .ok("create_directory", json!({"path": "tmp/../made"}))
+        .await;
+    assert!(out.starts_with("created"), "{out}");
+    assert!(env.ws().join("made").is_dir());
+    let out = env.ok("create_directory", json!({"path": "tmp/.."})).await;
+    assert!(out.contains("workspace root"), "{out}");
+    assert!(!env.ws().join("tmp").exists());
+    // Above the root: refused, and nothing was made on the way.
+    for (tool, args) in [
+        (
+            "write_file",
+            json!({"path": "new/../../x.txt", "content": "x"}),
+        ),
+        ("create_directory", json!({"path": "new/../../d"})),
+        ("create_directory", json!({"path": "new/../.."})),
+    ] {
+        let err = env.err(tool, args.clone()).await;
+        assert!(
+            err.contains("outside the workspace"),
+            "{tool} {args}: {err}"
+        );
+        assert!(!env.ws().join("new").exists(), "{tool} {args}");
+    }
+}
+
 #[tokio::test]
 async fn write_is_capped() {
     let env = Env::with(|c| c.max_write_bytes = 10);
@@ -678,6 +743,85 @@ async fn edit_refuses_what_it_cannot_edit() {
         .err("edit_file", json!({"path": "t.txt", "edits": []}))
         .await;
     assert!(err.contains("at least one edit"), "{err}");
+}
+
+/// The most edits one edit_file call takes (its schema's `maxItems`).
+const MAX_EDITS: usize = 1000;
+
+fn same_edits(n: usize) -> Vec<Value> {
+    (0..n)
+        .map(|_| json!({"old_text": "a", "new_text": "a", "replace_all": true}))
+        .collect()
+}
+
+#[tokio::test]
+async fn edit_refuses_more_edits_than_it_takes() {
+    let env = Env::new();
+    env.put("f.txt", "a\n");
+    let schema = env.set.get("edit_file").unwrap().definition().input_schema;
+    assert_eq!(schema["properties"]["edits"]["maxItems"], MAX_EDITS);
+    // Refused by the worker itself, whatever validated the schema before.
+    let out = env
+        .call(
+            "edit_file",
+            json!({"path": "f.txt", "edits": same_edits(MAX_EDITS + 1)}),
+        )
+        .await;
+    let err = out.content.join("\n");
+    assert!(out.is_error, "should fail but gave: {err}");
+    assert!(
+        err.contains("1001 edits")
+            && err.contains("at most 1000")
+            && err.contains("several edit_file calls"),
+        "{err}"
+    );
+    let out = env
+        .ok(
+            "edit_file",
+            json!({"path": "f.txt", "edits": same_edits(MAX_EDITS)}),
+        )
+        .await;
+    assert!(out.contains("1000 edits"), "{out}");
+    assert_eq!(env.get("f.txt"), "a\n");
+}
+
+/// Every edit of a 4 MiB file of `a` with `replace_all` replaces 4 Mi matches: a
+/// thousand of them take many minutes. The call ends at its deadline instead, having
+/// changed nothing.
+#[test]
+fn edit_stops_at_its_deadline() {
+    let env = Env::new();
+    let original = "a".repeat(4 << 20);
+    env.put("f.txt", &original);
+    let started = Instant::now();
+    let call = env.call_until(
+        "alice",
+        "edit_file",
+        json!({"path": "f.txt", "edits": same_edits(MAX_EDITS)}),
+        started + Duration::from_secs(1),
+    );
+    // Only a bound for the failure: the call answers soon after its deadline. A runtime
+    // of its own, left without waiting for its blocking thread, so that a call running
+    // on fails this test instead of holding it for as long as it runs.
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let answered =
+        runtime.block_on(async { tokio::time::timeout(Duration::from_secs(20), call).await });
+    runtime.shutdown_background();
+    let out = answered.expect("edit_file ran on long past its deadline");
+    let text = out.content.join("\n");
+    assert!(out.is_error, "{text:.300}");
+    assert!(
+        text.contains("stopped before edit")
+            && text.contains("deadline")
+            && text.contains("nothing was changed"),
+        "{text}"
+    );
+    eprintln!("edit_file stopped after {:?}", started.elapsed());
+    assert_eq!(env.get("f.txt"), original);
+    assert!(env.temp_leftovers().is_empty());
 }
 
 // ---------------------------------------------------------------------------------------
@@ -918,6 +1062,23 @@ async fn info_describes_files_dirs_and_links() {
         out.contains("points to: a file inside the workspace"),
         "{out}"
     );
+    // A link is followed from its own directory, within the whole workspace.
+    std::fs::create_dir(env.ws().join("sub")).unwrap();
+    env.link("sub/l", "../f.txt");
+    env.link("sub/l2", "../../etc/passwd");
+    env.link("sub/l3", "../sub");
+    let out = env.ok("get_file_info", json!({"path": "sub/l"})).await;
+    assert!(
+        out.contains("points to: a file inside the workspace"),
+        "{out}"
+    );
+    let out = env.ok("get_file_info", json!({"path": "sub/l3"})).await;
+    assert!(
+        out.contains("points to: a directory inside the workspace"),
+        "{out}"
+    );
+    let out = env.ok("get_file_info", json!({"path": "sub/l2"})).await;
+    assert!(out.contains("points to: outside the workspace"), "{out}");
 
     let out = env.ok("get_file_info", json!({"path": "."})).await;
     assert!(
@@ -1044,6 +1205,35 @@ async fn delete_files_and_directories() {
         "{err}"
     );
     assert!(env.ws().is_dir());
+}
+
+/// Names are bytes on disk, not always UTF-8 (made by the shell, or cloned): they are
+/// listed, searched and deleted by those bytes, and printed with the others escaped.
+#[tokio::test]
+async fn names_that_are_not_utf8_are_listed_and_deleted() {
+    use std::ffi::OsStr;
+    use std::os::unix::ffi::OsStrExt;
+    let env = Env::new();
+    let d = env.ws().join("d");
+    std::fs::create_dir_all(d.join(OsStr::from_bytes(b"sub\xfe"))).unwrap();
+    std::fs::write(d.join(OsStr::from_bytes(b"\xff")), "x\n").unwrap();
+    std::fs::write(d.join(OsStr::from_bytes(b"sub\xfe/a\xffb.txt")), "y\n").unwrap();
+    let out = env
+        .ok("list_directory", json!({"path": "d", "recursive": true}))
+        .await;
+    assert_eq!(out, "sub\\xFE/\nsub\\xFE/a\\xFFb.txt\n\\xFF", "{out}");
+    let out = env
+        .ok(
+            "search_files",
+            json!({"path": "d", "glob": "*.txt", "content_regex": "y"}),
+        )
+        .await;
+    assert_eq!(out, "d/sub\\xFE/a\\xFFb.txt:1: y", "{out}");
+    let out = env
+        .ok("delete_path", json!({"path": "d", "recursive": true}))
+        .await;
+    assert!(out.contains("the 3 entries"), "{out}");
+    assert!(!d.exists());
 }
 
 // ---------------------------------------------------------------------------------------
