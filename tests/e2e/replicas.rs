@@ -609,6 +609,24 @@ async fn an_auto_allowed_read_is_one_transaction_on_a_shared_postgres() {
         .collect();
     assert_eq!(seqs, (1..=seqs.len() as u64).collect::<Vec<_>>(), "dense");
     assert_eq!(verify["records"].as_u64(), Some(seqs.len() as u64));
+
+    // PostgreSQL refuses a NUL in text: an id or a filter holding one names nothing
+    // and gets the 4xx any unknown id or bad filter gets, never the 503 of a store
+    // that is down.
+    let door = &doors[0];
+    for (method, path, expected) in [
+        (reqwest::Method::GET, "/v1/calls/call_%00x", 404),
+        (reqwest::Method::POST, "/v1/calls/call_%00x/cancel", 404),
+        (reqwest::Method::POST, "/v1/approvals/apr_%00x/approve", 404),
+        (reqwest::Method::POST, "/v1/approvals/apr_%00x/deny", 404),
+        (reqwest::Method::GET, "/v1/audit?session_id=s%00", 400),
+        (reqwest::Method::GET, "/v1/audit?call_id=c%00", 400),
+        (reqwest::Method::POST, "/v1/tools/t%00/accept", 404),
+    ] {
+        let body = (method == reqwest::Method::POST).then(|| json!({}));
+        let (status, answer) = door.send(method.clone(), path, body).await;
+        assert_eq!(status, expected, "{method} {path}: {answer}");
+    }
     drop(b);
     drop(a);
 }

@@ -369,6 +369,13 @@ impl AuditParams {
                 })
                 .transpose()
         };
+        for (key, value) in [("session_id", &self.session_id), ("call_id", &self.call_id)] {
+            if value.as_deref().is_some_and(has_control) {
+                return Err(ApiError::bad_request(format!(
+                    "{key} must not contain control characters"
+                )));
+            }
+        }
         Ok(AuditQuery {
             after: number("after", self.after.as_deref())?,
             limit: number("limit", self.limit.as_deref())?.unwrap_or(0) as usize,
@@ -561,10 +568,13 @@ async fn stored_call(
     principal: &Principal,
     call_id: &str,
 ) -> Result<crate::calls::CallRecord, ApiError> {
+    // A store that cannot answer is a 503, never "no such call": a client following
+    // its call would give up on one that goes on.
     let record = state
         .gate
         .stored_record(call_id)
         .await
+        .map_err(store_error)?
         .ok_or_else(|| ApiError::not_found(format!("no call {call_id:?}")))?;
     if record.principal != principal.name && !principal.roles.contains(&Role::Admin) {
         return Err(ApiError::not_found(format!("no call {call_id:?}")));
@@ -755,6 +765,13 @@ async fn decide_approval(
     ))
 }
 
+/// Ids, names and filters from a path or a query are looked up as text: one with a
+/// control character (PostgreSQL refuses a NUL as text, failing as if the store were
+/// down) names nothing that could exist.
+fn has_control(text: &str) -> bool {
+    text.chars().any(char::is_control)
+}
+
 fn store_error(e: crate::store::StoreError) -> ApiError {
     ApiError::new(
         StatusCode::SERVICE_UNAVAILABLE,
@@ -800,6 +817,11 @@ async fn accept_tool(
 ) -> Result<axum::Json<Value>, ApiError> {
     require_role(&principal, Role::Admin)?;
     let reviewed = accept_digest(&body)?;
+    if has_control(&name) {
+        return Err(ApiError::not_found(format!(
+            "no pinned definition of tool {name:?}"
+        )));
+    }
     match state
         .gate
         .accept_tool(&name, &principal.name, reviewed.as_deref())

@@ -113,6 +113,11 @@ pub async fn decide(
     input_sha256: Option<&str>,
     remember: bool,
 ) -> Result<Approval, DecideError> {
+    // An id with a control character names no approval (and is not sent to a store
+    // that may refuse it as text, as if it were down).
+    if approval_id.chars().any(char::is_control) {
+        return Err(DecideError::NotFound);
+    }
     let approval_id = &crate::store::ApprovalId::from(approval_id);
     let approval = gate
         .store

@@ -219,8 +219,15 @@ impl Gate {
     }
 
     /// A call known only to the store (another replica's, or from before a restart).
-    pub async fn stored_record(&self, call_id: &str) -> Option<CallRecord> {
-        let stored = self.store.get_call(&call_id.into()).await.ok()??;
+    /// An id with a control character names no call (and is not sent to a store that
+    /// may refuse it as text); a store that cannot answer is an error, not "no call".
+    pub async fn stored_record(&self, call_id: &str) -> Result<Option<CallRecord>, StoreError> {
+        if call_id.chars().any(char::is_control) {
+            return Ok(None);
+        }
+        let Some(stored) = self.store.get_call(&call_id.into()).await? else {
+            return Ok(None);
+        };
         let mut record = CallRecord::running(
             &stored.call_id,
             &stored.tool_use_id,
@@ -247,7 +254,7 @@ impl Gate {
             }
             None => {}
         }
-        Some(record)
+        Ok(Some(record))
     }
 }
 

@@ -763,7 +763,11 @@ async fn call(
     // This replica's view first (a running call's progress), else the store's.
     let record = match state.gate.watch(&call_id) {
         Some(rx) => Some(rx.borrow().clone()),
-        None => state.gate.stored_record(&call_id).await,
+        None => state
+            .gate
+            .stored_record(&call_id)
+            .await
+            .map_err(|e| refuse(e.into()))?,
     };
     let detail = record.as_ref().map(crate::wire::call_detail);
     let result_text = record
