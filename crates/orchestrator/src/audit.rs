@@ -329,6 +329,34 @@ pub struct AuditQuery {
 impl AuditQuery {
     pub const DEFAULT_LIMIT: usize = 100;
     pub const MAX_LIMIT: usize = 10_000;
+    /// The most bytes of event data one page carries (one larger event comes alone):
+    /// a `requested` event holds up to `[limits] max_argument_bytes` of arguments, so
+    /// a page of `MAX_LIMIT` events could otherwise be tens of gigabytes. A reader goes
+    /// on from the last `seq` it got, as with any page.
+    pub const PAGE_BYTES: usize = 8 * 1024 * 1024;
+
+    /// The filters after `seq > first`, each an equality its index answers (one
+    /// statement per combination, never `(? IS NULL OR …)`, which the planner cannot
+    /// use an index for), with `placeholder(n)` naming the n-th parameter; and the
+    /// values they take, in order, from parameter `first_value` on.
+    pub(crate) fn filters(
+        &self,
+        first_value: usize,
+        placeholder: impl Fn(usize) -> String,
+    ) -> (String, Vec<&str>) {
+        let mut sql = String::new();
+        let mut values = Vec::new();
+        for (column, value) in [("session_id", &self.session_id), ("call_id", &self.call_id)] {
+            if let Some(value) = value {
+                sql.push_str(&format!(
+                    " AND {column} = {}",
+                    placeholder(first_value + values.len())
+                ));
+                values.push(value.as_str());
+            }
+        }
+        (sql, values)
+    }
 
     /// The limit to apply: `limit` clamped to `1..=MAX_LIMIT`, 0 meaning the default.
     pub fn effective_limit(&self) -> usize {

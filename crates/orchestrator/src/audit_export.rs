@@ -16,8 +16,10 @@
 //!
 //! A collector that is down or refuses is retried with backoff (each failed attempt is
 //! logged when the failing starts and counted in `airlock_audit_export_failures_total`);
-//! meanwhile the exporter reads ahead into a queue of at most `max_queue` records and
-//! then stops reading: the log is the buffer, so nothing is dropped, and memory stays
+//! meanwhile the exporter reads ahead into a queue of at most `max_queue` records — one
+//! page of the log, so also at most `AuditQuery::PAGE_BYTES` of their data (records
+//! carry calls' arguments, up to megabytes each) — and then stops reading until the
+//! queue is sent: the log is the buffer, so nothing is dropped, and memory stays
 //! bounded however long the collector is away.
 
 use std::collections::VecDeque;
@@ -136,7 +138,13 @@ impl AuditExporter {
     /// Reads what fits in the queue, sends it when the backoff allows, and records how
     /// far the collector has accepted.
     async fn poll(&self, store: &dyn Store, follow: &mut Follow) {
-        let room = self.max_queue.saturating_sub(follow.queue.len());
+        // One page at a time: the next is read once the queue is sent, so the queue
+        // holds one page's bytes at most, however many polls the collector misses.
+        let room = if follow.queue.is_empty() {
+            self.max_queue
+        } else {
+            0
+        };
         if room > 0 {
             match store
                 .audit(AuditQuery {

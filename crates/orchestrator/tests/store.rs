@@ -146,6 +146,7 @@ both_backends!(
     results_are_pruned_after_retention_and_the_chain_still_verifies,
     approval_pages_walk_every_approval_once_in_order,
     approval_pages_stop_at_their_byte_budget,
+    audit_pages_stop_at_their_byte_budget,
     // The state machine, one transition per test (the expiry sweep's batches:
     // approvals_expire_in_bounded_batches_each_once above).
     insert_records_a_call_as_approved,
@@ -2302,6 +2303,68 @@ async fn approval_pages_walk_every_approval_once_in_order(backend: Backend) {
 /// Pages of approvals whose inputs are megabytes each: every input comes back whole, a
 /// page stops once it holds its byte budget (never empty), and the listing keeps
 /// working after everything is decided.
+/// A page of the audit log carries at most `AuditQuery::PAGE_BYTES` of event data (one
+/// larger event comes alone), whatever its `limit`: each `requested` event may hold
+/// megabytes of arguments. Read on from the last `seq`, the pages give every event once,
+/// in order, filtered or not, oldest first or newest first.
+async fn audit_pages_stop_at_their_byte_budget(backend: Backend) {
+    let store = backend.open().await;
+    let mib = 1024 * 1024;
+    // Sizes of the events' data, in order: 3 + 3 fit a page, the 9 MiB one comes alone.
+    let sizes = [3 * mib, 3 * mib, 3 * mib, 9 * mib, 10, 2 * mib];
+    for (i, size) in sizes.iter().enumerate() {
+        store
+            .append(
+                NewAuditEvent::new(AuditKind::Requested, json!({"blob": "x".repeat(*size)}))
+                    .call_id(format!("call-{i}"))
+                    .session_id(Some("big".to_owned())),
+            )
+            .await
+            .unwrap();
+    }
+    let pages = |session: Option<&str>| {
+        let store = store.clone();
+        let session = session.map(str::to_owned);
+        async move {
+            let mut after = None;
+            let mut seen = Vec::new();
+            for _ in 0..sizes.len() + 1 {
+                let page = store
+                    .audit(AuditQuery {
+                        after,
+                        limit: 10_000,
+                        session_id: session.clone(),
+                        ..AuditQuery::default()
+                    })
+                    .await
+                    .unwrap();
+                let Some(last) = page.last() else { break };
+                after = Some(last.seq);
+                let bytes: usize = page.iter().map(|r| r.data.to_string().len()).sum();
+                assert!(
+                    page.len() == 1 || bytes <= AuditQuery::PAGE_BYTES,
+                    "a page of {} events carries {bytes} bytes",
+                    page.len()
+                );
+                seen.push(page.iter().map(|r| r.seq).collect::<Vec<_>>());
+            }
+            seen
+        }
+    };
+    let expected = vec![vec![1, 2], vec![3], vec![4], vec![5, 6]];
+    assert_eq!(pages(None).await, expected);
+    assert_eq!(pages(Some("big")).await, expected);
+    let newest = store
+        .audit(AuditQuery {
+            limit: 10_000,
+            latest: true,
+            ..AuditQuery::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(newest.iter().map(|r| r.seq).collect::<Vec<_>>(), vec![5, 6]);
+}
+
 async fn approval_pages_stop_at_their_byte_budget(backend: Backend) {
     let store = backend.open().await;
     let base = now_millis();

@@ -197,6 +197,9 @@ fn is_unique_violation(err: &tokio_postgres::Error) -> bool {
     err.code() == Some(&SqlState::UNIQUE_VIOLATION)
 }
 
+/// Audit rows fetched per round trip while a page is read.
+const AUDIT_FETCH_ROWS: i32 = 64;
+
 fn audit_from_row(row: &Row) -> Result<AuditRecord, (u64, String)> {
     let seq: i64 = row
         .try_get("seq")
@@ -878,25 +881,39 @@ impl Store for PostgresStore {
     }
 
     async fn audit(&self, query: AuditQuery) -> Result<Vec<AuditRecord>, StoreError> {
-        let client = self.client().await?;
+        let mut client = self.client().await?;
         let order = if query.latest { "DESC" } else { "ASC" };
         let limit = i64::try_from(query.effective_limit()).unwrap_or(i64::MAX);
         let after = query.after.map_or(0, to_i64);
-        let rows = client
-            .query(
-                &format!(
-                    "SELECT {AUDIT_COLUMNS} FROM audit_events \
-                     WHERE ($1::text IS NULL OR session_id = $1::text) \
-                     AND ($2::text IS NULL OR call_id = $2::text) \
-                     AND seq > $3 ORDER BY seq {order} LIMIT $4"
-                ),
-                &[&query.session_id, &query.call_id, &after, &limit],
-            )
-            .await?;
-        let mut out = rows
-            .iter()
-            .map(|row| audit_from_row(row).map_err(|(_, reason)| StoreError::Corrupt(reason)))
-            .collect::<Result<Vec<_>, _>>()?;
+        let (filters, values) = query.filters(3, |n| format!("${n}::text"));
+        let sql = format!(
+            "SELECT {AUDIT_COLUMNS} FROM audit_events \
+             WHERE seq > $1{filters} ORDER BY seq {order} LIMIT $2"
+        );
+        let mut params: Vec<&(dyn ToSql + Sync)> = vec![&after, &limit];
+        params.extend(values.iter().map(|v| v as &(dyn ToSql + Sync)));
+        // Through a portal, a few rows at a time, so that the page stops at its byte
+        // budget without the rest of the rows ever being sent.
+        let tx = client.transaction().await?;
+        let statement = tx.prepare_cached(&sql).await?;
+        let portal = tx.bind(&statement, &params).await?;
+        let mut out = Vec::new();
+        let mut bytes = 0usize;
+        'page: loop {
+            let rows = tx.query_portal(&portal, AUDIT_FETCH_ROWS).await?;
+            if rows.is_empty() {
+                break;
+            }
+            for row in &rows {
+                let size = row.try_get::<_, &str>("data").map_or(0, str::len);
+                bytes = bytes.saturating_add(size);
+                if bytes > AuditQuery::PAGE_BYTES && !out.is_empty() {
+                    break 'page;
+                }
+                out.push(audit_from_row(row).map_err(|(_, reason)| StoreError::Corrupt(reason))?);
+            }
+        }
+        tx.commit().await?;
         if query.latest {
             out.reverse();
         }
