@@ -28,6 +28,7 @@ mod pgwire;
 mod postgres;
 mod readonly;
 mod sqlite;
+mod sqlite_functions;
 mod tools;
 mod values;
 

@@ -29,7 +29,7 @@ use tokio_postgres::{NoTls, Transaction};
 use crate::config::Engine;
 use crate::pgwire::{self, Connected, WireError};
 use crate::readonly::{self, ReadOnlyError};
-use crate::tools::{Limits, Output};
+use crate::tools::{LIST_RESERVE, Limits, Output};
 use crate::values::{PgJson, RawLen, TextParam, ValueError, approx_len, pg_json_len, pg_params};
 
 /// Failures of a PostgreSQL call, worded for the model. Never holds the password.
@@ -121,15 +121,31 @@ impl Pooled<'_> {
     }
 }
 
+/// The tables and views in name order, as many as fit in `$1` bytes of JSON (measured
+/// on PostgreSQL's rendering, which has more spaces than the answer's), and whether
+/// more exist: the list is cut on the server, so a catalog of any size costs one row of
+/// about `$1` bytes.
 const LIST_TABLES: &str = "\
-SELECT coalesce(json_agg(json_build_object('schema', n.nspname, 'name', c.relname, 'type',
-         CASE c.relkind WHEN 'r' THEN 'table' WHEN 'p' THEN 'partitioned table'
-                        WHEN 'v' THEN 'view' WHEN 'm' THEN 'materialized view'
-                        ELSE 'foreign table' END) ORDER BY n.nspname, c.relname), '[]')
-FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
-WHERE c.relkind IN ('r', 'p', 'v', 'm', 'f')
-  AND n.nspname NOT IN ('pg_catalog', 'information_schema')
-  AND n.nspname NOT LIKE 'pg\\_toast%' AND n.nspname NOT LIKE 'pg\\_temp%'";
+WITH t AS (
+  SELECT n.nspname, c.relname,
+         json_build_object('schema', n.nspname, 'name', c.relname, 'type',
+           CASE c.relkind WHEN 'r' THEN 'table' WHEN 'p' THEN 'partitioned table'
+                          WHEN 'v' THEN 'view' WHEN 'm' THEN 'materialized view'
+                          ELSE 'foreign table' END) AS entry
+  FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+  WHERE c.relkind IN ('r', 'p', 'v', 'm', 'f')
+    AND n.nspname NOT IN ('pg_catalog', 'information_schema')
+    AND n.nspname NOT LIKE 'pg\\_toast%' AND n.nspname NOT LIKE 'pg\\_temp%'
+), sized AS (
+  SELECT nspname, relname, entry,
+         sum(octet_length(entry::text) + 1) OVER (ORDER BY nspname, relname) AS total
+  FROM t
+)
+SELECT json_build_object(
+  'tables', coalesce(json_agg(entry ORDER BY nspname, relname)
+                       FILTER (WHERE total <= $1::bigint), '[]'),
+  'truncated', coalesce(bool_or(total > $1::bigint), false))
+FROM sized";
 
 const DESCRIBE: &str = "\
 WITH t AS (
@@ -496,11 +512,18 @@ impl Postgres {
     }
 
     pub async fn list_tables(&self, limits: &Limits) -> Result<Value, PgError> {
-        let tables = self
-            .metadata(LIST_TABLES, Vec::new(), limits)
+        let max = limits.max_bytes;
+        let cap = max.saturating_sub(LIST_RESERVE);
+        let mut answer = self
+            .metadata(LIST_TABLES, vec![TextParam::Text(cap.to_string())], limits)
             .await?
-            .unwrap_or(Value::Array(Vec::new()));
-        Ok(serde_json::json!({ "tables": tables }))
+            .unwrap_or_else(|| serde_json::json!({ "tables": [], "truncated": false }));
+        if answer["truncated"] == Value::Bool(true) {
+            answer["note"] = serde_json::json!(format!(
+                "more tables and views exist than were returned: this list stops before about {max} bytes, the most one answer holds; list the rest with query_database, e.g. SELECT n.nspname AS schema, c.relname AS name, c.relkind FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.relkind IN ('r', 'p', 'v', 'm', 'f') AND (n.nspname, c.relname) > ($1, $2) ORDER BY 1, 2 LIMIT 100 with params [the last schema and name above], or narrow it with AND n.nspname = '...' or AND c.relname LIKE 'prefix%'"
+            ));
+        }
+        Ok(answer)
     }
 
     pub async fn describe(&self, table: String, limits: &Limits) -> Result<Value, PgError> {

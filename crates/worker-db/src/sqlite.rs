@@ -5,7 +5,9 @@
 //! reads (no writes, `ATTACH`/`DETACH`, transaction control, state-changing pragmas or
 //! denied functions such as `load_extension`), and a prepared statement that SQLite
 //! itself does not call read-only (`VACUUM INTO`, for example) is refused before it runs.
-//! Every connection also runs with `SQLITE_DBCONFIG_DEFENSIVE` on and untrusted schema.
+//! Every connection also runs with `SQLITE_DBCONFIG_DEFENSIVE` on and untrusted schema,
+//! and with the built-in functions that one call could keep busy for minutes bounded
+//! (`sqlite_functions.rs`).
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -19,7 +21,8 @@ use serde_json::{Map, Value, json};
 
 use crate::config::Engine;
 use crate::readonly::{self, ReadOnlyError, denied_function, sqlite_pragma_reads};
-use crate::tools::{Limits, Output, SQLITE_HEAP_LIMIT};
+use crate::sqlite_functions::{self, MAX_LIKE_PATTERN_BYTES};
+use crate::tools::{LIST_RESERVE, Limits, Output, SQLITE_HEAP_LIMIT};
 use crate::values::{
     ValueError, approx_len, sqlite_json_len, sqlite_params, sqlite_storage_class, sqlite_value,
 };
@@ -47,6 +50,18 @@ pub enum SqliteError {
     Timeout(u64),
     #[error("the call was cancelled")]
     Cancelled,
+    #[error(
+        "database {name:?} stayed busy for the {waited_ms} ms this call could wait: all {slots} of its connections were taken by earlier statements (one may still be finishing a long function call past its timeout), so this one did not start; try again shortly, or make the earlier statements cheaper"
+    )]
+    Busy {
+        name: String,
+        slots: u32,
+        waited_ms: u64,
+    },
+    #[error(
+        "a LIKE or GLOB pattern is longer than the {max} bytes the db worker allows (matching takes time that grows with pattern times value), so nothing is returned; to find a longer piece of text use instr(column, '...') > 0, or compare substr(column, 1, n) = '...'"
+    )]
+    LikePatternTooLong { max: i32 },
     #[error(transparent)]
     Value(#[from] ValueError),
     #[error(
@@ -76,6 +91,8 @@ pub(crate) struct Sqlite {
     pub skip_parser: bool,
     pub skip_engine: bool,
     pub permits: Arc<tokio::sync::Semaphore>,
+    /// How many permits `permits` started with (`pool_size`), for messages.
+    pub pool_size: u32,
 }
 
 /// What a blocking call needs to stop in time.
@@ -94,16 +111,21 @@ impl Stop {
 
 impl Sqlite {
     /// Runs `f` on a blocking thread with a fresh connection, honouring the deadline and
-    /// cancellation of `limits`.
+    /// cancellation of `limits`. At most `pool_size` such threads run per database: a
+    /// call waits for a slot until its deadline.
     async fn run<T, F>(&self, limits: &Limits, f: F) -> Result<T, SqliteError>
     where
         T: Send + 'static,
         F: FnOnce(&SqliteCall) -> Result<T, SqliteError> + Send + 'static,
     {
-        let _permit = tokio::select! {
+        let permit = tokio::select! {
             p = Arc::clone(&self.permits).acquire_owned() => p.map_err(|e| SqliteError::Join(e.to_string()))?,
             () = limits.cancel.cancelled() => return Err(SqliteError::Cancelled),
-            () = tokio::time::sleep_until(limits.deadline.into()) => return Err(SqliteError::Timeout(limits.budget_ms())),
+            () = tokio::time::sleep_until(limits.deadline.into()) => return Err(SqliteError::Busy {
+                name: self.name.clone(),
+                slots: self.pool_size,
+                waited_ms: limits.budget_ms(),
+            }),
         };
         let stop = Stop {
             deadline: limits.deadline,
@@ -122,7 +144,16 @@ impl Sqlite {
             cancel.cancelled().await;
             flag.store(true, Ordering::Relaxed);
         });
-        let joined = tokio::task::spawn_blocking(move || f(&call)).await;
+        let joined = tokio::task::spawn_blocking(move || {
+            // The slot is the thread's, not the call's: SQLite stops a statement only
+            // between its steps, so a thread can outlive its call (the worker answers
+            // at the deadline and drops this future). Until the thread really ends its
+            // slot stays taken, and later calls wait or are refused instead of starting
+            // more threads.
+            let _slot = permit;
+            f(&call)
+        })
+        .await;
         watcher.abort();
         joined.map_err(|e| SqliteError::Join(e.to_string()))?
     }
@@ -204,8 +235,12 @@ impl Sqlite {
         .await
     }
 
+    /// The tables and views, in name order, as many as fit in the result cap: a file
+    /// may hold thousands of names of any length.
     pub async fn list_tables(&self, limits: &Limits) -> Result<Value, SqliteError> {
-        self.run(limits, |c| {
+        let max = limits.max_bytes;
+        let cap = max.saturating_sub(LIST_RESERVE);
+        self.run(limits, move |c| {
             let conn = c.open(Mode::ReadOnly)?;
             let mut stmt = conn
                 .prepare(
@@ -213,13 +248,32 @@ impl Sqlite {
                      AND name NOT LIKE 'sqlite\\_%' ESCAPE '\\' ORDER BY name",
                 )
                 .map_err(|e| c.error(e))?;
-            let tables = stmt
-                .query_map([], |r| {
-                    Ok(json!({"name": r.get::<_, String>(0)?, "type": r.get::<_, String>(1)?}))
-                })
-                .and_then(Iterator::collect::<Result<Vec<_>, _>>)
-                .map_err(|e| c.error(e))?;
-            Ok(json!({ "tables": tables }))
+            let mut rows = stmt.query([]).map_err(|e| c.error(e))?;
+            let mut tables = Vec::new();
+            let mut bytes = 0usize;
+            let mut truncated = false;
+            while let Some(row) = rows.next().map_err(|e| c.error(e))? {
+                let table = json!({
+                    "name": row.get::<_, String>(0).map_err(|e| c.error(e))?,
+                    "type": row.get::<_, String>(1).map_err(|e| c.error(e))?,
+                });
+                // As serialized (escapes included), plus the comma.
+                let len = serde_json::to_string(&table).map_or(usize::MAX, |t| t.len() + 1);
+                if bytes.saturating_add(len) > cap {
+                    truncated = true;
+                    break;
+                }
+                bytes += len;
+                tables.push(table);
+            }
+            let mut answer = json!({ "tables": tables, "truncated": truncated });
+            if truncated {
+                answer["note"] = json!(format!(
+                    "more tables and views exist than were returned: this list stops before about {} bytes, the most one answer holds; list the rest with query_database, e.g. SELECT name, type FROM sqlite_schema WHERE type IN ('table', 'view') AND name > ?1 ORDER BY name LIMIT 100 with params [the last name above], or narrow by name with AND name LIKE 'prefix%'",
+                    max
+                ));
+            }
+            Ok(answer)
         })
         .await
     }
@@ -278,6 +332,7 @@ impl SqliteCall {
         let length = i32::try_from(self.max_value_bytes).unwrap_or(i32::MAX);
         conn.set_limit(Limit::SQLITE_LIMIT_LENGTH, length)
             .map_err(|e| self.error(e))?;
+        sqlite_functions::bound(&conn).map_err(|e| self.error(e))?;
         // Process-wide, and it only ever lowers the ceiling: setting it on every
         // connection is idempotent. Neither authorizer lets a statement change it.
         conn.pragma_update(None, "hard_heap_limit", SQLITE_HEAP_LIMIT)
@@ -322,6 +377,12 @@ impl SqliteCall {
                 ErrorCode::OutOfMemory => {
                     return SqliteError::OutOfMemory {
                         max: SQLITE_HEAP_LIMIT,
+                    };
+                }
+                // SQLite's own words for SQLITE_LIMIT_LIKE_PATTERN_LENGTH.
+                _ if text.contains("LIKE or GLOB pattern too complex") => {
+                    return SqliteError::LikePatternTooLong {
+                        max: MAX_LIKE_PATTERN_BYTES,
                     };
                 }
                 _ => return SqliteError::Sql(text),

@@ -21,6 +21,11 @@ use crate::values::ValueError;
 /// further are left out (flagged `truncated`, like rows past `max_rows`), and a first
 /// row that alone does not fit fails the call. Counted while the rows are produced.
 pub(crate) const MAX_RESULT_BYTES: usize = 1024 * 1024;
+/// What a `list_tables` answer keeps free below [`MAX_RESULT_BYTES`] for its other
+/// fields and its note: the list itself stops before the rest, so a database with
+/// thousands of long names still answers within the result cap (and far below the
+/// worker's 32 MiB message limit).
+pub(crate) const LIST_RESERVE: usize = 1024;
 /// The largest value SQLite may build (`SQLITE_LIMIT_LENGTH`) and the largest row
 /// message the worker reads from PostgreSQL: four times the result cap, so a query may
 /// still filter or measure values larger than it could return (`WHERE body LIKE ...`,
@@ -181,6 +186,7 @@ pub fn tools(databases: Vec<DatabaseConfig>) -> Result<ToolSet, DbError> {
                     skip_parser: config.unsafe_skip_parser_for_tests,
                     skip_engine: config.unsafe_skip_engine_read_only_for_tests,
                     permits,
+                    pool_size: config.pool_size,
                 }),
             ),
             Target::Postgres(pg, tls) => (
@@ -381,7 +387,7 @@ impl DbTool {
             Kind::ListTables => (
                 "List tables",
                 format!(
-                    "List the tables and views of a database (with schema for PostgreSQL and type: table, view, materialized view, ...). Then use describe_table for columns and keys. {catalog}"
+                    "List the tables and views of a database (with schema for PostgreSQL and type: table, view, materialized view, ...), in name order, up to about {MAX_RESULT_BYTES} bytes of names; `truncated` says when there were more. Then use describe_table for columns and keys. {catalog}"
                 ),
                 object(json!({"database": db}), &["database"]),
                 annotations(true, false, true),

@@ -566,6 +566,75 @@ async fn list_tables_includes_views_and_describe_shows_keys() {
     assert!(e.contains("unknown database") && e.contains("lite"), "{e}");
 }
 
+/// A database with thousands of long names answers list_tables within the result cap,
+/// with a note on how to list the rest. Before, SQLite answered with all of them
+/// (2000 names of 1000 characters: 2 MB here, and without end in general) and
+/// PostgreSQL with up to 64 MiB, above the worker's 32 MiB message limit, which failed
+/// at the transport with no advice.
+#[tokio::test]
+async fn list_tables_answers_stay_within_the_result_cap() {
+    const CAP: usize = 1024 * 1024;
+    let lite = Lite::new();
+    {
+        let conn = rusqlite::Connection::open(lite.path()).unwrap();
+        let mut ddl = String::from("BEGIN;");
+        for i in 0..2000 {
+            ddl.push_str(&format!("CREATE TABLE t{i:04}{} (a);", "x".repeat(995)));
+        }
+        ddl.push_str("COMMIT;");
+        conn.execute_batch(&ddl).unwrap();
+    }
+    // PostgreSQL names are at most 63 bytes: 7000 tables with such names in a schema
+    // with such a name, in a database of their own.
+    let many = postgres::unique_name("airlock_many");
+    postgres::create_database(&many);
+    superuser(&many)
+        .await
+        .batch_execute(&format!(
+            "CREATE SCHEMA {schema}; GRANT USAGE ON SCHEMA {schema} TO PUBLIC;
+             DO $$ BEGIN FOR i IN 1..7000 LOOP
+               EXECUTE format('CREATE TABLE {schema}.%I ()', 't' || lpad(i::text, 5, '0') || repeat('x', 57));
+             END LOOP; END $$",
+            schema = format!("s{}", "x".repeat(62)),
+        ))
+        .await
+        .unwrap();
+    let mut pgc = pg_db("pg", "airlock_ro");
+    pgc.url = pgc.url.replace("/airlock_test", &format!("/{many}"));
+    let set = tools(vec![lite.db("lite"), pgc]).unwrap();
+
+    for (db, fitting, next) in [("lite", 1000, "sqlite_schema"), ("pg", 5000, "pg_class")] {
+        let out = call(&set, "list_tables", json!({"database": db})).await;
+        assert!(!out.is_error, "{db}: {:?}", out.content);
+        let text = out.content.join("");
+        assert!(text.len() <= CAP, "{db}: {} bytes", text.len());
+        let v: Value = serde_json::from_str(&text).unwrap();
+        let tables = v["tables"].as_array().unwrap();
+        assert!(tables.len() >= fitting, "{db}: {} tables", tables.len());
+        assert_eq!(v["truncated"], true, "{db}");
+        let note = v["note"].as_str().unwrap();
+        assert!(
+            note.contains("query_database") && note.contains(next) && note.contains("1048576"),
+            "{db}: {note}"
+        );
+        // The first ones in name order.
+        let names: Vec<&str> = tables.iter().map(|t| t["name"].as_str().unwrap()).collect();
+        assert!(names.is_sorted(), "{db}");
+        let first = if db == "lite" {
+            format!("t0000{}", "x".repeat(995))
+        } else {
+            format!("t00001{}", "x".repeat(57))
+        };
+        assert!(names.contains(&first.as_str()), "{db}");
+    }
+    // A small catalog is whole, and says so.
+    let small = Lite::new();
+    let set = tools(vec![small.db("lite")]).unwrap();
+    let v = ok(&set, "list_tables", json!({"database": "lite"})).await;
+    assert_eq!(v["truncated"], false);
+    assert!(v.get("note").is_none(), "{v}");
+}
+
 // ---------------------------------------------------------------------------------------
 // Timeouts, outages, passwords
 // ---------------------------------------------------------------------------------------
@@ -592,6 +661,52 @@ async fn statement_timeouts_stop_slow_queries() {
             started.elapsed()
         );
         assert!(e.contains("stopped after"), "{db}: {e}");
+    }
+    // One long call of a built-in function, inside which SQLite never looks at the
+    // timeout: the instr() call ran 130 s, the LIKE minutes. The 10 s are a failure
+    // deadline only (the measured times are printed).
+    let long_calls = [
+        (
+            "SELECT instr(printf('%.*c', 4000000, 'a'), printf('%.*c', 2000000, 'a') || 'b') AS i",
+            None,
+        ),
+        (
+            "SELECT printf('%.*c', 4000000, 'a') LIKE '%' || printf('%.*c', 49990, 'a') || 'b' AS l",
+            Some("LIKE or GLOB pattern is longer than the 100 bytes"),
+        ),
+        (
+            "SELECT glob('*' || printf('%.*c', 49990, 'a') || 'b', printf('%.*c', 4000000, 'a')) AS g",
+            Some("LIKE or GLOB pattern is longer than the 100 bytes"),
+        ),
+    ];
+    for (sql, refusal) in long_calls {
+        let started = Instant::now();
+        let out = tokio::time::timeout(
+            Duration::from_secs(10),
+            call(
+                &set,
+                "query_database",
+                json!({"database": "lite", "sql": sql}),
+            ),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("{sql}: still running after 10 s"));
+        eprintln!("lite: {sql}: {:?} (measured)", started.elapsed());
+        let text = out.content.join("");
+        match refusal {
+            None => {
+                assert!(!out.is_error, "{sql}: {text}");
+                let v: Value = serde_json::from_str(&text).unwrap();
+                assert_eq!(v["rows"], json!([[0]]), "{sql}");
+            }
+            Some(expected) => {
+                assert!(out.is_error, "{sql}: {text}");
+                assert!(
+                    text.contains(expected) && text.contains("instr("),
+                    "{sql}: {text}"
+                );
+            }
+        }
     }
     // The call's deadline also stops it, when it comes before the statement timeout.
     let set = tools(vec![pg_db("pg", "airlock_ro"), lite.db("lite")]).unwrap();
@@ -625,6 +740,101 @@ async fn statement_timeouts_stop_slow_queries() {
         query(&set, "lite", "SELECT 1 AS x").await["rows"],
         json!([[1]])
     );
+}
+
+/// A statement whose call has ended (the worker answers at the call's deadline and drops
+/// the call) still holds its connection slot until its thread ends: with `pool_size = 1`
+/// the next call waits for it, and says so when it cannot wait long enough. Before, the
+/// slot was released with the call, so every repeated call started one more thread.
+#[tokio::test]
+async fn a_statement_outliving_its_call_keeps_its_connection_slot() {
+    let lite = Lite::new();
+    let mut c = lite.db("lite");
+    c.pool_size = 1;
+    c.statement_timeout_ms = 2000;
+    let set = tools(vec![c]).unwrap();
+    let forever =
+        "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT count(*) FROM c";
+    let started = Instant::now();
+    // Dropped after 300 ms, as the worker's own timer drops a call at its deadline; the
+    // statement runs on until its 2 s timeout.
+    let dropped = tokio::time::timeout(
+        Duration::from_millis(300),
+        call(
+            &set,
+            "query_database",
+            json!({"database": "lite", "sql": forever}),
+        ),
+    )
+    .await;
+    assert!(dropped.is_err(), "the statement should still run");
+
+    let out = call_with(
+        &set,
+        "query_database",
+        json!({"database": "lite", "sql": "SELECT 1 AS x"}),
+        Duration::from_millis(500),
+    )
+    .await;
+    let text = out.content.join("");
+    assert!(out.is_error, "the only slot should still be taken: {text}");
+    assert!(
+        text.contains("stayed busy") && text.contains("all 1 of its connections"),
+        "{text}"
+    );
+
+    // Once the statement's thread has ended, the slot is free again.
+    assert_eq!(
+        query(&set, "lite", "SELECT 1 AS x").await["rows"],
+        json!([[1]])
+    );
+    let waited = started.elapsed();
+    assert!(
+        waited >= Duration::from_millis(1500),
+        "answered after {waited:?}, before the first statement's thread ended"
+    );
+}
+
+/// `SELECT 1+1+...` with 200 000 terms (400 KB, under the 1 MiB maxLength) made the SQL
+/// parser build a 200 000-level tree whose drop overflowed the stack: the process
+/// aborted, with every call in flight. It is refused before it is parsed, by both tools
+/// on both engines, and the same tools answer the next call.
+#[tokio::test]
+async fn statements_nested_too_deep_are_refused_and_the_worker_answers_on() {
+    let lite = Lite::new();
+    let mut pgrw = pg_db("pgrw", "airlock_rw");
+    pgrw.read_only = false;
+    let mut literw = lite.db("literw");
+    literw.read_only = false;
+    let set = tools(vec![
+        pg_db("pg", "airlock_ro"),
+        lite.db("lite"),
+        pgrw,
+        literw,
+    ])
+    .unwrap();
+    let sql = format!("SELECT 1{}", "+1".repeat(200_000));
+    for (tool, db) in [
+        ("query_database", "pg"),
+        ("query_database", "lite"),
+        ("execute_sql", "pgrw"),
+        ("execute_sql", "literw"),
+    ] {
+        let out = call(&set, tool, json!({"database": db, "sql": sql})).await;
+        let text = out.content.join("");
+        assert!(out.is_error, "{tool} {db}");
+        assert!(
+            text.contains("nests 200000 operators")
+                && text.contains("at most 4000")
+                && text.contains("split it or simplify"),
+            "{tool} {db}: {text}"
+        );
+        assert_eq!(
+            query(&set, db, "SELECT 1 AS x").await["rows"],
+            json!([[1]]),
+            "{db}"
+        );
+    }
 }
 
 #[tokio::test]
