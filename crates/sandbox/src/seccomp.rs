@@ -63,6 +63,17 @@ pub(crate) struct Profile {
     /// (nosuid, no_new_privs), but such a file left in a workspace is owned by the
     /// worker's uid on the host, where anyone who can reach it gains that uid.
     pub no_setid_files: bool,
+    /// Refuse to change another process's limits, priority, scheduling or memory
+    /// placement (`prlimit64`, `setpriority`, `ioprio_set`, `sched_set*`,
+    /// `migrate_pages`, `move_pages` naming anything but the caller): a standard
+    /// sandbox has the worker's uid, which is all the kernel asks of these, and sees
+    /// every process. A strict one sees its own pid namespace only, and its filter is
+    /// kept short.
+    pub own_process_only: bool,
+    /// SysV IPC and POSIX message queues. A strict sandbox has an IPC namespace of its
+    /// own; a standard one shares the host's, where a segment or queue outlives the
+    /// call and is open to the next call of any principal.
+    pub ipc: bool,
 }
 
 impl Profile {
@@ -75,6 +86,8 @@ impl Profile {
             namespaces: false,
             unix_sockets: strict,
             no_setid_files: true,
+            own_process_only: !strict,
+            ipc: strict,
         }
     }
 }
@@ -290,6 +303,63 @@ fn filter(profile: Profile) -> Result<bpf::Filter, SeccompError> {
                 ],
             ];
             add(libc::SYS_socket, rules, eperm);
+        }
+    }
+
+    if profile.own_process_only {
+        // The calls that act on a process named by its pid (or a group, or a user's
+        // processes): only the caller itself (pid 0) may be named; glibc's
+        // getrlimit/setrlimit, `ulimit`, `nice` and `prlimit` without `--pid` pass 0.
+        // pid_t is 32 bits: the kernel reads the low half only.
+        let other_pid = |arg| vec![vec![dword(arg, Cmp::Ne(0))]];
+        for nr in [
+            libc::SYS_prlimit64,
+            libc::SYS_sched_setscheduler,
+            libc::SYS_sched_setparam,
+            libc::SYS_sched_setattr,
+            libc::SYS_sched_setaffinity,
+            libc::SYS_migrate_pages,
+            libc::SYS_move_pages,
+        ] {
+            add(nr, other_pid(0), eperm);
+        }
+        // setpriority(which, who, prio) and ioprio_set(which, who, ioprio): the calling
+        // process only (a process group or a user with `who` 0 means the caller's, which
+        // holds other processes).
+        const PRIO_PROCESS: u64 = 0;
+        const IOPRIO_WHO_PROCESS: u64 = 1;
+        for (nr, process) in [
+            (libc::SYS_setpriority, PRIO_PROCESS),
+            (libc::SYS_ioprio_set, IOPRIO_WHO_PROCESS),
+        ] {
+            let rules = vec![vec![dword(0, Cmp::Ne(process))], vec![dword(1, Cmp::Ne(0))]];
+            add(nr, rules, eperm);
+        }
+    }
+    if !profile.ipc {
+        // ENOSYS, as on a kernel built without them: programs that can do without
+        // (Python's multiprocessing, PostgreSQL's tools) fall back.
+        for nr in [
+            libc::SYS_shmget,
+            libc::SYS_shmat,
+            libc::SYS_shmctl,
+            libc::SYS_shmdt,
+            libc::SYS_msgget,
+            libc::SYS_msgsnd,
+            libc::SYS_msgrcv,
+            libc::SYS_msgctl,
+            libc::SYS_semget,
+            libc::SYS_semop,
+            libc::SYS_semtimedop,
+            libc::SYS_semctl,
+            libc::SYS_mq_open,
+            libc::SYS_mq_unlink,
+            libc::SYS_mq_timedsend,
+            libc::SYS_mq_timedreceive,
+            libc::SYS_mq_notify,
+            libc::SYS_mq_getsetattr,
+        ] {
+            add(nr, Vec::new(), enosys);
         }
     }
 
@@ -607,13 +677,13 @@ mod tests {
         let arch = audit_arch().unwrap();
         let mut checked = 0usize;
         for network in [Network::None, Network::Proxy, Network::Host] {
-            for (exec, namespaces, unix_sockets, no_setid_files) in [
-                (true, false, true, true),
-                (true, false, false, true),
-                (true, false, true, false),
-                (true, true, true, true),
-                (false, true, false, false),
-                (false, false, true, true),
+            for (exec, namespaces, unix_sockets, no_setid_files, own_process_only, ipc) in [
+                (true, false, true, true, true, true),
+                (true, false, false, true, true, false),
+                (true, false, true, false, false, true),
+                (true, true, true, true, false, true),
+                (false, true, false, false, true, false),
+                (false, false, true, true, false, false),
             ] {
                 let profile = Profile {
                     network,
@@ -621,6 +691,8 @@ mod tests {
                     namespaces,
                     unix_sockets,
                     no_setid_files,
+                    own_process_only,
+                    ipc,
                 };
                 let table = filter(profile).unwrap();
                 let ours = [SeccompPlan::compile(profile).unwrap().program];
@@ -657,26 +729,27 @@ mod tests {
     /// numbers without rules answered in the search's leaves, bit tests as one test
     /// for all their bits (153, 161 and 148 instructions for `none`, `proxy` and
     /// `host`; with a block per number and a rule per bit, as compiled before, 343, 435
-    /// and 337). The standard level's refusals of `AF_UNIX` sockets and datagram pairs
-    /// add a few (163 for `host`).
+    /// and 337). The standard level's refusals (`AF_UNIX` sockets and datagram pairs,
+    /// other processes' limits and scheduling, SysV IPC and message queues) add about
+    /// a hundred (263 for `none`, 267 for `host`).
     #[test]
     fn the_sandbox_filter_is_short() {
-        for (network, most) in [
-            (Network::None, 160),
-            (Network::Proxy, 170),
-            (Network::Host, 170),
-        ] {
+        for (network, strict, most) in [
+            (Network::None, true, 160),
+            (Network::Proxy, true, 170),
+            (Network::Host, true, 170),
             // Proxy needs the strict level's network namespace (refused at standard).
-            for strict in [true, network == Network::Proxy] {
-                let program = SeccompPlan::compile(Profile::sandbox(network, strict))
-                    .unwrap()
-                    .program;
-                assert!(
-                    program.len() <= most,
-                    "{network:?} (strict {strict}): {} instructions",
-                    program.len()
-                );
-            }
+            (Network::None, false, 275),
+            (Network::Host, false, 275),
+        ] {
+            let program = SeccompPlan::compile(Profile::sandbox(network, strict))
+                .unwrap()
+                .program;
+            assert!(
+                program.len() <= most,
+                "{network:?} (strict {strict}): {} instructions",
+                program.len()
+            );
         }
     }
 

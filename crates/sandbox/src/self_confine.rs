@@ -133,6 +133,8 @@ pub fn confine_self(spec: &SelfConfinement) -> Result<SelfConfinementReport, cra
         // A worker speaks gRPC and reaches its broker over Unix sockets.
         unix_sockets: true,
         no_setid_files: false,
+        own_process_only: false,
+        ipc: true,
     })?;
     let landlock = match abi {
         None => None,

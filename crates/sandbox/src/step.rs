@@ -44,9 +44,10 @@ pub enum Step {
     LoopbackUp,
     ProxyListener,
     ReceiveCall,
+    SignalDefaults,
 }
 
-const ALL: [Step; 32] = [
+const ALL: [Step; 33] = [
     Step::WaitForParent,
     Step::JoinCgroup,
     Step::ParentDeathSignal,
@@ -79,6 +80,7 @@ const ALL: [Step; 32] = [
     Step::LoopbackUp,
     Step::ProxyListener,
     Step::ReceiveCall,
+    Step::SignalDefaults,
 ];
 
 impl Step {
@@ -117,6 +119,7 @@ impl Step {
             Step::LoopbackUp => "bring up the sandbox's loopback interface",
             Step::ProxyListener => "open the egress proxy's listener and hand it to the worker",
             Step::ReceiveCall => "receive the call in a pre-built sandbox",
+            Step::SignalDefaults => "reset signal dispositions and the signal mask",
         }
     }
 

@@ -179,6 +179,12 @@ fn after_call(
     //    (the ruleset prepared in step 4l, with the workspace's rule added now).
     plan.landlock.apply_prepared(fds::LANDLOCK_FD)?;
 
+    // 9b. Every signal's default disposition and an empty signal mask: an ignored
+    //     signal or a blocked one survives `execve`, and the worker ignores SIGPIPE
+    //     (the Rust runtime does), so a pipeline's writer would see EPIPE instead of
+    //     dying of SIGPIPE. In strict mode the command inherits init's.
+    reset_signals().at(Step::SignalDefaults)?;
+
     // 10. seccomp, last: from here on the blocked system calls fail.
     plan.seccomp.install()?;
 
@@ -189,6 +195,50 @@ fn after_call(
 
     // 12. execve the command (searching PATH ourselves: execvp may allocate).
     Err(call.exec.exec())
+}
+
+/// The kernel's highest signal number (`_NSIG`).
+const LAST_SIGNAL: libc::c_int = 64;
+
+/// Sets every catchable signal's disposition to `SIG_DFL` and empties the signal mask,
+/// with raw `rt_sigaction` and `rt_sigprocmask` (async-signal-safe; glibc's wrappers
+/// refuse the signals it reserves for itself).
+fn reset_signals() -> Result<(), i32> {
+    // The kernel's `struct sigaction` with every field zero: handler SIG_DFL (0), no
+    // flags, an empty mask. At most 32 bytes on every 64-bit architecture, whatever
+    // the order of its fields.
+    let default = [0u64; 4];
+    let set_size: libc::size_t = 8;
+    for signal in 1..=LAST_SIGNAL {
+        if signal == libc::SIGKILL || signal == libc::SIGSTOP {
+            continue;
+        }
+        // SAFETY: `default` is a valid, zeroed kernel sigaction, alive for the call; no
+        // old action is asked for.
+        sys::check(unsafe {
+            libc::syscall(
+                libc::SYS_rt_sigaction,
+                signal,
+                default.as_ptr(),
+                std::ptr::null_mut::<u64>(),
+                set_size,
+            )
+        })?;
+    }
+    // After the dispositions: a signal pending once unblocked finds its default action.
+    let empty: u64 = 0;
+    // SAFETY: `empty` is a valid kernel sigset, alive for the call; no old mask is
+    // asked for.
+    sys::check(unsafe {
+        libc::syscall(
+            libc::SYS_rt_sigprocmask,
+            libc::SIG_SETMASK,
+            &empty as *const u64,
+            std::ptr::null_mut::<u64>(),
+            set_size,
+        )
+    })?;
+    Ok(())
 }
 
 /// Moves the calling (single-threaded) process into the cgroup of a v1 `tasks` file

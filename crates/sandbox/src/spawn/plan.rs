@@ -283,6 +283,69 @@ impl CallTmp {
 
 impl Drop for CallTmp {
     fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
+        if std::fs::remove_dir_all(&self.0).is_ok() {
+            return;
+        }
+        // A command may leave directories it cannot be removed from (`chmod 000`):
+        // give every directory back to its owner, then try once more.
+        give_back_directories(&self.0);
+        if let Err(e) = std::fs::remove_dir_all(&self.0) {
+            let left = count_entries(&self.0);
+            tracing::warn!(
+                dir = %self.0.display(),
+                error = %e,
+                entries_left = left,
+                "a call's temporary directory could not be removed"
+            );
+        }
     }
+}
+
+/// Adds `u+rwx` to `dir` and every directory under it, without following symbolic
+/// links (best effort: what cannot be changed is left as it is).
+fn give_back_directories(dir: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    let mut pending = vec![dir.to_path_buf()];
+    while let Some(dir) = pending.pop() {
+        // `symlink_metadata`: a link is never followed, only a real directory changed.
+        let Ok(meta) = std::fs::symlink_metadata(&dir) else {
+            continue;
+        };
+        if !meta.is_dir() {
+            continue;
+        }
+        let mode = meta.permissions().mode();
+        if mode & 0o700 != 0o700 {
+            let _ = std::fs::set_permissions(
+                &dir,
+                std::fs::Permissions::from_mode((mode | 0o700) & 0o7777),
+            );
+        }
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            if entry.file_type().is_ok_and(|t| t.is_dir()) {
+                pending.push(entry.path());
+            }
+        }
+    }
+}
+
+/// How many entries are left under `dir` (for the log; links not followed).
+fn count_entries(dir: &Path) -> usize {
+    let mut count = 0;
+    let mut pending = vec![dir.to_path_buf()];
+    while let Some(dir) = pending.pop() {
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            count += 1;
+            if entry.file_type().is_ok_and(|t| t.is_dir()) {
+                pending.push(entry.path());
+            }
+        }
+    }
+    count
 }

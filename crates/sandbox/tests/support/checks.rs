@@ -1393,3 +1393,215 @@ fn the_supervisor_waits_on_events_not_on_a_tick() {
     assert!(wakeups < 40, "{wakeups} wakeups for a cancelled command");
     assert_no_cgroup_left("wakeups");
 }
+
+/// The calling process's RLIMIT_NOFILE (soft, hard).
+fn own_nofile_limit() -> (u64, u64) {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `limit` is a valid out-pointer.
+    assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) }, 0);
+    (limit.rlim_cur, limit.rlim_max)
+}
+
+/// The nice value of this process's main thread (the one its pid names).
+fn own_nice() -> i32 {
+    // SAFETY: getpid has no preconditions; getpriority only reads.
+    let pid = unsafe { libc::getpid() };
+    // SAFETY: as above.
+    unsafe { libc::getpriority(libc::PRIO_PROCESS, pid.cast_unsigned()) }
+}
+
+/// A standard sandbox has the worker's uid and the worker as its parent: the kernel
+/// lets a same-uid process change another's limits, priority and scheduling. The
+/// command may change its own; naming any other process is refused.
+#[test]
+fn standard_commands_cannot_change_other_processes_limits_or_priority() {
+    let ws = workspace();
+    let sandbox = standard(config("own-process"));
+    let (limit, nice) = (own_nofile_limit(), own_nice());
+    let out = sh(
+        &sandbox,
+        ws.path(),
+        "for tool in prlimit renice taskset ionice; do command -v $tool >/dev/null || echo \"missing $tool\"; done; \
+         prlimit --pid $PPID --nofile=64:64 2>/dev/null && echo prlimit-changed || echo prlimit-refused; \
+         renice -n 19 -p $PPID >/dev/null 2>&1 && echo renice-changed || echo renice-refused; \
+         taskset -p 1 $PPID >/dev/null 2>&1 && echo affinity-changed || echo affinity-refused; \
+         ionice -c 3 -p $PPID >/dev/null 2>&1 && echo ionice-changed || echo ionice-refused; \
+         ulimit -n 100 && echo \"own-limit $(ulimit -n)\"; \
+         prlimit --nofile=90:90 sh -c 'echo own-prlimit $(ulimit -n)'; \
+         nice -n 5 sh -c 'echo own-nice $(nice)'",
+    );
+    let (limit_after, nice_after) = (own_nofile_limit(), own_nice());
+    // Put this process back (root may raise a hard limit) before judging, so that the
+    // other tests of this binary are not run with them.
+    if limit_after != limit {
+        let restore = libc::rlimit {
+            rlim_cur: limit.0,
+            rlim_max: limit.1,
+        };
+        // SAFETY: `restore` is a valid rlimit.
+        unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &restore) };
+    }
+    if nice_after != nice {
+        // SAFETY: getpid has no preconditions; setpriority takes integers.
+        unsafe {
+            libc::setpriority(libc::PRIO_PROCESS, libc::getpid().cast_unsigned(), nice)
+        };
+    }
+    let stdout = text(&out.stdout);
+    assert!(!stdout.contains("missing"), "a tool the test needs: {stdout}");
+    for expected in [
+        "prlimit-refused",
+        "renice-refused",
+        "affinity-refused",
+        "ionice-refused",
+        "own-limit 100",
+        "own-prlimit 90",
+        "own-nice 5",
+    ] {
+        assert!(
+            stdout.contains(expected),
+            "missing {expected}: {stdout} {}",
+            text(&out.stderr)
+        );
+    }
+    assert_eq!(limit_after, limit, "the command changed the worker's RLIMIT_NOFILE");
+    assert_eq!(nice_after, nice, "the command changed the worker's nice value");
+    assert_no_cgroup_left("own-process");
+}
+
+/// The key of the test's SysV segment ("ARLL").
+const SHM_KEY: libc::key_t = 0x4152_4c4c;
+
+/// Whether the host's IPC namespace (this process's) has a segment with [`SHM_KEY`].
+fn host_has_shm_segment() -> bool {
+    let table = std::fs::read_to_string("/proc/sysvipc/shm")
+        .expect("/proc/sysvipc/shm (SysV IPC in the kernel) is needed by this test");
+    table
+        .lines()
+        .skip(1)
+        .any(|l| l.split_whitespace().next() == Some(&SHM_KEY.to_string()))
+}
+
+/// Removes a segment with [`SHM_KEY`] from the host, if there is one.
+fn remove_shm_segment() {
+    // SAFETY: shmget and shmctl with integers and a null buffer (IPC_RMID reads none).
+    unsafe {
+        let id = libc::shmget(SHM_KEY, 0, 0);
+        if id >= 0 {
+            libc::shmctl(id, libc::IPC_RMID, std::ptr::null_mut());
+        }
+    }
+}
+
+/// A standard sandbox shares the host's IPC namespace: a segment it made would outlive
+/// the call and be open to the next call of any principal. SysV IPC is refused.
+#[test]
+fn standard_commands_have_no_sysv_ipc() {
+    remove_shm_segment();
+    let ws = workspace();
+    let sandbox = standard(config("sysv-ipc"));
+    let out = run(
+        &sandbox,
+        &spec(
+            &[
+                "perl",
+                "-e",
+                &format!("shmget({SHM_KEY}, 4096, 0600 | 01000) or do {{ print qq($!); exit 3 }}"),
+            ],
+            ws.path(),
+        ),
+    );
+    let made = host_has_shm_segment();
+    remove_shm_segment();
+    assert!(!made, "the command's segment outlived it on the host");
+    assert_eq!(out.exit_code, Some(3), "{out:?}");
+    assert_eq!(text(&out.stdout), "Function not implemented");
+    assert_no_cgroup_left("sysv-ipc");
+}
+
+/// Every command starts with every signal's default disposition and none blocked, at
+/// both levels: the worker ignores SIGPIPE (as Rust programs do), and an ignored
+/// signal survives `execve` — a pipeline's writer got EPIPE instead of SIGPIPE.
+#[test]
+fn commands_start_with_default_signal_dispositions() {
+    let ws = workspace();
+    for sandbox in [strict(config("signals")), standard(config("signals"))] {
+        let level = sandbox.level();
+        let out = run(
+            &sandbox,
+            &spec(&["grep", "-E", "^Sig(Ign|Blk):", "/proc/self/status"], ws.path()),
+        );
+        let stdout = text(&out.stdout);
+        for expected in ["SigIgn:\t0000000000000000", "SigBlk:\t0000000000000000"] {
+            assert!(stdout.contains(expected), "{level:?}: missing {expected}: {stdout}");
+        }
+        let out = run(
+            &sandbox,
+            &spec(
+                &["bash", "-c", "yes | head -1 >/dev/null; echo ${PIPESTATUS[*]}"],
+                ws.path(),
+            ),
+        );
+        assert_eq!(
+            text(&out.stdout),
+            "141 0\n",
+            "{level:?}: {}",
+            text(&out.stderr)
+        );
+    }
+    assert_no_cgroup_left("signals");
+}
+
+/// Takes `caps` out of the calling thread's effective and permitted sets.
+fn drop_capabilities(caps: &[u32]) {
+    // struct __user_cap_header_struct (version 3) and two __user_cap_data_struct.
+    let mut header = [0x2008_0522u32, 0];
+    let mut data = [0u32; 6];
+    // SAFETY: valid header and data buffers of the kernel's layout.
+    let got = unsafe { libc::syscall(libc::SYS_capget, header.as_mut_ptr(), data.as_mut_ptr()) };
+    assert_eq!(got, 0, "capget");
+    for &cap in caps {
+        let (word, bit) = ((cap / 32) as usize, 1u32 << (cap % 32));
+        data[3 * word] &= !bit;
+        data[3 * word + 1] &= !bit;
+    }
+    // SAFETY: as above.
+    let set = unsafe { libc::syscall(libc::SYS_capset, header.as_mut_ptr(), data.as_ptr()) };
+    assert_eq!(set, 0, "capset");
+}
+
+/// A standard call's /tmp is a directory of the worker's, removed after the call: a
+/// command that made a directory in it unreadable must not leave it behind. Run as a
+/// worker that cannot override file modes (root without CAP_DAC_OVERRIDE,
+/// CAP_DAC_READ_SEARCH and CAP_FOWNER, as any other uid): capabilities are a thread's,
+/// and the call's /tmp is made and removed on the thread that runs the call.
+#[test]
+fn a_standard_calls_tmp_is_removed_even_when_made_unreadable() {
+    let ws = workspace();
+    let ws_path = ws.path().to_path_buf();
+    let tmp = std::thread::spawn(move || {
+        // CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, CAP_FOWNER (linux/capability.h).
+        drop_capabilities(&[1, 2, 3]);
+        let sandbox = standard(config("call-tmp"));
+        let out = sh(
+            &sandbox,
+            &ws_path,
+            "mkdir \"$TMPDIR/d\" && head -c 1000000 /dev/zero > \"$TMPDIR/d/f\" && \
+             chmod 000 \"$TMPDIR/d\" && printf %s \"$TMPDIR\"",
+        );
+        text(&out.stdout)
+    })
+    .join()
+    .expect("the call's thread");
+    let left = !tmp.is_empty() && Path::new(&tmp).exists();
+    if left {
+        // This thread may clean up what the call's could not.
+        let _ = std::fs::remove_dir_all(&tmp);
+    }
+    assert!(tmp.contains("airlock-"), "the call's TMPDIR: {tmp:?}");
+    assert!(!left, "{tmp} was left behind");
+    assert_no_cgroup_left("call-tmp");
+}
