@@ -424,31 +424,67 @@ impl Workspace {
     /// `mkdir -p` beneath the workspace, one component at a time on dirfds. Returns the
     /// final directory and whether any directory was created.
     ///
-    /// `rel` is first resolved lexically ([`lexical_components`]): `new/../x` makes
-    /// nothing, where making `new` and then opening `..` beneath it would be refused by
-    /// the kernel (a `..` leaves the directory it is resolved from) and leave `new`
-    /// behind.
+    /// A `..` goes back to the directory the component before it was opened from (the
+    /// kernel refuses a `..` beneath a dirfd): `rel` ends where its lexical resolution
+    /// ([`lexical_components`], what policy judged) ends. Every component is still opened
+    /// without following a link, those a `..` takes back included, so `src/h/../x` with
+    /// `src/h` a symbolic link is refused naming it, as a read of it is; and a component
+    /// that a later `..` takes back is never created: `new/../x` makes nothing.
     pub fn make_dirs(&self, rel: &str, display: &str) -> Result<(OwnedFd, bool), ResolveError> {
-        let components = lexical_components(rel, display)?;
-        let mut cur = open_beneath(&self.root, ".", dir_flags(), Mode::empty())
-            .map_err(|e| map_errno(e, display))?;
-        let mut created = false;
-        let mut walked = String::new();
-        for component in components {
-            if !walked.is_empty() {
-                walked.push('/');
+        let parts: Vec<&str> = rel
+            .split('/')
+            .filter(|c| !c.is_empty() && *c != ".")
+            .collect();
+        // Which components a later `..` takes back.
+        let mut taken_back = vec![false; parts.len()];
+        let mut open: Vec<usize> = Vec::new();
+        for (i, part) in parts.iter().enumerate() {
+            if *part == ".." {
+                match open.pop() {
+                    Some(j) => taken_back[j] = true,
+                    None => {
+                        return Err(ResolveError::Outside {
+                            path: display.to_owned(),
+                        });
+                    }
+                }
+            } else {
+                open.push(i);
             }
-            walked.push_str(component);
-            let next = match open_beneath(&cur, component, dir_flags(), Mode::empty()) {
-                Ok(fd) => fd,
+        }
+        let root = open_beneath(&self.root, ".", dir_flags(), Mode::empty())
+            .map_err(|e| map_errno(e, display))?;
+        // The directories walked so far; `None` for one that does not exist and that a
+        // later `..` takes back (nothing beneath it is made either).
+        let mut stack: Vec<(Option<OwnedFd>, usize)> = Vec::new();
+        let mut created = false;
+        for (i, part) in parts.iter().enumerate() {
+            if *part == ".." {
+                stack.pop();
+                continue;
+            }
+            let walked = walked_path(&parts, &stack, part);
+            let parent = match stack.last() {
+                Some((Some(fd), _)) => fd,
+                Some((None, _)) => {
+                    stack.push((None, i));
+                    continue;
+                }
+                None => &root,
+            };
+            let next = match open_beneath(parent, *part, dir_flags(), Mode::empty()) {
+                Ok(fd) => Some(fd),
+                Err(Errno::NOENT) if taken_back[i] => None,
                 Err(Errno::NOENT) => {
-                    match rustix::fs::mkdirat(&cur, component, Mode::from_raw_mode(0o755)) {
+                    match rustix::fs::mkdirat(parent, *part, Mode::from_raw_mode(0o755)) {
                         Ok(()) => created = true,
                         Err(Errno::EXIST) => {}
                         Err(e) => return Err(map_errno(e, &walked)),
                     }
-                    open_beneath(&cur, component, dir_flags(), Mode::empty())
-                        .map_err(|e| map_errno(e, &walked))?
+                    Some(
+                        open_beneath(parent, *part, dir_flags(), Mode::empty())
+                            .map_err(|e| map_errno(e, &walked))?,
+                    )
                 }
                 Err(Errno::NOTDIR) => {
                     return Err(ResolveError::NotADirectoryAt { path: walked });
@@ -467,10 +503,25 @@ impl Workspace {
                 }
                 Err(e) => return Err(map_errno(e, &walked)),
             };
-            cur = next;
+            stack.push((next, i));
         }
-        Ok((cur, created))
+        // Every component left on the stack was opened or made: one that does not exist
+        // is there only while a later `..` has yet to take it back.
+        match stack.pop() {
+            Some((Some(fd), _)) => Ok((fd, created)),
+            Some((None, _)) => Err(ResolveError::Outside {
+                path: display.to_owned(),
+            }),
+            None => Ok((root, created)),
+        }
     }
+}
+
+/// The path of `part` as walked: the components on `stack`, then `part`, for messages.
+fn walked_path(parts: &[&str], stack: &[(Option<OwnedFd>, usize)], part: &str) -> String {
+    let mut walked: Vec<&str> = stack.iter().map(|(_, i)| parts[*i]).collect();
+    walked.push(part);
+    walked.join("/")
 }
 
 fn dir_flags() -> OFlags {
