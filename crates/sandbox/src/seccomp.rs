@@ -310,14 +310,16 @@ fn filter(profile: Profile) -> Result<bpf::Filter, SeccompError> {
         // The calls that act on a process named by its pid (or a group, or a user's
         // processes): only the caller itself (pid 0) may be named; glibc's
         // getrlimit/setrlimit, `ulimit`, `nice` and `prlimit` without `--pid` pass 0.
-        // pid_t is 32 bits: the kernel reads the low half only.
+        // pid_t is 32 bits: the kernel reads the low half only. `sched_setaffinity` is
+        // left out: glibc's `pthread_setaffinity_np` (and `pthread_create` with an
+        // affinity, as OpenMP's thread pinning does) names the thread by its id, and a
+        // pinned worker still runs; a scheduling policy (SCHED_IDLE) would starve it.
         let other_pid = |arg| vec![vec![dword(arg, Cmp::Ne(0))]];
         for nr in [
             libc::SYS_prlimit64,
             libc::SYS_sched_setscheduler,
             libc::SYS_sched_setparam,
             libc::SYS_sched_setattr,
-            libc::SYS_sched_setaffinity,
             libc::SYS_migrate_pages,
             libc::SYS_move_pages,
         ] {
@@ -337,8 +339,10 @@ fn filter(profile: Profile) -> Result<bpf::Filter, SeccompError> {
         }
     }
     if !profile.ipc {
-        // ENOSYS, as on a kernel built without them: programs that can do without
-        // (Python's multiprocessing, PostgreSQL's tools) fall back.
+        // ENOSYS, as on a kernel built without them: programs that can do without fall
+        // back (Python's multiprocessing uses /dev/shm); those that cannot — a
+        // PostgreSQL server, Debian's fakeroot — need the strict level, which has an
+        // IPC namespace of its own.
         for nr in [
             libc::SYS_shmget,
             libc::SYS_shmat,

@@ -332,6 +332,10 @@ impl SqliteCall {
         let length = i32::try_from(self.max_value_bytes).unwrap_or(i32::MAX);
         conn.set_limit(Limit::SQLITE_LIMIT_LENGTH, length)
             .map_err(|e| self.error(e))?;
+        // Before anything that reads the schema (`bound` asks the database's encoding): a
+        // database another process is writing waits until the call's deadline.
+        let wait = self.stop.deadline.saturating_duration_since(Instant::now());
+        conn.busy_timeout(wait).map_err(|e| self.error(e))?;
         sqlite_functions::bound(&conn).map_err(|e| self.error(e))?;
         // Process-wide, and it only ever lowers the ceiling: setting it on every
         // connection is idempotent. Neither authorizer lets a statement change it.
@@ -342,8 +346,6 @@ impl SqliteCall {
         // temporary directory, where SQLite would otherwise spill them.
         conn.pragma_update(None, "temp_store", "MEMORY")
             .map_err(|e| self.error(e))?;
-        let wait = self.stop.deadline.saturating_duration_since(Instant::now());
-        conn.busy_timeout(wait).map_err(|e| self.error(e))?;
         Ok(conn)
     }
 

@@ -197,8 +197,12 @@ fn is_unique_violation(err: &tokio_postgres::Error) -> bool {
     err.code() == Some(&SqlState::UNIQUE_VIOLATION)
 }
 
-/// Audit rows fetched per round trip while a page is read.
+/// The most audit rows fetched per round trip while a page is read; fewer as the page's
+/// byte budget fills.
 const AUDIT_FETCH_ROWS: i32 = 64;
+/// Rows of a page's first round trip, before any row's size is known: two events of the
+/// largest arguments (4 MiB) stay within the page's budget.
+const AUDIT_FIRST_FETCH_ROWS: i32 = 2;
 
 fn audit_from_row(row: &Row) -> Result<AuditRecord, (u64, String)> {
     let seq: i64 = row
@@ -899,13 +903,26 @@ impl Store for PostgresStore {
         let portal = tx.bind(&statement, &params).await?;
         let mut out = Vec::new();
         let mut bytes = 0usize;
+        let mut largest = 0usize;
         'page: loop {
-            let rows = tx.query_portal(&portal, AUDIT_FETCH_ROWS).await?;
+            // As many rows as the budget left holds at the largest size seen so far: a
+            // batch of 64 events of 4 MiB each would be 256 MiB in one round trip.
+            let fetch = match largest {
+                0 => AUDIT_FIRST_FETCH_ROWS,
+                largest => {
+                    let left = AuditQuery::PAGE_BYTES.saturating_sub(bytes) / largest;
+                    i32::try_from(left)
+                        .unwrap_or(AUDIT_FETCH_ROWS)
+                        .clamp(1, AUDIT_FETCH_ROWS)
+                }
+            };
+            let rows = tx.query_portal(&portal, fetch).await?;
             if rows.is_empty() {
                 break;
             }
             for row in &rows {
                 let size = row.try_get::<_, &str>("data").map_or(0, str::len);
+                largest = largest.max(size);
                 bytes = bytes.saturating_add(size);
                 if bytes > AuditQuery::PAGE_BYTES && !out.is_empty() {
                     break 'page;

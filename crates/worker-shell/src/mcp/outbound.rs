@@ -50,6 +50,11 @@ pub(super) struct Outbound {
     max_waiting: usize,
     /// Messages handed to the transport and not yet written (nor failed).
     waiting: AtomicUsize,
+    /// Of those, answers to the server's own requests: only while one waits does a
+    /// write that makes no progress count against the stall limit. A server busy with a
+    /// long call while the next call's message waits for room in its stdin is working,
+    /// not refusing to read; one that keeps asking and never reads the answers is not.
+    answers_waiting: AtomicUsize,
     /// Woken whenever one of them is done.
     done: Notify,
     /// Since when the write at hand has made no progress.
@@ -83,6 +88,7 @@ impl Outbound {
             stall_limit,
             max_waiting,
             waiting: AtomicUsize::new(0),
+            answers_waiting: AtomicUsize::new(0),
             done: Notify::new(),
             stalled_since: Mutex::new(None),
             failure: OnceLock::new(),
@@ -163,20 +169,32 @@ impl Outbound {
     }
 }
 
-/// Counts a message as waiting while it lives.
-struct Waiting(Arc<Outbound>);
+/// Counts a message as waiting while it lives (and as an answer, if it is one).
+struct Waiting {
+    outbound: Arc<Outbound>,
+    answer: bool,
+}
 
 impl Waiting {
-    fn new(outbound: &Arc<Outbound>) -> Self {
+    fn new(outbound: &Arc<Outbound>, answer: bool) -> Self {
         outbound.waiting.fetch_add(1, Ordering::SeqCst);
-        Self(outbound.clone())
+        if answer {
+            outbound.answers_waiting.fetch_add(1, Ordering::SeqCst);
+        }
+        Self {
+            outbound: outbound.clone(),
+            answer,
+        }
     }
 }
 
 impl Drop for Waiting {
     fn drop(&mut self) {
-        self.0.waiting.fetch_sub(1, Ordering::SeqCst);
-        self.0.done.notify_waiters();
+        if self.answer {
+            self.outbound.answers_waiting.fetch_sub(1, Ordering::SeqCst);
+        }
+        self.outbound.waiting.fetch_sub(1, Ordering::SeqCst);
+        self.outbound.done.notify_waiters();
     }
 }
 
@@ -206,6 +224,18 @@ impl<W> StallWriter<W> {
                 });
                 match stall.as_mut().poll(cx) {
                     Poll::Pending => Poll::Pending,
+                    // Stalled with none of the server's questions unanswered: it is busy
+                    // (a long call) and our next call waits for room. Looked at again
+                    // after another stall limit.
+                    Poll::Ready(()) if outbound.answers_waiting.load(Ordering::SeqCst) == 0 => {
+                        stall
+                            .as_mut()
+                            .reset(tokio::time::Instant::now() + outbound.stall_limit);
+                        if stall.as_mut().poll(cx).is_ready() {
+                            cx.waker().wake_by_ref();
+                        }
+                        Poll::Pending
+                    }
                     Poll::Ready(()) => {
                         outbound.give_up();
                         Poll::Ready(Err(outbound.error()))
@@ -263,7 +293,11 @@ where
         &mut self,
         item: TxJsonRpcMessage<R>,
     ) -> impl Future<Output = Result<(), Self::Error>> + Send + 'static {
-        let waiting = Waiting::new(&self.outbound);
+        let answer = matches!(
+            item,
+            rmcp::model::JsonRpcMessage::Response(_) | rmcp::model::JsonRpcMessage::Error(_)
+        );
+        let waiting = Waiting::new(&self.outbound, answer);
         let send = match self.outbound.failure() {
             None => Ok(self.inner.send(item)),
             Some(_) => Err(self.outbound.error()),
@@ -320,7 +354,20 @@ mod tests {
         let (sender, _receiver) = pipe::pipe().unwrap();
         let mut writer = outbound.writer(sender);
         let chunk = vec![b'x'; 4096];
-        let started = Instant::now();
+        // A write that makes no progress while none of the server's questions waits for
+        // its answer is a busy server: not given up.
+        let filled = loop {
+            match tokio::time::timeout(Duration::from_millis(2500), writer.write_all(&chunk)).await
+            {
+                Ok(Ok(())) => continue,
+                Ok(Err(e)) => panic!("a busy server was given up: {e}"),
+                Err(_) => break true,
+            }
+        };
+        assert!(filled && outbound.failure().is_none() && !sandbox.is_cancelled());
+        // With an answer of ours waiting, the same stall (running since the pipe filled)
+        // gives it up, at the latest one stall limit later.
+        let _answer = Waiting::new(&outbound, true);
         let error = loop {
             match tokio::time::timeout(Duration::from_secs(10), writer.write_all(&chunk)).await {
                 Ok(Ok(())) => continue,
@@ -328,7 +375,6 @@ mod tests {
                 Err(_) => panic!("a write to a full pipe did not fail within 10 s"),
             }
         };
-        assert!(started.elapsed() >= Duration::from_secs(1));
         assert!(
             error
                 .to_string()

@@ -17,6 +17,7 @@ set -euo pipefail
 
 ns=airlock
 certs=${1:-./airlock-dev-certs}
+certs=${certs%/}
 airlock=${AIRLOCK:-airlock}
 components=(orchestrator worker-shell worker-fs worker-http worker-db)
 
