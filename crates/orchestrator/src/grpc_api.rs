@@ -78,12 +78,7 @@ fn tool_use(index: usize, wire: pb::ToolUse) -> Result<Proposed, Status> {
             "tool_uses[{index}]: id and name must be at most 256 characters"
         )));
     }
-    if wire
-        .id
-        .chars()
-        .chain(wire.name.chars())
-        .any(char::is_control)
-    {
+    if crate::wire::has_control(&wire.id) || crate::wire::has_control(&wire.name) {
         return Err(Status::invalid_argument(format!(
             "tool_uses[{index}]: id and name must not contain control characters"
         )));

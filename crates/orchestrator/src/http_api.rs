@@ -370,7 +370,7 @@ impl AuditParams {
                 .transpose()
         };
         for (key, value) in [("session_id", &self.session_id), ("call_id", &self.call_id)] {
-            if value.as_deref().is_some_and(has_control) {
+            if value.as_deref().is_some_and(wire::has_control) {
                 return Err(ApiError::bad_request(format!(
                     "{key} must not contain control characters"
                 )));
@@ -765,13 +765,6 @@ async fn decide_approval(
     ))
 }
 
-/// Ids, names and filters from a path or a query are looked up as text: one with a
-/// control character (PostgreSQL refuses a NUL as text, failing as if the store were
-/// down) names nothing that could exist.
-fn has_control(text: &str) -> bool {
-    text.chars().any(char::is_control)
-}
-
 fn store_error(e: crate::store::StoreError) -> ApiError {
     ApiError::new(
         StatusCode::SERVICE_UNAVAILABLE,
@@ -817,7 +810,7 @@ async fn accept_tool(
 ) -> Result<axum::Json<Value>, ApiError> {
     require_role(&principal, Role::Admin)?;
     let reviewed = accept_digest(&body)?;
-    if has_control(&name) {
+    if wire::has_control(&name) {
         return Err(ApiError::not_found(format!(
             "no pinned definition of tool {name:?}"
         )));

@@ -146,7 +146,7 @@ fn json_size(value: &Value) -> u64 {
 /// characters (what `/v1` and gRPC accept), if any.
 fn malformed(tool_use: &ToolUse) -> Option<&'static str> {
     let bad = |text: &str| {
-        text.is_empty() || text.chars().count() > 256 || text.chars().any(char::is_control)
+        text.is_empty() || text.chars().count() > 256 || crate::wire::has_control(text)
     };
     if bad(&tool_use.id) {
         Some("id")

@@ -115,7 +115,7 @@ pub async fn decide(
 ) -> Result<Approval, DecideError> {
     // An id with a control character names no approval (and is not sent to a store
     // that may refuse it as text, as if it were down).
-    if approval_id.chars().any(char::is_control) {
+    if crate::wire::has_control(approval_id) {
         return Err(DecideError::NotFound);
     }
     let approval_id = &crate::store::ApprovalId::from(approval_id);

@@ -222,7 +222,7 @@ impl Gate {
     /// An id with a control character names no call (and is not sent to a store that
     /// may refuse it as text); a store that cannot answer is an error, not "no call".
     pub async fn stored_record(&self, call_id: &str) -> Result<Option<CallRecord>, StoreError> {
-        if call_id.chars().any(char::is_control) {
+        if crate::wire::has_control(call_id) {
             return Ok(None);
         }
         let Some(stored) = self.store.get_call(&call_id.into()).await? else {
