@@ -483,6 +483,30 @@ async fn sandbox_run_as_an_ordinary_user_is_honest_about_its_level() {
         survivors.is_empty(),
         "the command's background process outlived the call: {survivors:?}"
     );
+
+    // Nor what left the command's session (the sandbox's init is the subreaper of all
+    // it starts): the command returns once the process has said it started.
+    let left = standard_sh(&format!(
+        "setsid sh -c 'touch \"$TMPDIR/up\"; sleep 300; echo {marker}' >/dev/null 2>&1 & \
+         while [ ! -e \"$TMPDIR/up\" ]; do sleep 0.01; done; echo started"
+    ));
+    let err = String::from_utf8_lossy(&left.stderr);
+    assert!(
+        left.status.success() && String::from_utf8_lossy(&left.stdout).contains("started"),
+        "{err}"
+    );
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !alive().is_empty() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let survivors = alive();
+    for &pid in &survivors {
+        signal(pid, rustix::process::Signal::KILL);
+    }
+    assert!(
+        survivors.is_empty(),
+        "a process in a session of its own outlived the call: {survivors:?}"
+    );
 }
 
 #[tokio::test]

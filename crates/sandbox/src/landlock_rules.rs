@@ -91,6 +91,35 @@ pub fn abi_version() -> Option<u32> {
     u32::try_from(ret).ok().filter(|abi| *abi > 0)
 }
 
+/// Child side (async-signal-safe): puts the calling process in a Landlock domain nested
+/// in its own, which handles no access right but scopes signals and abstract unix
+/// sockets (ABI 6): from then on it and what it starts cannot signal, or connect to an
+/// abstract socket of, any process of the enclosing domain — a standard sandbox's init.
+/// `no_new_privs` must already be set.
+pub(crate) fn enter_scoped_domain() -> Result<(), i32> {
+    let attr = RulesetAttr {
+        handled_access_fs: 0,
+        handled_access_net: 0,
+        scoped: SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL,
+    };
+    // SAFETY: `attr` is valid for its size (the ABI 6 layout).
+    let ruleset = sys::check(unsafe {
+        libc::syscall(
+            libc::SYS_landlock_create_ruleset,
+            &attr,
+            std::mem::size_of::<RulesetAttr>(),
+            0u32,
+        )
+    })?;
+    let ruleset = libc::c_int::try_from(ruleset).map_err(|_| libc::EBADF)?;
+    // SAFETY: `ruleset` is a Landlock ruleset descriptor; no pointers.
+    let restricted =
+        sys::check(unsafe { libc::syscall(libc::SYS_landlock_restrict_self, ruleset, 0u32) });
+    // SAFETY: closing the ruleset's descriptor, once.
+    unsafe { libc::close(ruleset) };
+    restricted.map(drop)
+}
+
 /// Filesystem rights handled by an ABI version.
 fn handled_fs(abi: u32) -> u64 {
     match abi {
@@ -160,6 +189,12 @@ impl LandlockPlan {
 
     pub(crate) fn abi(&self) -> u32 {
         self.abi
+    }
+
+    /// Whether this plan's domain scopes signals (ABI 6): then a domain nested in it
+    /// ([`enter_scoped_domain`]) cannot signal its processes.
+    pub(crate) fn scopes_signals(&self) -> bool {
+        self.scoped & SCOPE_SIGNAL != 0
     }
 
     /// Builds the whole ruleset and restricts the calling thread, for callers outside

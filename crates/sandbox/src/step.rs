@@ -45,9 +45,10 @@ pub enum Step {
     ProxyListener,
     ReceiveCall,
     SignalDefaults,
+    Subreaper,
 }
 
-const ALL: [Step; 33] = [
+const ALL: [Step; 34] = [
     Step::WaitForParent,
     Step::JoinCgroup,
     Step::ParentDeathSignal,
@@ -81,6 +82,7 @@ const ALL: [Step; 33] = [
     Step::ProxyListener,
     Step::ReceiveCall,
     Step::SignalDefaults,
+    Step::Subreaper,
 ];
 
 impl Step {
@@ -120,6 +122,10 @@ impl Step {
             Step::ProxyListener => "open the egress proxy's listener and hand it to the worker",
             Step::ReceiveCall => "receive the call in a pre-built sandbox",
             Step::SignalDefaults => "reset signal dispositions and the signal mask",
+            Step::Subreaper => {
+                "make the sandbox's init the subreaper of its command and open its list of \
+                 children (/proc/thread-self/children, CONFIG_PROC_CHILDREN)"
+            }
         }
     }
 

@@ -1,5 +1,5 @@
 //! The child: the one straight sequence of confinement steps between `clone` and
-//! `execve`, and the minimal init that runs the command as pid 2 in strict mode.
+//! `execve`; the sandbox's init, which then runs the command, is [`init`](super::init).
 //!
 //! Everything here runs in a fork of a multithreaded process: async-signal-safe system
 //! calls on the plan prepared before `clone`, no allocation, no locks.
@@ -9,7 +9,8 @@ use std::ffi::CStr;
 use std::os::fd::RawFd;
 
 use super::handshake;
-use super::plan::{CallView, ChildPlan, ExecView};
+use super::init;
+use super::plan::{CallView, ChildPlan};
 use super::pool::EntrySide;
 use crate::fds::{self, ERROR_FD};
 use crate::loopback;
@@ -80,7 +81,7 @@ fn before_call(plan: &ChildPlan<'_>) -> Result<RawFd, Failure> {
     // 1c. A session and process group of our own, at every level, pre-built or not: no
     //     controlling terminal, so a command cannot open the worker's terminal
     //     (`/dev/tty`: ENXIO) to push input into it (TIOCSTI) or read what is typed
-    //     there, and at the standard level the parent kills the group.
+    //     there; the group is what the parent kills if init does not end when asked.
     // SAFETY: setsid takes no arguments.
     sys::check_int(unsafe { libc::setsid() }).at(Step::NewSession)?;
 
@@ -162,11 +163,11 @@ fn after_call(
     sys::check_int(unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) })
         .at(Step::NoNewPrivs)?;
     // 7b. Not dumpable (after the handshake: the parent no longer opens our /proc
-    //     files). In strict mode this process stays as pid 1, a fork of the worker
-    //     holding a copy of its memory and the status pipe; same uid and empty
-    //     capabilities would otherwise let the command read /proc/1/mem and write a
-    //     forged exit status to /proc/1/fd/4. The command's own exec makes it dumpable
-    //     again (its credentials do not change).
+    //     files). This process stays as the sandbox's init (step 11), a fork of the
+    //     worker holding a copy of its memory and the status pipe; same uid and empty
+    //     capabilities would otherwise let the command read init's /proc/<pid>/mem and
+    //     write a forged exit status to its fd 4. The command's own exec makes it
+    //     dumpable again (its credentials do not change).
     // SAFETY: prctl with integer arguments only.
     sys::check_int(unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) })
         .at(Step::NotDumpable)?;
@@ -182,19 +183,21 @@ fn after_call(
     // 9b. Every signal's default disposition and an empty signal mask: an ignored
     //     signal or a blocked one survives `execve`, and the worker ignores SIGPIPE
     //     (the Rust runtime does), so a pipeline's writer would see EPIPE instead of
-    //     dying of SIGPIPE. In strict mode the command inherits init's.
+    //     dying of SIGPIPE. The command inherits init's.
     reset_signals().at(Step::SignalDefaults)?;
 
     // 10. seccomp, last: from here on the blocked system calls fail.
     plan.seccomp.install()?;
 
-    // 11. Strict mode: stay as a minimal init and run the command as pid 2.
+    // 11. Stay as the sandbox's init and run the command as its child (`init`): pid 1
+    //     of the pid namespace in strict mode; at the standard level the subreaper of
+    //     everything the command starts, which kills what it left behind. The command's
+    //     process execs, searching PATH itself (execvp may allocate).
     if plan.strict {
-        run_as_init(&call.exec);
+        init::run_strict(&call.exec)
+    } else {
+        init::run_standard(&call.exec, plan.landlock.scopes_signals())
     }
-
-    // 12. execve the command (searching PATH ourselves: execvp may allocate).
-    Err(call.exec.exec())
 }
 
 /// The kernel's highest signal number (`_NSIG`).
@@ -251,93 +254,4 @@ fn join_own_cgroup(tasks: &CStr) -> Result<(), i32> {
     // SAFETY: closing the descriptor opened above, once.
     unsafe { libc::close(fd) };
     result
-}
-
-/// The stack the command's process runs on between its `clone` and its `execve`.
-const COMMAND_STACK_BYTES: usize = 64 * 1024;
-
-/// pid 1 of the sandbox's pid namespace: starts the command, reaps every orphan, and
-/// when the command exits reports its wait status and what the reaped processes used,
-/// and exits (async-signal-safe).
-fn run_as_init(exec: &ExecView<'_>) {
-    let pid = match spawn_command(exec) {
-        Ok(pid) => pid,
-        Err(errno) => {
-            handshake::report_failure(ERROR_FD, Failure::new(Step::Exec, errno));
-            // SAFETY: _exit ends this process only.
-            unsafe { libc::_exit(127) }
-        }
-    };
-    // A recognisable name in `ps` inside the sandbox.
-    // SAFETY: prctl with a NUL-terminated string.
-    unsafe { libc::prctl(libc::PR_SET_NAME, c"airlock-init".as_ptr(), 0, 0, 0) };
-    handshake::close_error_pipe();
-    // Init has no use for the command's stdin, stdout and stderr: without its copies,
-    // the parent sees end-of-file on the output as soon as the command and whatever it
-    // started are gone, and can answer the call before init's own exit (the namespaces'
-    // teardown) is over.
-    for fd in 0..=2 {
-        // SAFETY: closing our own descriptors, once each.
-        unsafe { libc::close(fd) };
-    }
-    loop {
-        let mut status = 0;
-        // SAFETY: `status` is a valid out-pointer.
-        let reaped = unsafe { libc::waitpid(-1, &mut status, 0) };
-        if reaped == pid || (reaped == -1 && sys::errno() == libc::ECHILD) {
-            handshake::report_status(&handshake::InitReport::now(status));
-            // SAFETY: _exit ends pid 1, and with it the namespace.
-            unsafe { libc::_exit(0) };
-        }
-    }
-}
-
-/// Starts the command as init's child the way `posix_spawn` does: `CLONE_VM |
-/// CLONE_VFORK` on a stack of its own, so that init — a copy of the worker's address
-/// space — is not copied again for a process that replaces it at once; init waits,
-/// suspended, until the command's `execve` succeeds or its process exits. Returns the
-/// command's pid, or the `errno` of the step that failed.
-fn spawn_command(exec: &ExecView<'_>) -> Result<libc::pid_t, i32> {
-    // SAFETY: an anonymous private mapping; no pointer is passed in.
-    let stack = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            COMMAND_STACK_BYTES,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_STACK,
-            -1,
-            0,
-        )
-    };
-    if stack == libc::MAP_FAILED {
-        return Err(sys::errno());
-    }
-    // SAFETY: the stack grows down from the end of the mapping made above; `exec`
-    // outlives the call, since init is suspended until the child has exec'd or exited.
-    // The child runs `command_main` only: async-signal-safe calls on memory it shares
-    // with init, which does nothing meanwhile.
-    let pid = unsafe {
-        libc::clone(
-            command_main,
-            stack.cast::<u8>().add(COMMAND_STACK_BYTES).cast(),
-            libc::CLONE_VM | libc::CLONE_VFORK | libc::SIGCHLD,
-            std::ptr::from_ref(exec).cast_mut().cast(),
-        )
-    };
-    let spawned = if pid < 0 { Err(sys::errno()) } else { Ok(pid) };
-    // SAFETY: unmapping the stack mapped above, which the child no longer uses: it has
-    // exec'd (its own address space now) or exited.
-    unsafe { libc::munmap(stack, COMMAND_STACK_BYTES) };
-    spawned
-}
-
-/// The command's process until its `execve`: exec, or report the failure on the error
-/// pipe and exit.
-extern "C" fn command_main(exec: *mut libc::c_void) -> libc::c_int {
-    // SAFETY: `spawn_command` passes a pointer to an `ExecView` that outlives this
-    // process's use of init's memory.
-    let exec = unsafe { &*exec.cast::<ExecView<'_>>() };
-    handshake::report_failure(ERROR_FD, exec.exec());
-    // SAFETY: _exit ends this process only (it is not in init's thread group).
-    unsafe { libc::_exit(127) }
 }

@@ -14,14 +14,17 @@
 //! that into [`SandboxError::Setup`] naming the step. End-of-file on the error pipe
 //! means `execve` succeeded.
 //!
-//! In strict mode the first process is pid 1 of a new pid namespace. It stays a tiny
-//! init (still our code, fully confined, doing only `clone`/`close`/`wait4`/
-//! `getrusage`/`write`/`_exit`): it starts the command as pid 2, reaps orphans, and
-//! when the command exits writes its wait status and resource use to a status pipe and
-//! exits — which makes the kernel kill everything left in the namespace. A call whose
-//! command left nothing behind is answered from that report, and the sandbox's teardown
-//! finishes on the factory's reaper ([`reaper`]). The command thus gets normal signal semantics (pid 1 of a
-//! namespace ignores signals it has no handler for, even `kill -KILL $$`).
+//! The first process stays a tiny init ([`init`]: still our code, fully confined): it
+//! starts the command as its child, reaps orphans, and when the command exits writes
+//! its wait status and resource use to a status pipe and exits. In strict mode it is
+//! pid 1 of a new pid namespace, and its exit makes the kernel kill everything left in
+//! the namespace; a call whose command left nothing behind is answered from that
+//! report, and the sandbox's teardown finishes on the factory's reaper ([`reaper`]).
+//! The command thus gets normal signal semantics (pid 1 of a namespace ignores signals
+//! it has no handler for, even `kill -KILL $$`). At the standard level, which has no
+//! pid namespace, init is the subreaper of everything the command starts and kills it
+//! all before it reports: a process that left the command's session or process group
+//! is still init's descendant.
 //!
 //! A strict sandbox may also come pre-built from a [`Pool`] (`prebuilt` in the
 //! configuration): the same child runs the same sequence, but stops after the steps
@@ -49,6 +52,7 @@ use crate::sys;
 
 mod child;
 mod handshake;
+mod init;
 mod parent;
 mod plan;
 mod pool;
@@ -244,7 +248,7 @@ fn fresh(
         match loopback::receive_listener(channel) {
             Ok(listener) => sink.proxy_listener(listener),
             Err(e) => {
-                child.kill();
+                child.kill_now();
                 let _ = child.reap();
                 return Err(e);
             }
@@ -440,7 +444,7 @@ fn start(
 /// succeeded; a failure kills the sandbox and names the step.
 fn setup_result(child: &mut Child, error_r: &OwnedFd) -> Result<(), SandboxError> {
     if let Some(failure) = handshake::read_failure(error_r)? {
-        child.kill();
+        child.kill_now();
         let _ = child.reap();
         return Err(SandboxError::Setup {
             step: failure.step.describe(),

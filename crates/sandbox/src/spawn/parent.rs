@@ -33,9 +33,29 @@ pub(super) struct Child {
 }
 
 impl Child {
-    /// Kills the whole sandbox: its cgroup, its first process, and (standard mode) its
-    /// process group.
+    /// Ends the sandbox (a timeout, a cancel): kills its cgroup and, in strict mode, its
+    /// init, whose pid namespace goes with it. At the standard level init is asked with
+    /// `SIGTERM`: it kills everything the command started — wherever that moved, which
+    /// only init can find — reports and exits; [`Self::kill_now`] if it does not.
     pub(super) fn kill(&self) {
+        if let Some(cgroup) = &self.cgroup {
+            let _ = cgroup.kill();
+        }
+        let signal = if self.strict {
+            libc::SIGKILL
+        } else {
+            libc::SIGTERM
+        };
+        // SAFETY: kill takes no pointers; the pid is our unreaped child, so it cannot
+        // have been recycled.
+        unsafe { libc::kill(self.pid, signal) };
+    }
+
+    /// Kills the sandbox at once: its cgroup, its init, and (standard mode) init's
+    /// process group. Without a cgroup, a process that left that group outlives this:
+    /// for a sandbox that failed before its command ran, or an init that did not end
+    /// when asked.
+    pub(super) fn kill_now(&self) {
         if let Some(cgroup) = &self.cgroup {
             let _ = cgroup.kill();
         }
@@ -87,7 +107,7 @@ impl Child {
 impl Drop for Child {
     fn drop(&mut self) {
         if !self.reaped {
-            self.kill();
+            self.kill_now();
             let _ = self.reap();
         }
         if let Some(cgroup) = &mut self.cgroup {
@@ -307,6 +327,8 @@ pub(super) fn supervise(
     // Strict mode: init's report, once read (`Some(None)`: init ended without one).
     let mut init_report: Option<Option<InitReport>> = None;
     let mut answered_early = false;
+    // When the sandbox was asked to end (a timeout, a cancel), until it is killed at once.
+    let mut asked_to_end: Option<Instant> = None;
 
     loop {
         let now = Instant::now();
@@ -314,10 +336,18 @@ pub(super) fn supervise(
             if now >= deadline {
                 timed_out = true;
                 child.kill();
+                asked_to_end = Some(now);
             } else if cancel.is_cancelled() {
                 cancelled = true;
                 child.kill();
+                asked_to_end = Some(now);
             }
+        }
+        // A standard sandbox's init that has not ended a second after it was asked (a
+        // process it cannot reap, stuck in the kernel): killed with what is in its group.
+        if exit.is_none() && asked_to_end.is_some_and(|at| now >= at + KILLED_WAIT) {
+            child.kill_now();
+            asked_to_end = None;
         }
         if exit.is_some()
             && (stdout.fd.is_none() && stderr.fd.is_none()
@@ -437,9 +467,10 @@ pub(super) fn supervise(
             }
         }
         if exited {
-            // The command is done: kill whatever it left behind, then reap. In standard
-            // mode that is its process group too (all there is without a cgroup): the
-            // child is not reaped yet, so its pid, the group's id, cannot be recycled.
+            // Init has ended: kill whatever is left, then reap. A standard init killed
+            // everything its command started before it ended, unless it was killed
+            // itself; its process group is killed too, for that case: init is not
+            // reaped yet, so its pid, the group's id, cannot be recycled.
             if let Some(cgroup) = &child.cgroup {
                 let _ = cgroup.kill();
             }
