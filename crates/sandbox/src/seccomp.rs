@@ -74,6 +74,14 @@ pub(crate) struct Profile {
     /// own; a standard one shares the host's, where a segment or queue outlives the
     /// call and is open to the next call of any principal.
     pub ipc: bool,
+    /// `[pid, parent, group]`: a process and its parent that no signal may reach, and a
+    /// process group that no signal may be sent to (`kill`, `tgkill`, `rt_sigqueueinfo`,
+    /// `rt_tgsigqueueinfo` and `pidfd_open` naming them), with no broadcast
+    /// (`kill(-1, …)`) and no `tkill` either: the worker, its parent and its group, for
+    /// a standard sandbox, which shares their pid namespace and uid. 0 is no entry.
+    /// Landlock's signal scoping (ABI 6) refuses these too; on an older kernel this is
+    /// what keeps a command from killing the worker or the orchestrator.
+    pub protected_pids: [u32; 3],
 }
 
 impl Profile {
@@ -88,8 +96,23 @@ impl Profile {
             no_setid_files: true,
             own_process_only: !strict,
             ipc: strict,
+            protected_pids: if strict { [0; 3] } else { workers_processes() },
         }
     }
+}
+
+/// What a standard sandbox's command must not signal ([`Profile::protected_pids`]): this
+/// process (the worker), its parent (the orchestrator under `airlock up`) unless that
+/// is the pid namespace's init, which the kernel already shields, and its process group
+/// (shared with the orchestrator under `airlock up`).
+fn workers_processes() -> [u32; 3] {
+    let pid = std::process::id();
+    let parent = Some(std::os::unix::process::parent_id())
+        .filter(|&p| p > 1)
+        .unwrap_or(0);
+    // SAFETY: getpgrp takes no arguments and cannot fail.
+    let group = unsafe { libc::getpgrp() }.cast_unsigned();
+    [pid, parent, group]
 }
 
 /// `fchmodat2` (Linux 6.6), which the libc crate may not name yet; new system calls
@@ -337,6 +360,31 @@ fn filter(profile: Profile) -> Result<bpf::Filter, SeccompError> {
             let rules = vec![vec![dword(0, Cmp::Ne(process))], vec![dword(1, Cmp::Ne(0))]];
             add(nr, rules, eperm);
         }
+    }
+    if profile.protected_pids.iter().any(|&pid| pid != 0) {
+        // kill(pid, …) and the others name a process by arg 0 (pid_t: the low half);
+        // a negative pid is a process group, -1 every process the caller may signal.
+        let [pid, parent, group] = profile.protected_pids;
+        let mut values = vec![u32::MAX, pid, parent, group.wrapping_neg()];
+        values.retain(|&v| v != 0);
+        values.sort_unstable();
+        values.dedup();
+        let named: Vec<Vec<Cond>> = values
+            .into_iter()
+            .map(|v| vec![dword(0, Cmp::Eq(u64::from(v)))])
+            .collect();
+        for nr in [
+            libc::SYS_kill,
+            libc::SYS_tgkill,
+            libc::SYS_rt_sigqueueinfo,
+            libc::SYS_rt_tgsigqueueinfo,
+            libc::SYS_pidfd_open,
+        ] {
+            add(nr, named.clone(), eperm);
+        }
+        // tkill names a thread by its id alone, and any thread of the worker stands
+        // for all of it; the C library signals threads with tgkill.
+        add(libc::SYS_tkill, Vec::new(), eperm);
     }
     if !profile.ipc {
         // ENOSYS, as on a kernel built without them: programs that can do without fall
@@ -640,6 +688,11 @@ mod tests {
             0xffff_ffff,
             0x1_0000_0001,
             u64::MAX,
+            4242,
+            u64::from(4242u32.wrapping_neg()),
+            77,
+            u64::from(77u32.wrapping_neg()),
+            (1 << 32) | 4242,
         ];
         interesting.extend(NAMESPACE_FLAGS.iter().map(|f| u64::from(f.cast_unsigned())));
         interesting.extend(
@@ -697,6 +750,11 @@ mod tests {
                     no_setid_files,
                     own_process_only,
                     ipc,
+                    protected_pids: if own_process_only {
+                        [4242, 77, 0]
+                    } else {
+                        [0; 3]
+                    },
                 };
                 let table = filter(profile).unwrap();
                 let ours = [SeccompPlan::compile(profile).unwrap().program];
@@ -735,7 +793,8 @@ mod tests {
     /// `host`; with a block per number and a rule per bit, as compiled before, 343, 435
     /// and 337). The standard level's refusals (`AF_UNIX` sockets and datagram pairs,
     /// other processes' limits and scheduling, SysV IPC and message queues) add about
-    /// a hundred (263 for `none`, 267 for `host`).
+    /// a hundred (263 for `none`, 267 for `host`), and the signals that would reach
+    /// the worker, its parent or its group some seventy more (334 for `none`).
     #[test]
     fn the_sandbox_filter_is_short() {
         for (network, strict, most) in [
@@ -743,8 +802,8 @@ mod tests {
             (Network::Proxy, true, 170),
             (Network::Host, true, 170),
             // Proxy needs the strict level's network namespace (refused at standard).
-            (Network::None, false, 275),
-            (Network::Host, false, 275),
+            (Network::None, false, 345),
+            (Network::Host, false, 345),
         ] {
             let program = SeccompPlan::compile(Profile::sandbox(network, strict))
                 .unwrap()
@@ -755,6 +814,70 @@ mod tests {
                 program.len()
             );
         }
+    }
+
+    /// A standard sandbox's command cannot signal the worker, its parent or its group,
+    /// nor every process at once, by any of the system calls that name a process;
+    /// other processes (its own) and its own group stay in reach. A strict sandbox's
+    /// filter, whose pid namespace hides them, has none of these rules.
+    #[test]
+    fn a_standard_command_cannot_signal_the_worker() {
+        let arch = audit_arch().unwrap();
+        let refused = libc::SECCOMP_RET_ERRNO | libc::EPERM.cast_unsigned();
+        let [worker, parent, group] = [4242u32, 4000, 3999];
+        let standard = Profile {
+            protected_pids: [worker, parent, group],
+            ..Profile::sandbox(Network::None, false)
+        };
+        let program = SeccompPlan::compile(standard).unwrap().program;
+        let strict = SeccompPlan::compile(Profile::sandbox(Network::None, true))
+            .unwrap()
+            .program;
+        let sig = libc::SIGKILL as u64;
+        let negative = |pid: u32| u64::from(pid.wrapping_neg());
+        // pid_t is 32 bits: whatever the high half holds, the kernel reads the low one.
+        let high = |v: u64| v | (0xdead_beef << 32);
+        for nr in [
+            libc::SYS_kill,
+            libc::SYS_tgkill,
+            libc::SYS_rt_sigqueueinfo,
+            libc::SYS_rt_tgsigqueueinfo,
+            libc::SYS_pidfd_open,
+        ] {
+            let nr = u32::try_from(nr).unwrap();
+            for target in [
+                u64::from(worker),
+                u64::from(parent),
+                negative(group),
+                u64::from(u32::MAX),
+                high(u64::from(worker)),
+                high(negative(group)),
+            ] {
+                let d = data(nr, arch, [target, sig, 0, 0, 0, 0]);
+                assert_eq!(run(&program, &d), refused, "nr {nr}, target {target:#x}");
+                assert_eq!(run(&strict, &d), libc::SECCOMP_RET_ALLOW, "strict: nr {nr}");
+            }
+            for target in [0, 4243, negative(4243), u64::from(group)] {
+                let d = data(nr, arch, [target, sig, 0, 0, 0, 0]);
+                assert_eq!(
+                    run(&program, &d),
+                    libc::SECCOMP_RET_ALLOW,
+                    "nr {nr}, target {target:#x}"
+                );
+            }
+        }
+        let tkill = data(
+            u32::try_from(libc::SYS_tkill).unwrap(),
+            arch,
+            [4243, sig, 0, 0, 0, 0],
+        );
+        assert_eq!(run(&program, &tkill), refused);
+        // The real profile names this process, its group and its parent.
+        let [pid, parent_pid, own_group] = Profile::sandbox(Network::None, false).protected_pids;
+        assert_eq!(pid, std::process::id());
+        assert_eq!(parent_pid, std::os::unix::process::parent_id());
+        // SAFETY: getpgrp takes no arguments.
+        assert_eq!(own_group, unsafe { libc::getpgrp() }.cast_unsigned());
     }
 
     /// `AnyBit(0)` has no bit that could be set: it never holds (and loads nothing).

@@ -135,6 +135,7 @@ pub fn confine_self(spec: &SelfConfinement) -> Result<SelfConfinementReport, cra
         no_setid_files: false,
         own_process_only: false,
         ipc: true,
+        protected_pids: [0; 3],
     })?;
     let landlock = match abi {
         None => None,
