@@ -146,25 +146,7 @@ impl SeccompPlan {
     /// Child side (async-signal-safe): installs the filter on the calling thread with
     /// one raw `seccomp` call. `no_new_privs` must already be set.
     pub(crate) fn install(&self) -> Result<(), Failure> {
-        let prog = libc::sock_fprog {
-            len: libc::c_ushort::try_from(self.program.len())
-                .map_err(|_| libc::EINVAL)
-                .at(Step::Seccomp)?,
-            // seccompiler's sock_filter has libc's layout (both repr(C) mirrors of the
-            // kernel's struct).
-            filter: self.program.as_ptr() as *mut libc::sock_filter,
-        };
-        // SAFETY: `prog` points at the program, alive for the duration of the call.
-        sys::check(unsafe {
-            libc::syscall(
-                libc::SYS_seccomp,
-                libc::SECCOMP_SET_MODE_FILTER,
-                0,
-                &prog as *const libc::sock_fprog,
-            )
-        })
-        .map(drop)
-        .at(Step::Seccomp)
+        install_raw(&self.program).at(Step::Seccomp)
     }
 
     /// Installs the filter on every thread of the process (`SECCOMP_FILTER_FLAG_TSYNC`).
@@ -172,6 +154,92 @@ impl SeccompPlan {
         seccompiler::apply_filter_all_threads(&self.program)
             .map_err(|e| SeccompError::Install(std::io::Error::other(e.to_string())))
     }
+}
+
+/// The system calls that signal a process named by their first argument (a negative
+/// value: a process group), or open a descriptor to signal it with.
+const SIGNALLING_CALLS: [libc::c_long; 5] = [
+    libc::SYS_kill,
+    libc::SYS_tgkill,
+    libc::SYS_rt_sigqueueinfo,
+    libc::SYS_rt_tgsigqueueinfo,
+    libc::SYS_pidfd_open,
+];
+
+/// Where `struct seccomp_data` holds the low half of the first argument (every
+/// architecture Airlock builds for is little-endian).
+const ARG0_LOW: u32 = 16;
+
+/// Length of [`parent_guard`]'s program.
+pub(crate) const PARENT_GUARD_LEN: usize = 12;
+
+/// A second filter, stacked on the sandbox's by a standard sandbox's command before its
+/// `execve`: no signal to `parent` (the sandbox's init, whose pid is known only once it
+/// runs) or to its process group, by any of [`SIGNALLING_CALLS`]. Built in the command's
+/// process without allocating: a fixed program with the pid written in. The sandbox's
+/// own filter already checks the architecture (and ends any other), so this one only
+/// looks at the number and the argument.
+pub(crate) fn parent_guard(parent: u32) -> [sock_filter; PARENT_GUARD_LEN] {
+    const LD_W_ABS: u16 = 0x20;
+    const JEQ_K: u16 = 0x15;
+    const RET_K: u16 = 0x06;
+    let stmt = |code, k| sock_filter {
+        code,
+        jt: 0,
+        jf: 0,
+        k,
+    };
+    let jeq = |k, jt, jf| sock_filter {
+        code: JEQ_K,
+        jt,
+        jf,
+        k,
+    };
+    let number = |nr: libc::c_long| u32::try_from(nr).unwrap_or(u32::MAX);
+    let allow = libc::SECCOMP_RET_ALLOW;
+    let eperm = libc::SECCOMP_RET_ERRNO | libc::EPERM.cast_unsigned();
+    [
+        // 0: the system call's number.
+        stmt(LD_W_ABS, 0),
+        // 1–5: one of the signalling calls goes to 7, anything else to 6.
+        jeq(number(SIGNALLING_CALLS[0]), 5, 0),
+        jeq(number(SIGNALLING_CALLS[1]), 4, 0),
+        jeq(number(SIGNALLING_CALLS[2]), 3, 0),
+        jeq(number(SIGNALLING_CALLS[3]), 2, 0),
+        jeq(number(SIGNALLING_CALLS[4]), 1, 0),
+        // 6
+        stmt(RET_K, allow),
+        // 7: the pid it names (pid_t: the low half).
+        stmt(LD_W_ABS, ARG0_LOW),
+        // 8–9: the parent, or its group, to 11.
+        jeq(parent, 2, 0),
+        jeq(parent.wrapping_neg(), 1, 0),
+        // 10
+        stmt(RET_K, allow),
+        // 11
+        stmt(RET_K, eperm),
+    ]
+}
+
+/// Child side (async-signal-safe): stacks `program` on the calling thread's filters
+/// with one raw `seccomp` call. `no_new_privs` must already be set.
+pub(crate) fn install_raw(program: &[sock_filter]) -> Result<(), i32> {
+    let prog = libc::sock_fprog {
+        len: libc::c_ushort::try_from(program.len()).map_err(|_| libc::EINVAL)?,
+        // seccompiler's sock_filter has libc's layout (both repr(C) mirrors of the
+        // kernel's struct).
+        filter: program.as_ptr() as *mut libc::sock_filter,
+    };
+    // SAFETY: `prog` points at the program, alive for the duration of the call.
+    sys::check(unsafe {
+        libc::syscall(
+            libc::SYS_seccomp,
+            libc::SECCOMP_SET_MODE_FILTER,
+            0,
+            &prog as *const libc::sock_fprog,
+        )
+    })
+    .map(drop)
 }
 
 /// `AUDIT_ARCH_*` of the architecture this build runs on (linux/audit.h).
@@ -373,13 +441,7 @@ fn filter(profile: Profile) -> Result<bpf::Filter, SeccompError> {
             .into_iter()
             .map(|v| vec![dword(0, Cmp::Eq(u64::from(v)))])
             .collect();
-        for nr in [
-            libc::SYS_kill,
-            libc::SYS_tgkill,
-            libc::SYS_rt_sigqueueinfo,
-            libc::SYS_rt_tgsigqueueinfo,
-            libc::SYS_pidfd_open,
-        ] {
+        for nr in SIGNALLING_CALLS {
             add(nr, named.clone(), eperm);
         }
         // tkill names a thread by its id alone, and any thread of the worker stands
@@ -878,6 +940,48 @@ mod tests {
         assert_eq!(parent_pid, std::os::unix::process::parent_id());
         // SAFETY: getpgrp takes no arguments.
         assert_eq!(own_group, unsafe { libc::getpgrp() }.cast_unsigned());
+    }
+
+    /// The guard a standard command stacks: every signalling call naming its init or
+    /// init's group is refused, whatever the high half of the argument holds; other
+    /// targets, other calls and the other arguments pass.
+    #[test]
+    fn the_parent_guard_refuses_signals_to_init_alone() {
+        let arch = audit_arch().unwrap();
+        let refused = libc::SECCOMP_RET_ERRNO | libc::EPERM.cast_unsigned();
+        let init = 31_337u32;
+        let guard = parent_guard(init).to_vec();
+        let sig = libc::SIGKILL as u64;
+        for nr in SIGNALLING_CALLS {
+            let nr = u32::try_from(nr).unwrap();
+            for target in [
+                u64::from(init),
+                u64::from(init.wrapping_neg()),
+                u64::from(init) | (7 << 32),
+            ] {
+                let d = data(nr, arch, [target, sig, 0, 0, 0, 0]);
+                assert_eq!(run(&guard, &d), refused, "nr {nr}, target {target:#x}");
+            }
+            for target in [
+                0,
+                1,
+                u64::from(init + 1),
+                u64::from(init.wrapping_neg() - 1),
+            ] {
+                let d = data(nr, arch, [target, sig, u64::from(init), 0, 0, 0]);
+                assert_eq!(run(&guard, &d), libc::SECCOMP_RET_ALLOW, "nr {nr}");
+            }
+        }
+        for nr in 0..600u32 {
+            if SIGNALLING_CALLS
+                .iter()
+                .any(|&s| s == libc::c_long::from(nr))
+            {
+                continue;
+            }
+            let d = data(nr, arch, [u64::from(init), sig, 0, 0, 0, 0]);
+            assert_eq!(run(&guard, &d), libc::SECCOMP_RET_ALLOW, "nr {nr}");
+        }
     }
 
     /// `AnyBit(0)` has no bit that could be set: it never holds (and loads nothing).

@@ -46,9 +46,10 @@ pub enum Step {
     ReceiveCall,
     SignalDefaults,
     Subreaper,
+    CommandGroup,
 }
 
-const ALL: [Step; 34] = [
+const ALL: [Step; 35] = [
     Step::WaitForParent,
     Step::JoinCgroup,
     Step::ParentDeathSignal,
@@ -83,6 +84,7 @@ const ALL: [Step; 34] = [
     Step::ReceiveCall,
     Step::SignalDefaults,
     Step::Subreaper,
+    Step::CommandGroup,
 ];
 
 impl Step {
@@ -122,6 +124,7 @@ impl Step {
             Step::ProxyListener => "open the egress proxy's listener and hand it to the worker",
             Step::ReceiveCall => "receive the call in a pre-built sandbox",
             Step::SignalDefaults => "reset signal dispositions and the signal mask",
+            Step::CommandGroup => "give the command a process group of its own",
             Step::Subreaper => {
                 "make the sandbox's init the subreaper of its command and open its list of \
                  children (/proc/thread-self/children, CONFIG_PROC_CHILDREN)"

@@ -10,10 +10,10 @@
 //!   under one. When the command exits, or the parent asks with `SIGTERM` (a timeout, a
 //!   cancel), init kills its children a generation at a time until none is left, then
 //!   reports. It signals its own children only, whose pids cannot be recycled before it
-//!   reaps them, so nothing outside the sandbox is ever signalled. With Landlock's signal
-//!   scoping (ABI 6) the command runs in a Landlock domain nested in init's and cannot
-//!   signal init; without it a command can kill init, and what it left behind then
-//!   escapes to the next subreaper up (the command itself dies with init).
+//!   reaps them, so nothing outside the sandbox is ever signalled. The command cannot
+//!   signal init: it runs in a process group of its own under a seccomp filter that
+//!   refuses signals naming init or init's group, and, with Landlock's signal scoping
+//!   (ABI 6), in a Landlock domain nested in init's as well.
 //!
 //! Everything here runs in a fork of a multithreaded process: async-signal-safe system
 //! calls only, no allocation, no locks.
@@ -292,13 +292,21 @@ extern "C" fn command_main(start: *mut libc::c_void) -> libc::c_int {
     unsafe { libc::_exit(127) }
 }
 
-/// Standard: the command dies with init (a command that kills init must not outlive
-/// it), enters a Landlock domain nested in init's when signals can be scoped (so that
-/// it cannot signal init at all), and starts with the empty signal mask init gave up.
+/// Standard: the command cannot signal init, which cleans up after it — a process
+/// group of its own (so that `kill 0` means the command's processes), a seccomp filter
+/// stacked on the sandbox's that refuses signals naming init or its group, and, when
+/// Landlock scopes signals, a Landlock domain nested in init's (which also keeps it
+/// from everything else outside the sandbox) —; it dies with init should init die
+/// anyway; and it starts with the empty signal mask init gave up.
 fn standard_command_steps(scope_signals: bool) -> Result<(), Failure> {
     // SAFETY: prctl with integer arguments only.
     sys::check_int(unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) })
         .at(Step::ParentDeathSignal)?;
+    // SAFETY: setpgid with integer arguments only.
+    sys::check_int(unsafe { libc::setpgid(0, 0) }).at(Step::CommandGroup)?;
+    // SAFETY: getppid takes no arguments; the parent is init (suspended in its vfork).
+    let init = unsafe { libc::getppid() }.cast_unsigned();
+    crate::seccomp::install_raw(&crate::seccomp::parent_guard(init)).at(Step::Seccomp)?;
     if scope_signals {
         crate::landlock_rules::enter_scoped_domain().at(Step::Landlock)?;
     }

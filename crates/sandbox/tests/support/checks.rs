@@ -935,7 +935,7 @@ fn standard_mode_works() {
         "pwd; echo hi > f && echo wrote; cat /etc/shadow 2>/dev/null || echo shadow-denied; \
          ls /root >/dev/null 2>&1 || echo root-denied; (echo x > /etc/evil) 2>/dev/null || echo etc-denied; \
          echo t > \"$TMPDIR/t\" && echo tmp-ok; \
-         grep -E '^(NoNewPrivs|Seccomp|CapEff):' /proc/self/status",
+         grep -E '^(NoNewPrivs|Seccomp|Seccomp_filters|CapEff):' /proc/self/status",
     );
     let stdout = text(&out.stdout);
     let ws_path = std::fs::canonicalize(ws.path()).expect("canonical workspace");
@@ -951,6 +951,8 @@ fn standard_mode_works() {
         "tmp-ok",
         "NoNewPrivs:\t1",
         "Seccomp:\t2",
+        // The sandbox's filter and the guard of its init.
+        "Seccomp_filters:\t2",
         "CapEff:\t0000000000000000",
     ] {
         assert!(stdout.contains(expected), "missing {expected}: {stdout}");
