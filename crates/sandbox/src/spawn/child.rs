@@ -81,7 +81,8 @@ fn before_call(plan: &ChildPlan<'_>) -> Result<RawFd, Failure> {
     // 1c. A session and process group of our own, at every level, pre-built or not: no
     //     controlling terminal, so a command cannot open the worker's terminal
     //     (`/dev/tty`: ENXIO) to push input into it (TIOCSTI) or read what is typed
-    //     there; the group is what the parent kills if init does not end when asked.
+    //     there. (At the standard level the command then takes a process group of its
+    //     own, so that its `kill 0` does not reach init: `init`.)
     // SAFETY: setsid takes no arguments.
     sys::check_int(unsafe { libc::setsid() }).at(Step::NewSession)?;
 

@@ -52,9 +52,9 @@ impl Child {
     }
 
     /// Kills the sandbox at once: its cgroup, its init, and (standard mode) init's
-    /// process group. Without a cgroup, a process that left that group outlives this:
-    /// for a sandbox that failed before its command ran, or an init that did not end
-    /// when asked.
+    /// process group; a standard command dies with its init. Without a cgroup, what the
+    /// command started outlives this: for a sandbox that failed before its command ran,
+    /// or an init that did not end when asked.
     pub(super) fn kill_now(&self) {
         if let Some(cgroup) = &self.cgroup {
             let _ = cgroup.kill();
