@@ -470,19 +470,24 @@ async fn sandbox_run_as_an_ordinary_user_is_honest_about_its_level() {
             .filter_map(|e| e.file_name().to_str().and_then(|p| p.parse::<u32>().ok()))
             .collect::<Vec<u32>>()
     };
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    while !alive().is_empty() && std::time::Instant::now() < deadline {
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    }
-    let survivors = alive();
-    for &pid in &survivors {
-        // The test's own leftover, killed before failing.
-        signal(pid, rustix::process::Signal::KILL);
-    }
-    assert!(
-        survivors.is_empty(),
-        "the command's background process outlived the call: {survivors:?}"
-    );
+    // Fails, after killing them, if processes holding the marker are still there a
+    // moment after the call returned.
+    let assert_gone = |what: &str| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while !alive().is_empty() && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        let survivors = alive();
+        for &pid in &survivors {
+            // The test's own leftover, killed before failing.
+            signal(pid, rustix::process::Signal::KILL);
+        }
+        assert!(
+            survivors.is_empty(),
+            "{what} outlived the call: {survivors:?}"
+        );
+    };
+    assert_gone("the command's background process");
 
     // Nor what left the command's session (the sandbox's init is the subreaper of all
     // it starts): the command returns once the process has said it started.
@@ -495,18 +500,7 @@ async fn sandbox_run_as_an_ordinary_user_is_honest_about_its_level() {
         left.status.success() && String::from_utf8_lossy(&left.stdout).contains("started"),
         "{err}"
     );
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    while !alive().is_empty() && std::time::Instant::now() < deadline {
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    }
-    let survivors = alive();
-    for &pid in &survivors {
-        signal(pid, rustix::process::Signal::KILL);
-    }
-    assert!(
-        survivors.is_empty(),
-        "a process in a session of its own outlived the call: {survivors:?}"
-    );
+    assert_gone("a process in a session of its own");
 }
 
 #[tokio::test]
