@@ -26,6 +26,22 @@ pub(crate) fn check_int(ret: libc::c_int) -> Result<libc::c_int, i32> {
     if ret == -1 { Err(errno()) } else { Ok(ret) }
 }
 
+/// `rt_sigprocmask(how, set)` on a kernel signal set (bit `n - 1` for signal `n`), raw:
+/// glibc's wrapper refuses the signals it reserves for itself (async-signal-safe).
+pub(crate) fn set_signal_mask(how: libc::c_int, set: u64) -> Result<(), i32> {
+    // SAFETY: `set` is a valid kernel sigset for the call; no old mask is asked for.
+    check(unsafe {
+        libc::syscall(
+            libc::SYS_rt_sigprocmask,
+            how,
+            &set as *const u64,
+            std::ptr::null_mut::<u64>(),
+            8usize,
+        )
+    })
+    .map(drop)
+}
+
 /// A `CString` from a path; paths with an interior NUL are rejected.
 pub(crate) fn path_cstring(path: &Path) -> io::Result<CString> {
     CString::new(path.as_os_str().as_bytes())

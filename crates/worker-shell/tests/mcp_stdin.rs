@@ -11,11 +11,13 @@ use std::time::{Duration, Instant};
 
 #[path = "../../../tests/support/cgroups.rs"]
 mod cgroups;
+#[path = "support/strict_config.rs"]
+mod strict_config;
+use strict_config::strict_config;
 
 use airlock_policy::{SessionId, ToolOutcome};
 use airlock_worker::mcp::McpServerEntry;
 use airlock_worker::{CallContext, Tool, ToolEvent};
-use airlock_worker_shell::ShellConfig;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
@@ -105,14 +107,7 @@ async fn a_server_that_stops_reading_its_stdin_is_stopped_and_memory_stays_bound
     );
     let root = tempfile::tempdir().unwrap();
     let state = tempfile::tempdir().unwrap();
-    let parent = format!("airlock-test-mcp-stdin-{}", std::process::id());
-    let config = ShellConfig {
-        workspaces_root: root.path().to_owned(),
-        cgroup_parent: parent.clone(),
-        prebuilt: 0,
-        workspace_bytes: 0,
-        ..ShellConfig::default()
-    };
+    let (config, parent) = strict_config("mcp-stdin", root.path());
     let (_tools, sandbox) = airlock_worker_shell::tools(config.clone(), Vec::new())
         .unwrap_or_else(|e| panic!("this host cannot run a strict sandbox: {e}"));
     let entry: McpServerEntry = serde_json::from_value(json!({

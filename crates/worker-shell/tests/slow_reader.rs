@@ -8,10 +8,12 @@ use std::time::{Duration, Instant};
 
 #[path = "../../../tests/support/cgroups.rs"]
 mod cgroups;
+#[path = "support/strict_config.rs"]
+mod strict_config;
+use strict_config::strict_config;
 
 use airlock_policy::SessionId;
 use airlock_worker::{CallContext, ToolEvent};
-use airlock_worker_shell::ShellConfig;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
@@ -19,14 +21,7 @@ use tokio_util::sync::CancellationToken;
 async fn a_stream_nobody_reads_does_not_hold_the_call_past_its_timeout() {
     let root = tempfile::tempdir().unwrap();
     std::fs::create_dir_all(root.path().join("alice/s1")).unwrap();
-    let parent = format!("airlock-test-slow-reader-{}", std::process::id());
-    let config = ShellConfig {
-        workspaces_root: root.path().to_owned(),
-        cgroup_parent: parent.clone(),
-        prebuilt: 0,
-        workspace_bytes: 0,
-        ..ShellConfig::default()
-    };
+    let (config, parent) = strict_config("slow-reader", root.path());
     let (tools, sandbox) = airlock_worker_shell::tools(config, Vec::new())
         .unwrap_or_else(|e| panic!("this host cannot run a strict sandbox: {e}"));
     // Room for one event, and a receiver that never reads: the stream is full at once.

@@ -230,19 +230,7 @@ fn reset_signals() -> Result<(), i32> {
         })?;
     }
     // After the dispositions: a signal pending once unblocked finds its default action.
-    let empty: u64 = 0;
-    // SAFETY: `empty` is a valid kernel sigset, alive for the call; no old mask is
-    // asked for.
-    sys::check(unsafe {
-        libc::syscall(
-            libc::SYS_rt_sigprocmask,
-            libc::SIG_SETMASK,
-            &empty as *const u64,
-            std::ptr::null_mut::<u64>(),
-            set_size,
-        )
-    })?;
-    Ok(())
+    sys::set_signal_mask(libc::SIG_SETMASK, 0)
 }
 
 /// Moves the calling (single-threaded) process into the cgroup of a v1 `tasks` file

@@ -72,7 +72,7 @@ pub(super) fn run_standard(exec: &ExecView<'_>, scope_signals: bool) -> ! {
     // Blocked before the command exists, so neither is lost before init waits for them:
     // SIGCHLD says a child ended, SIGTERM is the parent's request to end the sandbox.
     let waited = signal_bit(libc::SIGCHLD) | signal_bit(libc::SIGTERM);
-    if let Err(errno) = set_signal_mask(libc::SIG_BLOCK, waited) {
+    if let Err(errno) = sys::set_signal_mask(libc::SIG_BLOCK, waited) {
         fail(Failure::new(Step::SignalDefaults, errno));
     }
     let command = start_command(&CommandStart {
@@ -193,21 +193,6 @@ fn signal_bit(signal: libc::c_int) -> u64 {
     1u64 << (signal - 1)
 }
 
-/// `rt_sigprocmask(how, set)`, raw (glibc's wrapper refuses the signals it reserves).
-fn set_signal_mask(how: libc::c_int, set: u64) -> Result<(), i32> {
-    // SAFETY: `set` is a valid kernel sigset for the call; no old mask is asked for.
-    sys::check(unsafe {
-        libc::syscall(
-            libc::SYS_rt_sigprocmask,
-            how,
-            &set as *const u64,
-            std::ptr::null_mut::<u64>(),
-            8usize,
-        )
-    })
-    .map(drop)
-}
-
 /// Reports `failure` on the error pipe and ends init: the command never ran.
 fn fail(failure: Failure) -> ! {
     handshake::report_failure(ERROR_FD, failure);
@@ -310,7 +295,7 @@ fn standard_command_steps(scope_signals: bool) -> Result<(), Failure> {
     if scope_signals {
         crate::landlock_rules::enter_scoped_domain().at(Step::Landlock)?;
     }
-    set_signal_mask(libc::SIG_SETMASK, 0).at(Step::SignalDefaults)
+    sys::set_signal_mask(libc::SIG_SETMASK, 0).at(Step::SignalDefaults)
 }
 
 #[cfg(test)]
