@@ -121,13 +121,30 @@ fn traced() -> bool {
     std::env::var("AIRLOCK_GATE_BENCH_TRACE").is_ok_and(|v| v == "1")
 }
 
-/// Installs the OpenTelemetry layer, exporting to `OTEL_EXPORTER_OTLP_ENDPOINT`. Without
-/// one this process starts a receiver and runs itself again with the variable set (the
-/// environment is read by the exporter, and is not this process's to change once it
-/// runs), then exits as that run did: under callgrind, give `--trace-children=yes`.
-fn install_tracing() -> Result<(), Box<dyn std::error::Error>> {
+/// Installs the subscriber an orchestrator runs with: plain log lines at `info` (a
+/// call writes one, "call finished"), formatted and written as `airlock up` writes them
+/// to a file, here `/dev/null`; and with [`traced`] the OpenTelemetry layer, exporting
+/// to `OTEL_EXPORTER_OTLP_ENDPOINT`. Without any subscriber `tracing` hands every span
+/// the libraries open — h2 opens dozens for each request — to its `log` fallback, some
+/// 27 k instructions a call that no running orchestrator pays.
+///
+/// Traced without an endpoint, this process starts a receiver and runs itself again
+/// with the variable set (the environment is read by the exporter, and is not this
+/// process's to change once it runs), then exits as that run did: under callgrind, give
+/// `--trace-children=yes`.
+fn install_subscriber() -> Result<(), Box<dyn std::error::Error>> {
+    use tracing_subscriber::Layer as _;
     use tracing_subscriber::layer::SubscriberExt as _;
     use tracing_subscriber::util::SubscriberInitExt as _;
+    let null = std::fs::File::options().append(true).open("/dev/null")?;
+    let logs = tracing_subscriber::fmt::layer()
+        .with_ansi(false)
+        .with_writer(std::sync::Mutex::new(null))
+        .with_filter(tracing_subscriber::EnvFilter::new("info"));
+    if !traced() {
+        tracing_subscriber::registry().with(logs).try_init()?;
+        return Ok(());
+    }
     if std::env::var_os("OTEL_EXPORTER_OTLP_ENDPOINT").is_none() {
         let sink = otlp_sink::OtlpSink::start()?;
         let status = std::process::Command::new(std::env::current_exe()?)
@@ -136,9 +153,12 @@ fn install_tracing() -> Result<(), Box<dyn std::error::Error>> {
             .status()?;
         std::process::exit(status.code().unwrap_or(1));
     }
-    let layer = airlock_telemetry::layer(&airlock_telemetry::Service::Orchestrator)?
+    let traces = airlock_telemetry::layer(&airlock_telemetry::Service::Orchestrator)?
         .ok_or("the OpenTelemetry layer is off although an endpoint is set")?;
-    tracing_subscriber::registry().with(layer).try_init()?;
+    tracing_subscriber::registry()
+        .with(logs)
+        .with(traces)
+        .try_init()?;
     Ok(())
 }
 
@@ -150,9 +170,7 @@ struct Setup {
 }
 
 fn setup() -> Result<Setup, Box<dyn std::error::Error>> {
-    if traced() {
-        install_tracing()?;
-    }
+    install_subscriber()?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

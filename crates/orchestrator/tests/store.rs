@@ -2743,6 +2743,15 @@ async fn write_call_records_a_finished_call_and_its_events_in_one_commit(backend
     assert_eq!(call.state, CallState::Finished);
     assert_eq!(call.status, Some(CallStatus::Ok));
     assert_eq!(call.result, Some(outcome("ok").result));
+    // The whole finished row, written by one insert: what an insert and the move to
+    // `finished` left.
+    assert_eq!(call.duration_ms, Some(12));
+    assert_eq!(call.replica.as_deref(), Some("unix:/tmp/fs.sock"));
+    assert!(call.finished_at.is_some_and(|at| at >= call.created_at));
+    assert_eq!(
+        (call.approval_id, call.claimed_by, call.lease_until),
+        (None, None, None)
+    );
     assert_eq!(
         store.session_usage("alice", "s1").await.unwrap().calls,
         CALLS

@@ -34,6 +34,18 @@ pub(super) enum States {
     Not(CallState),
 }
 
+impl States {
+    /// Whether no finished call is among these (a lapsed claim is `dispatched`, so
+    /// a filter's `or_lapsed_at` does not change it).
+    pub(super) fn excludes_finished(self) -> bool {
+        match self {
+            Self::Any => false,
+            Self::In(states) => !states.contains(&CallState::Finished),
+            Self::Not(state) => state == CallState::Finished,
+        }
+    }
+}
+
 /// The rows of `calls` a move (or a listing) applies to: those in [`CallFilter::states`]
 /// or holding a lapsed claim, and of those only the ones a claimant holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -174,6 +186,15 @@ pub(super) trait Tx {
         &mut self,
         call: &NewCall,
         approval_id: Option<&ApprovalId>,
+    ) -> Result<bool, StoreError>;
+
+    /// Inserts a call row already `finished` with `outcome`: the row an insert as
+    /// `approved` followed by [`finish_call`] leaves, in one statement. `Ok(false)` if
+    /// the id is taken, as [`Self::insert_call_row`].
+    async fn insert_finished_row(
+        &mut self,
+        call: &NewCall,
+        outcome: &CallOutcome,
     ) -> Result<bool, StoreError>;
 
     async fn call_exists(&mut self, call_id: &CallId) -> Result<bool, StoreError>;
@@ -491,13 +512,16 @@ pub(super) async fn write_call(tx: &mut impl Tx, write: CallWrite) -> Result<boo
             }
             true
         }
+        // The finished row at once: an insert as `approved` and then the move to
+        // `finished` wrote the row twice and its state's index entry twice, per call.
         CallChange::InsertFinished { call, outcome } => {
-            let approved = NewCall {
-                state: CallState::Approved,
-                ..call.clone()
-            };
-            insert_call(tx, &approved, None).await?;
-            finish_call(tx, &call.call_id, outcome).await?
+            if !tx.insert_finished_row(call, outcome).await? {
+                return Err(StoreError::AlreadyExists {
+                    what: "call",
+                    id: call.call_id.to_string(),
+                });
+            }
+            true
         }
         CallChange::Finish { call_id, outcome } => finish_call(tx, call_id, outcome).await?,
         CallChange::Claim {

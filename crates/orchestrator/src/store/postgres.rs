@@ -542,6 +542,42 @@ impl<C: GenericClient> Tx for PgTx<'_, C> {
         }
     }
 
+    async fn insert_finished_row(
+        &mut self,
+        call: &NewCall,
+        outcome: &CallOutcome,
+    ) -> Result<bool, StoreError> {
+        let duration_ms = outcome.duration_ms.map(to_i64);
+        let inserted = self
+            .client
+            .execute(
+                "INSERT INTO calls (call_id, tool_use_id, tool, input, principal, session_id, state, \
+                 status, result, duration_ms, replica, created_at, finished_at) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)",
+                &[
+                    &call.call_id.as_str(),
+                    &call.tool_use_id,
+                    &call.tool,
+                    &to_json_text(&call.input),
+                    &call.principal,
+                    &call.session_id,
+                    &CallState::Finished.as_str(),
+                    &outcome.status.as_str(),
+                    &to_json_text(&outcome.result),
+                    &duration_ms,
+                    &outcome.replica,
+                    &call.created_at,
+                    &outcome.finished_at,
+                ],
+            )
+            .await;
+        match inserted {
+            Ok(_) => Ok(true),
+            Err(e) if is_unique_violation(&e) => Ok(false),
+            Err(e) => Err(e.into()),
+        }
+    }
+
     async fn call_exists(&mut self, call_id: &CallId) -> Result<bool, StoreError> {
         call_exists(self.client, call_id).await
     }
@@ -1384,5 +1420,23 @@ mod tests {
         assert_ne!(unconditioned, prune);
         let other = plan(&client, &unconditioned, &binds.refs()).await;
         assert!(!other.contains("calls_unpruned"), "{other}");
+
+        // Calls to resume, through the index of calls not finished.
+        let mut binds = Binds::default();
+        let claimable = super::filter_sql(&CallFilter::claimable(1_000), &mut binds).unwrap();
+        let sql = format!("SELECT call_id FROM calls WHERE {claimable}");
+        let open = plan(&client, &sql, &binds.refs()).await;
+        assert!(open.contains("calls_open"), "{open}");
+        let indexes: Vec<String> = client
+            .query(
+                "SELECT indexname FROM pg_indexes WHERE tablename = 'calls'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .iter()
+            .map(|row| row.get(0))
+            .collect();
+        assert!(!indexes.contains(&"calls_state".to_owned()), "{indexes:?}");
     }
 }

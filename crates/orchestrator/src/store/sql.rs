@@ -42,6 +42,11 @@ pub(super) fn filter_sql(filter: &CallFilter<'_>, binds: &mut impl Placeholders)
             None => conds.push(states),
         }
     }
+    // The condition of the partial index `calls_open`, so that a statement on calls not
+    // finished may use it (`States::Not(Finished)` is that condition already).
+    if filter.states.excludes_finished() && filter.states != States::Not(CallState::Finished) {
+        conds.push(format!("state <> '{}'", CallState::Finished.as_str()));
+    }
     if let Some(holder) = filter.held_by {
         conds.push(format!("claimed_by = {}", binds.text(holder.to_owned())));
     }

@@ -594,6 +594,39 @@ impl Tx for SqliteTx<'_> {
         }
     }
 
+    async fn insert_finished_row(
+        &mut self,
+        call: &NewCall,
+        outcome: &CallOutcome,
+    ) -> Result<bool, StoreError> {
+        let inserted = execute_cached(
+            self.conn,
+            "INSERT INTO calls (call_id, tool_use_id, tool, input, principal, session_id, state, \
+             status, result, duration_ms, replica, created_at, finished_at) \
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)",
+            params![
+                call.call_id.as_str(),
+                call.tool_use_id,
+                call.tool,
+                to_json_text(&call.input),
+                call.principal,
+                call.session_id,
+                CallState::Finished.as_str(),
+                outcome.status.as_str(),
+                to_json_text(&outcome.result),
+                outcome.duration_ms.map(to_i64),
+                outcome.replica,
+                call.created_at,
+                outcome.finished_at,
+            ],
+        );
+        match inserted {
+            Ok(_) => Ok(true),
+            Err(e) if is_unique_violation(&e) => Ok(false),
+            Err(e) => Err(e.into()),
+        }
+    }
+
     async fn call_exists(&mut self, call_id: &CallId) -> Result<bool, StoreError> {
         call_exists(self.conn, call_id)
     }
@@ -1519,6 +1552,58 @@ mod tests {
         migrate(&mut old).unwrap();
         assert_plan(&old, SESSION_USAGE_SQL, covered);
         assert!(!call_indexes(&old).contains(&"calls_session".to_owned()));
+    }
+
+    /// The statements on calls not yet finished — the claimable ones a restart resumes,
+    /// a held approval's call — find them through `calls_open`, which holds no finished
+    /// call: a finished call adds no state entry for its commit to write. Also on a store
+    /// made before it, whose `calls_state` goes.
+    #[test]
+    fn open_calls_are_found_through_an_index_of_open_calls_alone() {
+        use super::super::machine::{CallFilter, States};
+        let fresh = || {
+            let mut conn = Connection::open_in_memory().unwrap();
+            migrate(&mut conn).unwrap();
+            conn
+        };
+        let mut old = Connection::open_in_memory().unwrap();
+        old.execute_batch(&schema_v1("INTEGER")).unwrap();
+        old.execute_batch(
+            "CREATE TABLE schema_version (version INTEGER NOT NULL); \
+             INSERT INTO schema_version (version) VALUES (1);",
+        )
+        .unwrap();
+        assert!(call_indexes(&old).contains(&"calls_state".to_owned()));
+        migrate(&mut old).unwrap();
+        let filters = [
+            CallFilter::claimable(1_000),
+            CallFilter::states(States::In(&[CallState::PendingApproval])),
+            CallFilter::states(States::Not(CallState::Finished)),
+        ];
+        for conn in [fresh(), old] {
+            let indexes = call_indexes(&conn);
+            assert!(indexes.contains(&"calls_open".to_owned()), "{indexes:?}");
+            assert!(!indexes.contains(&"calls_state".to_owned()), "{indexes:?}");
+            for filter in &filters {
+                let cond = super::filter_sql(filter, &mut Binds::default()).unwrap();
+                let sql = format!("SELECT call_id FROM calls WHERE {cond}");
+                assert_plan(&conn, &sql, "calls_open");
+            }
+            // A finished call, inserted as the gate records one, has no entry in it.
+            conn.execute(
+                "INSERT INTO calls (call_id, tool_use_id, tool, input, principal, state, \
+                 created_at) VALUES ('done', 't', 'x', '{}', 'p', 'finished', 1), \
+                 ('held', 't', 'x', '{}', 'p', 'approved', 1)",
+                [],
+            )
+            .unwrap();
+            let open: Vec<String> = texts(
+                &conn,
+                "SELECT state FROM calls INDEXED BY calls_open WHERE state <> 'finished'",
+                "state",
+            );
+            assert_eq!(open, ["approved"]);
+        }
     }
 
     /// The hourly prune finds the results due through the partial index of the calls

@@ -357,10 +357,11 @@ mod tests {
         assert_eq!(report.records, 9);
     }
 
-    /// A call's write reads and moves the chain's head once for all its events: the
-    /// rows it changes are its three records, the head once, the call's insert and its
-    /// update to finished (eight when the head moved after every record). The records
-    /// still chain one to the next, and the head names the last.
+    /// A call's write reads and moves the chain's head once for all its events, and
+    /// writes the call's row once, finished: the rows it changes are its three records,
+    /// the head once and the call's insert (eight when the head moved after every
+    /// record, six when the call was inserted `approved` and then moved to `finished`).
+    /// The records still chain one to the next, and the head names the last.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_calls_events_move_the_chain_head_once() {
         let (store, _dir) = open().await;
@@ -370,8 +371,8 @@ mod tests {
         assert!(matches!(written, Ok(true)), "{written:?}");
         assert_eq!(
             changes() - before,
-            6,
-            "3 records, the head, the call's insert and update"
+            5,
+            "3 records, the head, the call's one insert"
         );
         let records = store.audit(AuditQuery::default()).await.expect("audit");
         assert_eq!(records.len(), 3);
