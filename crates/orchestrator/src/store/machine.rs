@@ -180,21 +180,15 @@ pub(super) trait Tx {
     /// Moves the head anchor to `seq` and `hash`.
     async fn move_chain_head(&mut self, seq: u64, hash: &str) -> Result<(), StoreError>;
 
-    /// Inserts a call row (state `call.state`). `Ok(false)` if the id is taken; the unit
-    /// of work can then only be rolled back (PostgreSQL aborts the transaction).
+    /// Inserts a call row: in state `call.state`, or with `outcome` already `finished`
+    /// (the row an insert and then [`finish_call`] would leave, in one statement).
+    /// `Ok(false)` if the id is taken; the unit of work can then only be rolled back
+    /// (PostgreSQL aborts the transaction).
     async fn insert_call_row(
         &mut self,
         call: &NewCall,
         approval_id: Option<&ApprovalId>,
-    ) -> Result<bool, StoreError>;
-
-    /// Inserts a call row already `finished` with `outcome`: the row an insert as
-    /// `approved` followed by [`finish_call`] leaves, in one statement. `Ok(false)` if
-    /// the id is taken, as [`Self::insert_call_row`].
-    async fn insert_finished_row(
-        &mut self,
-        call: &NewCall,
-        outcome: &CallOutcome,
+        outcome: Option<&CallOutcome>,
     ) -> Result<bool, StoreError>;
 
     async fn call_exists(&mut self, call_id: &CallId) -> Result<bool, StoreError>;
@@ -515,7 +509,7 @@ pub(super) async fn write_call(tx: &mut impl Tx, write: CallWrite) -> Result<boo
         // The finished row at once: an insert as `approved` and then the move to
         // `finished` wrote the row twice and its state's index entry twice, per call.
         CallChange::InsertFinished { call, outcome } => {
-            if !tx.insert_finished_row(call, outcome).await? {
+            if !tx.insert_call_row(call, None, Some(outcome)).await? {
                 return Err(StoreError::AlreadyExists {
                     what: "call",
                     id: call.call_id.to_string(),
@@ -551,7 +545,7 @@ pub(super) async fn insert_call(
     call: &NewCall,
     approval_id: Option<&ApprovalId>,
 ) -> Result<(), StoreError> {
-    if tx.insert_call_row(call, approval_id).await? {
+    if tx.insert_call_row(call, approval_id, None).await? {
         Ok(())
     } else {
         Err(StoreError::AlreadyExists {

@@ -197,6 +197,18 @@ fn is_unique_violation(err: &tokio_postgres::Error) -> bool {
     err.code() == Some(&SqlState::UNIQUE_VIOLATION)
 }
 
+/// An insert's outcome: `Ok(true)` when it inserted, `Ok(false)` when the row's key was
+/// taken, the error otherwise.
+fn inserted_unless_taken<T>(
+    inserted: Result<T, tokio_postgres::Error>,
+) -> Result<bool, StoreError> {
+    match inserted {
+        Ok(_) => Ok(true),
+        Err(e) if is_unique_violation(&e) => Ok(false),
+        Err(e) => Err(e.into()),
+    }
+}
+
 /// The most audit rows fetched per round trip while a page is read; fewer as the page's
 /// byte budget fills.
 const AUDIT_FETCH_ROWS: i32 = 64;
@@ -516,12 +528,19 @@ impl<C: GenericClient> Tx for PgTx<'_, C> {
         &mut self,
         call: &NewCall,
         approval_id: Option<&ApprovalId>,
+        outcome: Option<&CallOutcome>,
     ) -> Result<bool, StoreError> {
+        let state = if outcome.is_some() {
+            CallState::Finished
+        } else {
+            call.state
+        };
         let inserted = self
             .client
             .execute(
                 "INSERT INTO calls (call_id, tool_use_id, tool, input, principal, session_id, state, \
-                 approval_id, created_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+                 approval_id, status, result, duration_ms, replica, created_at, finished_at) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)",
                 &[
                     &call.call_id.as_str(),
                     &call.tool_use_id,
@@ -529,53 +548,18 @@ impl<C: GenericClient> Tx for PgTx<'_, C> {
                     &to_json_text(&call.input),
                     &call.principal,
                     &call.session_id,
-                    &call.state.as_str(),
+                    &state.as_str(),
                     &approval_id.map(ApprovalId::as_str),
+                    &outcome.map(|o| o.status.as_str()),
+                    &outcome.map(|o| to_json_text(&o.result)),
+                    &outcome.and_then(|o| o.duration_ms.map(to_i64)),
+                    &outcome.and_then(|o| o.replica.as_deref()),
                     &call.created_at,
+                    &outcome.map(|o| o.finished_at),
                 ],
             )
             .await;
-        match inserted {
-            Ok(_) => Ok(true),
-            Err(e) if is_unique_violation(&e) => Ok(false),
-            Err(e) => Err(e.into()),
-        }
-    }
-
-    async fn insert_finished_row(
-        &mut self,
-        call: &NewCall,
-        outcome: &CallOutcome,
-    ) -> Result<bool, StoreError> {
-        let duration_ms = outcome.duration_ms.map(to_i64);
-        let inserted = self
-            .client
-            .execute(
-                "INSERT INTO calls (call_id, tool_use_id, tool, input, principal, session_id, state, \
-                 status, result, duration_ms, replica, created_at, finished_at) \
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)",
-                &[
-                    &call.call_id.as_str(),
-                    &call.tool_use_id,
-                    &call.tool,
-                    &to_json_text(&call.input),
-                    &call.principal,
-                    &call.session_id,
-                    &CallState::Finished.as_str(),
-                    &outcome.status.as_str(),
-                    &to_json_text(&outcome.result),
-                    &duration_ms,
-                    &outcome.replica,
-                    &call.created_at,
-                    &outcome.finished_at,
-                ],
-            )
-            .await;
-        match inserted {
-            Ok(_) => Ok(true),
-            Err(e) if is_unique_violation(&e) => Ok(false),
-            Err(e) => Err(e.into()),
-        }
+        inserted_unless_taken(inserted)
     }
 
     async fn call_exists(&mut self, call_id: &CallId) -> Result<bool, StoreError> {
@@ -646,11 +630,7 @@ impl<C: GenericClient> Tx for PgTx<'_, C> {
                 ],
             )
             .await;
-        match inserted {
-            Ok(_) => Ok(true),
-            Err(e) if is_unique_violation(&e) => Ok(false),
-            Err(e) => Err(e.into()),
-        }
+        inserted_unless_taken(inserted)
     }
 
     async fn approval_for_update(

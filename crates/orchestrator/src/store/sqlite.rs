@@ -215,6 +215,16 @@ fn is_unique_violation(err: &rusqlite::Error) -> bool {
     matches!(err, rusqlite::Error::SqliteFailure(e, _) if e.code == ErrorCode::ConstraintViolation)
 }
 
+/// An insert's outcome: `Ok(true)` when it inserted, `Ok(false)` when the row's key was
+/// taken, the error otherwise.
+fn inserted_unless_taken<T>(inserted: Result<T, rusqlite::Error>) -> Result<bool, StoreError> {
+    match inserted {
+        Ok(_) => Ok(true),
+        Err(e) if is_unique_violation(&e) => Ok(false),
+        Err(e) => Err(e.into()),
+    }
+}
+
 fn audit_from_row(row: &Row<'_>) -> rusqlite::Result<(i64, RawAudit)> {
     let seq: i64 = row.get("seq")?;
     Ok((
@@ -570,11 +580,18 @@ impl Tx for SqliteTx<'_> {
         &mut self,
         call: &NewCall,
         approval_id: Option<&ApprovalId>,
+        outcome: Option<&CallOutcome>,
     ) -> Result<bool, StoreError> {
+        let state = if outcome.is_some() {
+            CallState::Finished
+        } else {
+            call.state
+        };
         let inserted = execute_cached(
             self.conn,
             "INSERT INTO calls (call_id, tool_use_id, tool, input, principal, session_id, state, \
-             approval_id, created_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
+             approval_id, status, result, duration_ms, replica, created_at, finished_at) \
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)",
             params![
                 call.call_id.as_str(),
                 call.tool_use_id,
@@ -582,49 +599,17 @@ impl Tx for SqliteTx<'_> {
                 to_json_text(&call.input),
                 call.principal,
                 call.session_id,
-                call.state.as_str(),
+                state.as_str(),
                 approval_id.map(ApprovalId::as_str),
+                outcome.map(|o| o.status.as_str()),
+                outcome.map(|o| to_json_text(&o.result)),
+                outcome.and_then(|o| o.duration_ms.map(to_i64)),
+                outcome.and_then(|o| o.replica.as_deref()),
                 call.created_at,
+                outcome.map(|o| o.finished_at),
             ],
         );
-        match inserted {
-            Ok(_) => Ok(true),
-            Err(e) if is_unique_violation(&e) => Ok(false),
-            Err(e) => Err(e.into()),
-        }
-    }
-
-    async fn insert_finished_row(
-        &mut self,
-        call: &NewCall,
-        outcome: &CallOutcome,
-    ) -> Result<bool, StoreError> {
-        let inserted = execute_cached(
-            self.conn,
-            "INSERT INTO calls (call_id, tool_use_id, tool, input, principal, session_id, state, \
-             status, result, duration_ms, replica, created_at, finished_at) \
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)",
-            params![
-                call.call_id.as_str(),
-                call.tool_use_id,
-                call.tool,
-                to_json_text(&call.input),
-                call.principal,
-                call.session_id,
-                CallState::Finished.as_str(),
-                outcome.status.as_str(),
-                to_json_text(&outcome.result),
-                outcome.duration_ms.map(to_i64),
-                outcome.replica,
-                call.created_at,
-                outcome.finished_at,
-            ],
-        );
-        match inserted {
-            Ok(_) => Ok(true),
-            Err(e) if is_unique_violation(&e) => Ok(false),
-            Err(e) => Err(e.into()),
-        }
+        inserted_unless_taken(inserted)
     }
 
     async fn call_exists(&mut self, call_id: &CallId) -> Result<bool, StoreError> {
@@ -692,11 +677,7 @@ impl Tx for SqliteTx<'_> {
                 approval.expires_at
             ],
         );
-        match inserted {
-            Ok(_) => Ok(true),
-            Err(e) if is_unique_violation(&e) => Ok(false),
-            Err(e) => Err(e.into()),
-        }
+        inserted_unless_taken(inserted)
     }
 
     async fn approval_for_update(
@@ -1528,6 +1509,18 @@ mod tests {
         assert_eq!(report.records, 5);
     }
 
+    /// A store as the first builds made it: schema version 1 and nothing added since.
+    fn store_of_version_1() -> Connection {
+        let conn = Connection::open_in_memory().unwrap();
+        conn.execute_batch(&schema_v1("INTEGER")).unwrap();
+        conn.execute_batch(
+            "CREATE TABLE schema_version (version INTEGER NOT NULL); \
+             INSERT INTO schema_version (version) VALUES (1);",
+        )
+        .unwrap();
+        conn
+    }
+
     /// The gate counts a session's calls before every call: from an index alone, never
     /// from the calls' rows, where `created_at` sits after the stored result and SQLite
     /// would walk each result's overflow pages to reach it. Also on a store made before
@@ -1541,13 +1534,7 @@ mod tests {
         assert!(!call_indexes(&conn).contains(&"calls_session".to_owned()));
 
         // A store of an earlier build: schema version 1 with its index, none added since.
-        let mut old = Connection::open_in_memory().unwrap();
-        old.execute_batch(&schema_v1("INTEGER")).unwrap();
-        old.execute_batch(
-            "CREATE TABLE schema_version (version INTEGER NOT NULL); \
-             INSERT INTO schema_version (version) VALUES (1);",
-        )
-        .unwrap();
+        let mut old = store_of_version_1();
         assert!(call_indexes(&old).contains(&"calls_session".to_owned()));
         migrate(&mut old).unwrap();
         assert_plan(&old, SESSION_USAGE_SQL, covered);
@@ -1566,13 +1553,7 @@ mod tests {
             migrate(&mut conn).unwrap();
             conn
         };
-        let mut old = Connection::open_in_memory().unwrap();
-        old.execute_batch(&schema_v1("INTEGER")).unwrap();
-        old.execute_batch(
-            "CREATE TABLE schema_version (version INTEGER NOT NULL); \
-             INSERT INTO schema_version (version) VALUES (1);",
-        )
-        .unwrap();
+        let mut old = store_of_version_1();
         assert!(call_indexes(&old).contains(&"calls_state".to_owned()));
         migrate(&mut old).unwrap();
         let filters = [
