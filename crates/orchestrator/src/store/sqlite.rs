@@ -71,7 +71,7 @@ impl SqliteStore {
         .map_err(|e| StoreError::Task(e.to_string()))??;
         let conn = Arc::new(Mutex::new(conn));
         Ok(Self {
-            calls: group_commit::GroupWriter::start(Arc::clone(&conn))?,
+            calls: group_commit::GroupWriter::start(Arc::clone(&conn), Arc::clone(&commits))?,
             conn,
             verifier: Arc::new(Mutex::new(verifier)),
             commits,
@@ -115,7 +115,7 @@ fn open_verifier(path: &Path) -> Result<Connection, StoreError> {
         OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
     )
     .map_err(|e| open_err(e.to_string()))?;
-    conn.busy_timeout(Duration::from_secs(15))
+    conn.busy_timeout(BUSY_TIMEOUT)
         .map_err(|e| open_err(e.to_string()))?;
     // As on the store's own connection: nothing spills to a temporary file.
     conn.pragma_update(None, "temp_store", "MEMORY")
@@ -144,7 +144,7 @@ fn open_blocking(path: &PathBuf) -> Result<Connection, StoreError> {
             .map_err(|e| open_err(e.to_string()))?;
     }
     let mut conn = Connection::open(path).map_err(|e| open_err(e.to_string()))?;
-    conn.busy_timeout(Duration::from_secs(15))
+    conn.busy_timeout(BUSY_TIMEOUT)
         .map_err(|e| open_err(e.to_string()))?;
     // Room for every statement a call's transaction runs (the call moves alone come in
     // several shapes), so that the cache never evicts one between calls.
@@ -169,9 +169,18 @@ fn open_blocking(path: &PathBuf) -> Result<Connection, StoreError> {
     // carry call inputs or results (pages are read by id through an index).
     conn.pragma_update(None, "temp_store", "MEMORY")
         .map_err(|e| open_err(e.to_string()))?;
+    // Checkpoints are the writer thread's (`group_commit`), never a commit's: a call's
+    // write may commit on the runtime thread that made it, which must not copy the log
+    // into the database and `fsync` both, as SQLite's own checkpoint after a commit would.
+    conn.pragma_update(None, "wal_autocheckpoint", 0)
+        .map_err(|e| open_err(e.to_string()))?;
     migrate(&mut conn)?;
     Ok(conn)
 }
+
+/// How long a statement on the store's connection waits for another connection's lock
+/// (another process's, or the verifier's during a WAL reset) before it fails.
+const BUSY_TIMEOUT: Duration = Duration::from_secs(15);
 
 /// Whether any result is due for the prune: `?1` the finished state, `?2` the cut. Found
 /// through the partial index `calls_unpruned`.

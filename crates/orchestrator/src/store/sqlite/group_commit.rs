@@ -1,9 +1,9 @@
 //! Group commit for the calls' writes on SQLite ([`Store::write_call`], the one write of a
 //! call on the gate's hot path).
 //!
-//! One thread owns the writing of calls. It takes the first write waiting, then every
-//! other write that queued meanwhile (at most [`MAX_BATCH`]), and commits them in one
-//! `BEGIN IMMEDIATE … COMMIT`. Each write runs inside a savepoint of its own, so a write
+//! One thread writes the calls that queue (a lone call commits itself: below). It takes
+//! the first write waiting, then every other write that queued meanwhile (at most
+//! [`MAX_BATCH`]), and commits them in one `BEGIN IMMEDIATE … COMMIT`. Each write runs inside a savepoint of its own, so a write
 //! that fails (a call id already taken, a claim already lost) is undone alone and
 //! answered with its own error, while the others commit. Nobody is answered before the
 //! transaction holding their write has committed, so a caller that hears `Ok` holds a
@@ -16,20 +16,32 @@
 //! `BEGIN`/`COMMIT` pair and the hand-off to a blocking thread are paid once per batch.
 //! A lone call is a batch of one: the same single transaction, without a savepoint.
 //!
+//! A write that finds nobody queued and the connection free commits on the thread that
+//! made it, without waking the writer thread: at concurrency 1 every call's write
+//! used to cost two hand-offs between threads (to the writer and back), which on a
+//! virtual machine cost more than the transaction. It never waits there: not for the
+//! connection (another thread holds it → the queue), not for another process's write
+//! lock (`BEGIN IMMEDIATE` is tried with no busy timeout → the queue, where the writer
+//! waits the full timeout), and never for a checkpoint: SQLite's checkpoint after a
+//! commit is off on this connection, and the writer thread checkpoints (`PASSIVE`)
+//! every [`CHECKPOINT_EVERY`] commits instead, asked by whichever commit passes the
+//! mark.
+//!
 //! The queue is not bounded by this module: every write in it is a call whose task
 //! awaits the answer, so it holds at most the calls in flight, which the front doors
 //! bound.
 //!
 //! [`Store::write_call`]: super::super::Store::write_call
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, Sender, channel};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, TryLockError};
+use std::time::Duration;
 
 use rusqlite::Connection;
 use tokio::sync::oneshot;
 
-use super::{ImmediateTx, SqliteTx, drive, execute_cached};
+use super::{BUSY_TIMEOUT, ImmediateTx, SqliteTx, drive, execute_cached};
 use crate::store::machine;
 use crate::store::{CallWrite, StoreError};
 
@@ -37,40 +49,86 @@ use crate::store::{CallWrite, StoreError};
 /// (and so how long other store work waits) for one commit.
 const MAX_BATCH: usize = 64;
 
+/// Commits between two checkpoints. A call's commit adds a dozen pages to the log (a
+/// few dozen with a stored result of `[store] max_result_bytes`), so the log stays
+/// within a few thousand pages, as SQLite's own default (1 000 pages) would keep it.
+pub(super) const CHECKPOINT_EVERY: u64 = 64;
+
+/// What the writer thread is asked to do.
+enum Message {
+    /// A write waiting for its transaction.
+    Write(Job),
+    /// A commit passed the checkpoint mark on another thread.
+    Checkpoint,
+}
+
 /// A write waiting for its transaction, with the caller's end of its answer.
 struct Job {
-    write: CallWrite,
+    write: Box<CallWrite>,
     answer: oneshot::Sender<Result<bool, StoreError>>,
+}
+
+/// What became of a write its caller tried to commit itself.
+enum Here {
+    /// Committed (or failed) in its own transaction on the caller's thread.
+    Done(Result<bool, StoreError>),
+    /// Given back for the queue: committing it here would have meant waiting.
+    Queue(Box<CallWrite>),
 }
 
 /// The handle the store keeps: where writes queue for the writer thread.
 pub(super) struct GroupWriter {
-    queue: Sender<Job>,
-    /// Writes queued and not yet taken into a batch (for the tests).
+    conn: Arc<Mutex<Connection>>,
+    queue: Sender<Message>,
+    /// Writes queued and not yet taken into a batch (also for the tests).
     waiting: Arc<AtomicUsize>,
+    checkpoints: Arc<Checkpoints>,
+    /// Writes committed on their caller's thread (for the tests).
+    #[cfg(test)]
+    inline: AtomicUsize,
 }
 
 impl GroupWriter {
     /// Starts the writer thread over `conn`, the store's one connection, which it locks
-    /// for each batch (other store work shares it between batches). The thread ends
-    /// when this handle is dropped.
-    pub(super) fn start(conn: Arc<Mutex<Connection>>) -> Result<Self, StoreError> {
+    /// for each batch (other store work shares it between batches); `commits` counts
+    /// the connection's commits (its commit hook). The thread ends when this handle is
+    /// dropped.
+    pub(super) fn start(
+        conn: Arc<Mutex<Connection>>,
+        commits: Arc<AtomicU64>,
+    ) -> Result<Self, StoreError> {
         let (queue, jobs) = channel();
         let waiting = Arc::new(AtomicUsize::new(0));
-        let counter = Arc::clone(&waiting);
+        let checkpoints = Arc::new(Checkpoints::new(commits));
+        let thread = Writer {
+            conn: Arc::clone(&conn),
+            waiting: Arc::clone(&waiting),
+            checkpoints: Arc::clone(&checkpoints),
+        };
         std::thread::Builder::new()
             .name("airlock-store-writer".into())
-            .spawn(move || write_batches(&conn, &jobs, &counter))
+            .spawn(move || thread.run(&jobs))
             .map_err(|e| StoreError::Task(format!("cannot start the store's writer: {e}")))?;
-        Ok(Self { queue, waiting })
+        Ok(Self {
+            conn,
+            queue,
+            waiting,
+            checkpoints,
+            #[cfg(test)]
+            inline: AtomicUsize::new(0),
+        })
     }
 
-    /// Queues `write` and waits until the transaction holding it has committed (or it
-    /// failed).
+    /// Commits `write` here when nobody waits and the connection is free, else queues
+    /// it; returns once the transaction holding it has committed (or it failed).
     pub(super) async fn write_call(&self, write: CallWrite) -> Result<bool, StoreError> {
+        let write = match self.commit_here(write) {
+            Here::Done(result) => return result,
+            Here::Queue(write) => write,
+        };
         let (answer, answered) = oneshot::channel();
         self.waiting.fetch_add(1, Ordering::SeqCst);
-        let sent = self.queue.send(Job { write, answer });
+        let sent = self.queue.send(Message::Write(Job { write, answer }));
         if sent.is_err() {
             self.waiting.fetch_sub(1, Ordering::SeqCst);
             return Err(StoreError::Task("the store's writer has stopped".into()));
@@ -80,33 +138,144 @@ impl GroupWriter {
         })?
     }
 
+    /// A batch of one on this thread, if that needs no waiting; the write back if it
+    /// would (writes queued before it, the connection busy, another writer's lock).
+    fn commit_here(&self, write: CallWrite) -> Here {
+        if self.waiting.load(Ordering::SeqCst) > 0 {
+            return Here::Queue(Box::new(write));
+        }
+        let conn = match self.conn.try_lock() {
+            Ok(conn) => conn,
+            Err(TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
+            Err(TryLockError::WouldBlock) => return Here::Queue(Box::new(write)),
+        };
+        // SQLite's busy handler would sleep until the lock is free: not on this thread.
+        if conn.busy_timeout(Duration::ZERO).is_err() {
+            return Here::Queue(Box::new(write));
+        }
+        let result = {
+            let begun = ImmediateTx::begin(&conn);
+            // Restored before anything else runs on the connection; for an open
+            // connection `sqlite3_busy_timeout` cannot fail.
+            let _ = conn.busy_timeout(BUSY_TIMEOUT);
+            let tx = match begun {
+                Ok(tx) => tx,
+                Err(_) => return Here::Queue(Box::new(write)),
+            };
+            // A panic (a bug) fails this write, as it would a batch on the writer
+            // thread; the transaction rolls back as it unwinds.
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                commit_begun(&conn, tx, vec![write]).pop()
+            }))
+            .unwrap_or_else(|_| {
+                Some(Err(StoreError::Task(
+                    "the store failed while committing a call's write".into(),
+                )))
+            })
+        };
+        drop(conn);
+        #[cfg(test)]
+        self.inline.fetch_add(1, Ordering::SeqCst);
+        let result =
+            result.unwrap_or_else(|| Err(StoreError::Task("a write of one had no answer".into())));
+        if self.checkpoints.due() {
+            // The writer thread checkpoints when it gets to it; a send fails only once
+            // it has stopped, and then nothing is left to checkpoint for.
+            let _ = self.queue.send(Message::Checkpoint);
+        }
+        Here::Done(result)
+    }
+
     /// Writes queued and not yet in a transaction.
     #[cfg(test)]
     pub(super) fn waiting(&self) -> usize {
         self.waiting.load(Ordering::SeqCst)
     }
+
+    /// Writes committed on their caller's thread.
+    #[cfg(test)]
+    pub(super) fn inline(&self) -> usize {
+        self.inline.load(Ordering::SeqCst)
+    }
+
+    /// Checkpoints the writer thread has run.
+    #[cfg(test)]
+    pub(super) fn checkpoints(&self) -> u64 {
+        self.checkpoints.done.load(Ordering::SeqCst)
+    }
 }
 
-/// The writer thread: a batch at a time until every handle is gone.
-fn write_batches(conn: &Mutex<Connection>, jobs: &Receiver<Job>, waiting: &AtomicUsize) {
-    while let Ok(first) = jobs.recv() {
-        // The connection is locked before the queue is drained: writes that arrive
-        // while other store work holds it join this batch.
-        let conn = conn.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        let mut batch = vec![first];
-        while batch.len() < MAX_BATCH {
-            match jobs.try_recv() {
-                Ok(job) => batch.push(job),
-                Err(_) => break,
-            }
+/// When the log is next due for a checkpoint, counted in the connection's commits.
+struct Checkpoints {
+    commits: Arc<AtomicU64>,
+    next_at: AtomicU64,
+    done: AtomicU64,
+}
+
+impl Checkpoints {
+    fn new(commits: Arc<AtomicU64>) -> Self {
+        let next_at = AtomicU64::new(commits.load(Ordering::SeqCst) + CHECKPOINT_EVERY);
+        Self {
+            commits,
+            next_at,
+            done: AtomicU64::new(0),
         }
-        waiting.fetch_sub(batch.len(), Ordering::SeqCst);
-        let (writes, answers): (Vec<_>, Vec<_>) =
-            batch.into_iter().map(|job| (job.write, job.answer)).unzip();
-        // A panic in one batch (a bug) fails that batch's writes, not every later call:
-        // the transaction rolls back as it unwinds and the thread goes on.
-        let results =
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| commit_batch(&conn, writes)))
+    }
+
+    /// Whether a checkpoint is due; true for one caller only each time the mark is
+    /// passed, and the mark moves on.
+    fn due(&self) -> bool {
+        let now = self.commits.load(Ordering::SeqCst);
+        let next = self.next_at.load(Ordering::SeqCst);
+        now >= next
+            && self
+                .next_at
+                .compare_exchange(
+                    next,
+                    now + CHECKPOINT_EVERY,
+                    Ordering::SeqCst,
+                    Ordering::SeqCst,
+                )
+                .is_ok()
+    }
+}
+
+/// The writer thread's share of the handle.
+struct Writer {
+    conn: Arc<Mutex<Connection>>,
+    waiting: Arc<AtomicUsize>,
+    checkpoints: Arc<Checkpoints>,
+}
+
+impl Writer {
+    /// A batch at a time until every handle is gone.
+    fn run(&self, jobs: &Receiver<Message>) {
+        while let Ok(first) = jobs.recv() {
+            let mut checkpoint = false;
+            let mut batch = Vec::new();
+            match first {
+                Message::Write(job) => batch.push((*job.write, job.answer)),
+                Message::Checkpoint => checkpoint = true,
+            }
+            if !batch.is_empty() {
+                // The connection is locked before the queue is drained: writes that
+                // arrive while other store work holds it join this batch.
+                let conn = self.lock();
+                while batch.len() < MAX_BATCH {
+                    match jobs.try_recv() {
+                        Ok(Message::Write(job)) => batch.push((*job.write, job.answer)),
+                        Ok(Message::Checkpoint) => checkpoint = true,
+                        Err(_) => break,
+                    }
+                }
+                self.waiting.fetch_sub(batch.len(), Ordering::SeqCst);
+                let (writes, answers): (Vec<_>, Vec<_>) = batch.into_iter().unzip();
+                // A panic in one batch (a bug) fails that batch's writes, not every
+                // later call: the transaction rolls back as it unwinds and the thread
+                // goes on.
+                let results = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    commit_batch(&conn, writes)
+                }))
                 .unwrap_or_else(|_| {
                     fail_all(answers.len(), || {
                         StoreError::Task(
@@ -114,23 +283,58 @@ fn write_batches(conn: &Mutex<Connection>, jobs: &Receiver<Job>, waiting: &Atomi
                         )
                     })
                 });
-        drop(conn);
-        for (answer, result) in answers.into_iter().zip(results) {
-            // A caller that stopped waiting (its task was cancelled) still had its write
-            // committed; nobody is left to tell.
-            let _ = answer.send(result);
+                drop(conn);
+                for (answer, result) in answers.into_iter().zip(results) {
+                    // A caller that stopped waiting (its task was cancelled) still had
+                    // its write committed; nobody is left to tell.
+                    let _ = answer.send(result);
+                }
+                checkpoint |= self.checkpoints.due();
+            }
+            if checkpoint {
+                self.checkpoint();
+            }
         }
+    }
+
+    /// Copies the log into the database (`PASSIVE`: what no reader still needs, waiting
+    /// for nobody; what a reader's snapshot holds back is left for the next one).
+    fn checkpoint(&self) {
+        let conn = self.lock();
+        let done = conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()));
+        match done {
+            Ok(()) => {
+                self.checkpoints.done.fetch_add(1, Ordering::SeqCst);
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "the store's checkpoint failed; the next one retries")
+            }
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Connection> {
+        self.conn
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 }
 
 /// Runs `writes` in one transaction and answers each: its own result, or the
 /// transaction's error when the transaction as a whole did not commit.
 fn commit_batch(conn: &Connection, writes: Vec<CallWrite>) -> Vec<Result<bool, StoreError>> {
+    match ImmediateTx::begin(conn) {
+        Ok(tx) => commit_begun(conn, tx, writes),
+        Err(e) => shared_failure(&e, writes.len()),
+    }
+}
+
+/// [`commit_batch`] in the transaction `tx`, begun on `conn`.
+fn commit_begun(
+    conn: &Connection,
+    tx: ImmediateTx<'_>,
+    writes: Vec<CallWrite>,
+) -> Vec<Result<bool, StoreError>> {
     let count = writes.len();
-    let tx = match ImmediateTx::begin(conn) {
-        Ok(tx) => tx,
-        Err(e) => return shared_failure(&e, count),
-    };
     let alone = count == 1;
     let mut results = Vec::with_capacity(count);
     for write in writes {
@@ -407,6 +611,112 @@ mod tests {
         assert!(
             matches!(again, Err(StoreError::AlreadyExists { .. })),
             "{again:?}"
+        );
+        assert!(store.verify().await.expect("verify").ok);
+    }
+
+    /// A write that finds nobody queued and the connection free commits on its
+    /// caller's thread — one commit, answered, the chain intact — with no hand-off to
+    /// the writer thread; one that finds the connection held queues, as before.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_lone_write_commits_on_its_callers_thread() {
+        let (store, _dir) = open().await;
+        let before = store.commits();
+        let written = store.write_call(finished_call("call-1")).await;
+        assert!(matches!(written, Ok(true)), "{written:?}");
+        assert_eq!(store.calls.inline(), 1);
+        assert_eq!(store.commits() - before, 1);
+
+        let answers = write_while_busy(&store, vec![finished_call("call-2")]).await;
+        assert!(matches!(answers[0], Ok(true)), "{:?}", answers[0]);
+        assert_eq!(
+            store.calls.inline(),
+            1,
+            "a held connection sends the write to the queue"
+        );
+        let report = store.verify().await.expect("verify");
+        assert!(report.ok, "{report:?}");
+        assert_eq!(report.records, 6);
+    }
+
+    /// While another connection (another process) holds the database's write lock, a
+    /// call's write does not wait on the thread that made it: on a runtime with one
+    /// thread, other tasks keep running while the write waits in the queue, and the
+    /// write commits once the lock is let go.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_write_never_waits_on_its_callers_thread_for_another_writers_lock() {
+        let (store, dir) = open().await;
+        let other = rusqlite::Connection::open(dir.path().join("airlock.db")).expect("open");
+        other
+            .execute_batch("BEGIN IMMEDIATE")
+            .expect("take the write lock");
+
+        let writer = Arc::clone(&store);
+        let write = tokio::spawn(async move { writer.write_call(finished_call("call-1")).await });
+        let ticks = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let ticker = {
+            let ticks = Arc::clone(&ticks);
+            tokio::spawn(async move {
+                loop {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                    ticks.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                }
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(
+            ticks.load(std::sync::atomic::Ordering::SeqCst) >= 10,
+            "the runtime's one thread was held by the write"
+        );
+        assert!(
+            !write.is_finished(),
+            "the write went through another writer's lock"
+        );
+        assert_eq!(store.calls.inline(), 0);
+
+        other.execute_batch("ROLLBACK").expect("let the lock go");
+        let written = tokio::time::timeout(Duration::from_secs(30), write)
+            .await
+            .expect("the write committed after the lock was let go")
+            .expect("the write's task");
+        assert!(matches!(written, Ok(true)), "{written:?}");
+        ticker.abort();
+        assert!(store.verify().await.expect("verify").ok);
+    }
+
+    /// SQLite's own checkpoint after a commit is off on the store's connection (a
+    /// commit may run on a runtime thread); the writer thread checkpoints every
+    /// `CHECKPOINT_EVERY` commits instead, so the log does not grow for ever.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_writer_thread_checkpoints_the_log() {
+        let (store, dir) = open().await;
+        let autocheckpoint: i64 = store
+            .conn
+            .lock()
+            .expect("the connection")
+            .query_row("PRAGMA wal_autocheckpoint", [], |row| row.get(0))
+            .expect("read the pragma");
+        assert_eq!(autocheckpoint, 0);
+        let calls = 3 * super::CHECKPOINT_EVERY;
+        for i in 0..calls {
+            let written = store.write_call(finished_call(&format!("call-{i}"))).await;
+            assert!(matches!(written, Ok(true)), "{written:?}");
+        }
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while store.calls.checkpoints() < 2 {
+            assert!(
+                Instant::now() < deadline,
+                "no checkpoint after {calls} commits"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        // What was checkpointed is in the database file itself, not only in the log.
+        let db_bytes = std::fs::metadata(dir.path().join("airlock.db"))
+            .expect("the database file")
+            .len();
+        assert!(
+            db_bytes > 64 * 1024,
+            "{db_bytes} bytes in the database file"
         );
         assert!(store.verify().await.expect("verify").ok);
     }
