@@ -71,7 +71,7 @@ impl SqliteStore {
         .map_err(|e| StoreError::Task(e.to_string()))??;
         let conn = Arc::new(Mutex::new(conn));
         Ok(Self {
-            calls: group_commit::GroupWriter::start(Arc::clone(&conn), Arc::clone(&commits))?,
+            calls: group_commit::GroupWriter::start(Arc::clone(&conn))?,
             conn,
             verifier: Arc::new(Mutex::new(verifier)),
             commits,
@@ -174,6 +174,8 @@ fn open_blocking(path: &PathBuf) -> Result<Connection, StoreError> {
     // into the database and `fsync` both, as SQLite's own checkpoint after a commit would.
     conn.pragma_update(None, "wal_autocheckpoint", 0)
         .map_err(|e| open_err(e.to_string()))?;
+    // After the pragma, which replaces the connection's WAL hook with its own (none).
+    conn.wal_hook(Some(group_commit::note_log_pages));
     migrate(&mut conn)?;
     Ok(conn)
 }

@@ -24,8 +24,9 @@
 //! lock (`BEGIN IMMEDIATE` is tried with no busy timeout → the queue, where the writer
 //! waits the full timeout), and never for a checkpoint: SQLite's checkpoint after a
 //! commit is off on this connection, and the writer thread checkpoints (`PASSIVE`)
-//! every [`CHECKPOINT_EVERY`] commits instead, asked by whichever commit passes the
-//! mark.
+//! instead, asked by whichever commit leaves the log at [`CHECKPOINT_PAGES`] or more —
+//! the threshold SQLite's own checkpoint uses (the connection's WAL hook tells the
+//! committing thread the log's size).
 //!
 //! The queue is not bounded by this module: every write in it is a call whose task
 //! awaits the answer, so it holds at most the calls in flight, which the front doors
@@ -33,7 +34,8 @@
 //!
 //! [`Store::write_call`]: super::super::Store::write_call
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::cell::Cell;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Mutex, TryLockError};
 use std::time::Duration;
@@ -49,10 +51,32 @@ use crate::store::{CallWrite, StoreError};
 /// (and so how long other store work waits) for one commit.
 const MAX_BATCH: usize = 64;
 
-/// Commits between two checkpoints. A call's commit adds a dozen pages to the log (a
-/// few dozen with a stored result of `[store] max_result_bytes`), so the log stays
-/// within a few thousand pages, as SQLite's own default (1 000 pages) would keep it.
-pub(super) const CHECKPOINT_EVERY: u64 = 64;
+/// Pages in the log at which a checkpoint is due: SQLite's own default for the
+/// checkpoint after a commit, which this connection no longer runs. Counted in pages, not
+/// commits, since a group's commit may carry sixty-four calls and their stored results.
+pub(super) const CHECKPOINT_PAGES: i32 = 1000;
+
+thread_local! {
+    /// Pages in the log after the last commit made on this thread: SQLite calls the
+    /// connection's WAL hook ([`note_log_pages`]) on the committing thread, inside
+    /// `COMMIT`.
+    static LOG_PAGES: Cell<i32> = const { Cell::new(0) };
+}
+
+/// The store connection's WAL hook: notes the log's size for the committing thread.
+pub(super) fn note_log_pages(
+    _wal: &rusqlite::hooks::Wal,
+    pages: std::ffi::c_int,
+) -> rusqlite::Result<()> {
+    LOG_PAGES.with(|noted| noted.set(pages));
+    Ok(())
+}
+
+/// Whether the commit this thread just made left the log due for a checkpoint; clears
+/// what the hook noted (a rolled-back batch commits nothing and notes nothing).
+fn log_due() -> bool {
+    LOG_PAGES.with(|noted| noted.replace(0)) >= CHECKPOINT_PAGES
+}
 
 /// What the writer thread is asked to do.
 enum Message {
@@ -90,16 +114,12 @@ pub(super) struct GroupWriter {
 
 impl GroupWriter {
     /// Starts the writer thread over `conn`, the store's one connection, which it locks
-    /// for each batch (other store work shares it between batches); `commits` counts
-    /// the connection's commits (its commit hook). The thread ends when this handle is
-    /// dropped.
-    pub(super) fn start(
-        conn: Arc<Mutex<Connection>>,
-        commits: Arc<AtomicU64>,
-    ) -> Result<Self, StoreError> {
+    /// for each batch (other store work shares it between batches) and whose WAL hook
+    /// is [`note_log_pages`]. The thread ends when this handle is dropped.
+    pub(super) fn start(conn: Arc<Mutex<Connection>>) -> Result<Self, StoreError> {
         let (queue, jobs) = channel();
         let waiting = Arc::new(AtomicUsize::new(0));
-        let checkpoints = Arc::new(Checkpoints::new(commits));
+        let checkpoints = Arc::new(Checkpoints::default());
         let thread = Writer {
             conn: Arc::clone(&conn),
             waiting: Arc::clone(&waiting),
@@ -178,7 +198,7 @@ impl GroupWriter {
         self.inline.fetch_add(1, Ordering::SeqCst);
         let result =
             result.unwrap_or_else(|| Err(StoreError::Task("a write of one had no answer".into())));
-        if self.checkpoints.due() {
+        if log_due() && self.checkpoints.request() {
             // The writer thread checkpoints when it gets to it; a send fails only once
             // it has stopped, and then nothing is left to checkpoint for.
             let _ = self.queue.send(Message::Checkpoint);
@@ -205,38 +225,18 @@ impl GroupWriter {
     }
 }
 
-/// When the log is next due for a checkpoint, counted in the connection's commits.
+/// The checkpoints asked for and run.
+#[derive(Default)]
 struct Checkpoints {
-    commits: Arc<AtomicU64>,
-    next_at: AtomicU64,
+    /// A checkpoint was asked of the writer thread and has not run yet.
+    requested: AtomicBool,
     done: AtomicU64,
 }
 
 impl Checkpoints {
-    fn new(commits: Arc<AtomicU64>) -> Self {
-        let next_at = AtomicU64::new(commits.load(Ordering::SeqCst) + CHECKPOINT_EVERY);
-        Self {
-            commits,
-            next_at,
-            done: AtomicU64::new(0),
-        }
-    }
-
-    /// Whether a checkpoint is due; true for one caller only each time the mark is
-    /// passed, and the mark moves on.
-    fn due(&self) -> bool {
-        let now = self.commits.load(Ordering::SeqCst);
-        let next = self.next_at.load(Ordering::SeqCst);
-        now >= next
-            && self
-                .next_at
-                .compare_exchange(
-                    next,
-                    now + CHECKPOINT_EVERY,
-                    Ordering::SeqCst,
-                    Ordering::SeqCst,
-                )
-                .is_ok()
+    /// Whether the caller is the one to ask the writer thread (no request is pending).
+    fn request(&self) -> bool {
+        !self.requested.swap(true, Ordering::SeqCst)
     }
 }
 
@@ -289,7 +289,7 @@ impl Writer {
                     // its write committed; nobody is left to tell.
                     let _ = answer.send(result);
                 }
-                checkpoint |= self.checkpoints.due();
+                checkpoint |= log_due();
             }
             if checkpoint {
                 self.checkpoint();
@@ -301,6 +301,7 @@ impl Writer {
     /// for nobody; what a reader's snapshot holds back is left for the next one).
     fn checkpoint(&self) {
         let conn = self.lock();
+        self.checkpoints.requested.store(false, Ordering::SeqCst);
         let done = conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()));
         match done {
             Ok(()) => {
@@ -685,8 +686,8 @@ mod tests {
     }
 
     /// SQLite's own checkpoint after a commit is off on the store's connection (a
-    /// commit may run on a runtime thread); the writer thread checkpoints every
-    /// `CHECKPOINT_EVERY` commits instead, so the log does not grow for ever.
+    /// commit may run on a runtime thread); the writer thread checkpoints once the log
+    /// reaches `CHECKPOINT_PAGES` instead, so the log does not grow for ever.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_writer_thread_checkpoints_the_log() {
         let (store, dir) = open().await;
@@ -697,7 +698,8 @@ mod tests {
             .query_row("PRAGMA wal_autocheckpoint", [], |row| row.get(0))
             .expect("read the pragma");
         assert_eq!(autocheckpoint, 0);
-        let calls = 3 * super::CHECKPOINT_EVERY;
+        // A lone call's commit is about a dozen pages: some 3 500 pages in all.
+        let calls = 300;
         for i in 0..calls {
             let written = store.write_call(finished_call(&format!("call-{i}"))).await;
             assert!(matches!(written, Ok(true)), "{written:?}");
@@ -717,6 +719,17 @@ mod tests {
         assert!(
             db_bytes > 64 * 1024,
             "{db_bytes} bytes in the database file"
+        );
+        // And the log, reused from its start after each checkpoint, stays near the
+        // threshold: at most the threshold's pages and one more commit's, each a frame
+        // of a page and its 24-byte header.
+        let wal_bytes = std::fs::metadata(dir.path().join("airlock.db-wal"))
+            .expect("the log")
+            .len();
+        let bound = (u64::try_from(super::CHECKPOINT_PAGES).expect("pages") + 100) * (4096 + 24);
+        assert!(
+            wal_bytes <= bound,
+            "{wal_bytes} bytes in the log (bound {bound})"
         );
         assert!(store.verify().await.expect("verify").ok);
     }
