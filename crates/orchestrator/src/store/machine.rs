@@ -34,18 +34,6 @@ pub(super) enum States {
     Not(CallState),
 }
 
-impl States {
-    /// Whether no finished call is among these (a lapsed claim is `dispatched`, so
-    /// a filter's `or_lapsed_at` does not change it).
-    pub(super) fn excludes_finished(self) -> bool {
-        match self {
-            Self::Any => false,
-            Self::In(states) => !states.contains(&CallState::Finished),
-            Self::Not(state) => state == CallState::Finished,
-        }
-    }
-}
-
 /// The rows of `calls` a move (or a listing) applies to: those in [`CallFilter::states`]
 /// or holding a lapsed claim, and of those only the ones a claimant holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

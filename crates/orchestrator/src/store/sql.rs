@@ -44,7 +44,9 @@ pub(super) fn filter_sql(filter: &CallFilter<'_>, binds: &mut impl Placeholders)
     }
     // The condition of the partial index `calls_open`, so that a statement on calls not
     // finished may use it (`States::Not(Finished)` is that condition already).
-    if filter.states.excludes_finished() && filter.states != States::Not(CallState::Finished) {
+    if let States::In(states) = filter.states
+        && !states.contains(&CallState::Finished)
+    {
         conds.push(format!("state <> '{}'", CallState::Finished.as_str()));
     }
     if let Some(holder) = filter.held_by {

@@ -3,9 +3,10 @@
 //!
 //! One thread writes the calls that queue (a lone call commits itself: below). It takes
 //! the first write waiting, then every other write that queued meanwhile (at most
-//! [`MAX_BATCH`]), and commits them in one `BEGIN IMMEDIATE … COMMIT`. Each write runs inside a savepoint of its own, so a write
-//! that fails (a call id already taken, a claim already lost) is undone alone and
-//! answered with its own error, while the others commit. Nobody is answered before the
+//! [`MAX_BATCH`]), and commits them in one `BEGIN IMMEDIATE … COMMIT`. Each write runs
+//! inside a savepoint of its own, so a write that fails (a call id already taken, a
+//! claim already lost) is undone alone and answered with its own error, while the
+//! others commit. Nobody is answered before the
 //! transaction holding their write has committed, so a caller that hears `Ok` holds a
 //! durable write, as with one transaction per call; the audit chain stays dense because
 //! the writes append to it one after another inside the transaction.
@@ -186,16 +187,7 @@ impl GroupWriter {
                 Ok(tx) => tx,
                 Err(_) => return Here::Queue(Box::new(write)),
             };
-            // A panic (a bug) fails this write, as it would a batch on the writer
-            // thread; the transaction rolls back as it unwinds.
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                commit_begun(&conn, tx, vec![write]).pop()
-            }))
-            .unwrap_or_else(|_| {
-                Some(Err(StoreError::Task(
-                    "the store failed while committing a call's write".into(),
-                )))
-            })
+            unless_panicked(1, || commit_begun(&conn, tx, vec![write])).pop()
         };
         drop(conn);
         #[cfg(test)]
@@ -274,19 +266,7 @@ impl Writer {
                 }
                 self.waiting.fetch_sub(batch.len(), Ordering::SeqCst);
                 let (writes, answers): (Vec<_>, Vec<_>) = batch.into_iter().unzip();
-                // A panic in one batch (a bug) fails that batch's writes, not every
-                // later call: the transaction rolls back as it unwinds and the thread
-                // goes on.
-                let results = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    commit_batch(&conn, writes)
-                }))
-                .unwrap_or_else(|_| {
-                    fail_all(answers.len(), || {
-                        StoreError::Task(
-                            "the store's writer failed while committing a group of writes".into(),
-                        )
-                    })
-                });
+                let results = unless_panicked(answers.len(), || commit_batch(&conn, writes));
                 drop(conn);
                 for (answer, result) in answers.into_iter().zip(results) {
                     // A caller that stopped waiting (its task was cancelled) still had
@@ -396,6 +376,20 @@ fn in_savepoint(
     }
     execute_cached(conn, "RELEASE call_write", [])?;
     Ok(result)
+}
+
+/// The answers `commit` gives to its `count` writes; if it panics (a bug), an error for
+/// each, and not every later call's: the transaction rolls back as it unwinds, and the
+/// thread — the writer, or the runtime's that made the write — goes on.
+fn unless_panicked(
+    count: usize,
+    commit: impl FnOnce() -> Vec<Result<bool, StoreError>>,
+) -> Vec<Result<bool, StoreError>> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(commit)).unwrap_or_else(|_| {
+        fail_all(count, || {
+            StoreError::Task("the store failed while committing a call's write".into())
+        })
+    })
 }
 
 /// The error of a transaction that failed as a whole, once for each of its writes.
