@@ -2,7 +2,7 @@
 //!
 //! `http/protobuf` (the default) is Airlock's own: requests encoded by [`crate::encode`]
 //! and posted with the workspace's HTTP client. `grpc` is the OpenTelemetry crates'
-//! exporter.
+//! exporter. Either runs on the export thread of [`crate::batch`].
 
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
@@ -11,10 +11,9 @@ use opentelemetry::Context;
 use opentelemetry_otlp::WithExportConfig as _;
 use opentelemetry_sdk::Resource;
 use opentelemetry_sdk::error::{OTelSdkError, OTelSdkResult};
-use opentelemetry_sdk::trace::{
-    BatchConfigBuilder, BatchSpanProcessor, Span, SpanData, SpanExporter, SpanProcessor,
-};
+use opentelemetry_sdk::trace::{Span, SpanData, SpanExporter, SpanProcessor};
 
+use crate::batch::{Batcher, Export};
 use crate::encode::TraceEncoder;
 use crate::{Settings, TelemetryError};
 
@@ -80,10 +79,7 @@ pub(crate) struct Deferred {
 
 #[derive(Debug)]
 struct DeferredInner {
-    processor: OnceLock<BatchSpanProcessor>,
-    /// Kept for the life of the process (the pipeline is a static): dropping a runtime
-    /// from inside another would panic.
-    runtime: OnceLock<tokio::runtime::Runtime>,
+    batcher: OnceLock<Batcher>,
     resource: Mutex<Resource>,
 }
 
@@ -91,20 +87,26 @@ impl Deferred {
     pub(crate) fn new(resource: Resource) -> Self {
         Self {
             inner: Arc::new(DeferredInner {
-                processor: OnceLock::new(),
-                runtime: OnceLock::new(),
+                batcher: OnceLock::new(),
                 resource: Mutex::new(resource),
             }),
         }
     }
 
-    /// Builds the exporter on a runtime of its own and the batch processor's thread.
+    /// Builds the exporter and starts the thread that exports.
     pub(crate) fn start(&self, settings: &Settings) -> Result<(), TelemetryError> {
-        let runtime = export_runtime()?;
+        // The export thread's own runtime, driven by that thread alone while it exports:
+        // the HTTP and gRPC clients need one, and the calls' runtime is not theirs to use.
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| {
+                TelemetryError::Exporter(format!("cannot build the export runtime: {e}"))
+            })?;
         // The gRPC channel spawns its connection task where it is built: on the export
         // runtime, not on the one serving calls.
-        let _entered = runtime.enter();
-        let exporter = match settings.protocol {
+        let entered = runtime.enter();
+        let mut exporter = match settings.protocol {
             Protocol::Grpc => Exporter::Grpc(
                 opentelemetry_otlp::SpanExporter::builder()
                     .with_tonic()
@@ -114,138 +116,47 @@ impl Deferred {
             ),
             Protocol::HttpProtobuf => Exporter::Http(HttpExporter::new(settings)?),
         };
-        let mut exporter = OnRuntime {
-            inner: Arc::new(tokio::sync::Mutex::new(exporter)),
-            runtime: runtime.handle().clone(),
-        };
+        drop(entered);
         let resource = match self.inner.resource.lock() {
             Ok(r) => r.clone(),
             Err(poisoned) => poisoned.into_inner().clone(),
         };
         exporter.set_resource(&resource);
-        // OTEL_BSP_* (schedule delay, queue and batch sizes, export timeout) are read by
-        // the SDK's default batch configuration; only the batch size has a default of
-        // Airlock's own, and only when its variable is not set.
-        let mut batch = BatchConfigBuilder::default();
-        if std::env::var_os("OTEL_BSP_MAX_EXPORT_BATCH_SIZE").is_none() {
-            batch = batch.with_max_export_batch_size(EXPORT_BATCH_SPANS);
-        }
-        let processor = BatchSpanProcessor::builder(exporter)
-            .with_batch_config(batch.build())
-            .build();
+        let batcher = Batcher::start(exporter, runtime, settings.batch)?;
         self.inner
-            .processor
-            .set(processor)
-            .map_err(|_| TelemetryError::AlreadyStarted)?;
-        self.inner
-            .runtime
-            .set(runtime)
+            .batcher
+            .set(batcher)
             .map_err(|_| TelemetryError::AlreadyStarted)
     }
 }
 
-/// Spans per export unless `OTEL_BSP_MAX_EXPORT_BATCH_SIZE` says otherwise (the
-/// specification's default is 512). The SDK's batch processor hands each batch over in a
-/// vector of this many `SpanData` allocated afresh per export; at 512 that vector was
-/// over 128 KiB, a buffer the orchestrator's allocator maps on its own and unmaps when
-/// freed (crates/sandbox/src/heap.rs), so every export took page faults for a fresh
-/// mapping (about 0.8 more a call than untraced). At 256 the vector comes from the heap
-/// and the traced orchestrator takes no more faults than the untraced one.
-const EXPORT_BATCH_SPANS: usize = 256;
-
-/// The niceness of the export thread: spans yield the CPU to calls.
-const EXPORT_NICENESS: i32 = 10;
-
-/// One thread that converts, encodes and sends batches of spans, at a lower priority
-/// than the threads that serve calls. On the calls' own runtime an export (a batch of
-/// 512 spans is milliseconds of CPU) would hold one of its few worker threads while
-/// calls wait behind it; on its own lowered thread it takes the CPU calls leave idle,
-/// and under full load a share small enough not to delay them (a batch that cannot
-/// keep up is dropped by the SDK's bounded queue, never waited for).
-fn export_runtime() -> Result<tokio::runtime::Runtime, TelemetryError> {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .max_blocking_threads(1)
-        .thread_name("airlock-otlp")
-        .enable_all()
-        .on_thread_start(|| {
-            // On Linux a nice value belongs to a thread: `who` = 0 is the calling
-            // thread, not the whole process. Failing to lower it costs calls some
-            // latency, never correctness, so it is not an error.
-            let _ = rustix::process::setpriority_process(None, EXPORT_NICENESS);
-        })
-        .build()
-        .map_err(|e| TelemetryError::Exporter(format!("cannot start the export thread: {e}")))
-}
-
 impl SpanProcessor for Deferred {
-    fn on_start(&self, span: &mut Span, cx: &Context) {
-        if let Some(p) = self.inner.processor.get() {
-            p.on_start(span, cx);
-        }
-    }
+    fn on_start(&self, _span: &mut Span, _cx: &Context) {}
 
     fn on_end(&self, span: SpanData) {
-        if let Some(p) = self.inner.processor.get() {
-            p.on_end(span);
+        if let Some(b) = self.inner.batcher.get() {
+            b.on_end(span);
         }
     }
 
     fn force_flush(&self) -> OTelSdkResult {
         self.inner
-            .processor
+            .batcher
             .get()
-            .map_or(Ok(()), SpanProcessor::force_flush)
+            .map_or(Ok(()), |b| b.flush(crate::export_timeout()))
     }
 
     fn shutdown_with_timeout(&self, timeout: Duration) -> OTelSdkResult {
         self.inner
-            .processor
+            .batcher
             .get()
-            .map_or(Ok(()), |p| p.shutdown_with_timeout(timeout))
+            .map_or(Ok(()), |b| b.shutdown(timeout))
     }
 
     fn set_resource(&mut self, resource: &Resource) {
         match self.inner.resource.lock() {
             Ok(mut r) => *r = resource.clone(),
             Err(poisoned) => *poisoned.into_inner() = resource.clone(),
-        }
-    }
-}
-
-/// Runs each export on the export runtime: the batch processor's own thread has none,
-/// and the gRPC and HTTP clients need one.
-#[derive(Debug)]
-struct OnRuntime {
-    inner: Arc<tokio::sync::Mutex<Exporter>>,
-    runtime: tokio::runtime::Handle,
-}
-
-impl SpanExporter for OnRuntime {
-    async fn export(&self, batch: Vec<SpanData>) -> OTelSdkResult {
-        let inner = self.inner.clone();
-        let exported = self
-            .runtime
-            .spawn(async move { inner.lock().await.export(batch).await });
-        match exported.await {
-            Ok(result) => result,
-            Err(e) => Err(OTelSdkError::InternalFailure(format!(
-                "the export task failed: {e}"
-            ))),
-        }
-    }
-
-    fn shutdown_with_timeout(&mut self, timeout: Duration) -> OTelSdkResult {
-        match self.inner.try_lock() {
-            Ok(mut inner) => inner.shutdown_with_timeout(timeout),
-            // An export still running ends with the runtime.
-            Err(_) => Ok(()),
-        }
-    }
-
-    fn set_resource(&mut self, resource: &Resource) {
-        if let Ok(mut inner) = self.inner.try_lock() {
-            inner.set_resource(resource);
         }
     }
 }
@@ -257,21 +168,24 @@ enum Exporter {
     Http(HttpExporter),
 }
 
-impl SpanExporter for Exporter {
-    async fn export(&self, batch: Vec<SpanData>) -> OTelSdkResult {
+impl Export for Exporter {
+    async fn export(&self, batch: &mut Vec<SpanData>) -> OTelSdkResult {
         match self {
-            Self::Grpc(e) => e.export(batch).await,
+            // The crates' exporter takes the batch; the export thread allocates the next.
+            Self::Grpc(e) => e.export(std::mem::take(batch)).await,
             Self::Http(e) => e.export(batch).await,
         }
     }
 
-    fn shutdown_with_timeout(&mut self, timeout: Duration) -> OTelSdkResult {
+    fn shutdown(&mut self) -> OTelSdkResult {
         match self {
-            Self::Grpc(e) => e.shutdown_with_timeout(timeout),
+            Self::Grpc(e) => e.shutdown(),
             Self::Http(_) => Ok(()),
         }
     }
+}
 
+impl Exporter {
     fn set_resource(&mut self, resource: &Resource) {
         match self {
             Self::Grpc(e) => e.set_resource(resource),
@@ -308,11 +222,11 @@ impl HttpExporter {
         })
     }
 
-    async fn export(&self, batch: Vec<SpanData>) -> OTelSdkResult {
-        // About 150 bytes a span; one allocation for most batches.
-        let mut body = Vec::with_capacity(batch.len() * 192 + 256);
-        self.encoder.request(&batch, &mut body);
-        drop(batch);
+    async fn export(&self, batch: &mut Vec<SpanData>) -> OTelSdkResult {
+        // About 110 bytes a span; one allocation for most batches.
+        let mut body = Vec::with_capacity(batch.len() * 128 + 256);
+        self.encoder.request(batch, &mut body);
+        batch.clear();
         let response = self
             .client
             .post(&self.url)
@@ -402,24 +316,6 @@ fn percent_decode(text: &str) -> Option<Vec<u8>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// A batch's vector stays under the size from which the orchestrator's allocator maps
-    /// a buffer on its own (glibc's initial mmap threshold, which the orchestrator fixes:
-    /// crates/sandbox/src/heap.rs); the specification's 512 spans would not.
-    #[test]
-    fn a_batch_of_spans_is_served_from_the_heap() {
-        const MMAP_THRESHOLD_BYTES: usize = 128 * 1024;
-        let span = std::mem::size_of::<SpanData>();
-        assert!(
-            EXPORT_BATCH_SPANS * span < MMAP_THRESHOLD_BYTES,
-            "{EXPORT_BATCH_SPANS} spans of {span} bytes"
-        );
-        assert!(
-            512 * span >= MMAP_THRESHOLD_BYTES,
-            "the default batch of 512 spans of {span} bytes fits under the threshold: the \
-             default of Airlock's own is no longer needed"
-        );
-    }
 
     #[test]
     fn headers_are_key_value_pairs_with_percent_escapes() {

@@ -13,11 +13,12 @@
 //! values), whatever some library logs inside it. Log lines are tied to a trace by the
 //! `trace_id` and `span_id` that JSON logs carry instead ([`json`]).
 //!
-//! Processes that confine themselves must not start threads before they do: the batch
-//! processor's thread and the exporter's own runtime (one thread at a lowered priority,
-//! so that encoding and sending spans yields to calls) start in [`start`], called after
-//! confinement; spans that end before it are dropped.
+//! Processes that confine themselves must not start threads before they do: the export
+//! thread (one thread at a lowered priority, so that encoding and sending spans yields
+//! to calls, [`batch`]) starts in [`start`], called after confinement; spans that end
+//! before it are dropped.
 
+mod batch;
 mod encode;
 mod export;
 pub mod json;
@@ -36,6 +37,7 @@ use opentelemetry_sdk::trace::{SdkTracerProvider, SpanProcessor};
 use tracing_subscriber::Layer;
 use tracing_subscriber::registry::LookupSpan;
 
+pub use batch::BatchSettings;
 pub use export::Protocol;
 /// What a [`CallSpan`] is made of, for the code that opens one.
 pub use opentelemetry::{KeyValue, Value, trace::SpanKind};
@@ -113,6 +115,8 @@ pub struct Settings {
     /// `OTEL_EXPORTER_OTLP_TRACES_HEADERS`, else `OTEL_EXPORTER_OTLP_HEADERS`, parsed
     /// (values marked sensitive).
     pub headers: http::HeaderMap,
+    /// `OTEL_BSP_*`: the queue, the batch, the schedule delay and the export timeout.
+    pub batch: BatchSettings,
 }
 
 impl Settings {
@@ -203,6 +207,7 @@ impl Settings {
             service_name: service.name(set("OTEL_SERVICE_NAME").as_deref()),
             traces_url,
             headers,
+            batch: BatchSettings::from_lookup(set)?,
         }))
     }
 }
@@ -286,9 +291,8 @@ where
     Ok(Some(layer))
 }
 
-/// Starts exporting: builds the exporter on a runtime of its own and the batch
-/// processor's thread. A no-op when tracing is off. Call it once the process is
-/// confined.
+/// Starts exporting: builds the exporter and the export thread that runs it. A no-op
+/// when tracing is off. Call it once the process is confined.
 pub fn start() -> Result<(), TelemetryError> {
     let Some(pipeline) = PIPELINE.get() else {
         return Ok(());
@@ -310,7 +314,8 @@ pub async fn shutdown() {
     };
     ENABLED.store(false, Ordering::Relaxed);
     let provider = pipeline.provider.clone();
-    let done = tokio::task::spawn_blocking(move || provider.shutdown()).await;
+    let timeout = pipeline.settings.batch.timeout;
+    let done = tokio::task::spawn_blocking(move || provider.shutdown_with_timeout(timeout)).await;
     match done {
         Ok(Ok(())) => {}
         Ok(Err(e)) => tracing::warn!(error = %e, "the last spans could not be exported"),
