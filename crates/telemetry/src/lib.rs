@@ -233,7 +233,8 @@ pub fn enabled() -> bool {
 }
 
 /// The OpenTelemetry layer for this process's subscriber, or `None` when tracing is
-/// off. It exports the spans under [`TARGET`] and nothing else; the exporter starts in
+/// off or this is a worker (whose spans are all [`CallSpan`]s, exported without one).
+/// It exports the spans under [`TARGET`] and nothing else; the exporter starts in
 /// [`start`].
 pub fn layer<S>(service: &Service) -> Result<Option<impl Layer<S> + use<S>>, TelemetryError>
 where
@@ -265,6 +266,13 @@ where
         })
         .map_err(|_| TelemetryError::AlreadyStarted)?;
     ENABLED.store(true, Ordering::Relaxed);
+    // A worker's spans (its `execute_tool`, the shell's sandbox run) are all built
+    // through the SDK directly (`CallSpan`), so it needs no `tracing` layer. Without
+    // one, its subscriber's most verbose level stays the log lines' (info by default)
+    // instead of TRACE, the level of the spans this layer takes.
+    if matches!(service, Service::Worker(_)) {
+        return Ok(None);
+    }
     let layer = tracing_opentelemetry::layer()
         .with_tracer(tracer)
         // What each span costs is paid per call: no busy/idle timing (two clock reads
