@@ -47,7 +47,7 @@ impl SpanStart {
     /// orchestrator's span of a call and each worker's. Never the call's arguments.
     pub fn execute_tool(kind: SpanKind, tool: &str, call_id: &str) -> Self {
         Self {
-            name: format!("execute_tool {tool}").into(),
+            name: execute_tool_name(tool).into(),
             kind,
             attributes: vec![
                 KeyValue::new("gen_ai.operation.name", "execute_tool"),
@@ -56,6 +56,16 @@ impl SpanStart {
             ],
         }
     }
+}
+
+/// `execute_tool {tool}`, the GenAI conventions' span name, in one allocation (it is
+/// built twice a call, by the orchestrator and by the worker).
+fn execute_tool_name(tool: &str) -> String {
+    const PREFIX: &str = "execute_tool ";
+    let mut name = String::with_capacity(PREFIX.len() + tool.len());
+    name.push_str(PREFIX);
+    name.push_str(tool);
+    name
 }
 
 impl CallSpan {
