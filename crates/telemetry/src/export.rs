@@ -223,8 +223,10 @@ impl HttpExporter {
     }
 
     async fn export(&self, batch: &mut Vec<SpanData>) -> OTelSdkResult {
-        // About 110 bytes a span; one allocation for most batches.
-        let mut body = Vec::with_capacity(batch.len() * 128 + 256);
+        // About 120 bytes a span on average, more for a call's span with its
+        // attributes: room for 160 makes it one allocation (a batch that outgrew 128 a
+        // span was copied into a buffer twice the size).
+        let mut body = Vec::with_capacity(batch.len() * 160 + 1024);
         self.encoder.request(batch, &mut body);
         batch.clear();
         let response = self
