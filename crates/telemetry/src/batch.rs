@@ -205,6 +205,12 @@ impl Batcher {
         Ok(())
     }
 
+    /// [`Batcher::flush`] bounded by `OTEL_BSP_EXPORT_TIMEOUT`, as one export is: what a
+    /// flush waits for is the export thread's next export.
+    pub(crate) fn force_flush(&self) -> OTelSdkResult {
+        self.flush(self.shared.settings.timeout)
+    }
+
     /// Exports what is left and stops the thread; waits at most `timeout`.
     pub(crate) fn shutdown(&self, timeout: Duration) -> OTelSdkResult {
         let mut queue = self.shared.lock();
@@ -519,6 +525,31 @@ mod tests {
         let exported: usize = recorder.batches().iter().sum();
         assert_eq!(exported as u64 + dropped, 1_000);
         assert!(recorder.batches().iter().all(|&b| b <= 4));
+        batcher.shutdown(Duration::from_secs(10)).unwrap();
+    }
+
+    /// A flush asked of the processor waits at most `OTEL_BSP_EXPORT_TIMEOUT` for an
+    /// export that does not end, then says it timed out; the spans are still exported
+    /// once the exporter answers.
+    #[test]
+    fn a_forced_flush_waits_the_export_timeout() {
+        let gate = Arc::new(tokio::sync::Semaphore::new(0));
+        let recorder = Recorder {
+            gate: Some(gate.clone()),
+            ..Recorder::default()
+        };
+        let timeout = Duration::from_millis(100);
+        let batcher = started(
+            &recorder,
+            settings(64, 16, Duration::from_secs(600)).with_timeout(timeout),
+        );
+        batcher.on_end(span(true));
+        assert!(
+            matches!(batcher.force_flush(), Err(OTelSdkError::Timeout(t)) if t == timeout),
+            "the flush was not bounded by the export timeout"
+        );
+        gate.add_permits(1);
+        assert_eq!(recorder.wait_for(1), [1]);
         batcher.shutdown(Duration::from_secs(10)).unwrap();
     }
 

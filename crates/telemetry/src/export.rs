@@ -143,7 +143,7 @@ impl SpanProcessor for Deferred {
         self.inner
             .batcher
             .get()
-            .map_or(Ok(()), |b| b.flush(crate::export_timeout()))
+            .map_or(Ok(()), Batcher::force_flush)
     }
 
     fn shutdown_with_timeout(&self, timeout: Duration) -> OTelSdkResult {
