@@ -389,6 +389,16 @@ mod tests {
     }
 
     impl Recorder {
+        /// A recorder whose exports wait until the returned gate gets permits.
+        fn held() -> (Self, Arc<tokio::sync::Semaphore>) {
+            let gate = Arc::new(tokio::sync::Semaphore::new(0));
+            let recorder = Self {
+                gate: Some(gate.clone()),
+                ..Self::default()
+            };
+            (recorder, gate)
+        }
+
         fn batches(&self) -> Vec<usize> {
             self.batches.lock().unwrap().clone()
         }
@@ -506,11 +516,7 @@ mod tests {
     /// are dropped, and what is kept is bounded by the queue and the batch in flight.
     #[test]
     fn a_full_queue_drops_spans_rather_than_waiting() {
-        let gate = Arc::new(tokio::sync::Semaphore::new(0));
-        let recorder = Recorder {
-            gate: Some(gate.clone()),
-            ..Recorder::default()
-        };
+        let (recorder, gate) = Recorder::held();
         let batcher = started(&recorder, settings(8, 4, Duration::from_secs(600)));
         // The exporter is held until the permits below: had `on_end` waited for it,
         // this loop would never end.
@@ -533,11 +539,7 @@ mod tests {
     /// once the exporter answers.
     #[test]
     fn a_forced_flush_waits_the_export_timeout() {
-        let gate = Arc::new(tokio::sync::Semaphore::new(0));
-        let recorder = Recorder {
-            gate: Some(gate.clone()),
-            ..Recorder::default()
-        };
+        let (recorder, gate) = Recorder::held();
         let timeout = Duration::from_millis(100);
         let batcher = started(
             &recorder,
