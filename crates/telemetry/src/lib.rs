@@ -33,7 +33,7 @@ use std::time::Duration;
 
 use opentelemetry::trace::TracerProvider as _;
 use opentelemetry_sdk::Resource;
-use opentelemetry_sdk::trace::{SdkTracerProvider, SpanProcessor};
+use opentelemetry_sdk::trace::{Sampler, SdkTracerProvider, SpanProcessor};
 use tracing_subscriber::Layer;
 use tracing_subscriber::registry::LookupSpan;
 
@@ -117,6 +117,8 @@ pub struct Settings {
     pub headers: http::HeaderMap,
     /// `OTEL_BSP_*`: the queue, the batch, the schedule delay and the export timeout.
     pub batch: BatchSettings,
+    /// `OTEL_TRACES_SAMPLER` and `OTEL_TRACES_SAMPLER_ARG`.
+    pub sampler: Sampler,
 }
 
 impl Settings {
@@ -156,22 +158,7 @@ impl Settings {
             Some((variable, value)) => Protocol::parse(variable, &value)?,
             None => Protocol::HttpProtobuf,
         };
-        if let Some(value) = set("OTEL_TRACES_SAMPLER") {
-            const KNOWN: [&str; 6] = [
-                "always_on",
-                "always_off",
-                "traceidratio",
-                "parentbased_always_on",
-                "parentbased_always_off",
-                "parentbased_traceidratio",
-            ];
-            if !KNOWN.contains(&value.trim()) {
-                return Err(TelemetryError::Sampler {
-                    variable: "OTEL_TRACES_SAMPLER",
-                    value,
-                });
-            }
-        }
+        let sampler = sampler(set("OTEL_TRACES_SAMPLER"), set("OTEL_TRACES_SAMPLER_ARG"))?;
         for variable in [
             "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
             "OTEL_EXPORTER_OTLP_ENDPOINT",
@@ -208,16 +195,56 @@ impl Settings {
             traces_url,
             headers,
             batch: BatchSettings::from_lookup(set)?,
+            sampler,
         }))
     }
+}
+
+/// The sampler `OTEL_TRACES_SAMPLER` names (`parentbased_always_on` when unset), with
+/// the ratio `OTEL_TRACES_SAMPLER_ARG` gives the ratio samplers (1 when unset). Read
+/// here rather than by the SDK, which falls back to another sampler for a name or a
+/// ratio it cannot read: a typo would quietly change which calls are traced.
+fn sampler(name: Option<String>, arg: Option<String>) -> Result<Sampler, TelemetryError> {
+    let ratio = || -> Result<f64, TelemetryError> {
+        let Some(value) = arg else {
+            return Ok(1.0);
+        };
+        match value.trim().parse::<f64>() {
+            Ok(ratio) if (0.0..=1.0).contains(&ratio) => Ok(ratio),
+            _ => Err(TelemetryError::Variable {
+                variable: "OTEL_TRACES_SAMPLER_ARG",
+                value,
+                reason: "must be a sampling ratio from 0 to 1, e.g. 0.1".to_owned(),
+            }),
+        }
+    };
+    let Some(name) = name else {
+        return Ok(Sampler::ParentBased(Box::new(Sampler::AlwaysOn)));
+    };
+    Ok(match name.trim() {
+        "always_on" => Sampler::AlwaysOn,
+        "always_off" => Sampler::AlwaysOff,
+        "traceidratio" => Sampler::TraceIdRatioBased(ratio()?),
+        "parentbased_always_on" => Sampler::ParentBased(Box::new(Sampler::AlwaysOn)),
+        "parentbased_always_off" => Sampler::ParentBased(Box::new(Sampler::AlwaysOff)),
+        "parentbased_traceidratio" => {
+            Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(ratio()?)))
+        }
+        _ => {
+            return Err(TelemetryError::Sampler {
+                variable: "OTEL_TRACES_SAMPLER",
+                value: name,
+            });
+        }
+    })
 }
 
 /// The tracer provider of this process, set once by [`layer`].
 struct Pipeline {
     provider: SdkTracerProvider,
-    /// The tracer of [`OpenStage`]s, which do not go through `tracing`.
-    tracer: opentelemetry_sdk::trace::SdkTracer,
-    /// The tracer's scope and span ids, for the [`Stage`]s built without it.
+    /// The provider's scope and ids, for the spans built without its tracer (every
+    /// span of a call: [`CallSpan`], [`OpenStage`], [`Stage`]), which the settings'
+    /// sampler samples as the provider does.
     scope: opentelemetry::InstrumentationScope,
     ids: opentelemetry_sdk::trace::RandomIdGenerator,
     processor: export::Deferred,
@@ -247,18 +274,18 @@ where
         .with_service_name(settings.service_name.clone())
         .build();
     let processor = export::Deferred::new(resource.clone());
-    // The sampler comes from OTEL_TRACES_SAMPLER and OTEL_TRACES_SAMPLER_ARG, read by
-    // the SDK's default configuration.
+    // The `tracing` spans (the approval wait, the agent loop's) are sampled by the
+    // provider, the call's own spans by the pipeline: one sampler, from the settings.
     let provider = SdkTracerProvider::builder()
         .with_resource(resource)
         .with_span_processor(processor.clone())
+        .with_sampler(settings.sampler.clone())
         .build();
     let scope = opentelemetry::InstrumentationScope::builder(TRACER_NAME).build();
     let tracer = provider.tracer_with_scope(scope.clone());
     PIPELINE
         .set(Pipeline {
             provider,
-            tracer: tracer.clone(),
             scope,
             ids: opentelemetry_sdk::trace::RandomIdGenerator::default(),
             processor,
@@ -463,6 +490,43 @@ mod tests {
     }
 
     #[test]
+    fn the_sampler_is_the_one_the_variables_name() {
+        let endpoint = ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4318");
+        let sampler = |vars: &[(&str, &str)]| {
+            let mut all = vec![endpoint];
+            all.extend_from_slice(vars);
+            format!(
+                "{:?}",
+                settings(&all, Service::Orchestrator)
+                    .unwrap()
+                    .unwrap()
+                    .sampler
+            )
+        };
+        assert_eq!(sampler(&[]), "ParentBased(AlwaysOn)");
+        assert_eq!(
+            sampler(&[("OTEL_TRACES_SAMPLER", " always_off ")]),
+            "AlwaysOff"
+        );
+        assert_eq!(
+            sampler(&[("OTEL_TRACES_SAMPLER", "traceidratio")]),
+            "TraceIdRatioBased(1.0)",
+            "the ratio is 1 when unset"
+        );
+        assert_eq!(
+            sampler(&[
+                ("OTEL_TRACES_SAMPLER", "parentbased_traceidratio"),
+                ("OTEL_TRACES_SAMPLER_ARG", "0.25"),
+            ]),
+            "ParentBased(TraceIdRatioBased(0.25))"
+        );
+        assert_eq!(
+            sampler(&[("OTEL_TRACES_SAMPLER", "parentbased_always_off")]),
+            "ParentBased(AlwaysOff)"
+        );
+    }
+
+    #[test]
     fn values_it_cannot_honour_are_refused_by_name() {
         let endpoint = ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4318");
         for (vars, named) in [
@@ -473,6 +537,22 @@ mod tests {
             (
                 vec![endpoint, ("OTEL_TRACES_SAMPLER", "sometimes")],
                 "OTEL_TRACES_SAMPLER=\"sometimes\"",
+            ),
+            (
+                vec![
+                    endpoint,
+                    ("OTEL_TRACES_SAMPLER", "parentbased_traceidratio"),
+                    ("OTEL_TRACES_SAMPLER_ARG", "10%"),
+                ],
+                "OTEL_TRACES_SAMPLER_ARG=\"10%\"",
+            ),
+            (
+                vec![
+                    endpoint,
+                    ("OTEL_TRACES_SAMPLER", "traceidratio"),
+                    ("OTEL_TRACES_SAMPLER_ARG", "1.5"),
+                ],
+                "OTEL_TRACES_SAMPLER_ARG=\"1.5\"",
             ),
             (
                 vec![("OTEL_EXPORTER_OTLP_ENDPOINT", "collector:4318")],

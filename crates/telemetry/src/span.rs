@@ -1,13 +1,16 @@
 //! Spans that every call opens in every process it crosses (the front door's, the
-//! worker's `execute_tool`, the sandbox's run), built through the SDK's tracer directly
-//! rather than through `tracing`.
+//! worker's `execute_tool`, the sandbox's run), built here rather than through `tracing`
+//! or the SDK's tracer.
 //!
 //! A `tracing` span exported by tracing-opentelemetry is registered in `tracing`'s
 //! registry, passed through each layer's filter, entered and exited on every poll, built
 //! as a span builder and converted when it closes: measured span by span, about 4 % of
 //! its process's CPU on a 100 B read (docs/decisions.md, "What each `tracing` span
-//! costs"). A [`CallSpan`] is the SDK's span in an OpenTelemetry context, and nothing
-//! else.
+//! costs"). A [`CallSpan`] is a `Recording` in an OpenTelemetry context, and nothing
+//! else: the SDK's tracer did the same work through a span builder, a boxed sampler, a
+//! span that holds a clone of the tracer (a reference count on the provider, shared by
+//! every thread that opens a span) and a conversion when it ends (docs/decisions.md,
+//! "Call spans are Airlock's own").
 //!
 //! What runs inside one finds it through OpenTelemetry's current context, which
 //! [`CallSpan::attach_to`] makes the span's on each poll of the future it wraps: the
@@ -24,9 +27,16 @@ use std::borrow::Cow;
 use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
+use std::time::SystemTime;
 
-use opentelemetry::trace::{SpanKind, Status, TraceContextExt as _, Tracer as _};
+use opentelemetry::trace::{
+    SamplingDecision, SpanContext, SpanId, SpanKind, Status, TraceContextExt as _,
+};
 use opentelemetry::{KeyValue, Value};
+use opentelemetry_sdk::trace::{
+    IdGenerator as _, RandomIdGenerator, Sampler, ShouldSample as _, SpanData, SpanEvents,
+    SpanLinks, SpanProcessor as _,
+};
 
 /// One span of a call, open until it [ends](CallSpan::end) (or is dropped, which ends
 /// it too: a future cancelled mid-call still exports what it did).
@@ -82,14 +92,12 @@ impl CallSpan {
         // A context with no span in it, rather than the current one: a request's span
         // continues its caller's trace, never whatever this thread ran before.
         let parent = parent.unwrap_or_default();
-        let start = start();
-        let tracer = &pipeline.tracer;
-        let span = tracer
-            .span_builder(start.name)
-            .with_kind(start.kind)
-            .with_attributes(start.attributes)
-            .start_with_context(tracer, &parent);
-        Self(Some(parent.with_span(span)))
+        Self(Some(start_span(
+            &pipeline.settings.sampler,
+            &pipeline.ids,
+            &parent,
+            start(),
+        )))
     }
 
     /// Starts a span under the current one ([`crate::StageParent::current`]), or a
@@ -141,6 +149,155 @@ impl CallSpan {
     }
 }
 
+/// Starts the span `start` under `parent` (a context with no span: a new trace), as
+/// the SDK's tracer does: the trace id is the parent's, the sampler decides, the flags
+/// are the parent's with the decision in them, and only a sampled span records.
+pub(crate) fn start_span(
+    sampler: &Sampler,
+    ids: &RandomIdGenerator,
+    parent: &opentelemetry::Context,
+    start: SpanStart,
+) -> opentelemetry::Context {
+    let has_parent = parent.has_active_span();
+    let parent_span = parent.span();
+    let parent_context = parent_span.span_context();
+    let trace_id = if has_parent {
+        parent_context.trace_id()
+    } else {
+        ids.new_trace_id()
+    };
+    let sampling = sampler.should_sample(
+        Some(parent),
+        trace_id,
+        &start.name,
+        &start.kind,
+        &start.attributes,
+        &[],
+    );
+    let sampled = sampling.decision == SamplingDecision::RecordAndSample;
+    let context = SpanContext::new(
+        trace_id,
+        ids.new_span_id(),
+        parent_context.trace_flags().with_sampled(sampled),
+        false,
+        sampling.trace_state,
+    );
+    if sampling.decision == SamplingDecision::Drop {
+        // Not recorded, but still the parent of what runs inside and of the worker's
+        // span (which the flags tell not to record either).
+        return parent.with_remote_span_context(context);
+    }
+    let mut attributes = start.attributes;
+    attributes.extend(sampling.attributes);
+    let (parent_span_id, parent_is_remote) = if has_parent {
+        (parent_context.span_id(), parent_context.is_remote())
+    } else {
+        (SpanId::INVALID, false)
+    };
+    parent.with_span(Recording {
+        context,
+        parent_span_id,
+        parent_is_remote,
+        name: start.name,
+        kind: start.kind,
+        start: SystemTime::now(),
+        attributes,
+        status: Status::Unset,
+        ended: false,
+    })
+}
+
+/// A span that records: what it is and what was set on it, handed to the exporter as
+/// the SDK's `SpanData` when it ends (or is dropped, the last clone of its context gone).
+///
+/// It carries no events and no links: Airlock's spans have none (what happens inside a
+/// span is a log line, with the span's ids).
+#[derive(Debug)]
+struct Recording {
+    context: SpanContext,
+    parent_span_id: SpanId,
+    parent_is_remote: bool,
+    name: Cow<'static, str>,
+    kind: SpanKind,
+    start: SystemTime,
+    attributes: Vec<KeyValue>,
+    status: Status,
+    ended: bool,
+}
+
+impl opentelemetry::trace::Span for Recording {
+    fn add_event_with_timestamp<T>(&mut self, _name: T, _at: SystemTime, _: Vec<KeyValue>)
+    where
+        T: Into<Cow<'static, str>>,
+    {
+    }
+
+    fn span_context(&self) -> &SpanContext {
+        &self.context
+    }
+
+    fn is_recording(&self) -> bool {
+        !self.ended
+    }
+
+    fn set_attribute(&mut self, attribute: KeyValue) {
+        if !self.ended {
+            self.attributes.push(attribute);
+        }
+    }
+
+    /// As the SDK does: `Ok` wins over `Error`, which wins over `Unset`.
+    fn set_status(&mut self, status: Status) {
+        if !self.ended && status > self.status {
+            self.status = status;
+        }
+    }
+
+    fn update_name<T>(&mut self, name: T)
+    where
+        T: Into<Cow<'static, str>>,
+    {
+        if !self.ended {
+            self.name = name.into();
+        }
+    }
+
+    fn add_link(&mut self, _span_context: SpanContext, _attributes: Vec<KeyValue>) {}
+
+    fn end_with_timestamp(&mut self, end: SystemTime) {
+        if std::mem::replace(&mut self.ended, true) {
+            return;
+        }
+        let name = std::mem::take(&mut self.name);
+        let attributes = std::mem::take(&mut self.attributes);
+        let status = std::mem::replace(&mut self.status, Status::Unset);
+        let Some(pipeline) = crate::PIPELINE.get() else {
+            return;
+        };
+        pipeline.processor.on_end(SpanData {
+            span_context: self.context.clone(),
+            parent_span_id: self.parent_span_id,
+            parent_span_is_remote: self.parent_is_remote,
+            span_kind: self.kind.clone(),
+            name,
+            start_time: self.start,
+            end_time: end,
+            attributes,
+            dropped_attributes_count: 0,
+            events: SpanEvents::default(),
+            links: SpanLinks::default(),
+            status,
+            instrumentation_scope: pipeline.scope.clone(),
+        });
+    }
+}
+
+impl Drop for Recording {
+    fn drop(&mut self) {
+        opentelemetry::trace::Span::end(self);
+    }
+}
+
 pin_project_lite::pin_project! {
     /// A future polled with a [`CallSpan`] as OpenTelemetry's current context.
     #[derive(Debug)]
@@ -164,7 +321,7 @@ impl<F: Future> Future for InSpan<F> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use opentelemetry::trace::{SpanContext, SpanId, TraceFlags, TraceId, TraceState};
+    use opentelemetry::trace::{TraceFlags, TraceId, TraceState};
 
     fn remote() -> SpanContext {
         SpanContext::new(
@@ -205,6 +362,110 @@ mod tests {
         assert_eq!(current_span_id(), SpanId::INVALID, "not after the end");
         assert_eq!(*seen.lock().unwrap(), vec![remote().span_id(); 2]);
         assert_eq!(span.in_scope(current_span_id), remote().span_id());
+    }
+
+    fn start(sampler: &Sampler, parent: &opentelemetry::Context) -> opentelemetry::Context {
+        let start = SpanStart::execute_tool(SpanKind::Server, "read_file", "c-1");
+        start_span(sampler, &RandomIdGenerator::default(), parent, start)
+    }
+
+    #[test]
+    fn a_span_continues_its_parents_trace_and_records_only_when_sampled() {
+        let parent_based = Sampler::ParentBased(Box::new(Sampler::AlwaysOn));
+        let root = opentelemetry::Context::new();
+
+        // No parent: a trace of its own, sampled, recording.
+        let cx = start(&parent_based, &root);
+        let span = cx.span();
+        assert!(span.is_recording());
+        assert!(span.span_context().is_sampled());
+        assert!(!span.span_context().is_remote());
+        assert_ne!(span.span_context().trace_id(), TraceId::INVALID);
+        let other = start(&parent_based, &root);
+        assert_ne!(
+            other.span().span_context().trace_id(),
+            span.span_context().trace_id(),
+            "each root is a trace of its own"
+        );
+
+        // A caller's sampled context: its trace, a new span id, its trace state.
+        let caller = opentelemetry::Context::new().with_remote_span_context(remote());
+        let cx = start(&parent_based, &caller);
+        let span = cx.span();
+        assert!(span.is_recording());
+        assert_eq!(span.span_context().trace_id(), remote().trace_id());
+        assert_ne!(span.span_context().span_id(), remote().span_id());
+        assert!(span.span_context().is_sampled());
+        assert!(
+            !span.span_context().is_remote(),
+            "the new span is this process's"
+        );
+
+        // A caller that did not sample: followed, not recorded, still the parent of what
+        // runs inside (its trace id, unsampled flags).
+        let unsampled = SpanContext::new(
+            remote().trace_id(),
+            remote().span_id(),
+            TraceFlags::default(),
+            true,
+            TraceState::default(),
+        );
+        let caller = opentelemetry::Context::new().with_remote_span_context(unsampled);
+        let cx = start(&parent_based, &caller);
+        assert!(cx.has_active_span());
+        assert!(!cx.span().is_recording());
+        assert!(!cx.span().span_context().is_sampled());
+        assert_eq!(cx.span().span_context().trace_id(), remote().trace_id());
+
+        // The sampler decides for a root: `always_off` and a ratio of 0 record nothing.
+        for sampler in [Sampler::AlwaysOff, Sampler::TraceIdRatioBased(0.0)] {
+            let cx = start(&sampler, &root);
+            assert!(!cx.span().is_recording(), "{sampler:?}");
+            assert!(!cx.span().span_context().is_sampled(), "{sampler:?}");
+        }
+        // ... and `always_on` records under an unsampled caller: it does not follow.
+        let cx = start(&Sampler::AlwaysOn, &caller);
+        assert!(cx.span().is_recording());
+        assert!(cx.span().span_context().is_sampled());
+    }
+
+    #[test]
+    fn a_recording_keeps_the_strongest_status_and_nothing_after_its_end() {
+        use opentelemetry::trace::Span as _;
+        let mut span = Recording {
+            context: remote(),
+            parent_span_id: SpanId::INVALID,
+            parent_is_remote: false,
+            name: "execute_tool read_file".into(),
+            kind: SpanKind::Server,
+            start: SystemTime::now(),
+            attributes: Vec::new(),
+            status: Status::Unset,
+            ended: false,
+        };
+        span.set_status(Status::error(""));
+        span.set_status(Status::Unset);
+        assert_eq!(
+            span.status,
+            Status::error(""),
+            "unset does not clear an error"
+        );
+        span.set_status(Status::Ok);
+        span.set_status(Status::error(""));
+        assert_eq!(span.status, Status::Ok, "ok is final");
+        span.set_attribute(KeyValue::new("airlock.status", "ok"));
+        span.update_name("execute_tool write_file");
+        assert_eq!(span.attributes.len(), 1);
+        assert!(span.is_recording());
+        span.end();
+        assert!(!span.is_recording());
+        span.set_attribute(KeyValue::new("airlock.late", "x"));
+        span.update_name("late");
+        assert!(
+            span.attributes.is_empty(),
+            "handed over at the end, nothing added after"
+        );
+        assert_ne!(span.name, "late");
     }
 
     #[test]

@@ -16,7 +16,7 @@ use std::time::SystemTime;
 
 use opentelemetry::InstrumentationScope;
 use opentelemetry::trace::{
-    SpanContext, SpanId, SpanKind, Status, TraceContextExt as _, TraceFlags, Tracer as _,
+    SpanContext, SpanId, SpanKind, Status, TraceContextExt as _, TraceFlags,
 };
 use opentelemetry_sdk::trace::{
     IdGenerator as _, SpanData, SpanEvents, SpanLinks, SpanProcessor as _,
@@ -67,9 +67,13 @@ impl StageParent {
         let Some((parent, pipeline)) = self.0.as_ref().zip(crate::PIPELINE.get()) else {
             return OpenStage(Self(None));
         };
-        let tracer = &pipeline.tracer;
-        let span = tracer.span_builder(name).start_with_context(tracer, parent);
-        OpenStage(Self(Some(parent.with_span(span))))
+        let start = crate::SpanStart {
+            name: Cow::Borrowed(name),
+            kind: SpanKind::Internal,
+            attributes: Vec::new(),
+        };
+        let cx = crate::span::start_span(&pipeline.settings.sampler, &pipeline.ids, parent, start);
+        OpenStage(Self(Some(cx)))
     }
 
     /// The context to send on (W3C trace context), if there is one.
