@@ -81,11 +81,19 @@ impl StageParent {
         self.0.as_ref()
     }
 
-    /// Starts the stage `name` under this parent.
+    /// Starts the stage `name` under this parent. Under a parent that is not sampled it
+    /// is nothing, as with tracing off: it would not be exported (`stage_span`), so
+    /// no clock is read and no id drawn for it — what a call costs when a sampling
+    /// ratio leaves it out.
     pub fn stage(&self, name: &'static str) -> Stage {
-        Stage(self.0.as_ref().map(|parent| Started {
+        let parent = self
+            .0
+            .as_ref()
+            .map(|cx| cx.span().span_context().clone())
+            .filter(SpanContext::is_sampled);
+        Stage(parent.map(|parent| Started {
             name,
-            parent: parent.span().span_context().clone(),
+            parent,
             start: SystemTime::now(),
         }))
     }
@@ -268,5 +276,18 @@ mod tests {
         let scope = InstrumentationScope::builder("airlock").build();
         let id = SpanId::from_hex("00f067aa0ba902b7").unwrap();
         assert!(stage_span(&parent(TraceFlags::NOT_SAMPLED), id, ended(false), &scope).is_none());
+    }
+
+    #[test]
+    fn a_stage_is_started_only_under_a_sampled_parent() {
+        let under = |flags| {
+            let cx = opentelemetry::Context::new().with_remote_span_context(parent(flags));
+            StageParent::from_context(Some(cx)).stage("gate.policy")
+        };
+        let sampled = under(TraceFlags::SAMPLED);
+        let started = sampled.0.as_ref().expect("started under a sampled parent");
+        assert_eq!(started.parent, parent(TraceFlags::SAMPLED));
+        assert!(under(TraceFlags::NOT_SAMPLED).0.is_none());
+        assert!(StageParent::default().stage("gate.policy").0.is_none());
     }
 }
