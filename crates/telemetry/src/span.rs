@@ -293,8 +293,11 @@ impl opentelemetry::trace::Span for Recording {
 }
 
 impl Drop for Recording {
+    /// A span dropped without an end ends now; one that ended is not timed again.
     fn drop(&mut self) {
-        opentelemetry::trace::Span::end(self);
+        if !self.ended {
+            opentelemetry::trace::Span::end(self);
+        }
     }
 }
 

@@ -86,11 +86,11 @@ impl StageParent {
     /// no clock is read and no id drawn for it — what a call costs when a sampling
     /// ratio leaves it out.
     pub fn stage(&self, name: &'static str) -> Stage {
-        let parent = self
-            .0
-            .as_ref()
-            .map(|cx| cx.span().span_context().clone())
-            .filter(SpanContext::is_sampled);
+        let parent = self.0.as_ref().and_then(|cx| {
+            let span = cx.span();
+            let parent = span.span_context();
+            parent.is_sampled().then(|| parent.clone())
+        });
         Stage(parent.map(|parent| Started {
             name,
             parent,
