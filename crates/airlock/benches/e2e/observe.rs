@@ -160,31 +160,46 @@ fn render_observe(rows: &[Row], load: &str, receiver: &OtlpSink) -> String {
     let _ = writeln!(
         out,
         "\nBy process, per request: CPU time (µs, clock ticks of 10 ms summed over the \
-         row) and minor page faults (a worker that forks its sandboxes takes a \
+         row), minor page faults (a worker that forks its sandboxes takes a \
          copy-on-write fault on each of its pages it writes after a fork, so what tracing \
-         adds to the pages it writes per call costs faults there too).\n"
+         adds to the pages it writes per call costs faults there too) and context \
+         switches of all its threads (each hand-off to a thread that was asleep costs a \
+         wake-up and a switch).\n"
     );
     let _ = writeln!(
         out,
-        "| row | process | CPU µs off | on | control | faults off | on | control |"
+        "| row | process | CPU µs off | on | control | faults off | on | control \
+         | switches off | on | control |"
     );
-    let _ = writeln!(out, "|---|---|---:|---:|---:|---:|---:|---:|");
+    let _ = writeln!(out, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for row in rows {
         let by_role: Vec<_> = row.stats.iter().map(Stats::per_request_by_role).collect();
         let mut roles: Vec<&String> = by_role.iter().flat_map(BTreeMap::keys).collect();
         roles.sort();
         roles.dedup();
         for role in roles {
-            let at = |i: usize| by_role[i].get(role).copied().unwrap_or((0.0, 0.0));
+            let at = |i: usize| by_role[i].get(role).copied().unwrap_or_default();
             let (off, on, control) = (at(0), at(1), at(2));
             // Processes idle during the row (the other workers) say nothing.
-            if off.0 + on.0 + control.0 == 0.0 && off.1 + on.1 + control.1 < 0.5 {
+            if off.cpu_us + on.cpu_us + control.cpu_us == 0.0
+                && off.faults + on.faults + control.faults < 0.5
+            {
                 continue;
             }
             let _ = writeln!(
                 out,
-                "| {} | {role} | {:.0} | {:.0} | {:.0} | {:.1} | {:.1} | {:.1} |",
-                row.label, off.0, on.0, control.0, off.1, on.1, control.1
+                "| {} | {role} | {:.0} | {:.0} | {:.0} | {:.1} | {:.1} | {:.1} \
+                 | {:.1} | {:.1} | {:.1} |",
+                row.label,
+                off.cpu_us,
+                on.cpu_us,
+                control.cpu_us,
+                off.faults,
+                on.faults,
+                control.faults,
+                off.switches,
+                on.switches,
+                control.switches
             );
         }
     }
