@@ -96,7 +96,7 @@ impl CallSpan {
             &pipeline.settings.sampler,
             &pipeline.ids,
             &parent,
-            start(),
+            start,
         )))
     }
 
@@ -152,11 +152,16 @@ impl CallSpan {
 /// Starts the span `start` under `parent` (a context with no span: a new trace), as
 /// the SDK's tracer does: the trace id is the parent's, the sampler decides, the flags
 /// are the parent's with the decision in them, and only a sampled span records.
+///
+/// The sampler decides before the span is built, and `start` is called only for a span
+/// that records: the samplers Airlock accepts (`OTEL_TRACES_SAMPLER`, crate root) decide
+/// by the parent and the trace id alone, never by a span's name, kind or attributes, so
+/// a call that a ratio leaves out allocates none of them.
 pub(crate) fn start_span(
     sampler: &Sampler,
     ids: &RandomIdGenerator,
     parent: &opentelemetry::Context,
-    start: SpanStart,
+    start: impl FnOnce() -> SpanStart,
 ) -> opentelemetry::Context {
     let has_parent = parent.has_active_span();
     let parent_span = parent.span();
@@ -166,14 +171,7 @@ pub(crate) fn start_span(
     } else {
         ids.new_trace_id()
     };
-    let sampling = sampler.should_sample(
-        Some(parent),
-        trace_id,
-        &start.name,
-        &start.kind,
-        &start.attributes,
-        &[],
-    );
+    let sampling = sampler.should_sample(Some(parent), trace_id, "", &SpanKind::Internal, &[], &[]);
     let sampled = sampling.decision == SamplingDecision::RecordAndSample;
     let context = SpanContext::new(
         trace_id,
@@ -187,6 +185,7 @@ pub(crate) fn start_span(
         // span (which the flags tell not to record either).
         return parent.with_remote_span_context(context);
     }
+    let start = start();
     let mut attributes = start.attributes;
     attributes.extend(sampling.attributes);
     let (parent_span_id, parent_is_remote) = if has_parent {
@@ -368,7 +367,7 @@ mod tests {
     }
 
     fn start(sampler: &Sampler, parent: &opentelemetry::Context) -> opentelemetry::Context {
-        let start = SpanStart::execute_tool(SpanKind::Server, "read_file", "c-1");
+        let start = || SpanStart::execute_tool(SpanKind::Server, "read_file", "c-1");
         start_span(sampler, &RandomIdGenerator::default(), parent, start)
     }
 
@@ -430,6 +429,35 @@ mod tests {
         let cx = start(&Sampler::AlwaysOn, &caller);
         assert!(cx.span().is_recording());
         assert!(cx.span().span_context().is_sampled());
+    }
+
+    #[test]
+    fn a_span_that_is_not_sampled_is_never_built() {
+        let built = std::cell::Cell::new(0);
+        let start = || {
+            built.set(built.get() + 1);
+            SpanStart::execute_tool(SpanKind::Server, "read_file", "c-1")
+        };
+        let ids = RandomIdGenerator::default();
+        let root = opentelemetry::Context::new();
+        for sampler in [
+            Sampler::AlwaysOff,
+            Sampler::TraceIdRatioBased(0.0),
+            Sampler::ParentBased(Box::new(Sampler::AlwaysOff)),
+        ] {
+            let cx = start_span(&sampler, &ids, &root, start);
+            assert!(!cx.span().span_context().is_sampled(), "{sampler:?}");
+            // Still the parent of what runs inside: a valid, unsampled context.
+            assert!(cx.span().span_context().is_valid(), "{sampler:?}");
+        }
+        assert_eq!(
+            built.get(),
+            0,
+            "attributes built for a span that is dropped"
+        );
+        let cx = start_span(&Sampler::AlwaysOn, &ids, &root, start);
+        assert!(cx.span().is_recording());
+        assert_eq!(built.get(), 1);
     }
 
     #[test]

@@ -67,7 +67,7 @@ impl StageParent {
         let Some((parent, pipeline)) = self.0.as_ref().zip(crate::PIPELINE.get()) else {
             return OpenStage(Self(None));
         };
-        let start = crate::SpanStart {
+        let start = || crate::SpanStart {
             name: Cow::Borrowed(name),
             kind: SpanKind::Internal,
             attributes: Vec::new(),

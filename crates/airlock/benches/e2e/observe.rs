@@ -117,7 +117,9 @@ fn render_observe(rows: &[Row], load: &str, receiver: &OtlpSink) -> String {
         out,
         "## Tracing and metrics on vs off (same run)\n\n\
          {cores} CPUs, loopback; per server and row up to the main bench's request counts \
-         in 5–20 rotating rounds, every response verified. *On*: every span exported \
+         in 5–20 rotating rounds, every response verified; a server's turn ends once its \
+         processes are idle (what they did after the last response is counted in their \
+         CPU time and does not run in the next server's turn). *On*: every span exported \
          over OTLP/HTTP to a receiver in the bench process ({} export requests, {} bytes \
          received), the workers' metrics listeners on and `/metrics` scraped every second. \
          *Off* and *control*: no `OTEL_*` variable, two identical servers; control/off is \
@@ -171,7 +173,10 @@ fn render_observe(rows: &[Row], load: &str, receiver: &OtlpSink) -> String {
         "| row | process | CPU µs off | on | control | faults off | on | control \
          | switches off | on | control |"
     );
-    let _ = writeln!(out, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let _ = writeln!(
+        out,
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    );
     for row in rows {
         let by_role: Vec<_> = row.stats.iter().map(Stats::per_request_by_role).collect();
         let mut roles: Vec<&String> = by_role.iter().flat_map(BTreeMap::keys).collect();
