@@ -607,6 +607,62 @@ async fn an_allowed_call_whose_orchestrator_died_is_not_run_again() {
     );
 }
 
+/// `GET /v1/audit` pages say where to read on: `next_after` is the page's last `seq`
+/// while more events follow, and `null` on the last page and on a `latest` page (which
+/// ends at the newest event). Following it alone gives every event once, in order.
+#[tokio::test]
+async fn audit_pages_over_http_say_where_to_read_on() {
+    let airlock = Airlock::start().await;
+    for i in 0..3 {
+        airlock
+            .call(
+                "write_file",
+                json!({"path": format!("p{i}"), "content": "x"}),
+            )
+            .await;
+    }
+    let (_, report) = airlock.get("/v1/audit/verify").await;
+    let records = report["records"].as_u64().expect("records");
+    assert!(records >= 9, "three events a call: {report}");
+    let mut after = 0;
+    let mut seqs = Vec::new();
+    let mut pages = 0;
+    loop {
+        pages += 1;
+        assert!(pages <= records + 1, "next_after never became null");
+        let (status, page) = airlock
+            .get(&format!("/v1/audit?after={after}&limit=4"))
+            .await;
+        assert_eq!(status, 200, "{page}");
+        let events = page["events"].as_array().expect("events");
+        seqs.extend(events.iter().map(|e| e["seq"].as_u64().expect("seq")));
+        if page["next_after"].is_null() {
+            assert!(events.len() <= 4, "{page}");
+            break;
+        }
+        let next = page["next_after"]
+            .as_u64()
+            .expect("next_after is a seq or null");
+        assert_eq!(events.len(), 4, "a page with more after it is full: {page}");
+        assert_eq!(Some(next), seqs.last().copied(), "{page}");
+        after = next;
+    }
+    let read = u64::try_from(seqs.len()).expect("count");
+    assert!(read >= records, "read {read} of {records} events");
+    assert_eq!(
+        seqs,
+        (1..=read).collect::<Vec<_>>(),
+        "every event once, in order"
+    );
+    let (_, latest) = airlock.get("/v1/audit?latest=true&limit=2").await;
+    assert_eq!(
+        latest["events"].as_array().map(Vec::len),
+        Some(2),
+        "{latest}"
+    );
+    assert!(latest["next_after"].is_null(), "{latest}");
+}
+
 #[tokio::test]
 async fn the_audit_log_detects_edits_to_the_store() {
     let airlock = Airlock::start().await;

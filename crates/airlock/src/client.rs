@@ -718,11 +718,11 @@ pub fn audit(connection: &Connection, action: &crate::AuditAction) -> anyhow::Re
                         target.url
                     );
                     let body = target.send(client.get(url)).await?;
-                    let events = body["events"].as_array().cloned().unwrap_or_default();
-                    for event in &events {
+                    for event in body["events"].as_array().into_iter().flatten() {
                         last_seq = print_audit_event(event, *json).max(last_seq);
                     }
-                    if events.len() < AUDIT_FOLLOW_PAGE {
+                    // A page cut short by its byte budget still has more after it.
+                    if body["next_after"].is_null() {
                         tokio::time::sleep(AUDIT_FOLLOW_POLL).await;
                     }
                 }

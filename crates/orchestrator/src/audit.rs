@@ -367,6 +367,18 @@ impl AuditQuery {
     }
 }
 
+/// One page of the audit log.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct AuditPage {
+    /// The records, in ascending `seq`.
+    pub records: Vec<AuditRecord>,
+    /// Whether more records matched the query than this page holds: it was cut by its
+    /// `limit` or by [`AuditQuery::PAGE_BYTES`]. Oldest first, they follow the page's last
+    /// record (read on with `after` set to its `seq`); with `latest`, they precede its
+    /// first.
+    pub more: bool,
+}
+
 /// The result of checking the whole chain; serializes to the `GET /v1/audit/verify`
 /// shape `{"ok", "records", "first_bad_seq"?, "reason"?}`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -780,12 +780,20 @@ async fn read_audit(
 ) -> Result<axum::Json<Value>, ApiError> {
     require_role(&principal, Role::Admin)?;
     let audit_query = query(q)?.into_store_query()?;
-    let events = state
+    let latest = audit_query.latest;
+    let page = state
         .gate
-        .audit_events(audit_query)
+        .audit_page(audit_query)
         .await
         .map_err(store_error)?;
-    Ok(axum::Json(json!({"events": events})))
+    // Where to read on from, while more follow. A `latest` page ends at the newest
+    // record: what it left out is older, and following it is reading after its end.
+    let next_after = (page.more && !latest)
+        .then(|| page.records.last().map(|r| r.seq))
+        .flatten();
+    Ok(axum::Json(
+        json!({"events": page.records, "next_after": next_after}),
+    ))
 }
 
 /// The pinned definitions of discovered tools and the changes waiting for an admin.

@@ -137,6 +137,7 @@ pub fn document() -> Value {
             "/v1/audit": {"get": {
                 "operationId": "readAudit",
                 "summary": "Audit events in ascending seq (admin role)",
+                "description": "A page holds at most limit events and stops early once their data adds up to 8 MiB (a single larger event comes alone). While next_after is a number, more events follow: pass it as after. With latest=true, next_after is null: the page ends at the newest event.",
                 "parameters": [
                     query_parameter("session_id", json!({"type": "string"}), "Only events of this session"),
                     query_parameter("call_id", json!({"type": "string"}), "Only events of this call"),
@@ -231,8 +232,9 @@ pub fn document() -> Value {
                     "data": {"description": "Event details; arguments redacted"},
                     "prev_hash": {"type": "string", "pattern": "^[0-9a-f]{64}$"},
                     "hash": {"type": "string", "pattern": "^[0-9a-f]{64}$"}}},
-                "AuditEvents": {"type": "object", "required": ["events"], "properties": {
-                    "events": {"type": "array", "items": {"$ref": "#/components/schemas/AuditEvent"}}}},
+                "AuditEvents": {"type": "object", "required": ["events", "next_after"], "properties": {
+                    "events": {"type": "array", "items": {"$ref": "#/components/schemas/AuditEvent"}},
+                    "next_after": {"type": ["integer", "null"], "minimum": 1, "description": "The seq of this page's last event when more events follow it (pass it as after); null on the last page and with latest=true"}}},
                 "AuditVerify": {"type": "object", "required": ["ok", "records"], "properties": {
                     "ok": {"type": "boolean"}, "records": {"type": "integer", "minimum": 0},
                     "first_bad_seq": {"type": "integer", "minimum": 1}, "reason": {"type": "string"}}},

@@ -147,6 +147,7 @@ both_backends!(
     approval_pages_walk_every_approval_once_in_order,
     approval_pages_stop_at_their_byte_budget,
     audit_pages_stop_at_their_byte_budget,
+    audit_pages_say_whether_more_follow,
     // The state machine, one transition per test (the expiry sweep's batches:
     // approvals_expire_in_bounded_batches_each_once above).
     insert_records_a_call_as_approved,
@@ -2300,13 +2301,11 @@ async fn approval_pages_walk_every_approval_once_in_order(backend: Backend) {
     assert!(none.approvals.is_empty() && none.next_cursor.is_none());
 }
 
-/// Pages of approvals whose inputs are megabytes each: every input comes back whole, a
-/// page stops once it holds its byte budget (never empty), and the listing keeps
-/// working after everything is decided.
 /// A page of the audit log carries at most `AuditQuery::PAGE_BYTES` of event data (one
 /// larger event comes alone), whatever its `limit`: each `requested` event may hold
 /// megabytes of arguments. Read on from the last `seq`, the pages give every event once,
-/// in order, filtered or not, oldest first or newest first.
+/// in order, filtered or not, oldest first or newest first; each page cut by its byte
+/// budget says that more follow, and the last one says that none do.
 async fn audit_pages_stop_at_their_byte_budget(backend: Backend) {
     let store = backend.open().await;
     let mib = 1024 * 1024;
@@ -2330,7 +2329,7 @@ async fn audit_pages_stop_at_their_byte_budget(backend: Backend) {
             let mut seen = Vec::new();
             for _ in 0..sizes.len() + 1 {
                 let page = store
-                    .audit(AuditQuery {
+                    .audit_page(AuditQuery {
                         after,
                         limit: 10_000,
                         session_id: session.clone(),
@@ -2338,33 +2337,146 @@ async fn audit_pages_stop_at_their_byte_budget(backend: Backend) {
                     })
                     .await
                     .unwrap();
-                let Some(last) = page.last() else { break };
+                let Some(last) = page.records.last() else {
+                    break;
+                };
                 after = Some(last.seq);
-                let bytes: usize = page.iter().map(|r| r.data.to_string().len()).sum();
+                let bytes: usize = page.records.iter().map(|r| r.data.to_string().len()).sum();
                 assert!(
-                    page.len() == 1 || bytes <= AuditQuery::PAGE_BYTES,
+                    page.records.len() == 1 || bytes <= AuditQuery::PAGE_BYTES,
                     "a page of {} events carries {bytes} bytes",
-                    page.len()
+                    page.records.len()
                 );
-                seen.push(page.iter().map(|r| r.seq).collect::<Vec<_>>());
+                seen.push((
+                    page.records.iter().map(|r| r.seq).collect::<Vec<_>>(),
+                    page.more,
+                ));
+                if !page.more {
+                    break;
+                }
             }
             seen
         }
     };
-    let expected = vec![vec![1, 2], vec![3], vec![4], vec![5, 6]];
+    let expected = vec![
+        (vec![1, 2], true),
+        (vec![3], true),
+        (vec![4], true),
+        (vec![5, 6], false),
+    ];
     assert_eq!(pages(None).await, expected);
     assert_eq!(pages(Some("big")).await, expected);
     let newest = store
-        .audit(AuditQuery {
+        .audit_page(AuditQuery {
             limit: 10_000,
             latest: true,
             ..AuditQuery::default()
         })
         .await
         .unwrap();
-    assert_eq!(newest.iter().map(|r| r.seq).collect::<Vec<_>>(), vec![5, 6]);
+    assert_eq!(
+        newest.records.iter().map(|r| r.seq).collect::<Vec<_>>(),
+        vec![5, 6]
+    );
+    assert!(newest.more, "older events precede the newest page");
 }
 
+/// A page cut by its `limit` says that more follow exactly when they do: a page that
+/// ends at the log's (or the filter's) last event says none do, also when it is full,
+/// and an empty read says none do. Walking the pages by `more` alone gives every event
+/// once.
+async fn audit_pages_say_whether_more_follow(backend: Backend) {
+    let store = backend.open().await;
+    for i in 0..7 {
+        let session = if i % 2 == 0 { "even" } else { "odd" };
+        store
+            .append(
+                NewAuditEvent::new(AuditKind::Requested, json!({"i": i}))
+                    .call_id(format!("call-{i}"))
+                    .session_id(Some(session.to_owned())),
+            )
+            .await
+            .unwrap();
+    }
+    let walk = |limit: usize, session: Option<&str>| {
+        let store = store.clone();
+        let session = session.map(str::to_owned);
+        async move {
+            let mut after = None;
+            let mut pages = Vec::new();
+            for _ in 0..10 {
+                let page = store
+                    .audit_page(AuditQuery {
+                        after,
+                        limit,
+                        session_id: session.clone(),
+                        ..AuditQuery::default()
+                    })
+                    .await
+                    .unwrap();
+                after = page.records.last().map(|r| r.seq).or(after);
+                pages.push((
+                    page.records.iter().map(|r| r.seq).collect::<Vec<_>>(),
+                    page.more,
+                ));
+                if !page.more {
+                    break;
+                }
+            }
+            pages
+        }
+    };
+    assert_eq!(
+        walk(3, None).await,
+        vec![
+            (vec![1, 2, 3], true),
+            (vec![4, 5, 6], true),
+            (vec![7], false)
+        ]
+    );
+    // Seven events in pages of seven: one full page, and nothing after it.
+    assert_eq!(walk(7, None).await, vec![((1..=7).collect(), false)]);
+    assert_eq!(
+        walk(1, Some("odd")).await,
+        vec![(vec![2], true), (vec![4], true), (vec![6], false),]
+    );
+    // The filter's last event is not the log's: the page still ends there.
+    assert_eq!(
+        walk(2, Some("odd")).await,
+        vec![(vec![2, 4], true), (vec![6], false)]
+    );
+    let past_the_end = store
+        .audit_page(AuditQuery {
+            after: Some(7),
+            ..AuditQuery::default()
+        })
+        .await
+        .unwrap();
+    assert!(past_the_end.records.is_empty() && !past_the_end.more);
+    let latest = |limit| {
+        let store = store.clone();
+        async move {
+            let page = store
+                .audit_page(AuditQuery {
+                    limit,
+                    latest: true,
+                    ..AuditQuery::default()
+                })
+                .await
+                .unwrap();
+            (
+                page.records.iter().map(|r| r.seq).collect::<Vec<_>>(),
+                page.more,
+            )
+        }
+    };
+    assert_eq!(latest(2).await, (vec![6, 7], true));
+    assert_eq!(latest(7).await, ((1..=7).collect(), false));
+}
+
+/// Pages of approvals whose inputs are megabytes each: every input comes back whole, a
+/// page stops once it holds its byte budget (never empty), and the listing keeps
+/// working after everything is decided.
 async fn approval_pages_stop_at_their_byte_budget(backend: Backend) {
     let store = backend.open().await;
     let base = now_millis();

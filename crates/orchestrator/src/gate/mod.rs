@@ -56,7 +56,7 @@ use tracing::Instrument as _;
 pub use console::HoldReasons;
 pub use ctx::ToolUse;
 
-use crate::audit::{AuditQuery, AuditRecord, NewAuditEvent, VerifyReport, redact};
+use crate::audit::{AuditPage, AuditQuery, AuditRecord, NewAuditEvent, VerifyReport, redact};
 use crate::auth::{Principal, Principals, Role};
 use crate::budget::{BudgetError, Budgets};
 use crate::cache::{CacheError, ResultCache};
@@ -308,6 +308,11 @@ impl Gate {
 
     pub async fn audit_events(&self, query: AuditQuery) -> Result<Vec<AuditRecord>, StoreError> {
         self.store.audit(query).await
+    }
+
+    /// A page of the audit log, and whether more records follow it.
+    pub async fn audit_page(&self, query: AuditQuery) -> Result<AuditPage, StoreError> {
+        self.store.audit_page(query).await
     }
 
     /// `"sqlite"` or `"postgres"`.

@@ -53,7 +53,7 @@ use serde::{Deserialize, Serialize, Serializer};
 use serde_json::Value;
 
 pub use self::ids::{ApprovalId, CallId, fresh_id};
-pub use crate::audit::{AuditQuery, AuditRecord, NewAuditEvent, VerifyReport};
+pub use crate::audit::{AuditPage, AuditQuery, AuditRecord, NewAuditEvent, VerifyReport};
 
 /// The tables of schema version 1, with `{int}` standing for the engine's 64-bit integer
 /// type (`INTEGER` in SQLite, where `INTEGER PRIMARY KEY` is the rowid, `BIGINT` in
@@ -789,8 +789,14 @@ pub trait Store: Send + Sync {
     /// tasks or replicas, are serialized, so `seq` stays dense and the chain linear.
     async fn append(&self, event: NewAuditEvent) -> Result<AuditRecord, StoreError>;
 
-    /// Reads audit records in ascending `seq` (see [`AuditQuery`]).
-    async fn audit(&self, query: AuditQuery) -> Result<Vec<AuditRecord>, StoreError>;
+    /// Reads a page of audit records in ascending `seq` (see [`AuditQuery`]), and
+    /// whether more matched than the page holds.
+    async fn audit_page(&self, query: AuditQuery) -> Result<AuditPage, StoreError>;
+
+    /// The records of [`Store::audit_page`] alone.
+    async fn audit(&self, query: AuditQuery) -> Result<Vec<AuditRecord>, StoreError> {
+        Ok(self.audit_page(query).await?.records)
+    }
 
     /// Walks the whole chain in one consistent snapshot and reports the first record
     /// that was modified, deleted, inserted or moved, and a truncated tail (see the

@@ -27,12 +27,12 @@ use super::machine::{
 use super::sql::{Placeholders, filter_sql, move_call_sql, prune_results_sql};
 use super::{
     ADDED_INDEXES, APPROVAL_SELECT, AUDIT_COLUMNS, Approval, ApprovalId, ApprovalPage,
-    ApprovalQuery, ApprovalStatus, AuditQuery, AuditRecord, CALL_COLUMNS, CALL_LIST_STATUS, CallId,
-    CallListFilter, CallOutcome, CallState, CallWrite, ExpiredApproval, MAX_CALL_LIST, NewApproval,
-    NewAuditEvent, NewCall, PIN_COLUMNS, PinCheck, PinRow, PinnedDefinition, RememberedApproval,
-    SCHEMA_VERSION, SESSION_USAGE_SQL, SessionUsage, Store, StoreError, StoredCall, Timestamp,
-    ToolPin, VerifyReport, added_tables, decode_call_status, fill_page, from_json_text, schema_v1,
-    to_i64, to_json_text, to_u64,
+    ApprovalQuery, ApprovalStatus, AuditPage, AuditQuery, AuditRecord, CALL_COLUMNS,
+    CALL_LIST_STATUS, CallId, CallListFilter, CallOutcome, CallState, CallWrite, ExpiredApproval,
+    MAX_CALL_LIST, NewApproval, NewAuditEvent, NewCall, PIN_COLUMNS, PinCheck, PinRow,
+    PinnedDefinition, RememberedApproval, SCHEMA_VERSION, SESSION_USAGE_SQL, SessionUsage, Store,
+    StoreError, StoredCall, Timestamp, ToolPin, VerifyReport, added_tables, decode_call_status,
+    fill_page, from_json_text, schema_v1, to_i64, to_json_text, to_u64,
 };
 use crate::audit::{ChainVerifier, GENESIS_HASH};
 
@@ -900,17 +900,19 @@ impl Store for PostgresStore {
         Ok(record)
     }
 
-    async fn audit(&self, query: AuditQuery) -> Result<Vec<AuditRecord>, StoreError> {
+    async fn audit_page(&self, query: AuditQuery) -> Result<AuditPage, StoreError> {
         let mut client = self.client().await?;
         let order = if query.latest { "DESC" } else { "ASC" };
-        let limit = i64::try_from(query.effective_limit()).unwrap_or(i64::MAX);
+        let limit = query.effective_limit();
+        // One row past the page: whether it exists is whether more follow.
+        let fetch_limit = i64::try_from(limit + 1).unwrap_or(i64::MAX);
         let after = query.after.map_or(0, to_i64);
         let (filters, values) = query.filters(3, |n| format!("${n}::text"));
         let sql = format!(
             "SELECT {AUDIT_COLUMNS} FROM audit_events \
              WHERE seq > $1{filters} ORDER BY seq {order} LIMIT $2"
         );
-        let mut params: Vec<&(dyn ToSql + Sync)> = vec![&after, &limit];
+        let mut params: Vec<&(dyn ToSql + Sync)> = vec![&after, &fetch_limit];
         params.extend(values.iter().map(|v| v as &(dyn ToSql + Sync)));
         // Through a portal, a few rows at a time, so that the page stops at its byte
         // budget without the rest of the rows ever being sent.
@@ -920,6 +922,7 @@ impl Store for PostgresStore {
         let mut out = Vec::new();
         let mut bytes = 0usize;
         let mut largest = 0usize;
+        let mut more = false;
         'page: loop {
             // As many rows as the budget left holds at the largest size seen so far: a
             // batch of 64 events of 4 MiB each would be 256 MiB in one round trip.
@@ -940,7 +943,8 @@ impl Store for PostgresStore {
                 let size = row.try_get::<_, &str>("data").map_or(0, str::len);
                 largest = largest.max(size);
                 bytes = bytes.saturating_add(size);
-                if bytes > AuditQuery::PAGE_BYTES && !out.is_empty() {
+                if out.len() == limit || (bytes > AuditQuery::PAGE_BYTES && !out.is_empty()) {
+                    more = true;
                     break 'page;
                 }
                 out.push(audit_from_row(row).map_err(|(_, reason)| StoreError::Corrupt(reason))?);
@@ -950,7 +954,7 @@ impl Store for PostgresStore {
         if query.latest {
             out.reverse();
         }
-        Ok(out)
+        Ok(AuditPage { records: out, more })
     }
 
     async fn verify(&self) -> Result<VerifyReport, StoreError> {

@@ -27,12 +27,12 @@ use super::machine::{
 use super::sql::{Placeholders, filter_sql, move_call_sql, prune_results_sql};
 use super::{
     ADDED_INDEXES, APPROVAL_SELECT, AUDIT_COLUMNS, Approval, ApprovalId, ApprovalPage,
-    ApprovalQuery, ApprovalStatus, AuditQuery, AuditRecord, CALL_COLUMNS, CALL_LIST_STATUS, CallId,
-    CallListFilter, CallOutcome, CallState, CallWrite, ExpiredApproval, MAX_CALL_LIST, NewApproval,
-    NewAuditEvent, NewCall, PIN_COLUMNS, PinCheck, PinRow, PinnedDefinition, RememberedApproval,
-    SCHEMA_VERSION, SESSION_USAGE_SQL, SessionUsage, Store, StoreError, StoredCall, Timestamp,
-    ToolPin, VerifyReport, added_tables, decode_call_status, fill_page, from_json_text, schema_v1,
-    to_i64, to_json_text, to_u64,
+    ApprovalQuery, ApprovalStatus, AuditPage, AuditQuery, AuditRecord, CALL_COLUMNS,
+    CALL_LIST_STATUS, CallId, CallListFilter, CallOutcome, CallState, CallWrite, ExpiredApproval,
+    MAX_CALL_LIST, NewApproval, NewAuditEvent, NewCall, PIN_COLUMNS, PinCheck, PinRow,
+    PinnedDefinition, RememberedApproval, SCHEMA_VERSION, SESSION_USAGE_SQL, SessionUsage, Store,
+    StoreError, StoredCall, Timestamp, ToolPin, VerifyReport, added_tables, decode_call_status,
+    fill_page, from_json_text, schema_v1, to_i64, to_json_text, to_u64,
 };
 use crate::audit::{ChainVerifier, GENESIS_HASH};
 
@@ -936,22 +936,27 @@ impl Store for SqliteStore {
             .await
     }
 
-    async fn audit(&self, query: AuditQuery) -> Result<Vec<AuditRecord>, StoreError> {
+    async fn audit_page(&self, query: AuditQuery) -> Result<AuditPage, StoreError> {
         self.run(move |conn| {
             let (sql, values) = audit_page_sql(&query);
             let mut stmt = conn.prepare_cached(&sql)?;
-            let limit = i64::try_from(query.effective_limit()).unwrap_or(i64::MAX);
+            let limit = query.effective_limit();
+            // One row past the page: whether it exists is whether more follow.
+            let fetch = i64::try_from(limit + 1).unwrap_or(i64::MAX);
             let after = query.after.map_or(0, to_i64);
-            let mut binds: Vec<Value> = vec![Value::Integer(after), Value::Integer(limit)];
+            let mut binds: Vec<Value> = vec![Value::Integer(after), Value::Integer(fetch)];
             binds.extend(values.iter().map(|v| Value::Text((*v).to_owned())));
             let rows = stmt.query_map(params_from_iter(binds), audit_from_row)?;
             let mut out = Vec::new();
             let mut bytes = 0usize;
+            let mut more = false;
             for row in rows {
                 let (seq, raw) = row?;
-                // Rows are read one at a time: the page stops at its byte budget.
+                // Rows are read one at a time: the page stops at its limit or its byte
+                // budget, and a row it stops at is not parsed.
                 bytes = bytes.saturating_add(raw.data.len());
-                if bytes > AuditQuery::PAGE_BYTES && !out.is_empty() {
+                if out.len() == limit || (bytes > AuditQuery::PAGE_BYTES && !out.is_empty()) {
+                    more = true;
                     break;
                 }
                 out.push(
@@ -962,7 +967,7 @@ impl Store for SqliteStore {
             if query.latest {
                 out.reverse();
             }
-            Ok(out)
+            Ok(AuditPage { records: out, more })
         })
         .await
     }
