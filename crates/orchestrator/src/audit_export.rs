@@ -20,7 +20,9 @@
 //! page of the log, so also at most `AuditQuery::PAGE_BYTES` of their data (records
 //! carry calls' arguments, up to megabytes each) — and then stops reading until the
 //! queue is sent: the log is the buffer, so nothing is dropped, and memory stays
-//! bounded however long the collector is away.
+//! bounded however long the collector is away. Once it is back, or whenever more than
+//! a page waits (a burst, a first start after a long stop), the exporter reads the next
+//! page as soon as the last one is sent, rather than a page per poll interval.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -110,9 +112,15 @@ impl AuditExporter {
         };
         loop {
             let stopping = stop.is_cancelled();
-            self.poll(store.as_ref(), &mut follow).await;
+            let behind = self.poll(store.as_ref(), &mut follow).await;
             if stopping {
                 return;
+            }
+            if behind {
+                // Sent a whole page with more after it: the next one at once, letting
+                // the runtime's other tasks run in between.
+                tokio::task::yield_now().await;
+                continue;
             }
             tokio::select! {
                 () = stop.cancelled() => {}
@@ -136,8 +144,10 @@ impl AuditExporter {
     }
 
     /// Reads what fits in the queue, sends it when the backoff allows, and records how
-    /// far the collector has accepted.
-    async fn poll(&self, store: &dyn Store, follow: &mut Follow) {
+    /// far the collector has accepted. Whether it is behind: it sent a whole page and
+    /// the log has more after it, so the next poll should not wait. Never while the
+    /// collector fails, whose retries the backoff paces.
+    async fn poll(&self, store: &dyn Store, follow: &mut Follow) -> bool {
         // One page at a time: the next is read once the queue is sent, so the queue
         // holds one page's bytes at most, however many polls the collector misses.
         let room = if follow.queue.is_empty() {
@@ -145,17 +155,19 @@ impl AuditExporter {
         } else {
             0
         };
+        let mut more = false;
         if room > 0 {
             match store
-                .audit(AuditQuery {
+                .audit_page(AuditQuery {
                     after: Some(follow.read_to),
                     limit: room.min(AuditQuery::MAX_LIMIT),
                     ..AuditQuery::default()
                 })
                 .await
             {
-                Ok(records) => {
-                    for record in records {
+                Ok(page) => {
+                    more = page.more;
+                    for record in page.records {
                         follow.read_to = follow.read_to.max(record.seq);
                         follow.queue.push_back((record.seq, log_record(&record)));
                     }
@@ -177,6 +189,7 @@ impl AuditExporter {
         self.metrics
             .queued
             .set(i64::try_from(follow.queue.len()).unwrap_or(i64::MAX));
+        more && follow.queue.is_empty()
     }
 
     /// Sends the queue in batches, oldest first, until it is empty or a batch fails;
@@ -391,7 +404,10 @@ mod tests {
         };
         for _ in 0..3 {
             follow.backoff = Backoff::default();
-            exporter.poll(store.as_ref(), &mut follow).await;
+            assert!(
+                !exporter.poll(store.as_ref(), &mut follow).await,
+                "a failing collector is retried at the backoff's pace, not at once"
+            );
         }
         let queued: Vec<u64> = follow.queue.iter().map(|(seq, _)| *seq).collect();
         assert_eq!(queued, vec![4, 5], "read only as far as the queue holds");
@@ -410,6 +426,74 @@ mod tests {
         assert_eq!(again.start(store.as_ref()).await.unwrap(), 3);
         let other = AuditExporter::new(&config("http://127.0.0.1:10"), metrics).unwrap();
         assert_eq!(other.start(store.as_ref()).await.unwrap(), 8);
+    }
+
+    /// With more in the log than a page, the exporter reads the next page as soon as it
+    /// has sent one (`poll` says it is behind) and stops saying so at the log's end:
+    /// every record is delivered, in pages, and the cursor follows.
+    #[tokio::test]
+    async fn a_backlog_is_sent_page_after_page_without_waiting() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let dir = tempfile::tempdir().unwrap();
+        let store = crate::store::open_sqlite_file(&dir.path().join("airlock.db"))
+            .await
+            .unwrap();
+        let requests = Arc::new(AtomicUsize::new(0));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let counted = requests.clone();
+        let collector = axum::Router::new().route(
+            "/v1/logs",
+            axum::routing::post(move || {
+                counted.fetch_add(1, Ordering::SeqCst);
+                async { axum::http::StatusCode::OK }
+            }),
+        );
+        tokio::spawn(async move { axum::serve(listener, collector).await });
+        let endpoint = format!("http://{address}");
+        let config = AuditExportConfig {
+            endpoint: endpoint.clone(),
+            protocol: "http/protobuf".into(),
+            max_queue: 2,
+            timeout_ms: 5_000,
+        };
+        let metrics = AuditExportMetrics::default();
+        let exporter = AuditExporter::new(&config, metrics.clone()).unwrap();
+        let start = exporter.start(store.as_ref()).await.unwrap();
+        assert_eq!(start, 0);
+        for i in 0..5 {
+            store
+                .append(NewAuditEvent::new(
+                    crate::audit::AuditKind::Requested,
+                    json!({ "i": i }),
+                ))
+                .await
+                .unwrap();
+        }
+        let mut follow = Follow {
+            read_to: start,
+            queue: VecDeque::new(),
+            backoff: Backoff::default(),
+        };
+        let mut behind = Vec::new();
+        for _ in 0..4 {
+            behind.push(exporter.poll(store.as_ref(), &mut follow).await);
+        }
+        assert_eq!(
+            behind,
+            vec![true, true, false, false],
+            "pages of 2, 2 and 1 record, then nothing to read"
+        );
+        assert_eq!(requests.load(Ordering::SeqCst), 3);
+        assert_eq!(metrics.exported.get(), 5);
+        assert_eq!(
+            store
+                .export_cursor(&format!("http/protobuf {endpoint}"))
+                .await
+                .unwrap(),
+            Some(5)
+        );
+        assert!(follow.queue.is_empty());
     }
 
     #[test]
