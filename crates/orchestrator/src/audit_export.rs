@@ -68,6 +68,17 @@ struct Follow {
     backoff: Backoff,
 }
 
+impl Follow {
+    /// Nothing queued yet, the collector not yet failing.
+    fn after(read_to: u64) -> Self {
+        Self {
+            read_to,
+            queue: VecDeque::new(),
+            backoff: Backoff::default(),
+        }
+    }
+}
+
 impl AuditExporter {
     /// Needs the async runtime (a gRPC channel starts on it).
     pub fn new(
@@ -105,11 +116,7 @@ impl AuditExporter {
     /// Follows the log after `read_to` (from [`AuditExporter::start`]) until `stop`;
     /// what is queued then is sent once more.
     pub async fn run(self, store: Arc<dyn Store>, read_to: u64, stop: CancellationToken) {
-        let mut follow = Follow {
-            read_to,
-            queue: VecDeque::new(),
-            backoff: Backoff::default(),
-        };
+        let mut follow = Follow::after(read_to);
         loop {
             let stopping = stop.is_cancelled();
             let behind = self.poll(store.as_ref(), &mut follow).await;
@@ -319,6 +326,28 @@ mod tests {
     use crate::audit::NewAuditEvent;
     use serde_json::json;
 
+    /// A SQLite store in a directory of its own (kept alive by the returned guard).
+    async fn temp_store() -> (tempfile::TempDir, Arc<dyn Store>) {
+        let dir = tempfile::tempdir().unwrap();
+        let store = crate::store::open_sqlite_file(&dir.path().join("airlock.db"))
+            .await
+            .unwrap();
+        (dir, store)
+    }
+
+    /// Appends `n` `requested` events.
+    async fn append(store: &dyn Store, n: u64) {
+        for i in 0..n {
+            store
+                .append(NewAuditEvent::new(
+                    crate::audit::AuditKind::Requested,
+                    json!({ "i": i }),
+                ))
+                .await
+                .unwrap();
+        }
+    }
+
     fn record(seq: u64) -> AuditRecord {
         AuditRecord {
             seq,
@@ -359,25 +388,8 @@ mod tests {
     /// exporter for the same destination starts there, one for another at the log's end.
     #[tokio::test]
     async fn a_collector_that_is_down_holds_the_cursor_and_nothing_is_dropped() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = crate::store::open_sqlite_file(&dir.path().join("airlock.db"))
-            .await
-            .unwrap();
-        let append = |n: u64| {
-            let store = store.clone();
-            async move {
-                for i in 0..n {
-                    store
-                        .append(NewAuditEvent::new(
-                            crate::audit::AuditKind::Requested,
-                            json!({ "i": i }),
-                        ))
-                        .await
-                        .unwrap();
-                }
-            }
-        };
-        append(3).await;
+        let (_dir, store) = temp_store().await;
+        append(store.as_ref(), 3).await;
         let config = |endpoint: &str| AuditExportConfig {
             endpoint: endpoint.into(),
             protocol: "http/protobuf".into(),
@@ -396,12 +408,8 @@ mod tests {
                 .unwrap(),
             Some(3)
         );
-        append(5).await;
-        let mut follow = Follow {
-            read_to: start,
-            queue: VecDeque::new(),
-            backoff: Backoff::default(),
-        };
+        append(store.as_ref(), 5).await;
+        let mut follow = Follow::after(start);
         for _ in 0..3 {
             follow.backoff = Backoff::default();
             assert!(
@@ -434,10 +442,7 @@ mod tests {
     #[tokio::test]
     async fn a_backlog_is_sent_page_after_page_without_waiting() {
         use std::sync::atomic::{AtomicUsize, Ordering};
-        let dir = tempfile::tempdir().unwrap();
-        let store = crate::store::open_sqlite_file(&dir.path().join("airlock.db"))
-            .await
-            .unwrap();
+        let (_dir, store) = temp_store().await;
         let requests = Arc::new(AtomicUsize::new(0));
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let address = listener.local_addr().unwrap();
@@ -461,20 +466,8 @@ mod tests {
         let exporter = AuditExporter::new(&config, metrics.clone()).unwrap();
         let start = exporter.start(store.as_ref()).await.unwrap();
         assert_eq!(start, 0);
-        for i in 0..5 {
-            store
-                .append(NewAuditEvent::new(
-                    crate::audit::AuditKind::Requested,
-                    json!({ "i": i }),
-                ))
-                .await
-                .unwrap();
-        }
-        let mut follow = Follow {
-            read_to: start,
-            queue: VecDeque::new(),
-            backoff: Backoff::default(),
-        };
+        append(store.as_ref(), 5).await;
+        let mut follow = Follow::after(start);
         let mut behind = Vec::new();
         for _ in 0..4 {
             behind.push(exporter.poll(store.as_ref(), &mut follow).await);
