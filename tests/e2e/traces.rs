@@ -875,8 +875,12 @@ async fn a_collector_that_is_down_costs_neither_calls_nor_records() {
             .unwrap_or(0.0)
     };
     let deadline = Instant::now() + Duration::from_secs(30);
+    // The queue holds what the first read found, up to `max_queue`: a read that lands
+    // while the first call is still being recorded finds fewer, and (the collector
+    // failing) the exporter reads no more until they are sent. The exact bound is the
+    // unit test's (`a_collector_that_is_down_holds_the_cursor_and_nothing_is_dropped`).
     while metric("airlock_audit_export_failures_total").await < 1.0
-        || metric("airlock_audit_export_queue").await < 3.0
+        || metric("airlock_audit_export_queue").await < 1.0
     {
         assert!(
             Instant::now() < deadline,
@@ -885,10 +889,10 @@ async fn a_collector_that_is_down_costs_neither_calls_nor_records() {
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    assert_eq!(
-        metric("airlock_audit_export_queue").await,
-        3.0,
-        "read ahead no further than max_queue"
+    let queued = metric("airlock_audit_export_queue").await;
+    assert!(
+        (1.0..=3.0).contains(&queued),
+        "read ahead no further than max_queue: {queued} queued of the five calls' records"
     );
     assert_eq!(metric("airlock_audit_exported_total").await, 0.0);
     let log = airlock.log();
