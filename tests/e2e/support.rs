@@ -720,6 +720,19 @@ pub fn alive(pid: u32) -> bool {
     }
 }
 
+/// Whether the process is gone (or a zombie) within ten seconds: for what is torn down
+/// just after the answer it belongs to was sent.
+pub async fn ends_soon(pid: u32) -> bool {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while alive(pid) {
+        if Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    true
+}
+
 /// The command line of a process, arguments joined by spaces.
 pub fn cmdline(pid: u32) -> String {
     std::fs::read(format!("/proc/{pid}/cmdline"))
