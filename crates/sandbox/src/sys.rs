@@ -154,3 +154,116 @@ pub(crate) fn mount(
     };
     check_int(ret).map(drop)
 }
+
+/// A type whose all-zero bit pattern is a valid value, so that fresh anonymous pages
+/// (which the kernel fills with zeros) can be used as a slice of it.
+///
+/// # Safety
+/// Implement it only for types that are valid when every byte is zero.
+pub(crate) unsafe trait ZeroIsValid: Copy {}
+
+// SAFETY: every bit pattern is a valid `u8`.
+unsafe impl ZeroIsValid for u8 {}
+// SAFETY: a raw pointer of all-zero bits is the null pointer, a valid value.
+unsafe impl ZeroIsValid for *const libc::c_char {}
+
+/// `len` values of `T` in an anonymous private mapping of their own, zero as mapped and
+/// unmapped when dropped.
+///
+/// Why not a `Vec`: a buffer handed to a child before `clone` that the parent zeroes is
+/// written, page by page, into memory the previous `clone` left shared copy-on-write, so
+/// the parent takes a fault and a page copy for each of its pages, and the child another
+/// when it writes its own copy. Fresh pages are never touched by the parent: the child's
+/// first write to each gets a zero page, and unmapping them afterwards in the parent
+/// leaves the child's copy of the mapping as it is.
+pub(crate) struct ZeroedPages<T: ZeroIsValid> {
+    start: std::ptr::NonNull<T>,
+    len: usize,
+}
+
+impl<T: ZeroIsValid> ZeroedPages<T> {
+    pub(crate) fn new(len: usize) -> io::Result<Self> {
+        let bytes = len
+            .checked_mul(std::mem::size_of::<T>())
+            .filter(|&bytes| bytes > 0)
+            .ok_or_else(|| io::Error::from(io::ErrorKind::InvalidInput))?;
+        // SAFETY: an anonymous private mapping; no pointer of ours is passed in.
+        let start = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                bytes,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if start == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        let start = std::ptr::NonNull::new(start.cast::<T>())
+            .ok_or_else(|| io::Error::other("mmap returned a null mapping"))?;
+        Ok(Self { start, len })
+    }
+
+    pub(crate) fn as_mut_slice(&mut self) -> &mut [T] {
+        // SAFETY: the mapping holds `len` values of `T`, page-aligned (so aligned for any
+        // `T`), zero-filled by the kernel (a valid `T` by `ZeroIsValid`) or written since
+        // through this same slice; it lives as long as `self`, which the borrow ties the
+        // slice to.
+        unsafe { std::slice::from_raw_parts_mut(self.start.as_ptr(), self.len) }
+    }
+}
+
+impl<T: ZeroIsValid> Drop for ZeroedPages<T> {
+    fn drop(&mut self) {
+        // SAFETY: unmapping exactly the mapping made in `new`, once; no slice of it
+        // outlives `self`.
+        unsafe {
+            libc::munmap(
+                self.start.as_ptr().cast(),
+                self.len * std::mem::size_of::<T>(),
+            )
+        };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// How many of the mapping's pages are resident (`mincore`).
+    fn resident_pages(pages: &mut ZeroedPages<u8>) -> usize {
+        let slice = pages.as_mut_slice();
+        let page = 4096;
+        let mut vec = vec![0u8; slice.len().div_ceil(page)];
+        // SAFETY: the range is one mapping of `slice.len()` bytes, page-aligned; `vec`
+        // holds a byte per page of it.
+        let ret =
+            unsafe { libc::mincore(slice.as_mut_ptr().cast(), slice.len(), vec.as_mut_ptr()) };
+        assert_eq!(ret, 0, "mincore: {}", io::Error::last_os_error());
+        vec.iter().filter(|&&b| b & 1 == 1).count()
+    }
+
+    #[test]
+    fn zeroed_pages_read_as_zero_and_are_not_touched_until_written() {
+        let mut pages = ZeroedPages::<u8>::new(64 << 10).unwrap();
+        // Never written: no page of it is resident (a zeroed `Vec` of this size has
+        // every page written).
+        assert_eq!(resident_pages(&mut pages), 0);
+        pages.as_mut_slice()[5000] = 7;
+        assert_eq!(resident_pages(&mut pages), 1, "only the page written");
+        // Read last: reading maps the zero page, which `mincore` counts as resident.
+        let slice = pages.as_mut_slice();
+        assert_eq!(slice[5000], 7);
+        assert!(slice.iter().enumerate().all(|(i, &b)| b == 0 || i == 5000));
+
+        let mut pointers = ZeroedPages::<*const libc::c_char>::new(2048).unwrap();
+        assert_eq!(pointers.as_mut_slice().len(), 2048);
+        assert!(pointers.as_mut_slice().iter().all(|p| p.is_null()));
+        assert!(
+            ZeroedPages::<u8>::new(0).is_err(),
+            "an empty mapping is refused"
+        );
+    }
+}

@@ -144,23 +144,28 @@ impl Capture {
     }
 
     /// Reads what is available; keeps draining past the cap so the child never blocks.
+    ///
+    /// What is kept is read straight into `data`, which grows as output comes. A
+    /// zeroed buffer on the stack (64 KiB, before) was written on every read: each of
+    /// its pages, shared copy-on-write with the sandboxes the worker forked since, took
+    /// a fault and a page copy — sixteen a call for an `echo`.
     fn read(&mut self, sink: &mut dyn OutputSink) {
-        let Some(fd) = &self.fd else { return };
-        let mut buf = [0u8; 65536];
+        let Some(fd) = self.fd.as_ref().map(AsRawFd::as_raw_fd) else {
+            return;
+        };
         loop {
-            // SAFETY: `buf` is a valid writable buffer of its length.
-            let n = unsafe { libc::read(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
-            if let Ok(len @ 1..) = usize::try_from(n) {
-                let chunk = &buf[..len];
-                let room = self.cap.saturating_sub(self.data.len());
-                let kept = &chunk[..chunk.len().min(room)];
-                if kept.len() < chunk.len() {
-                    self.truncated = true;
+            let room = self.cap.saturating_sub(self.data.len());
+            let n = if room == 0 {
+                drain(fd, &mut self.truncated)
+            } else {
+                let kept_before = self.data.len();
+                let n = read_into(fd, &mut self.data, room);
+                if self.data.len() > kept_before {
+                    sink.chunk(self.stream, &self.data[kept_before..]);
                 }
-                if !kept.is_empty() {
-                    self.data.extend_from_slice(kept);
-                    sink.chunk(self.stream, kept);
-                }
+                n
+            };
+            if n > 0 {
                 continue;
             }
             if n == 0 || sys::errno() != libc::EINTR {
@@ -171,6 +176,36 @@ impl Capture {
             }
         }
     }
+}
+
+/// Bytes first set aside for a stream's output; `data` doubles from there as it fills.
+const FIRST_READ_BYTES: usize = 4096;
+
+/// One `read` of at most `room` bytes appended to `data`; returns what `read` returned.
+fn read_into(fd: RawFd, data: &mut Vec<u8>, room: usize) -> isize {
+    data.reserve(room.min(FIRST_READ_BYTES));
+    let spare = data.spare_capacity_mut();
+    let ask = spare.len().min(room);
+    // SAFETY: `spare` is writable memory of at least `ask` bytes, owned by `data`.
+    let n = unsafe { libc::read(fd, spare.as_mut_ptr().cast(), ask) };
+    if let Ok(len @ 1..) = usize::try_from(n) {
+        // SAFETY: the kernel wrote `len` (at most `ask`) bytes after the initialised part.
+        unsafe { data.set_len(data.len() + len) };
+    }
+    n
+}
+
+/// One `read` past the cap, into a buffer of its own (a frame only a stream over its
+/// cap ever has), thrown away; marks the stream truncated when anything came.
+#[inline(never)]
+fn drain(fd: RawFd, truncated: &mut bool) -> isize {
+    let mut buf = [0u8; 16 * 1024];
+    // SAFETY: `buf` is a valid writable buffer of its length.
+    let n = unsafe { libc::read(fd, buf.as_mut_ptr().cast(), buf.len()) };
+    if n > 0 {
+        *truncated = true;
+    }
+    n
 }
 
 /// What the parent holds once the child runs: its handle, the parent's ends of the

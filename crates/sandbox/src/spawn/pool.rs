@@ -52,7 +52,7 @@ use crate::fds::ChildFds;
 use crate::loopback;
 use crate::sandbox::{CommandSpec, Factory, OutputSink, RunOutcome, SandboxError};
 use crate::step::{AtStep, Failure, Step};
-use crate::sys;
+use crate::sys::{self, ZeroedPages};
 
 /// How long an entry waits for a call before it is replaced by a newer one.
 pub(super) const MAX_AGE: Duration = Duration::from_secs(60);
@@ -385,12 +385,12 @@ fn build(sandbox: &Factory) -> Result<Entry, SandboxError> {
         proxy_channel.as_ref().map(|(_, child)| child.as_raw_fd()),
         landlock,
     )?;
-    // The buffers the call is read into, allocated before `clone`: the child writes
-    // only its own copy of them.
+    // The buffers the call is read into, mapped before `clone` and never written here:
+    // the child writes only its own copy of them (`sys::ZeroedPages`).
     let mut entry_side = EntrySide {
         channel: child_channel.as_raw_fd(),
-        buffer: vec![0; CALL_BYTES],
-        pointers: vec![std::ptr::null(); CALL_POINTERS],
+        buffer: ZeroedPages::new(CALL_BYTES).map_err(SandboxError::Io)?,
+        pointers: ZeroedPages::new(CALL_POINTERS).map_err(SandboxError::Io)?,
     };
     let mut child = start(sandbox, cgroup, sync_w, || {
         child::prebuilt_main(&plan, &mut entry_side)
@@ -495,8 +495,8 @@ impl Entry {
 /// read into, all made before `clone`.
 pub(super) struct EntrySide {
     channel: RawFd,
-    buffer: Vec<u8>,
-    pointers: Vec<*const libc::c_char>,
+    buffer: ZeroedPages<u8>,
+    pointers: ZeroedPages<*const libc::c_char>,
 }
 
 impl EntrySide {
@@ -523,19 +523,20 @@ impl EntrySide {
             return Err(Failure::new(Step::ReceiveCall, sys::errno()));
         }
         // d. The call, one message; MSG_TRUNC reports a longer one's whole length.
+        let buffer = self.buffer.as_mut_slice();
         let received = loop {
-            // SAFETY: receiving into the buffer allocated before clone, of its length.
+            // SAFETY: receiving into the buffer mapped before clone, of its length.
             let n = unsafe {
                 libc::recv(
                     self.channel,
-                    self.buffer.as_mut_ptr().cast(),
-                    self.buffer.len(),
+                    buffer.as_mut_ptr().cast(),
+                    buffer.len(),
                     libc::MSG_TRUNC,
                 )
             };
             match usize::try_from(n) {
                 Ok(0) => return Err(Failure::new(Step::ReceiveCall, libc::EPIPE)),
-                Ok(n) if n > self.buffer.len() => {
+                Ok(n) if n > buffer.len() => {
                     return Err(Failure::new(Step::ReceiveCall, libc::EMSGSIZE));
                 }
                 Ok(n) => break n,
@@ -545,7 +546,7 @@ impl EntrySide {
         };
         // SAFETY: closing our end of the socket, once.
         unsafe { libc::close(self.channel) };
-        wire::decode(&self.buffer[..received], &mut self.pointers)
+        wire::decode(&buffer[..received], self.pointers.as_mut_slice())
             .ok_or(Failure::new(Step::ReceiveCall, libc::EINVAL))
     }
 }

@@ -321,6 +321,34 @@ fn output_is_capped_and_flagged_and_the_child_never_blocks() {
 }
 
 #[test]
+fn output_arrives_whole_and_in_order_and_is_cut_exactly_at_the_cap() {
+    let ws = workspace();
+    let sandbox = strict(SandboxConfig {
+        output_cap_bytes: 1000,
+        ..config("cap-edge")
+    });
+    // Exactly the cap: all of it, not flagged.
+    let out = sh(&sandbox, ws.path(), "head -c 1000 /dev/zero | tr '\\0' a");
+    assert_eq!(out.stdout, vec![b'a'; 1000]);
+    assert!(!out.stdout_truncated);
+    // One byte more: the cap's worth, flagged.
+    let out = sh(&sandbox, ws.path(), "head -c 1001 /dev/zero | tr '\\0' a");
+    assert_eq!(out.stdout, vec![b'a'; 1000]);
+    assert!(out.stdout_truncated);
+    // Far more than a first read's worth under a larger cap: every byte, in order.
+    let large = strict(SandboxConfig {
+        output_cap_bytes: 1 << 20,
+        ..config("cap-large")
+    });
+    let out = sh(&large, ws.path(), "seq 1 100000");
+    let expected: String = (1..=100_000).map(|i| format!("{i}\n")).collect();
+    assert!(out.stdout == expected.as_bytes(), "{} bytes", out.stdout.len());
+    assert!(!out.stdout_truncated);
+    assert_no_cgroup_left("cap-edge");
+    assert_no_cgroup_left("cap-large");
+}
+
+#[test]
 fn timeout_kills_a_spinner() {
     let ws = workspace();
     let sandbox = strict(config("timeout"));
