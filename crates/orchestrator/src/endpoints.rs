@@ -1,26 +1,16 @@
 //! Where workers listen and how they are dialed: `unix:`, `https://`, `dns:///` and
 //! (with the lab switch) `http://` endpoints, and the channel each replica is reached
-//! by. Every channel uses a connector of ours, so that a connection that could not be
-//! made is told apart from a call that failed once sent (see
+//! by ([`WorkerChannel`], which dials with what is made here and tells a connection
+//! that could not be made apart from a call that failed once sent: see
 //! [`crate::replicas::never_started`]).
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
 
-use hyper_util::rt::TokioIo;
-use tonic::transport::{Channel, Endpoint, Uri};
+use tonic::transport::Uri;
 
 use crate::replicas::Replica;
-
-/// How long connecting to a worker may take.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
-/// How often an idle connection to a worker is pinged, and how long the answer may
-/// take: a replica that is frozen (SIGSTOP, a hung node) loses its connection within
-/// about 8 s, which fails its calls and ejects it, rather than holding them until their
-/// deadline.
-const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(3);
-const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(5);
+use crate::worker_channel::{WorkerChannel, dial};
 
 #[derive(Debug, thiserror::Error)]
 pub enum EndpointError {
@@ -226,16 +216,15 @@ impl Dialer {
         // The connector dials `target` and checks the worker's certificate against
         // `ca_file` and `name`, with the identity in force when it connects (a rotation
         // applies from the next connection).
-        let channel = channel(move || {
+        let channel = WorkerChannel::new(dial(move || {
             let connector = tokio_rustls::TlsConnector::from(identity.current().client.clone());
             let (name, target) = (name.clone(), target.clone());
             async move {
                 let tcp = tokio::net::TcpStream::connect((target.0.as_str(), target.1)).await?;
                 tcp.set_nodelay(true)?;
-                let tls = connector.connect(name, tcp).await?;
-                Ok(TokioIo::new(tls))
+                connector.connect(name, tcp).await
             }
-        });
+        }));
         Ok(Replica::new(endpoint, channel))
     }
 }
@@ -252,39 +241,20 @@ impl std::fmt::Display for EndpointSpec {
     }
 }
 
-/// A lazily connecting, self-reconnecting channel whose connections `connect` makes,
-/// kept alive by HTTP/2 pings. The URI is required by the HTTP/2 layer but never
-/// resolved: the connector dials.
-fn channel<C, F, S>(connect: C) -> Channel
-where
-    C: Fn() -> F + Send + Clone + 'static,
-    F: std::future::Future<Output = std::io::Result<TokioIo<S>>> + Send + 'static,
-    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
-{
-    Endpoint::from_static("http://worker.airlock.invalid")
-        .connect_timeout(CONNECT_TIMEOUT)
-        .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
-        .keep_alive_timeout(KEEPALIVE_TIMEOUT)
-        .keep_alive_while_idle(true)
-        .connect_with_connector_lazy(tower::service_fn(move |_: Uri| connect()))
+/// The channel of the worker listening on the Unix socket at `path`.
+pub(crate) fn unix_channel(path: PathBuf) -> WorkerChannel {
+    WorkerChannel::new(dial(move || tokio::net::UnixStream::connect(path.clone())))
 }
 
-pub(crate) fn unix_channel(path: PathBuf) -> Channel {
-    channel(move || {
-        let path = path.clone();
-        async move { Ok(TokioIo::new(tokio::net::UnixStream::connect(path).await?)) }
-    })
-}
-
-fn tcp_channel(host: String, port: u16) -> Channel {
-    channel(move || {
+fn tcp_channel(host: String, port: u16) -> WorkerChannel {
+    WorkerChannel::new(dial(move || {
         let host = host.clone();
         async move {
             let tcp = tokio::net::TcpStream::connect((host.as_str(), port)).await?;
             tcp.set_nodelay(true)?;
-            Ok(TokioIo::new(tcp))
+            Ok(tcp)
         }
-    })
+    }))
 }
 
 /// A plaintext `http://host:port` replica (`[tls] insecure_plaintext = true` only).

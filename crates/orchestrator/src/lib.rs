@@ -36,6 +36,7 @@ mod strict;
 mod traces;
 mod ui;
 mod wire;
+mod worker_channel;
 pub mod worker_check;
 
 pub use agent::{AgentConfig, ProviderKind};

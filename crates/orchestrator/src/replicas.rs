@@ -21,12 +21,13 @@ use std::time::Duration;
 use airlock_proto::v1::tool_worker_client::ToolWorkerClient;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
-use tonic::transport::Channel;
+use tonic::transport::Uri;
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 
 use crate::endpoints::{Dialer, EndpointSpec};
+use crate::worker_channel::{ORIGIN, WorkerChannel};
 
 /// Largest gRPC message exchanged with a worker.
 const MAX_MESSAGE_BYTES: usize = 32 * 1024 * 1024;
@@ -76,7 +77,7 @@ impl ReplicaState {
 /// and the calls it runs for this orchestrator now.
 pub struct Replica {
     pub endpoint: String,
-    channel: Channel,
+    channel: WorkerChannel,
     state: AtomicU8,
     in_flight: AtomicUsize,
     watched: AtomicBool,
@@ -85,7 +86,7 @@ pub struct Replica {
 }
 
 impl Replica {
-    pub(crate) fn new(endpoint: String, channel: Channel) -> Self {
+    pub(crate) fn new(endpoint: String, channel: WorkerChannel) -> Self {
         Self {
             endpoint,
             channel,
@@ -96,13 +97,13 @@ impl Replica {
         }
     }
 
-    /// The replica's channel, for other services it serves (health).
-    pub fn channel(&self) -> Channel {
-        self.channel.clone()
+    /// A client of the replica's health service.
+    pub fn health(&self) -> HealthClient<WorkerChannel> {
+        HealthClient::with_origin(self.channel.clone(), Uri::from_static(ORIGIN))
     }
 
-    pub fn client(&self) -> ToolWorkerClient<Channel> {
-        ToolWorkerClient::new(self.channel.clone())
+    pub fn client(&self) -> ToolWorkerClient<WorkerChannel> {
+        ToolWorkerClient::with_origin(self.channel.clone(), Uri::from_static(ORIGIN))
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
             .max_encoding_message_size(MAX_MESSAGE_BYTES)
     }
@@ -148,12 +149,8 @@ impl Replica {
         if self.watched.swap(true, Ordering::Relaxed) {
             return;
         }
-        let (replica, channel, stop) = (
-            Arc::downgrade(self),
-            self.channel.clone(),
-            self.unwatch.clone(),
-        );
-        tokio::spawn(watch_health(replica, channel, stop));
+        let (replica, client, stop) = (Arc::downgrade(self), self.health(), self.unwatch.clone());
+        tokio::spawn(watch_health(replica, client, stop));
     }
 }
 
@@ -175,7 +172,11 @@ impl Drop for CallLoad {
 /// Follows one replica's `grpc.health.v1` Watch stream until the replica is dropped.
 /// The stream shares the calls' connection, so a replica whose connection dies (its
 /// process killed, or frozen past the keepalive timeout) is ejected at once.
-async fn watch_health(replica: Weak<Replica>, channel: Channel, stop: CancellationToken) {
+async fn watch_health(
+    replica: Weak<Replica>,
+    client: HealthClient<WorkerChannel>,
+    stop: CancellationToken,
+) {
     let set = |state: ReplicaState, why: &str| match replica.upgrade() {
         Some(r) => {
             r.set_state(state, why);
@@ -185,7 +186,7 @@ async fn watch_health(replica: Weak<Replica>, channel: Channel, stop: Cancellati
     };
     let mut failures: u32 = 0;
     loop {
-        let mut client = HealthClient::new(channel.clone());
+        let mut client = client.clone();
         let request = HealthCheckRequest {
             service: TOOL_WORKER_SERVICE.to_owned(),
         };

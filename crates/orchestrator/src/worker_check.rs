@@ -20,6 +20,7 @@ use tonic_health::pb::health_client::HealthClient;
 
 use crate::config::WorkerTls;
 use crate::endpoints::EndpointSpec;
+use crate::worker_channel::WorkerChannel;
 
 /// How long one RPC of the check may take.
 const RPC_BOUND: Duration = Duration::from_secs(10);
@@ -74,7 +75,7 @@ pub async fn check(
     sample: Option<&SampleCall>,
 ) -> Result<Vec<Finding>, WorkerCheckError> {
     let replica = dial(endpoint, tls)?;
-    let mut findings = vec![health(replica.channel()).await];
+    let mut findings = vec![health(replica.health()).await];
     let mut client = replica.client();
     findings.extend(check_tools(&mut client).await);
     match sample {
@@ -135,8 +136,7 @@ fn dial(endpoint: &str, tls: &WorkerTls) -> Result<crate::replicas::Replica, Wor
         .map_err(|e| bad(e.to_string()))
 }
 
-async fn health(channel: tonic::transport::Channel) -> Finding {
-    let mut client = HealthClient::new(channel);
+async fn health(mut client: HealthClient<WorkerChannel>) -> Finding {
     let request = HealthCheckRequest {
         service: "airlock.v1.ToolWorker".to_owned(),
     };
@@ -161,7 +161,7 @@ async fn health(channel: tonic::transport::Channel) -> Finding {
     }
 }
 
-type Client = pb::tool_worker_client::ToolWorkerClient<tonic::transport::Channel>;
+type Client = pb::tool_worker_client::ToolWorkerClient<WorkerChannel>;
 
 async fn check_tools(client: &mut Client) -> Vec<Finding> {
     let answer = tokio::time::timeout(RPC_BOUND, client.list_tools(pb::ListToolsRequest {})).await;
