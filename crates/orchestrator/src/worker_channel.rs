@@ -12,10 +12,11 @@
 //! answering, and a `grpc-timeout` that bounds the wait for the answer's headers.
 //!
 //! What a failure means to the dispatch is kept ([`crate::replicas::never_started`]): a
-//! connection that could not be made is tonic's `ConnectError` (UNAVAILABLE), a stream
-//! the worker refused with GOAWAY `NO_ERROR` is UNAVAILABLE with that `h2::Error` as its
-//! source, and any other failure of the transport is the `h2::Error`, which tonic maps
-//! to a status carrying it as its source.
+//! connection that could not be made, or a stream that could not be opened on it, is
+//! tonic's `ConnectError` (UNAVAILABLE), a stream the worker refused with GOAWAY
+//! `NO_ERROR` is UNAVAILABLE with that `h2::Error` as its source, and any other failure
+//! of the transport is the `h2::Error`, which tonic maps to a status carrying it as its
+//! source.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -56,6 +57,8 @@ pub enum ChannelError {
     ConnectTimeout(Duration),
     #[error("the worker's HTTP/2 handshake failed: {0}")]
     Handshake(#[source] h2::Error),
+    #[error("the connection to the worker could not open a stream: {0}")]
+    Open(#[source] h2::Error),
     #[error("the request to the worker has no origin ({ORIGIN} is expected)")]
     NoOrigin,
 }
@@ -157,9 +160,10 @@ impl Shared {
         let mut sender = self.ready_sender().await?;
         let (head, body) = request.into_parts();
         let end_of_stream = body.is_end_stream();
+        // A stream h2 could not open was never sent: the call did not start.
         let (response, mut outgoing) = sender
             .send_request(http::Request::from_parts(head, ()), end_of_stream)
-            .map_err(transport_error)?;
+            .map_err(|e| connect_error(ConnectFailure::Channel(ChannelError::Open(e))))?;
         if !end_of_stream {
             send_body(body, &mut outgoing).await?;
         }
@@ -197,7 +201,10 @@ impl Shared {
                 return Err(connect_error(failure));
             }
         };
-        sender.ready().await.map_err(transport_error)
+        sender
+            .ready()
+            .await
+            .map_err(|e| connect_error(ConnectFailure::Channel(ChannelError::Open(e))))
     }
 
     /// Why the last attempt to connect failed, if it ended after `asked`.
