@@ -424,7 +424,7 @@ fn result_digest(content: &[String]) -> String {
         }
         hasher.update(block.as_bytes());
     }
-    hex::encode(hasher.finalize())
+    crate::audit::hex_lower(&hasher.finalize())
 }
 
 #[cfg(test)]
