@@ -83,12 +83,11 @@ struct Shared {
     /// The open connection, if any.
     live: Mutex<Option<Live>>,
     /// Held while a connection is made, so that calls finding none make one between
-    /// them, not one each.
-    connecting: tokio::sync::Mutex<()>,
-    /// The last attempt that failed: calls that waited for it fail with it rather than
-    /// dialing again one after another (a replica that does not answer would make the
-    /// last of them wait for every attempt before it).
-    last_failure: Mutex<Option<(tokio::time::Instant, String)>>,
+    /// them, not one each. It keeps the last attempt that failed, and when: calls that
+    /// waited for that attempt fail with it rather than dialing again one after another
+    /// (a replica that does not answer would make the last of them wait for every
+    /// attempt before it).
+    connecting: tokio::sync::Mutex<Option<(tokio::time::Instant, String)>>,
     generation: AtomicU64,
     /// Ends the connection's task once the channel is gone (h2 does not notice that
     /// every sender was dropped while its connection is parked).
@@ -114,8 +113,7 @@ impl WorkerChannel {
             shared: Arc::new(Shared {
                 dial,
                 live: Mutex::new(None),
-                connecting: tokio::sync::Mutex::new(()),
-                last_failure: Mutex::new(None),
+                connecting: tokio::sync::Mutex::new(None),
                 generation: AtomicU64::new(0),
                 closed: CancellationToken::new(),
             }),
@@ -174,30 +172,24 @@ impl Shared {
     /// A sender on an open connection that may open a stream now, connecting first
     /// when there is no open connection.
     async fn ready_sender(self: &Arc<Self>) -> Result<h2::client::SendRequest<Bytes>, BoxError> {
-        if let Some(live) = self.current() {
-            match live.sender.ready().await {
-                Ok(sender) => return Ok(sender),
-                // Closed (the worker went away, or said GOAWAY): make another.
-                Err(_) => self.forget(live.generation),
-            }
+        if let Some(sender) = self.open_sender().await {
+            return Ok(sender);
         }
         let asked = tokio::time::Instant::now();
-        let _one_at_a_time = self.connecting.lock().await;
-        if let Some(live) = self.current() {
-            match live.sender.ready().await {
-                Ok(sender) => return Ok(sender),
-                Err(_) => self.forget(live.generation),
-            }
+        let mut last_failure = self.connecting.lock().await;
+        // Another call may have connected while this one waited for the lock.
+        if let Some(sender) = self.open_sender().await {
+            return Ok(sender);
         }
-        if let Some(why) = self.failed_since(asked) {
-            return Err(connect_error(ConnectFailure::Shared(why)));
+        if let Some((at, why)) = last_failure.as_ref()
+            && *at >= asked
+        {
+            return Err(connect_error(ConnectFailure::Shared(why.clone())));
         }
         let sender = match self.connect().await {
             Ok(sender) => sender,
             Err(failure) => {
-                if let Ok(mut last) = self.last_failure.lock() {
-                    *last = Some((tokio::time::Instant::now(), failure.to_string()));
-                }
+                *last_failure = Some((tokio::time::Instant::now(), failure.to_string()));
                 return Err(connect_error(failure));
             }
         };
@@ -207,12 +199,18 @@ impl Shared {
             .map_err(|e| connect_error(ConnectFailure::Channel(ChannelError::Open(e))))
     }
 
-    /// Why the last attempt to connect failed, if it ended after `asked`.
-    fn failed_since(&self, asked: tokio::time::Instant) -> Option<String> {
-        let last = self.last_failure.lock().ok()?;
-        last.as_ref()
-            .filter(|(at, _)| *at >= asked)
-            .map(|(_, why)| why.clone())
+    /// The open connection's sender once it may open a stream, or `None` when there is
+    /// no open connection; one found closed (the worker went away, or said GOAWAY) is
+    /// forgotten, so that the next call makes another.
+    async fn open_sender(&self) -> Option<h2::client::SendRequest<Bytes>> {
+        let live = self.current()?;
+        match live.sender.ready().await {
+            Ok(sender) => Some(sender),
+            Err(_) => {
+                self.forget(live.generation);
+                None
+            }
+        }
     }
 
     fn current(&self) -> Option<Live> {
@@ -378,24 +376,9 @@ fn transport_error(error: h2::Error) -> BoxError {
     Box::new(error)
 }
 
-/// The `grpc-timeout` a request carries (`tonic::Request::set_timeout`): at most eight
-/// digits and a unit.
+/// The `grpc-timeout` a request carries (`tonic::Request::set_timeout`).
 fn grpc_timeout(headers: &http::HeaderMap) -> Option<Duration> {
-    let value = headers.get("grpc-timeout")?.to_str().ok()?;
-    if value.len() < 2 || value.len() > 9 {
-        return None;
-    }
-    let (digits, unit) = value.split_at(value.len() - 1);
-    let amount: u64 = digits.parse().ok()?;
-    Some(match unit {
-        "H" => Duration::from_secs(amount.saturating_mul(3600)),
-        "M" => Duration::from_secs(amount.saturating_mul(60)),
-        "S" => Duration::from_secs(amount),
-        "m" => Duration::from_millis(amount),
-        "u" => Duration::from_micros(amount),
-        "n" => Duration::from_nanos(amount),
-        _ => return None,
-    })
+    airlock_proto::parse_grpc_timeout(headers.get("grpc-timeout")?.to_str().ok()?)
 }
 
 /// A response's body as tonic reads it: the stream's data, then its trailers (where
@@ -781,28 +764,14 @@ mod tests {
     }
 
     #[test]
-    fn grpc_timeouts_are_read_in_every_unit() {
-        let read = |value: &'static str| {
-            let mut headers = http::HeaderMap::new();
-            headers.insert("grpc-timeout", http::HeaderValue::from_static(value));
-            grpc_timeout(&headers)
-        };
-        assert_eq!(read("2H"), Some(Duration::from_secs(7200)));
-        assert_eq!(read("3M"), Some(Duration::from_secs(180)));
-        assert_eq!(read("30S"), Some(Duration::from_secs(30)));
-        assert_eq!(read("1500m"), Some(Duration::from_millis(1500)));
-        assert_eq!(read("30000000u"), Some(Duration::from_secs(30)));
-        assert_eq!(read("99999999n"), Some(Duration::from_nanos(99_999_999)));
-        // What the specification does not allow is no timeout, not a wrong one.
-        assert_eq!(read("S"), None);
-        assert_eq!(read("123456789S"), None);
-        assert_eq!(read("10s"), None);
-        assert_eq!(read("-1S"), None);
+    fn a_requests_grpc_timeout_is_read_from_its_headers() {
         assert_eq!(grpc_timeout(&http::HeaderMap::new()), None);
-        // tonic writes what it is given in the finest unit that fits eight digits.
         let mut request = tonic::Request::new(());
         request.set_timeout(Duration::from_millis(31_250));
         let headers = request.metadata().clone().into_headers();
         assert_eq!(grpc_timeout(&headers), Some(Duration::from_millis(31_250)));
+        let mut headers = http::HeaderMap::new();
+        headers.insert("grpc-timeout", http::HeaderValue::from_static("10s"));
+        assert_eq!(grpc_timeout(&headers), None);
     }
 }

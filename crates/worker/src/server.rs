@@ -402,7 +402,7 @@ impl ToolWorker for WorkerService {
         let grpc_timeout = request
             .metadata()
             .get("grpc-timeout")
-            .and_then(|v| v.to_str().ok().and_then(parse_grpc_timeout));
+            .and_then(|v| v.to_str().ok().and_then(airlock_proto::parse_grpc_timeout));
         let span = execute_span(&request);
         let request = request.into_inner();
         let tool = self.tools.get(&request.tool).ok_or_else(|| {
@@ -802,24 +802,6 @@ fn wire_event(event: ToolEvent) -> pb::ExecuteEvent {
     pb::ExecuteEvent { event: Some(event) }
 }
 
-/// Parses a `grpc-timeout` header value: up to 8 digits and a unit (H M S m u n).
-fn parse_grpc_timeout(value: &str) -> Option<Duration> {
-    if value.len() < 2 || value.len() > 9 {
-        return None;
-    }
-    let (digits, unit) = value.split_at(value.len() - 1);
-    let n: u64 = digits.parse().ok()?;
-    Some(match unit {
-        "H" => Duration::from_secs(n.saturating_mul(3600)),
-        "M" => Duration::from_secs(n.saturating_mul(60)),
-        "S" => Duration::from_secs(n),
-        "m" => Duration::from_millis(n),
-        "u" => Duration::from_micros(n),
-        "n" => Duration::from_nanos(n),
-        _ => return None,
-    })
-}
-
 /// A response stream that cancels its call when the transport drops it, which is how a
 /// caller that disconnects (or cancels its RPC) reaches the running tool.
 struct CancelOnDrop<S> {
@@ -886,17 +868,5 @@ mod tests {
         let status: super::Final = Err(tonic::Status::cancelled("gone"));
         let kept = super::ledger_copy(&status, false).unwrap_err();
         assert_eq!(kept.code(), tonic::Code::Cancelled);
-    }
-
-    use super::*;
-
-    #[test]
-    fn grpc_timeout_units() {
-        assert_eq!(parse_grpc_timeout("5S"), Some(Duration::from_secs(5)));
-        assert_eq!(parse_grpc_timeout("250m"), Some(Duration::from_millis(250)));
-        assert_eq!(parse_grpc_timeout("1H"), Some(Duration::from_secs(3600)));
-        assert_eq!(parse_grpc_timeout("S"), None);
-        assert_eq!(parse_grpc_timeout("123456789S"), None);
-        assert_eq!(parse_grpc_timeout("5x"), None);
     }
 }
