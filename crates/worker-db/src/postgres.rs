@@ -147,6 +147,9 @@ SELECT json_build_object(
   'truncated', coalesce(bool_or(total > $1::bigint), false))
 FROM sized";
 
+/// How to list what a `describe_table` answer left out ([`crate::tools::fit_description`]).
+pub(crate) const DESCRIPTION_REST: &str = "SELECT column_name, data_type, is_nullable, column_default FROM information_schema.columns WHERE table_schema = $1 AND table_name = $2 ORDER BY ordinal_position LIMIT 200 OFFSET 200 with params [schema, table]; indexes from pg_indexes (indexname, indexdef) and foreign keys from pg_constraint (contype = 'f', pg_get_constraintdef(oid)) likewise";
+
 const DESCRIBE: &str = "\
 WITH t AS (
   SELECT c.oid, n.nspname, c.relname, c.relkind

@@ -279,9 +279,10 @@ impl Sqlite {
     }
 
     pub async fn describe(&self, table: String, limits: &Limits) -> Result<Value, SqliteError> {
+        let max = limits.max_bytes;
         self.run(limits, move |c| {
             let conn = c.open(Mode::ReadOnly)?;
-            describe(c, &conn, &table)
+            describe(c, &conn, &table, max)
         })
         .await
     }
@@ -518,7 +519,20 @@ fn collect(
     Ok(out)
 }
 
-fn describe(c: &SqliteCall, conn: &Connection, table: &str) -> Result<Value, SqliteError> {
+/// How to list what a `describe_table` answer left out ([`crate::tools::fit_description`]).
+pub(crate) const DESCRIPTION_REST: &str = "SELECT name, type, \"notnull\", dflt_value, pk FROM pragma_table_xinfo(?1) LIMIT 200 OFFSET 200 with params [the table]; indexes from pragma_index_list(?1) and pragma_index_info(?1) with params [the index], foreign keys from pragma_foreign_key_list(?1) likewise";
+
+/// Describes `table`, reading no more of the catalog than about `max` bytes of names,
+/// types and defaults: a table may have thousands of columns and any number of indexes,
+/// and what is read past that would only be left out of the answer
+/// ([`crate::tools::fit_description`] fits what is read; `truncated` says whether
+/// reading stopped early).
+fn describe(
+    c: &SqliteCall,
+    conn: &Connection,
+    table: &str,
+    max: usize,
+) -> Result<Value, SqliteError> {
     let found: Option<(String, String)> = conn
         .query_row(
             "SELECT name, type FROM sqlite_schema WHERE type IN ('table', 'view') \
@@ -534,15 +548,25 @@ fn describe(c: &SqliteCall, conn: &Connection, table: &str) -> Result<Value, Sql
     let Some((name, kind)) = found else {
         return Err(SqliteError::NoTable(table.to_owned()));
     };
+    // Bytes of catalog text read so far; once past `max`, reading stops.
+    let read = std::cell::Cell::new(0usize);
+    let stopped = std::cell::Cell::new(false);
     let q = |sql: &str, arg: &str| -> Result<Vec<Map<String, Value>>, SqliteError> {
         let mut stmt = conn.prepare(sql).map_err(|e| c.error(e))?;
         let cols: Vec<String> = stmt.column_names().into_iter().map(str::to_owned).collect();
         let mut rows = stmt.query([arg]).map_err(|e| c.error(e))?;
         let mut out = Vec::new();
         while let Some(row) = rows.next().map_err(|e| c.error(e))? {
+            if read.get() > max {
+                stopped.set(true);
+                break;
+            }
             let mut m = Map::new();
             for (i, col) in cols.iter().enumerate() {
                 let v = row.get_ref(i).map_err(|e| c.error(e))?;
+                // Field names and punctuation, then the value itself.
+                let len = 16 + v.as_bytes().map_or(8, <[u8]>::len);
+                read.set(read.get().saturating_add(len));
                 m.insert(col.clone(), sqlite_value(v, ""));
             }
             out.push(m);
@@ -597,11 +621,19 @@ fn describe(c: &SqliteCall, conn: &Connection, table: &str) -> Result<Value, Sql
             }
         }
     }
+    if stopped.get() {
+        // The last one may have lost columns to the stop.
+        fks.pop();
+    }
     let mut indexes = Vec::new();
     for m in q(
         "SELECT name, \"unique\", origin, partial FROM pragma_index_list(?1) ORDER BY name",
         &name,
     )? {
+        if read.get() > max {
+            stopped.set(true);
+            break;
+        }
         let index = m
             .get("name")
             .and_then(Value::as_str)
@@ -614,6 +646,10 @@ fn describe(c: &SqliteCall, conn: &Connection, table: &str) -> Result<Value, Sql
         .into_iter()
         .map(|c| c.get("name").cloned().unwrap_or(Value::Null))
         .collect();
+        if stopped.get() {
+            // Its columns may be cut: left out whole.
+            break;
+        }
         indexes.push(json!({
             "name": index,
             "columns": cols,
@@ -629,5 +665,6 @@ fn describe(c: &SqliteCall, conn: &Connection, table: &str) -> Result<Value, Sql
         "primary_key": pk.into_iter().map(|(_, c)| c).collect::<Vec<_>>(),
         "foreign_keys": fks.into_iter().map(|(_, v)| v).collect::<Vec<_>>(),
         "indexes": indexes,
+        "truncated": stopped.get(),
     }))
 }

@@ -26,6 +26,49 @@ pub(crate) const MAX_RESULT_BYTES: usize = 1024 * 1024;
 /// thousands of long names still answers within the result cap (and far below the
 /// worker's 32 MiB message limit).
 pub(crate) const LIST_RESERVE: usize = 1024;
+/// The lists of a `describe_table` answer that can be long, in the order they give way
+/// when the answer would pass [`MAX_RESULT_BYTES`]: indexes first, then foreign keys,
+/// then columns (the columns a model needs most, kept in table order from the first).
+const DESCRIPTION_LISTS: [&str; 3] = ["indexes", "foreign_keys", "columns"];
+
+/// Fits a `describe_table` answer within `max` bytes as serialized, less
+/// [`LIST_RESERVE`] for the note: items are left out from the end of its lists, in
+/// [`DESCRIPTION_LISTS`]'s order, until it does. The answer says whether anything was
+/// left out (`truncated`, also set when the engine stopped reading early) and, if so,
+/// how to list the rest (`rest`, the engine's catalog queries). A table with thousands
+/// of columns, indexes or long defaults would otherwise answer above the worker's
+/// message limit, failing at the transport with no advice.
+pub(crate) fn fit_description(mut answer: Value, max: usize, rest: &str) -> Value {
+    let size = |v: &Value| serde_json::to_vec(v).map_or(usize::MAX, |text| text.len());
+    let Some(fields) = answer.as_object_mut() else {
+        return answer;
+    };
+    let cap = max.saturating_sub(LIST_RESERVE);
+    let mut truncated = fields.get("truncated") == Some(&Value::Bool(true));
+    let mut total = size(&Value::Object(fields.clone()));
+    for key in DESCRIPTION_LISTS {
+        let Some(list) = fields.get_mut(key).and_then(Value::as_array_mut) else {
+            continue;
+        };
+        while total > cap {
+            let Some(item) = list.pop() else { break };
+            // The item and the comma before it.
+            total = total.saturating_sub(size(&item).saturating_add(1));
+            truncated = true;
+        }
+    }
+    fields.insert("truncated".into(), Value::Bool(truncated));
+    if truncated {
+        fields.insert(
+            "note".into(),
+            Value::String(format!(
+                "this description stops before about {max} bytes, the most one answer holds: indexes, then foreign keys, then columns past those listed are left out; list them with query_database, e.g. {rest}"
+            )),
+        );
+    }
+    answer
+}
+
 /// The largest value SQLite may build (`SQLITE_LIMIT_LENGTH`) and the largest row
 /// message the worker reads from PostgreSQL: four times the result cap, so a query may
 /// still filter or measure values larger than it could return (`WHERE body LIKE ...`,
@@ -395,7 +438,7 @@ impl DbTool {
             Kind::DescribeTable => (
                 "Describe table",
                 format!(
-                    "Describe a table or view: columns with types, nullability and defaults, the primary key, foreign keys (with the referenced table and columns) and indexes. {catalog}"
+                    "Describe a table or view: columns with types, nullability and defaults, the primary key, foreign keys (with the referenced table and columns) and indexes, up to about {MAX_RESULT_BYTES} bytes; `truncated` says when some were left out, and `note` how to list them. {catalog}"
                 ),
                 object(
                     json!({
@@ -493,14 +536,17 @@ impl DbTool {
                 let args: DescribeArgs = parse(tool, arguments)?;
                 let db = self.db(&args.database)?;
                 let limits = db.limits(ctx, 1);
+                let max = limits.max_bytes;
                 match &db.backend {
                     Backend::Sqlite(s) => s
                         .describe(args.table, &limits)
                         .await
+                        .map(|d| fit_description(d, max, crate::sqlite::DESCRIPTION_REST))
                         .map_err(|e| e.to_string()),
                     Backend::Postgres(p) => p
                         .describe(args.table, &limits)
                         .await
+                        .map(|d| fit_description(d, max, crate::postgres::DESCRIPTION_REST))
                         .map_err(|e| e.to_string()),
                 }
             }

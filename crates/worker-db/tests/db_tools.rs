@@ -635,6 +635,106 @@ async fn list_tables_answers_stay_within_the_result_cap() {
     assert!(v.get("note").is_none(), "{v}");
 }
 
+/// A table with thousands of long columns (and indexes on top) is described within the
+/// result cap: indexes give way first, then columns from the end, and the answer says
+/// so, with how to list the rest. Before, SQLite answered with all of it (2000 columns
+/// of 1000-character names: 2 MB here, and without end in general: any number of
+/// indexes) and PostgreSQL with up to 64 MiB, above the worker's 32 MiB message limit.
+#[tokio::test]
+async fn describe_table_answers_stay_within_the_result_cap() {
+    const CAP: usize = 1024 * 1024;
+    let lite = Lite::new();
+    {
+        let conn = rusqlite::Connection::open(lite.path()).unwrap();
+        let columns: Vec<String> = (0..2000)
+            .map(|i| format!("c{i:04}{}", "x".repeat(995)))
+            .collect();
+        let mut ddl = format!("BEGIN; CREATE TABLE wide ({});", columns.join(", "));
+        for (i, column) in columns.iter().take(50).enumerate() {
+            ddl.push_str(&format!("CREATE INDEX wide_{i} ON wide ({column});"));
+        }
+        ddl.push_str("CREATE TABLE small (id INTEGER PRIMARY KEY, note TEXT); COMMIT;");
+        conn.execute_batch(&ddl).unwrap();
+    }
+    // PostgreSQL names are at most 63 bytes, and a table at most 1600 columns: long
+    // defaults make the width.
+    let wide = postgres::unique_name("airlock_wide");
+    postgres::create_database(&wide);
+    superuser(&wide)
+        .await
+        .batch_execute(
+            "DO $$ BEGIN
+               EXECUTE 'CREATE TABLE wide (' || (SELECT string_agg(format('%I text DEFAULT %L',
+                 'c' || lpad(i::text, 4, '0') || repeat('x', 58), repeat('d', 700)), ', ' ORDER BY i)
+                 FROM generate_series(0, 1599) i) || ')';
+               FOR i IN 0..49 LOOP
+                 EXECUTE format('CREATE INDEX %I ON wide (%I)', 'wide_' || i, 'c' || lpad(i::text, 4, '0') || repeat('x', 58));
+               END LOOP;
+             END $$;
+             CREATE TABLE small (id int PRIMARY KEY, note text);
+             GRANT SELECT ON ALL TABLES IN SCHEMA public TO PUBLIC;",
+        )
+        .await
+        .unwrap();
+    let mut pgc = pg_db("pg", "airlock_ro");
+    pgc.url = pgc.url.replace("/airlock_test", &format!("/{wide}"));
+    let set = tools(vec![lite.db("lite"), pgc]).unwrap();
+
+    for (db, fitting, first, rest) in [
+        (
+            "lite",
+            900,
+            format!("c0000{}", "x".repeat(995)),
+            "pragma_table_xinfo",
+        ),
+        (
+            "pg",
+            1000,
+            format!("c0000{}", "x".repeat(58)),
+            "information_schema.columns",
+        ),
+    ] {
+        let out = call(
+            &set,
+            "describe_table",
+            json!({"database": db, "table": "wide"}),
+        )
+        .await;
+        assert!(!out.is_error, "{db}: {:?}", out.content);
+        let text = out.content.join("");
+        assert!(text.len() <= CAP, "{db}: {} bytes", text.len());
+        let v: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(v["truncated"], true, "{db}");
+        let note = v["note"].as_str().unwrap();
+        assert!(
+            note.contains("query_database") && note.contains(rest) && note.contains("1048576"),
+            "{db}: {note}"
+        );
+        // Indexes gave way first; the columns kept are the first ones, in order.
+        assert_eq!(v["indexes"], json!([]), "{db}");
+        let names: Vec<&str> = v["columns"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c["name"].as_str().unwrap())
+            .collect();
+        assert!(names.len() >= fitting, "{db}: {} columns", names.len());
+        assert!(names.len() < 1600, "{db}: {} columns", names.len());
+        assert_eq!(names[0], first, "{db}");
+        assert!(names.is_sorted(), "{db}");
+        // A small table is whole, and says so.
+        let v = ok(
+            &set,
+            "describe_table",
+            json!({"database": db, "table": "small"}),
+        )
+        .await;
+        assert_eq!(v["truncated"], false, "{db}: {v}");
+        assert!(v.get("note").is_none(), "{db}: {v}");
+        assert_eq!(v["columns"].as_array().unwrap().len(), 2, "{db}: {v}");
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // Timeouts, outages, passwords
 // ---------------------------------------------------------------------------------------
