@@ -162,8 +162,17 @@ impl Shared {
         let (response, mut outgoing) = sender
             .send_request(http::Request::from_parts(head, ()), end_of_stream)
             .map_err(|e| connect_error(ConnectFailure::Channel(ChannelError::Open(e))))?;
-        if !end_of_stream {
-            send_body(body, &mut outgoing).await?;
+        if !end_of_stream && let Err(sending) = send_body(body, &mut outgoing).await {
+            // The worker may have answered and closed the stream before the end of the
+            // request was written: a gRPC server answers a unary call once it has its
+            // message, and resets the stream (`NO_ERROR`) when the client has not
+            // half-closed it yet, so the empty frame that ends the request finds the
+            // stream gone. The answer is the call's (hyper, under tonic's channel, did
+            // the same); with no answer, the failure to send is what happened.
+            return match response.await {
+                Ok(response) => Ok(response.map(RecvBody::new)),
+                Err(_) => Err(sending),
+            };
         }
         let response = response.await.map_err(transport_error)?;
         Ok(response.map(RecvBody::new))
@@ -761,6 +770,107 @@ mod tests {
             .await
             .expect("the connection outlived its channel")
             .unwrap();
+    }
+
+    /// A request body that yields one message, then ends only once `end` is sent.
+    struct GatedBody {
+        message: Option<Bytes>,
+        end: tokio::sync::oneshot::Receiver<()>,
+    }
+
+    impl http_body::Body for GatedBody {
+        type Data = Bytes;
+        type Error = tonic::Status;
+
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, tonic::Status>>> {
+            if let Some(message) = self.message.take() {
+                return Poll::Ready(Some(Ok(Frame::data(message))));
+            }
+            Pin::new(&mut self.end).poll(cx).map(|_| None)
+        }
+    }
+
+    /// A worker that answers a call and resets its stream (`NO_ERROR`, as gRPC servers
+    /// do when the client has not half-closed yet) before the request's end is written:
+    /// the answer is the call's. Before, writing the request's end failed ("inactive
+    /// stream") and the call failed as one that may have run — one of the Python
+    /// worker's first calls, now and then, under load.
+    #[tokio::test]
+    async fn an_answer_before_the_end_of_the_request_is_the_calls() {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("early.sock");
+        let (answered, answered_rx) = tokio::sync::oneshot::channel::<()>();
+        let peer = raw_peer(&socket, |mut io| async move {
+            read_until(&mut io, 0).await;
+            // `:status: 200` (static index 8), a message, then trailers
+            // (`grpc-status: 0`, a literal) that end the stream, then the reset.
+            io.write_all(&frame(1, 0x4, 1, &[0x88])).await.unwrap();
+            io.write_all(&frame(0, 0, 1, b"hello")).await.unwrap();
+            let mut trailers = vec![0x00, 11];
+            trailers.extend_from_slice(b"grpc-status");
+            trailers.extend_from_slice(&[1, b'0']);
+            io.write_all(&frame(1, 0x5, 1, &trailers)).await.unwrap();
+            io.write_all(&frame(3, 0, 1, &0u32.to_be_bytes()))
+                .await
+                .unwrap();
+            // Frames are handled in order: once the client acknowledges this ping, it
+            // has taken the answer and the reset.
+            io.write_all(&frame(6, 0, 0, &[7; 8])).await.unwrap();
+            loop {
+                let mut header = [0u8; 9];
+                io.read_exact(&mut header).await.unwrap();
+                let len = u32::from_be_bytes([0, header[0], header[1], header[2]]) as usize;
+                let mut payload = vec![0u8; len];
+                io.read_exact(&mut payload).await.unwrap();
+                if header[3] == 6 && header[4] & 0x1 != 0 && payload == [7; 8] {
+                    break;
+                }
+            }
+            answered.send(()).unwrap();
+            let mut rest = Vec::new();
+            let _ = io.read_to_end(&mut rest).await;
+        });
+        let mut channel = crate::endpoints::unix_channel(socket);
+        let (end, gate) = tokio::sync::oneshot::channel();
+        let body = tonic::body::Body::new(GatedBody {
+            message: Some(Bytes::from_static(b"request")),
+            end: gate,
+        });
+        let request = http::Request::builder()
+            .method("POST")
+            .uri(format!("{ORIGIN}/airlock.v1.ToolWorker/ListTools"))
+            .body(body)
+            .unwrap();
+        let call = tokio::spawn(tower::Service::call(&mut channel, request));
+        tokio::time::timeout(BOUND, answered_rx)
+            .await
+            .unwrap()
+            .unwrap();
+        end.send(()).unwrap();
+        let response = tokio::time::timeout(BOUND, call)
+            .await
+            .unwrap()
+            .unwrap()
+            .expect("the answer");
+        assert_eq!(response.status(), http::StatusCode::OK);
+        let mut body = response.into_body();
+        let mut data = Vec::new();
+        let mut trailers = None;
+        while let Some(frame) = std::future::poll_fn(|cx| Pin::new(&mut body).poll_frame(cx)).await
+        {
+            let frame = frame.unwrap();
+            match frame.into_data() {
+                Ok(chunk) => data.extend_from_slice(&chunk),
+                Err(frame) => trailers = frame.into_trailers().ok(),
+            }
+        }
+        assert_eq!(data, b"hello");
+        assert_eq!(trailers.unwrap()["grpc-status"], "0");
+        drop(channel);
+        tokio::time::timeout(BOUND, peer).await.unwrap().unwrap();
     }
 
     #[test]
