@@ -828,6 +828,65 @@ async fn one_requests_calls_cannot_overshoot_the_session_budget() {
     }
 }
 
+/// A burst of held calls exactly the size of the session's budget is held whole. Each
+/// call counts the calls ahead of it that the store does not hold yet; one stored and
+/// not yet let go by its task was counted twice, so in a burst (many stored in one
+/// commit, their tasks still to run) a call the session had room for was refused (one
+/// of 64 calls under load, with a budget of 100). The next call finds the session full.
+#[tokio::test]
+async fn a_burst_as_large_as_the_session_budget_is_held_whole() {
+    const BURST: usize = 64;
+    let airlock = Airlock::start_with(&format!(
+        "[approvals]\ntools = [\"write_file\"]\n[budgets]\nmax_calls_per_session = {BURST}\nrate_per_minute = 0\n"
+    ))
+    .await;
+    for round in 0..3 {
+        let session = format!("burst-{round}");
+        let uses: Vec<Value> = (0..BURST)
+            .map(|i| {
+                json!({"type": "tool_use", "id": format!("t{i}"), "name": "write_file",
+                    "input": {"path": format!("f{i}.txt"), "content": "x"}})
+            })
+            .collect();
+        let (status, body) = airlock
+            .post(
+                "/v1/tool_calls",
+                &json!({"session_id": session, "wait_ms": 0, "tool_uses": uses}),
+            )
+            .await;
+        assert_eq!(status, 200, "{body}");
+        let calls = body["calls"].as_array().expect("calls");
+        assert_eq!(calls.len(), BURST, "{body}");
+        for call in calls {
+            let call_id = call["call_id"].as_str().expect("call id");
+            let mut now = call.clone();
+            // `wait_ms: 0` answers once the gate has checked each call, but waits for
+            // that at most some seconds: a call may still be on its way to being held.
+            let deadline = std::time::Instant::now() + Duration::from_secs(120);
+            while now["status"] == "running" && std::time::Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                now = airlock
+                    .get(&format!("/v1/calls/{call_id}?wait_ms=0"))
+                    .await
+                    .1;
+            }
+            assert_eq!(now["status"], "pending_approval", "round {round}: {now}");
+        }
+        let (_, body) = airlock
+            .post(
+                "/v1/tool_calls",
+                &json!({"session_id": session, "wait_ms": 0,
+                    "tool_uses": [one_use("write_file", json!({"path": "more.txt", "content": "x"}))]}),
+            )
+            .await;
+        assert_eq!(body["calls"][0]["status"], "error", "round {round}: {body}");
+        assert!(
+            body.to_string().contains("session budget"),
+            "round {round}: {body}"
+        );
+    }
+}
+
 #[tokio::test]
 async fn approvals_are_decided_over_grpc_and_the_cli_too() {
     use airlock_proto::v1 as pb;

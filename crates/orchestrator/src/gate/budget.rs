@@ -7,6 +7,9 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::Notify;
 
 use super::ctx::CallCtx;
 use super::ending::Rejection;
@@ -30,17 +33,28 @@ impl RepeatKey {
 
 type SessionKey = (String, String);
 
+/// How long a call that the session's count puts over its budget waits for the calls
+/// counted twice to be let go before it is refused (see [`Gate::check_budget`]).
+const SETTLE: Duration = Duration::from_secs(1);
+
 /// Calls of this replica that passed their session's budget and whose rows are not in
 /// the store yet (a call that changes nothing is stored when it ends): the store counts
 /// only the calls it holds, so these are added to its count.
 #[derive(Default)]
-pub(super) struct Unrecorded(Arc<Mutex<HashMap<SessionKey, (u64, Timestamp)>>>);
+pub(super) struct Unrecorded(Arc<Counted>);
+
+#[derive(Default)]
+struct Counted {
+    sessions: Mutex<HashMap<SessionKey, (u64, Timestamp)>>,
+    /// Woken whenever a slot is let go.
+    released: Notify,
+}
 
 impl Unrecorded {
     /// How many there are in the session, and when the first of them was created.
     fn usage(&self, principal: &str, session: &str) -> (u64, Option<Timestamp>) {
         let key = (principal.to_owned(), session.to_owned());
-        lock(&self.0)
+        lock(&self.0.sessions)
             .get(&key)
             .map_or((0, None), |&(calls, first_at)| (calls, Some(first_at)))
     }
@@ -54,13 +68,13 @@ impl Unrecorded {
         created_at: Timestamp,
     ) -> (Slot, u64) {
         let key = (principal.to_owned(), session.to_owned());
-        let mut map = lock(&self.0);
+        let mut map = lock(&self.0.sessions);
         let entry = map.entry(key.clone()).or_insert((0, created_at));
         let ahead = entry.0;
         entry.0 += 1;
         entry.1 = entry.1.min(created_at);
         let slot = Slot {
-            map: Arc::clone(&self.0),
+            counted: Arc::clone(&self.0),
             key,
         };
         (slot, ahead)
@@ -70,19 +84,22 @@ impl Unrecorded {
 /// One unrecorded call in its session's count; dropped once the store holds the call
 /// (or the call ends without a row).
 pub(super) struct Slot {
-    map: Arc<Mutex<HashMap<SessionKey, (u64, Timestamp)>>>,
+    counted: Arc<Counted>,
     key: SessionKey,
 }
 
 impl Drop for Slot {
     fn drop(&mut self) {
-        let mut map = lock(&self.map);
-        if let Some(entry) = map.get_mut(&self.key) {
-            entry.0 = entry.0.saturating_sub(1);
-            if entry.0 == 0 {
-                map.remove(&self.key);
+        {
+            let mut map = lock(&self.counted.sessions);
+            if let Some(entry) = map.get_mut(&self.key) {
+                entry.0 = entry.0.saturating_sub(1);
+                if entry.0 == 0 {
+                    map.remove(&self.key);
+                }
             }
         }
+        self.counted.released.notify_waiters();
     }
 }
 
@@ -97,27 +114,74 @@ impl Gate {
             let (slot, ahead) =
                 self.unrecorded
                     .hold(&ctx.principal.name, ctx.session.as_str(), now_millis());
-            // Read before the store: a call held now and stored after the store's read
-            // is then counted here; one stored before it may be counted twice (stricter).
-            let (running, since) = self
-                .unrecorded
-                .usage(&ctx.principal.name, ctx.session.as_str());
-            let usage = self
-                .store
-                .session_usage(&ctx.principal.name, ctx.session.as_str())
-                .await
-                .map_err(|e| over(format!("the store cannot count this session's calls: {e}")))?;
-            // Those ahead of it still uncounted by the store: no more than are held now
-            // besides this one (one that was ahead may have been stored and let go since).
-            let others = ahead.min(running.saturating_sub(1));
-            // An unrecorded call's creation time is when its row will say it was created.
-            let first_at = match (usage.first_at, since) {
-                (Some(a), Some(b)) => Some(a.min(b)),
-                (a, b) => a.or(b),
-            };
-            self.budgets
-                .check_session(usage.calls + others, first_at, now_millis())
-                .map_err(|e| over(e.to_string()))?;
+            let settle_until = tokio::time::Instant::now() + SETTLE;
+            loop {
+                // Armed before the counts are read, so that no release is missed.
+                let counted = Arc::clone(&self.unrecorded.0);
+                let released = counted.released.notified();
+                tokio::pin!(released);
+                released.as_mut().enable();
+                // Read before the store: a call held now and stored after the store's
+                // read is then counted here; one stored before it and not let go yet
+                // (its slot goes just after its write) is counted twice.
+                let (running, since) = self
+                    .unrecorded
+                    .usage(&ctx.principal.name, ctx.session.as_str());
+                let usage = self
+                    .store
+                    .session_usage(&ctx.principal.name, ctx.session.as_str())
+                    .await
+                    .map_err(|e| {
+                        over(format!("the store cannot count this session's calls: {e}"))
+                    })?;
+                // Those ahead of it still uncounted by the store: no more than are held
+                // now besides this one (one that was ahead may have been stored and let
+                // go since).
+                let others = ahead.min(running.saturating_sub(1));
+                // An unrecorded call's creation time is when its row will say it was
+                // created.
+                let first_at = match (usage.first_at, since) {
+                    (Some(a), Some(b)) => Some(a.min(b)),
+                    (a, b) => a.or(b),
+                };
+                let now = now_millis();
+                let Err(e) = self
+                    .budgets
+                    .check_session(usage.calls + others, first_at, now)
+                else {
+                    break;
+                };
+                // Over only with the calls held here, some of which the store may have
+                // counted already: in a burst, many are stored together and let go only
+                // as their tasks run again, and counting them twice refused calls the
+                // session had room for. Once they are let go, the count is exact; a
+                // session that is full is still refused, after at most `SETTLE`.
+                if others == 0
+                    || self
+                        .budgets
+                        .check_session(usage.calls, first_at, now)
+                        .is_err()
+                {
+                    return Err(over(e.to_string()));
+                }
+                // Counted again once one of this session's slots has gone.
+                loop {
+                    if tokio::time::timeout_at(settle_until, released.as_mut())
+                        .await
+                        .is_err()
+                    {
+                        return Err(over(e.to_string()));
+                    }
+                    released.set(counted.released.notified());
+                    released.as_mut().enable();
+                    let (now_running, _) = self
+                        .unrecorded
+                        .usage(&ctx.principal.name, ctx.session.as_str());
+                    if now_running < running {
+                        break;
+                    }
+                }
+            }
             ctx.budget_slot = Some(slot);
         }
         self.budgets
@@ -152,9 +216,12 @@ mod tests {
         assert_eq!(unrecorded.usage("alice", "s1").0, 1);
         drop(first);
         assert_eq!(unrecorded.usage("alice", "s1"), (0, None));
-        assert!(!lock(&unrecorded.0).contains_key(&("alice".into(), "s1".into())));
+        assert!(!lock(&unrecorded.0.sessions).contains_key(&("alice".into(), "s1".into())));
         assert_eq!(unrecorded.usage("alice", "s2"), (1, Some(5_000)));
         drop(other);
-        assert!(lock(&unrecorded.0).is_empty(), "nothing outlives its calls");
+        assert!(
+            lock(&unrecorded.0.sessions).is_empty(),
+            "nothing outlives its calls"
+        );
     }
 }
