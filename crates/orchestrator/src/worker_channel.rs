@@ -613,16 +613,23 @@ mod tests {
         out
     }
 
+    /// One frame read whole: its type, flags, stream id and payload.
+    async fn read_frame(io: &mut tokio::net::UnixStream) -> (u8, u8, u32, Vec<u8>) {
+        let mut header = [0u8; 9];
+        io.read_exact(&mut header).await.unwrap();
+        let len = u32::from_be_bytes([0, header[0], header[1], header[2]]) as usize;
+        let mut payload = vec![0u8; len];
+        io.read_exact(&mut payload).await.unwrap();
+        let stream = u32::from_be_bytes([header[5], header[6], header[7], header[8]]);
+        (header[3], header[4], stream, payload)
+    }
+
     /// Reads frames until one of `kind` arrives; returns its stream id.
     async fn read_until(io: &mut tokio::net::UnixStream, kind: u8) -> u32 {
         loop {
-            let mut header = [0u8; 9];
-            io.read_exact(&mut header).await.unwrap();
-            let len = u32::from_be_bytes([0, header[0], header[1], header[2]]) as usize;
-            let mut payload = vec![0u8; len];
-            io.read_exact(&mut payload).await.unwrap();
-            if header[3] == kind {
-                return u32::from_be_bytes([header[5], header[6], header[7], header[8]]);
+            let (read, _, stream, _) = read_frame(io).await;
+            if read == kind {
+                return stream;
             }
         }
     }
@@ -820,12 +827,8 @@ mod tests {
             // has taken the answer and the reset.
             io.write_all(&frame(6, 0, 0, &[7; 8])).await.unwrap();
             loop {
-                let mut header = [0u8; 9];
-                io.read_exact(&mut header).await.unwrap();
-                let len = u32::from_be_bytes([0, header[0], header[1], header[2]]) as usize;
-                let mut payload = vec![0u8; len];
-                io.read_exact(&mut payload).await.unwrap();
-                if header[3] == 6 && header[4] & 0x1 != 0 && payload == [7; 8] {
+                let (kind, flags, _, payload) = read_frame(&mut io).await;
+                if kind == 6 && flags & 0x1 != 0 && payload == [7; 8] {
                     break;
                 }
             }
