@@ -40,12 +40,12 @@ const DESCRIPTION_LISTS: [&str; 3] = ["indexes", "foreign_keys", "columns"];
 /// message limit, failing at the transport with no advice.
 pub(crate) fn fit_description(mut answer: Value, max: usize, rest: &str) -> Value {
     let size = |v: &Value| serde_json::to_vec(v).map_or(usize::MAX, |text| text.len());
+    let mut total = size(&answer);
     let Some(fields) = answer.as_object_mut() else {
         return answer;
     };
     let cap = max.saturating_sub(LIST_RESERVE);
     let mut truncated = fields.get("truncated") == Some(&Value::Bool(true));
-    let mut total = size(&Value::Object(fields.clone()));
     for key in DESCRIPTION_LISTS {
         let Some(list) = fields.get_mut(key).and_then(Value::as_array_mut) else {
             continue;

@@ -59,6 +59,29 @@ impl Unrecorded {
             .map_or((0, None), |&(calls, first_at)| (calls, Some(first_at)))
     }
 
+    /// Waits until the session holds fewer than `than` slots, or `until` has passed;
+    /// whether it does.
+    async fn until_fewer(
+        &self,
+        principal: &str,
+        session: &str,
+        than: u64,
+        until: tokio::time::Instant,
+    ) -> bool {
+        loop {
+            // Armed before the count is read, so that no release is missed.
+            let released = self.0.released.notified();
+            tokio::pin!(released);
+            released.as_mut().enable();
+            if self.usage(principal, session).0 < than {
+                return true;
+            }
+            if tokio::time::timeout_at(until, released).await.is_err() {
+                return false;
+            }
+        }
+    }
+
     /// Counts one more until the returned slot is dropped; with how many were counted
     /// before it.
     pub(super) fn hold(
@@ -116,11 +139,6 @@ impl Gate {
                     .hold(&ctx.principal.name, ctx.session.as_str(), now_millis());
             let settle_until = tokio::time::Instant::now() + SETTLE;
             loop {
-                // Armed before the counts are read, so that no release is missed.
-                let counted = Arc::clone(&self.unrecorded.0);
-                let released = counted.released.notified();
-                tokio::pin!(released);
-                released.as_mut().enable();
                 // Read before the store: a call held now and stored after the store's
                 // read is then counted here; one stored before it and not let go yet
                 // (its slot goes just after its write) is counted twice.
@@ -156,30 +174,20 @@ impl Gate {
                 // as their tasks run again, and counting them twice refused calls the
                 // session had room for. Once they are let go, the count is exact; a
                 // session that is full is still refused, after at most `SETTLE`.
+                let store_alone = self.budgets.check_session(usage.calls, first_at, now);
                 if others == 0
-                    || self
-                        .budgets
-                        .check_session(usage.calls, first_at, now)
-                        .is_err()
+                    || store_alone.is_err()
+                    || !self
+                        .unrecorded
+                        .until_fewer(
+                            &ctx.principal.name,
+                            ctx.session.as_str(),
+                            running,
+                            settle_until,
+                        )
+                        .await
                 {
                     return Err(over(e.to_string()));
-                }
-                // Counted again once one of this session's slots has gone.
-                loop {
-                    if tokio::time::timeout_at(settle_until, released.as_mut())
-                        .await
-                        .is_err()
-                    {
-                        return Err(over(e.to_string()));
-                    }
-                    released.set(counted.released.notified());
-                    released.as_mut().enable();
-                    let (now_running, _) = self
-                        .unrecorded
-                        .usage(&ctx.principal.name, ctx.session.as_str());
-                    if now_running < running {
-                        break;
-                    }
                 }
             }
             ctx.budget_slot = Some(slot);
