@@ -10,6 +10,7 @@ use airlock_telemetry::StageParent;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
+use crate::execute_stream::ExecuteStream;
 use crate::replicas::{Replica, never_started};
 
 /// Grace beyond the worker's own deadline before the orchestrator gives up on it.
@@ -132,15 +133,13 @@ pub async fn execute(
         wire_request.set_timeout(overall);
         // The worker's spans join the call's trace (W3C trace context in metadata).
         airlock_telemetry::propagate::inject_metadata(trace, wire_request.metadata_mut());
-        let mut client = replica.client();
         // Not raced against `cancel`: once the request is out the worker may be running
         // the call (a detached one even if this side goes away), so a cancel is dealt
         // with on the stream the worker answers with, below. Starting is quick (the
         // worker answers before the tool runs) and bounded by the deadline.
-        let started = client.execute(wire_request).await;
+        let started = replica.execute(wire_request).await;
         let failure = match started {
-            Ok(response) => {
-                let mut stream = response.into_inner();
+            Ok(mut stream) => {
                 let deadline = tokio::time::Instant::now() + overall;
                 let consumed = tokio::select! {
                     _ = cancel.cancelled() => {
@@ -210,7 +209,7 @@ async fn stop(
     group: &crate::catalog::WorkerGroup,
     replica: &Replica,
     request: &pb::ExecuteRequest,
-    stream: &mut tonic::Streaming<pb::ExecuteEvent>,
+    stream: &mut ExecuteStream,
     events: Option<&mpsc::Sender<WorkerEvent>>,
     deadline: tokio::time::Instant,
 ) -> Result<Dispatched, DispatchError> {
@@ -293,14 +292,14 @@ const STREAM_END_BOUND: Duration = Duration::from_secs(1);
 /// connection to the worker was closed with `ENHANCE_YOUR_CALM` and every call on it
 /// failed. A worker that keeps the stream open past the bound is cut off as before; the
 /// result stands either way.
-async fn read_to_end(stream: &mut tonic::Streaming<pb::ExecuteEvent>) {
-    if let Ok(Err(status)) = tokio::time::timeout(STREAM_END_BOUND, stream.trailers()).await {
+async fn read_to_end(stream: &mut ExecuteStream) {
+    if let Ok(Err(status)) = tokio::time::timeout(STREAM_END_BOUND, stream.finish()).await {
         tracing::debug!(%status, "the worker's stream ended with an error after the call's result");
     }
 }
 
 async fn consume(
-    stream: &mut tonic::Streaming<pb::ExecuteEvent>,
+    stream: &mut ExecuteStream,
     events: Option<&mpsc::Sender<WorkerEvent>>,
 ) -> Result<ToolOutcome, tonic::Status> {
     use pb::execute_event::Event;

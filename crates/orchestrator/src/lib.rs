@@ -19,6 +19,7 @@ pub mod config;
 mod connections;
 mod dispatch;
 mod endpoints;
+mod execute_stream;
 mod gate;
 mod grpc_api;
 pub mod harness;

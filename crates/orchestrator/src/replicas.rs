@@ -102,6 +102,15 @@ impl Replica {
         HealthClient::with_origin(self.channel.clone(), Uri::from_static(ORIGIN))
     }
 
+    /// Starts `request` on the replica: its stream of events, decoded without tonic's
+    /// copy of each message (crate::execute_stream).
+    pub async fn execute(
+        &self,
+        request: tonic::Request<airlock_proto::v1::ExecuteRequest>,
+    ) -> Result<crate::execute_stream::ExecuteStream, tonic::Status> {
+        crate::execute_stream::open(self.channel.clone(), request, MAX_MESSAGE_BYTES).await
+    }
+
     pub fn client(&self) -> ToolWorkerClient<WorkerChannel> {
         ToolWorkerClient::with_origin(self.channel.clone(), Uri::from_static(ORIGIN))
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
