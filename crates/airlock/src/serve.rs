@@ -496,7 +496,7 @@ fn tls_dirs(loaded: &Loaded) -> Vec<PathBuf> {
 fn serve_worker(
     loaded: &Loaded,
     listener: BoundListener,
-    tools: ToolSet,
+    (tools, heap): (ToolSet, Heap),
     metrics: Option<MetricsListener>,
 ) -> anyhow::Result<ExitCode> {
     let registry = airlock_metrics::registry();
@@ -504,9 +504,29 @@ fn serve_worker(
         &one_thread_runtime()?,
         loaded,
         listener,
-        tools,
+        (tools, heap),
         (registry, metrics),
     )
+}
+
+/// How a worker's heap holds its large buffers (crates/sandbox/src/heap.rs).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Heap {
+    /// glibc's own way. The shell worker's: its pre-built sandboxes are forked from
+    /// it, and each page it kept and then wrote again would be copied for them; the
+    /// http worker's: its async threads allocate on several arenas at once.
+    Default,
+    /// Warm between calls, given back once the worker is idle: the fs and db workers,
+    /// whose answers are large and whose async side is one thread.
+    Warm,
+}
+
+/// Keeps this worker's large buffers warm between calls; before any thread allocates.
+fn warm_heap(component: &str) -> anyhow::Result<Heap> {
+    airlock_sandbox::heap::keep_large_buffers().with_context(|| {
+        format!("the {component} cannot set how its allocator keeps large buffers")
+    })?;
+    Ok(Heap::Warm)
 }
 
 /// Serves a worker's tools, and its metrics when it has a metrics listener. The
@@ -515,11 +535,14 @@ fn serve_on(
     runtime: &tokio::runtime::Runtime,
     loaded: &Loaded,
     listener: BoundListener,
-    tools: ToolSet,
+    (tools, heap): (ToolSet, Heap),
     (mut registry, metrics): (airlock_metrics::Registry, Option<MetricsListener>),
 ) -> anyhow::Result<ExitCode> {
     let counted = WorkerMetrics::register(&mut registry);
-    let server = WorkerServer::new(tools, worker_settings(loaded)).with_metrics(counted);
+    let mut server = WorkerServer::new(tools, worker_settings(loaded)).with_metrics(counted);
+    if heap == Heap::Warm {
+        server = server.with_idle_release(airlock_sandbox::heap::give_back_free_memory);
+    }
     runtime.block_on(traced(async {
         if let Some(metrics) = metrics {
             let registry = Arc::new(registry);
@@ -539,6 +562,7 @@ fn ensure_dir(path: &PathBuf) -> anyhow::Result<()> {
 }
 
 fn fs_worker(loaded: &Loaded, listen: Listen) -> anyhow::Result<ExitCode> {
+    let heap = warm_heap("fs worker")?;
     let mut fs = loaded.fs();
     ensure_dir(&fs.workspaces_root)?;
     fs.volumes = workspace_volumes(loaded, "fs worker")?;
@@ -558,7 +582,7 @@ fn fs_worker(loaded: &Loaded, listen: Listen) -> anyhow::Result<ExitCode> {
     serve_worker(
         loaded,
         listener,
-        airlock_worker_fs::tools(fs),
+        (airlock_worker_fs::tools(fs), heap),
         listen.metrics,
     )
 }
@@ -609,7 +633,7 @@ fn shell_worker(loaded: &Loaded, listen: Listen) -> anyhow::Result<ExitCode> {
         &runtime,
         loaded,
         listener,
-        tools,
+        (tools, Heap::Default),
         (registry, listen.metrics),
     )
 }
@@ -659,12 +683,13 @@ fn http_worker(loaded: &Loaded, listen: Listen) -> anyhow::Result<ExitCode> {
         &runtime,
         loaded,
         listener,
-        tools,
+        (tools, Heap::Default),
         (airlock_metrics::registry(), listen.metrics),
     )
 }
 
 fn db_worker(loaded: &Loaded, listen: Listen) -> anyhow::Result<ExitCode> {
+    let heap = warm_heap("db worker")?;
     let databases = loaded.databases();
     if loaded.config.databases.is_empty() {
         crate::demo::ensure_demo_database(&loaded.demo_database_path())?;
@@ -693,7 +718,7 @@ fn db_worker(loaded: &Loaded, listen: Listen) -> anyhow::Result<ExitCode> {
             allow_namespaces: false,
         },
     )?;
-    serve_worker(loaded, listener, tools, listen.metrics)
+    serve_worker(loaded, listener, (tools, heap), listen.metrics)
 }
 
 fn worker_settings(loaded: &Loaded) -> WorkerSettings {

@@ -1,5 +1,6 @@
-//! How the orchestrator uses the C allocator: a large buffer is its own mapping,
-//! unmapped when it is freed.
+//! How Airlock's processes use the C allocator. The orchestrator keeps no large buffer
+//! in its heaps; the workers that answer with large results keep theirs warm while they
+//! work and give them back once idle.
 //!
 //! glibc's `malloc` serves a request of at least its mmap threshold (128 KiB to start
 //! with) from a mapping of its own, and raises the threshold to the size of each such
@@ -16,29 +17,83 @@
 //! anonymous memory 12 to 21 MiB lower after 30 000 calls, the soak's throughput 5 to 8 %
 //! lower (docs/decisions.md, "Large buffers are mapped, not kept in the heap").
 
-/// One `thiserror` enum per module: the allocator refused the setting.
+/// One `thiserror` enum per module: the allocator refused a setting.
 #[derive(Debug, thiserror::Error)]
 pub enum HeapError {
     #[error(
-        "the C allocator refused an mmap threshold of {MMAP_THRESHOLD_BYTES} bytes (mallopt(M_MMAP_THRESHOLD)); is this binary linked against glibc?"
+        "the C allocator refused {parameter} = {bytes} bytes (mallopt); is this binary linked against glibc?"
     )]
-    Refused,
+    Refused {
+        parameter: &'static str,
+        bytes: libc::c_int,
+    },
 }
 
-/// The size from which a buffer is a mapping of its own: glibc's initial threshold,
-/// kept fixed.
+/// The size from which an orchestrator's buffer is a mapping of its own: glibc's
+/// initial threshold, kept fixed.
 const MMAP_THRESHOLD_BYTES: libc::c_int = 128 * 1024;
 
 /// Fixes the allocator's mmap threshold at 128 KiB (`MMAP_THRESHOLD_BYTES`), for the whole
 /// process. Call it at start, before threads allocate.
 pub fn map_large_buffers() -> Result<(), HeapError> {
+    set(
+        "M_MMAP_THRESHOLD",
+        libc::M_MMAP_THRESHOLD,
+        MMAP_THRESHOLD_BYTES,
+    )
+}
+
+/// The size from which a worker's buffer is a mapping of its own (rare: results are
+/// capped below it by default; gRPC's limit is 32 MiB).
+const WARM_MMAP_THRESHOLD_BYTES: libc::c_int = 8 << 20;
+/// How much free memory each of a worker's heaps may keep at its top between calls.
+const WARM_TRIM_THRESHOLD_BYTES: libc::c_int = 8 << 20;
+
+/// Keeps a worker's large buffers in its heaps, warm, between calls.
+///
+/// A worker's large buffers live for one call: a 1 MiB result's text, and tonic's
+/// buffer that encodes it. Left to glibc, each was a fresh mapping or a fresh stretch
+/// of heap given back when freed (its trim threshold follows the largest buffer
+/// freed), so every 1 MiB read took about 480 page faults in the fs worker, and the
+/// kernel's fault and unmap paths a fifth of its CPU. With buffers under 8 MiB served
+/// from the heaps, and up to 8 MiB of free memory kept at each heap's top, the next
+/// call reuses the pages the last one used. What is kept is given back once the worker
+/// is idle ([`give_back_free_memory`], which the worker server calls), so an idle
+/// worker holds what it held before its first call. One arena for every thread
+/// (`M_ARENA_MAX` = 1): `malloc_trim` shrinks only the main arena's top, and a heap
+/// per thread would each keep up to 8 MiB. The workers this is for run their async side
+/// on one thread and do their work in system calls, so the one arena's lock is seldom
+/// contended. Call it at start, before threads allocate.
+pub fn keep_large_buffers() -> Result<(), HeapError> {
+    set("M_ARENA_MAX", libc::M_ARENA_MAX, 1)?;
+    set(
+        "M_MMAP_THRESHOLD",
+        libc::M_MMAP_THRESHOLD,
+        WARM_MMAP_THRESHOLD_BYTES,
+    )?;
+    set(
+        "M_TRIM_THRESHOLD",
+        libc::M_TRIM_THRESHOLD,
+        WARM_TRIM_THRESHOLD_BYTES,
+    )
+}
+
+/// Gives the free memory of every heap back to the kernel (`malloc_trim(0)`): the top
+/// of each heap, and the free pages inside it. It walks every arena under its lock,
+/// so it runs off the async threads and only when the process is idle.
+pub fn give_back_free_memory() {
+    // SAFETY: `malloc_trim` works on glibc's own arenas under their locks; it frees
+    // only memory the allocator holds as free and touches no memory of ours.
+    unsafe { libc::malloc_trim(0) };
+}
+
+fn set(parameter: &'static str, option: libc::c_int, bytes: libc::c_int) -> Result<(), HeapError> {
     // SAFETY: `mallopt` only changes a parameter of glibc's allocator, under the
     // allocator's own lock; it touches no memory of ours and takes plain integers.
-    let set = unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) };
-    if set == 1 {
+    if unsafe { libc::mallopt(option, bytes) } == 1 {
         Ok(())
     } else {
-        Err(HeapError::Refused)
+        Err(HeapError::Refused { parameter, bytes })
     }
 }
 

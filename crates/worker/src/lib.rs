@@ -10,6 +10,7 @@ mod context;
 pub mod declared;
 mod endpoint;
 mod health;
+mod idle;
 pub mod mcp;
 mod metrics;
 mod server;

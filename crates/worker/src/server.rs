@@ -183,6 +183,8 @@ pub struct WorkerServer {
     tools: ToolSet,
     settings: WorkerSettings,
     metrics: Arc<WorkerMetrics>,
+    /// Run once the worker has gone idle (see `crate::idle`).
+    release_when_idle: Option<fn()>,
 }
 
 impl WorkerServer {
@@ -191,7 +193,16 @@ impl WorkerServer {
             tools,
             settings,
             metrics: Arc::default(),
+            release_when_idle: None,
         }
+    }
+
+    /// Runs `release` each time the worker has started no call for a while and has
+    /// none in flight: a worker that keeps its large buffers warm between calls gives
+    /// them back there (`airlock_sandbox::heap::give_back_free_memory`).
+    pub fn with_idle_release(mut self, release: fn()) -> Self {
+        self.release_when_idle = Some(release);
+        self
     }
 
     /// Counts calls in `metrics` (registered where the worker's `/metrics` serves them).
@@ -232,6 +243,7 @@ impl WorkerServer {
         let draining = CancellationToken::new();
         let all_calls = CancellationToken::new();
         let in_flight = TaskTracker::new();
+        let activity = crate::idle::Activity::default();
         let service = WorkerService {
             tools: self.tools,
             settings: self.settings.clone(),
@@ -241,6 +253,7 @@ impl WorkerServer {
             ledger: Ledger::default(),
             running: Running::default(),
             metrics: self.metrics,
+            activity: activity.clone(),
         };
         let router = tonic::transport::Server::builder()
             .add_service(crate::health::DrainingHealth::server(
@@ -256,6 +269,14 @@ impl WorkerServer {
             );
 
         let stop_serving = CancellationToken::new();
+        if let Some(release) = self.release_when_idle {
+            tokio::spawn(crate::idle::release_when_idle(
+                activity,
+                in_flight.clone(),
+                release,
+                stop_serving.clone(),
+            ));
+        }
         let grace = self.settings.drain_grace;
         let drain = {
             let (draining, stop_serving) = (draining.clone(), stop_serving.clone());
@@ -360,6 +381,7 @@ struct WorkerService {
     ledger: Ledger,
     running: Running,
     metrics: Arc<WorkerMetrics>,
+    activity: crate::idle::Activity,
 }
 
 impl WorkerService {
@@ -399,6 +421,7 @@ impl ToolWorker for WorkerService {
         &self,
         request: Request<pb::ExecuteRequest>,
     ) -> Result<Response<Self::ExecuteStream>, Status> {
+        self.activity.call_started();
         let grpc_timeout = request
             .metadata()
             .get("grpc-timeout")
