@@ -6,9 +6,13 @@ Starts `airlock up` on a fresh data dir for each binary given (taking turns, ROU
 rounds), then makes SEGMENTS x PER sequential `read_file` calls of a SIZE-byte file in one
 session, and prints the orchestrator's CPU time (user + system, from /proc) and the wall
 time per call for each stretch of PER calls. A per-call cost that grows from stretch to
-stretch grows with the session. Every answer is checked.
+stretch grows with the session. Every answer is checked. For the orchestrator and the
+fs worker it also prints their minor page faults and CPU per call over all the calls,
+and the fs worker's anonymous memory (smaps_rollup) before its first call, right after
+the last and IDLE seconds later.
 
-Environment: SIZE (bytes, default 1 MiB), SEGMENTS (4), PER (100), ROUNDS (2).
+Environment: SIZE (bytes, default 1 MiB), SEGMENTS (4), PER (100), ROUNDS (2), IDLE (6),
+LINES (unset: random letters, spaces and line ends; set: lines of 63 letters and a line end).
 Needs only Python's standard library; run it as the user `airlock up` runs as.
 """
 
@@ -41,17 +45,36 @@ tools = []
 """
 
 
+def stat_fields(pid):
+    return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+
+
 def cpu_seconds(pid):
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    fields = stat_fields(pid)
     return (int(fields[11]) + int(fields[12])) / TICK
 
 
-def orchestrator_pid(launcher):
+def minor_faults(pid):
+    return int(stat_fields(pid)[7])
+
+
+def anonymous_mib(pid):
+    for line in open(f"/proc/{pid}/smaps_rollup"):
+        if line.startswith("Anonymous:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no Anonymous line in /proc/{pid}/smaps_rollup")
+
+
+def component_pid(launcher, *words):
     for child in open(f"/proc/{launcher}/task/{launcher}/children").read().split():
         cmdline = open(f"/proc/{child}/cmdline", "rb").read().split(b"\0")
-        if b"orchestrator" in cmdline:
+        if all(word in cmdline for word in words):
             return int(child)
-    raise RuntimeError("no orchestrator under the launcher")
+    raise RuntimeError(f"no {b' '.join(words)!r} under the launcher")
+
+
+def orchestrator_pid(launcher):
+    return component_pid(launcher, b"orchestrator")
 
 
 def run(binary, size, segments, per):
@@ -76,6 +99,8 @@ def run(binary, size, segments, per):
         host, port = listed["http"].rsplit("//", 1)[-1].rsplit(":", 1)
         token = open(listed.get("token_file", os.path.join(data, "token"))).read().strip()
         conn = http.client.HTTPConnection(host, int(port))
+        fs_worker = component_pid(launcher.pid, b"worker", b"fs")
+        fs_before = anonymous_mib(fs_worker)
 
         def call(path):
             body = json.dumps(
@@ -101,9 +126,14 @@ def run(binary, size, segments, per):
 
         call("missing.txt")  # makes the session's workspace
         random.seed(1)
-        text = "".join(random.choice(string.ascii_letters + " \n") for _ in range(size))
+        if os.environ.get("LINES"):
+            text = (("x" * 63 + "\n") * (size // 64 + 1))[:size]
+        else:
+            text = "".join(random.choice(string.ascii_letters + " \n") for _ in range(size))
         open(os.path.join(data, "workspaces", "local", "long", "f.txt"), "w").write(text)
         orchestrator = orchestrator_pid(launcher.pid)
+        watched = {"orchestrator": orchestrator, "fs worker": fs_worker}
+        start = {name: (minor_faults(pid), cpu_seconds(pid)) for name, pid in watched.items()}
         stretches = []
         for _ in range(segments):
             cpu0, wall0 = cpu_seconds(orchestrator), time.time()
@@ -115,7 +145,18 @@ def run(binary, size, segments, per):
             stretches.append(
                 ((cpu_seconds(orchestrator) - cpu0) / per * 1e3, (time.time() - wall0) / per * 1e3)
             )
-        return stretches
+        calls = segments * per
+        costs = {
+            name: (
+                (minor_faults(pid) - start[name][0]) / calls,
+                (cpu_seconds(pid) - start[name][1]) / calls * 1e3,
+            )
+            for name, pid in watched.items()
+        }
+        fs_after = anonymous_mib(fs_worker)
+        time.sleep(float(os.environ.get("IDLE", 6)))
+        memory = (fs_before, fs_after, anonymous_mib(fs_worker))
+        return stretches, costs, memory
     finally:
         launcher.send_signal(signal.SIGINT)
         launcher.wait(timeout=60)
@@ -131,12 +172,22 @@ def main():
     per = int(os.environ.get("PER", 100))
     for round_ in range(int(os.environ.get("ROUNDS", 2))):
         for binary in binaries:
-            stretches = run(os.path.abspath(binary), size, segments, per)
+            stretches, costs, memory = run(os.path.abspath(binary), size, segments, per)
             cells = " | ".join(
                 f"calls {i * per + 1}-{(i + 1) * per}: CPU {cpu:.2f} ms, wall {wall:.2f} ms"
                 for i, (cpu, wall) in enumerate(stretches)
             )
             print(f"{binary} (round {round_ + 1}): {cells}", flush=True)
+            per_call = ", ".join(
+                f"{name} {faults:.1f} faults and {cpu:.2f} ms CPU a call"
+                for name, (faults, cpu) in costs.items()
+            )
+            before, after, idle = memory
+            print(
+                f"  {per_call}; fs worker anonymous memory {before:.1f} MiB before the first "
+                f"call, {after:.1f} after the last, {idle:.1f} once idle",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":
