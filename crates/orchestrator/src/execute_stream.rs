@@ -623,35 +623,26 @@ mod tests {
         assert_eq!(status.code(), Code::NotFound);
         assert_eq!(status.message(), "no tool named x");
 
-        let Err(status) = open(channel.clone(), request("trailers-only"), 1 << 20).await else {
-            panic!("a trailers-only refusal opened a stream");
-        };
+        let status = refused_at_open(&channel, "trailers-only").await;
         assert_eq!(status.code(), Code::Unavailable);
         assert_eq!(status.message(), "draining");
 
-        let mut opened = open(channel.clone(), request("http-503"), 1 << 20)
-            .await
-            .unwrap();
-        let status = all(&mut opened).await.unwrap_err();
+        let status = ended_with(&channel, "http-503").await;
         assert_eq!(status.code(), Code::Unavailable);
         assert!(status.message().contains("503"), "{status}");
 
-        let mut opened = open(channel.clone(), request("cut-short"), 1 << 20)
-            .await
-            .unwrap();
-        let status = all(&mut opened).await.unwrap_err();
+        let status = ended_with(&channel, "cut-short").await;
         assert_eq!(status.code(), Code::Internal);
         assert!(status.message().contains("EOF"), "{status}");
 
-        let mut opened = open(channel.clone(), request("compressed"), 1 << 20)
-            .await
-            .unwrap();
-        assert_eq!(all(&mut opened).await.unwrap_err().code(), Code::Internal);
-
-        let Err(status) = open(channel.clone(), request("gzip"), 1 << 20).await else {
-            panic!("a compressed answer was taken");
-        };
-        assert_eq!(status.code(), Code::Unimplemented);
+        assert_eq!(
+            ended_with(&channel, "compressed").await.code(),
+            Code::Internal
+        );
+        assert_eq!(
+            refused_at_open(&channel, "gzip").await.code(),
+            Code::Unimplemented
+        );
 
         let mut opened = open(channel, request("ok"), 1 << 20).await.unwrap();
         assert_eq!(opened.message().await.unwrap(), Some(progress(1.0)));
@@ -660,6 +651,20 @@ mod tests {
             .unwrap()
             .unwrap();
         assert_eq!(opened.message().await.unwrap(), None);
+    }
+
+    /// The status `case`'s answer is refused with before a stream is opened.
+    async fn refused_at_open(channel: &WorkerChannel, case: &str) -> Status {
+        match open(channel.clone(), request(case), 1 << 20).await {
+            Ok(_) => panic!("{case}: a stream was opened"),
+            Err(status) => status,
+        }
+    }
+
+    /// The status `case`'s stream ends with, once opened and read to its end.
+    async fn ended_with(channel: &WorkerChannel, case: &str) -> Status {
+        let mut opened = open(channel.clone(), request(case), 1 << 20).await.unwrap();
+        all(&mut opened).await.unwrap_err()
     }
 
     /// A request larger than the limit is refused before anything is sent.
